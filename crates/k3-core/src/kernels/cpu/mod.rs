@@ -1,0 +1,13 @@
+//! CPU kernels on plain slices. Activations are f32 `[rows, cols]` row-major; weights are
+//! [`Matrix`](matmul::Matrix) views of checkpoint bytes (F32, BF16, F16 or MXFP4) used in place.
+//!
+//! - `matmul`: `y = x Wᵀ` for every weight format (GEMM via `gemm` for many rows, a
+//!   bandwidth-bound GEMV for few), multithreaded with `rayon`.
+//! - `mxfp4`: the e2m1 + E8M0 decode (around-backbone §2.2).
+//! - `norm`: RMSNorm, LayerNorm, L2 norm.
+//! - `act`: sigmoid, SiLU, SiTU-GLU (text-backbone §7.4), softmax.
+
+pub mod act;
+pub mod matmul;
+pub mod mxfp4;
+pub mod norm;

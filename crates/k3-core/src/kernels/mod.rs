@@ -1,0 +1,4 @@
+//! Kernels: `cpu` (always built; the oracle every other backend is checked against) and
+//! `cuda` (feature `cuda`). A file stem names the same op family in every backend.
+
+pub mod cpu;

@@ -1,0 +1,22 @@
+//! k3-core: the small tensor layer k3rs stands on.
+//!
+//! - [`DType`], [`Shape`] helpers, [`Device`] (`Cpu` or `Cuda(ordinal)`), [`Tensor`] (a typed,
+//!   shaped view of bytes that live in a memory map, an owned buffer, or — with the `cuda`
+//!   feature — device memory).
+//! - [`kernels::cpu`]: the CPU kernels on plain `&[f32]` slices (`gemm` + `rayon`), one file
+//!   per op family; the model crate calls them by the same names as its layers.
+//! - [`kernels::cuda`] (feature `cuda`): the CUDA path, loaded at run time (cudarc).
+//!
+//! Imports point one way: this crate knows nothing of Kimi K3's config or checkpoint names.
+
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod kernels;
+pub mod npy;
+pub mod tensor;
+
+pub use device::Device;
+pub use dtype::DType;
+pub use error::{CoreError, Result};
+pub use tensor::{Storage, Tensor};

@@ -1,0 +1,183 @@
+//! `Tensor`: a dtype, a shape and bytes. Weights are views into a memory-mapped checkpoint
+//! (no copy at load; pages are read when a kernel touches them); small computed tensors own
+//! their bytes. Activations inside the CPU model are plain `Vec<f32>` with shape comments —
+//! this type is for weights and for data crossing crate boundaries.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+
+use crate::{CoreError, DType, Device, Result};
+
+/// Where the bytes of a CPU tensor live.
+#[derive(Clone)]
+pub enum Storage {
+    /// `len` bytes starting at `start` inside a shared memory map.
+    Mapped { map: Arc<Mmap>, start: usize, len: usize },
+    /// Bytes owned by the tensor (kept 8-byte aligned so any dtype can be viewed in place).
+    Owned(Arc<Vec<u64>>, usize),
+}
+
+#[derive(Clone)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({}, {:?})", self.dtype, self.shape)
+    }
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl Tensor {
+    /// A view of `len` bytes at `start` of a memory map. Checks that the byte count matches.
+    pub fn mapped(dtype: DType, shape: Vec<usize>, map: Arc<Mmap>, start: usize, len: usize) -> Result<Self> {
+        let want = numel(&shape) * dtype.size_in_bytes();
+        if want != len || start + len > map.len() {
+            return Err(CoreError::Shape {
+                op: "Tensor::mapped",
+                detail: format!("{dtype} {shape:?} needs {want} bytes, the file holds {len} at offset {start}"),
+            });
+        }
+        Ok(Tensor { dtype, shape, storage: Storage::Mapped { map, start, len } })
+    }
+
+    /// A tensor owning a copy of `bytes`.
+    pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<Self> {
+        let want = numel(&shape) * dtype.size_in_bytes();
+        if want != bytes.len() {
+            return Err(CoreError::Shape {
+                op: "Tensor::from_bytes",
+                detail: format!("{dtype} {shape:?} needs {want} bytes, got {}", bytes.len()),
+            });
+        }
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        Ok(Tensor { dtype, shape, storage: Storage::Owned(Arc::new(words), bytes.len()) })
+    }
+
+    pub fn from_f32(shape: Vec<usize>, data: &[f32]) -> Result<Self> {
+        Self::from_bytes(DType::F32, shape, bytemuck::cast_slice(data))
+    }
+
+    pub fn from_bf16(shape: Vec<usize>, data: &[bf16]) -> Result<Self> {
+        Self::from_bytes(DType::BF16, shape, bytemuck::cast_slice(data))
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+    pub fn device(&self) -> Device {
+        Device::Cpu
+    }
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+    /// True when the bytes are a view into a memory map (not copied).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.storage, Storage::Mapped { .. })
+    }
+
+    /// The raw bytes, wherever they live.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Mapped { map, start, len } => &map[*start..*start + *len],
+            Storage::Owned(words, len) => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
+        }
+    }
+
+    /// Same bytes, another shape with the same element count.
+    pub fn reshape(&self, shape: Vec<usize>) -> Result<Self> {
+        if numel(&shape) != self.numel() {
+            return Err(CoreError::Shape {
+                op: "reshape",
+                detail: format!("{:?} -> {shape:?} changes the element count", self.shape),
+            });
+        }
+        Ok(Tensor { dtype: self.dtype, shape, storage: self.storage.clone() })
+    }
+
+    /// The elements `[0, n)` (in element units) as a new view: used to take the first
+    /// `num_heads` entries of a zero-padded `A_log`.
+    pub fn narrow_flat(&self, n: usize) -> Result<Self> {
+        if n > self.numel() {
+            return Err(CoreError::Shape { op: "narrow_flat", detail: format!("{n} > {}", self.numel()) });
+        }
+        let len = n * self.dtype.size_in_bytes();
+        let storage = match &self.storage {
+            Storage::Mapped { map, start, .. } => Storage::Mapped { map: map.clone(), start: *start, len },
+            Storage::Owned(w, _) => Storage::Owned(w.clone(), len),
+        };
+        Ok(Tensor { dtype: self.dtype, shape: vec![n], storage })
+    }
+
+    fn typed<T: bytemuck::Pod>(&self, want: DType, op: &'static str) -> Result<Cow<'_, [T]>> {
+        if self.dtype != want {
+            return Err(CoreError::DType { op, dtype: self.dtype.to_string() });
+        }
+        let b = self.bytes();
+        Ok(match bytemuck::try_cast_slice::<u8, T>(b) {
+            Ok(s) => Cow::Borrowed(s),
+            // Unaligned inside the file: copy (only small tensors end up here in practice).
+            Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec::<u8, T>(b)),
+        })
+    }
+
+    /// The elements as f32 (F32 viewed in place when aligned; BF16/F16 converted).
+    pub fn to_f32(&self) -> Result<Cow<'_, [f32]>> {
+        match self.dtype {
+            DType::F32 => self.typed::<f32>(DType::F32, "to_f32"),
+            DType::BF16 => Ok(Cow::Owned(self.typed::<bf16>(DType::BF16, "to_f32")?.iter().map(|v| v.to_f32()).collect())),
+            DType::F16 => Ok(Cow::Owned(self.typed::<f16>(DType::F16, "to_f32")?.iter().map(|v| v.to_f32()).collect())),
+            d => Err(CoreError::DType { op: "to_f32", dtype: d.to_string() }),
+        }
+    }
+    pub fn as_f32(&self) -> Result<Cow<'_, [f32]>> {
+        self.typed::<f32>(DType::F32, "as_f32")
+    }
+    pub fn as_bf16(&self) -> Result<Cow<'_, [bf16]>> {
+        self.typed::<bf16>(DType::BF16, "as_bf16")
+    }
+    pub fn as_f16(&self) -> Result<Cow<'_, [f16]>> {
+        self.typed::<f16>(DType::F16, "as_f16")
+    }
+    pub fn as_u8(&self) -> Result<&[u8]> {
+        if self.dtype != DType::U8 {
+            return Err(CoreError::DType { op: "as_u8", dtype: self.dtype.to_string() });
+        }
+        Ok(self.bytes())
+    }
+    pub fn as_i64(&self) -> Result<Cow<'_, [i64]>> {
+        self.typed::<i64>(DType::I64, "as_i64")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn roundtrip_and_views() {
+        let t = Tensor::from_f32(vec![2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap();
+        assert_eq!(t.shape(), &[2, 3]);
+        assert_eq!(&*t.as_f32().unwrap(), &[1., 2., 3., 4., 5., 6.]);
+        assert_eq!(&*t.narrow_flat(2).unwrap().to_f32().unwrap(), &[1., 2.]);
+        assert!(t.reshape(vec![4]).is_err());
+        assert!(t.as_bf16().is_err());
+        let b = Tensor::from_bf16(vec![2], &[bf16::from_f32(1.5), bf16::from_f32(-2.0)]).unwrap();
+        assert_eq!(&*b.to_f32().unwrap(), &[1.5, -2.0]);
+    }
+}
