@@ -5,9 +5,11 @@
 //!   bandwidth-bound GEMV for few), multithreaded with `rayon`.
 //! - `mxfp4`: the e2m1 + E8M0 decode (around-backbone §2.2).
 //! - `norm`: RMSNorm, LayerNorm, L2 norm.
+//! - `kda`: the KDA delta-rule core, recurrent and chunkwise (text-backbone §3.4–3.5).
 //! - `act`: sigmoid, SiLU, SiTU-GLU (text-backbone §7.4), softmax.
 
 pub mod act;
+pub mod kda;
 pub mod matmul;
 pub mod mxfp4;
 pub mod norm;

@@ -1,0 +1,2 @@
+//! One module per `k3` subcommand.
+pub mod logits;

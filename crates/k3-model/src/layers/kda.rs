@@ -1,0 +1,156 @@
+//! The KDA token mixer (text-backbone §3): projections, causal short conv + SiLU, L2 norms,
+//! q scaling, β = σ(b), the lower-bounded decay gate, the delta-rule core
+//! (`k3_core::kernels::cpu::kda`, chunked for prefill, recurrent for decode), per-head output
+//! RMSNorm × σ(g_proj x), `o_proj`.
+//!
+//! Shapes: `x` `[T, H]`; `D = num_heads · head_dim`; q/k/v/g `[T, D]` = `[T, nh, hd]`;
+//! state: conv tails `[K−1, D]` for q, k, v (raw pre-conv inputs) and `S` `[nh, hd, hd]`.
+
+use k3_core::kernels::cpu::act::{sigmoid, silu};
+use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
+use k3_core::kernels::cpu::matmul::Matrix;
+use k3_core::kernels::cpu::norm::{l2_norm_inplace, rms_norm_inplace};
+
+use super::{lin, matrix, vector};
+use crate::checkpoint::Checkpoint;
+use crate::config::Config;
+use crate::error::Result;
+
+/// Per-sequence KDA state of one layer.
+#[derive(Clone, Debug)]
+pub struct KdaState {
+    /// Last `K−1` raw projected inputs of q, k, v: `[3][K−1, D]`.
+    pub conv: [Vec<f32>; 3],
+    /// Recurrent state `[nh, hd, hd]`, f32.
+    pub s: Vec<f32>,
+}
+
+impl KdaState {
+    pub fn new(cfg: &Config) -> Self {
+        let la = &cfg.text.linear_attn_config;
+        let d = cfg.kda_dim();
+        let tail = (la.short_conv_kernel_size - 1) * d;
+        KdaState { conv: [vec![0.0; tail], vec![0.0; tail], vec![0.0; tail]], s: vec![0.0; la.num_heads * la.head_dim * la.head_dim] }
+    }
+    pub fn bytes(&self) -> usize {
+        4 * (self.s.len() + self.conv.iter().map(Vec::len).sum::<usize>())
+    }
+}
+
+/// Which form of the core to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaMode {
+    /// Chunked for T > 1, recurrent for T = 1 (what engines do).
+    Auto,
+    Recurrent,
+    Chunked,
+}
+
+pub struct Kda {
+    pub q_proj: Matrix,
+    pub k_proj: Matrix,
+    pub v_proj: Matrix,
+    /// Conv weights `[3][D, K]` (q, k, v); `w[c, K−1]` multiplies the current token.
+    pub conv1d: [Vec<f32>; 3],
+    pub b_proj: Matrix,
+    pub f_a_proj: Matrix,
+    pub f_b_proj: Matrix,
+    /// `exp(A_log[h])`, precomputed.
+    pub a_exp: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    pub g_proj: Matrix,
+    pub o_norm: Vec<f32>,
+    pub o_proj: Matrix,
+    nh: usize,
+    hd: usize,
+    kernel: usize,
+    lower_bound: f32,
+    eps: f32,
+}
+
+impl Kda {
+    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize) -> Result<Self> {
+        let la = &cfg.text.linear_attn_config;
+        let (h, nh, hd, kernel) = (cfg.text.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size);
+        let d = nh * hd;
+        let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
+        let conv = |x: &str| vector(ck, &format!("{p}{x}_conv1d.weight"), d * kernel);
+        Ok(Kda {
+            q_proj: matrix(ck, &format!("{p}q_proj.weight"), d, h)?,
+            k_proj: matrix(ck, &format!("{p}k_proj.weight"), d, h)?,
+            v_proj: matrix(ck, &format!("{p}v_proj.weight"), d, h)?,
+            conv1d: [conv("q")?, conv("k")?, conv("v")?],
+            b_proj: matrix(ck, &format!("{p}b_proj.weight"), nh, h)?,
+            f_a_proj: matrix(ck, &format!("{p}f_a_proj.weight"), hd, h)?,
+            f_b_proj: matrix(ck, &format!("{p}f_b_proj.weight"), d, hd)?,
+            a_exp: ck.a_log(&format!("{p}A_log"), nh)?.iter().map(|a| a.exp()).collect(),
+            dt_bias: vector(ck, &format!("{p}dt_bias"), d)?,
+            g_proj: matrix(ck, &format!("{p}g_proj.weight"), d, h)?,
+            o_norm: vector(ck, &format!("{p}o_norm.weight"), hd)?,
+            o_proj: matrix(ck, &format!("{p}o_proj.weight"), h, d)?,
+            nh,
+            hd,
+            kernel,
+            lower_bound: la.gate_lower_bound.unwrap_or(-5.0),
+            eps: cfg.text.rms_norm_eps,
+        })
+    }
+
+    /// `x` `[T, H]` → `[T, H]`, advancing `state` by T tokens.
+    pub fn forward(&self, x: &[f32], t: usize, state: &mut KdaState, mode: KdaMode) -> Result<Vec<f32>> {
+        let (nh, hd) = (self.nh, self.hd);
+        let d = nh * hd;
+        let mut q = lin(x, t, &self.q_proj)?; // [T, D]
+        let mut k = lin(x, t, &self.k_proj)?;
+        let mut v = lin(x, t, &self.v_proj)?;
+        for (i, buf) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
+            short_conv(buf, t, d, &self.conv1d[i], self.kernel, &mut state.conv[i]);
+        }
+        l2_norm_inplace(&mut q, hd, 1e-6); // [T, nh, hd]
+        l2_norm_inplace(&mut k, hd, 1e-6);
+        let scale = (hd as f32).powf(-0.5);
+        q.iter_mut().for_each(|x| *x *= scale);
+        let beta: Vec<f32> = lin(x, t, &self.b_proj)?.into_iter().map(sigmoid).collect(); // [T, nh]
+        let mut g = lin(&lin(x, t, &self.f_a_proj)?, t, &self.f_b_proj)?; // [T, D]
+        for (i, gv) in g.iter_mut().enumerate() {
+            let c = i % d;
+            *gv = self.lower_bound * sigmoid(self.a_exp[c / hd] * (*gv + self.dt_bias[c]));
+        }
+        let mut o = vec![0f32; t * d]; // [T, nh, hd]
+        let dims = KdaDims { t, h: nh, dk: hd, dv: hd };
+        let chunked = match mode {
+            KdaMode::Auto => t > 1,
+            KdaMode::Chunked => true,
+            KdaMode::Recurrent => false,
+        };
+        if chunked {
+            kda_chunked(&q, &k, &v, &g, &beta, &mut state.s, &mut o, dims);
+        } else {
+            kda_recurrent(&q, &k, &v, &g, &beta, &mut state.s, &mut o, dims);
+        }
+        rms_norm_inplace(&mut o, &self.o_norm, self.eps);
+        let gate = lin(x, t, &self.g_proj)?; // [T, D]
+        o.iter_mut().zip(&gate).for_each(|(a, &b)| *a *= sigmoid(b));
+        lin(&o, t, &self.o_proj)
+    }
+}
+
+/// Causal depthwise conv (kernel K) + SiLU in place over `buf` `[T, D]`, using and updating the
+/// `[K−1, D]` tail of raw inputs from earlier tokens.
+pub fn short_conv(buf: &mut [f32], t: usize, d: usize, w: &[f32], kernel: usize, tail: &mut [f32]) {
+    let km1 = kernel - 1;
+    // [K−1 + T, D]: earlier raw inputs then this call's.
+    let mut xs = Vec::with_capacity((km1 + t) * d);
+    xs.extend_from_slice(tail);
+    xs.extend_from_slice(buf);
+    for r in 0..t {
+        for c in 0..d {
+            let mut acc = 0f32;
+            for j in 0..kernel {
+                acc += w[c * kernel + j] * xs[(r + j) * d + c];
+            }
+            buf[r * d + c] = silu(acc);
+        }
+    }
+    tail.copy_from_slice(&xs[t * d..]);
+}

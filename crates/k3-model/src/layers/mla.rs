@@ -1,0 +1,214 @@
+//! Gated NoPE MLA (text-backbone §4) and, with an [`Indexer`], K3.1's gated DSA (§5.7):
+//! the same attention restricted to the indexer's selected positions.
+//!
+//! `c_q = RMSNorm(W_qa x; 1e-6)`, `q = W_qb c_q` `[T, nh, dn+dr]`; `ckv = W_kva x`,
+//! latent `c_kv = RMSNorm(ckv[:r]; 1e-6)` `[r]` and raw `k_pe = ckv[r:]` `[dr]` are the cache row
+//! (`r + dr` values per token). Scores `(q_nope·k_nope + q_pe·k_pe)·(dn+dr)^-½`, softmax f32,
+//! `out = Σ p v` `[T, nh, dv]`, `out ⊙ σ(W_g x)`, `W_o`. Two forms of the attention core:
+//! **explicit** (expand `k_nope`, `v` with `kv_b_proj` for every cached row) and **absorbed**
+//! (fold `W_uk` into q and `W_uv` after the sum, attend in the `r + dr` latent space).
+
+use k3_core::kernels::cpu::act::{sigmoid, softmax_inplace};
+use k3_core::kernels::cpu::matmul::{dot, Matrix};
+use k3_core::kernels::cpu::norm::rms_norm_inplace;
+use rayon::prelude::*;
+
+use super::dsa::{index_scores, select_topk, Indexer};
+use super::{lin, matrix, vector};
+use crate::checkpoint::Checkpoint;
+use crate::config::Config;
+use crate::error::Result;
+
+/// Per-sequence cache of one MLA/DSA layer.
+#[derive(Clone, Debug, Default)]
+pub struct MlaCache {
+    /// `[n, r + dr]`: normed latent then raw `k_pe`, per cached token.
+    pub latent: Vec<f32>,
+    /// `[n, id]` indexer keys (DSA layers only).
+    pub index_keys: Vec<f32>,
+}
+
+impl MlaCache {
+    pub fn bytes(&self) -> usize {
+        4 * (self.latent.len() + self.index_keys.len())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlaForm {
+    /// Explicit for a prefill into an empty cache, absorbed otherwise (what engines do).
+    Auto,
+    Explicit,
+    Absorbed,
+}
+
+pub struct Mla {
+    pub q_a_proj: Matrix,
+    pub q_a_layernorm: Vec<f32>,
+    pub q_b_proj: Matrix,
+    pub kv_a_proj_with_mqa: Matrix,
+    pub kv_a_layernorm: Vec<f32>,
+    pub kv_b_proj: Matrix,
+    pub g_proj: Matrix,
+    pub o_proj: Matrix,
+    pub indexer: Option<Indexer>,
+    nh: usize,
+    dn: usize,
+    dr: usize,
+    dv: usize,
+    r: usize,
+}
+
+/// MLA q/kv latent norm eps: Moonshot's code uses the class default 1e-6 (§4 DISAGREEMENT note).
+const LATENT_EPS: f32 = 1e-6;
+
+impl Mla {
+    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize, dsa: bool) -> Result<Self> {
+        let t = &cfg.text;
+        let (h, nh, dn, dr, dv, r) = (t.hidden_size, t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
+        let ql = t.q_lora_rank.unwrap_or(0);
+        let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
+        let indexer = match (&t.dsa_config, dsa) {
+            (Some(d), true) => Some(Indexer::load(ck, &p, d, h, ql, t.rms_norm_eps)?),
+            _ => None,
+        };
+        Ok(Mla {
+            q_a_proj: matrix(ck, &format!("{p}q_a_proj.weight"), ql, h)?,
+            q_a_layernorm: vector(ck, &format!("{p}q_a_layernorm.weight"), ql)?,
+            q_b_proj: matrix(ck, &format!("{p}q_b_proj.weight"), nh * (dn + dr), ql)?,
+            kv_a_proj_with_mqa: matrix(ck, &format!("{p}kv_a_proj_with_mqa.weight"), r + dr, h)?,
+            kv_a_layernorm: vector(ck, &format!("{p}kv_a_layernorm.weight"), r)?,
+            kv_b_proj: matrix(ck, &format!("{p}kv_b_proj.weight"), nh * (dn + dv), r)?,
+            g_proj: matrix(ck, &format!("{p}g_proj.weight"), nh * dv, h)?,
+            o_proj: matrix(ck, &format!("{p}o_proj.weight"), h, nh * dv)?,
+            indexer,
+            nh,
+            dn,
+            dr,
+            dv,
+            r,
+        })
+    }
+
+    /// `x` `[T, H]` → `[T, H]`; appends T rows to `cache` first, then attends causally.
+    pub fn forward(&self, x: &[f32], t: usize, cache: &mut MlaCache, form: MlaForm) -> Result<Vec<f32>> {
+        let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
+        let w = r + dr;
+        let past = cache.latent.len() / w;
+        let mut c_q = lin(x, t, &self.q_a_proj)?; // [T, q_lora]
+        rms_norm_inplace(&mut c_q, &self.q_a_layernorm, LATENT_EPS);
+        let q = lin(&c_q, t, &self.q_b_proj)?; // [T, nh, dn+dr]
+        let mut ckv = lin(x, t, &self.kv_a_proj_with_mqa)?; // [T, r+dr]
+        for row in ckv.chunks_exact_mut(w) {
+            rms_norm_inplace(&mut row[..r], &self.kv_a_layernorm, LATENT_EPS);
+        }
+        cache.latent.extend_from_slice(&ckv);
+        let n = past + t;
+        // Key set per new token: None = all of 0..=pos (dense / short-context DSA).
+        let sel: Vec<Option<Vec<u32>>> = match &self.indexer {
+            None => vec![None; t],
+            Some(ix) => {
+                let io = ix.project(x, &c_q, t)?;
+                cache.index_keys.extend_from_slice(&io.k);
+                let (ih, id) = (ix.heads, ix.head_dim);
+                (0..t)
+                    .into_par_iter()
+                    .map(|i| {
+                        let pos = past + i;
+                        (pos + 1 > ix.topk).then(|| {
+                            let s = index_scores(&io.q[i * ih * id..(i + 1) * ih * id], &io.a[i * ih..(i + 1) * ih], &cache.index_keys[..(pos + 1) * id], id);
+                            select_topk(&s, ix.topk)
+                        })
+                    })
+                    .collect()
+            }
+        };
+        let explicit = match form {
+            MlaForm::Auto => past == 0,
+            MlaForm::Explicit => true,
+            MlaForm::Absorbed => false,
+        };
+        let scale = ((dn + dr) as f32).powf(-0.5);
+        let lat = &cache.latent;
+        let keys = |i: usize| -> Vec<u32> { sel[i].clone().unwrap_or_else(|| (0..=(past + i) as u32).collect()) };
+        // Per head: out_h [T, dv].
+        let heads: Vec<Vec<f32>> = if explicit {
+            let ckv_all: Vec<f32> = lat.chunks_exact(w).flat_map(|row| row[..r].iter().copied()).collect(); // [n, r]
+            let kv = lin(&ckv_all, n, &self.kv_b_proj)?; // [n, nh, dn+dv]
+            (0..nh)
+                .into_par_iter()
+                .map(|h| {
+                    let mut out = vec![0f32; t * dv];
+                    for i in 0..t {
+                        let qh = &q[(i * nh + h) * (dn + dr)..][..dn + dr];
+                        let ks = keys(i);
+                        let mut p: Vec<f32> = ks
+                            .iter()
+                            .map(|&s| {
+                                let s = s as usize;
+                                let kn = &kv[(s * nh + h) * (dn + dv)..][..dn];
+                                (dot(&qh[..dn], kn) + dot(&qh[dn..], &lat[s * w + r..(s + 1) * w])) * scale
+                            })
+                            .collect();
+                        softmax_inplace(&mut p);
+                        let o = &mut out[i * dv..(i + 1) * dv];
+                        for (&s, &ps) in ks.iter().zip(&p) {
+                            let vv = &kv[(s as usize * nh + h) * (dn + dv) + dn..][..dv];
+                            o.iter_mut().zip(vv).for_each(|(a, &b)| *a += ps * b);
+                        }
+                    }
+                    out
+                })
+                .collect()
+        } else {
+            (0..nh)
+                .into_par_iter()
+                .map(|h| {
+                    // This head's kv_b rows: W_uk [dn, r] then W_uv [dv, r].
+                    let mut wkv = vec![0f32; (dn + dv) * r];
+                    self.kv_b_proj.decode_rows(h * (dn + dv), dn + dv, &mut wkv);
+                    let (w_uk, w_uv) = wkv.split_at(dn * r);
+                    let mut out = vec![0f32; t * dv];
+                    let mut q_lat = vec![0f32; r];
+                    let mut o_lat = vec![0f32; r];
+                    for i in 0..t {
+                        let qh = &q[(i * nh + h) * (dn + dr)..][..dn + dr];
+                        // q_lat = W_ukᵀ q_nope  [r]
+                        q_lat.iter_mut().for_each(|v| *v = 0.0);
+                        for (j, &qj) in qh[..dn].iter().enumerate() {
+                            q_lat.iter_mut().zip(&w_uk[j * r..(j + 1) * r]).for_each(|(a, &b)| *a += qj * b);
+                        }
+                        let ks = keys(i);
+                        let mut p: Vec<f32> = ks
+                            .iter()
+                            .map(|&s| {
+                                let row = &lat[s as usize * w..(s as usize + 1) * w];
+                                (dot(&q_lat, &row[..r]) + dot(&qh[dn..], &row[r..])) * scale
+                            })
+                            .collect();
+                        softmax_inplace(&mut p);
+                        o_lat.iter_mut().for_each(|v| *v = 0.0);
+                        for (&s, &ps) in ks.iter().zip(&p) {
+                            o_lat.iter_mut().zip(&lat[s as usize * w..s as usize * w + r]).for_each(|(a, &b)| *a += ps * b);
+                        }
+                        for (j, o) in out[i * dv..(i + 1) * dv].iter_mut().enumerate() {
+                            *o = dot(&w_uv[j * r..(j + 1) * r], &o_lat);
+                        }
+                    }
+                    out
+                })
+                .collect()
+        };
+        let gate = lin(x, t, &self.g_proj)?; // [T, nh·dv]
+        let mut o = vec![0f32; t * nh * dv];
+        for (h, oh) in heads.iter().enumerate() {
+            for i in 0..t {
+                for j in 0..dv {
+                    let idx = (i * nh + h) * dv + j;
+                    o[idx] = oh[i * dv + j] * sigmoid(gate[idx]);
+                }
+            }
+        }
+        lin(&o, t, &self.o_proj)
+    }
+}

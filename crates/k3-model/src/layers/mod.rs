@@ -1,0 +1,43 @@
+//! The layers of the K3 text backbone, one file each, named as in the spec:
+//! `attn_res` (§6), `kda` (§3), `mla` (§4), `dsa` (§5, the indexer and selection used by
+//! `mla`), `moe` (§7.1–7.5), `ffn` (the SiTU-GLU MLP: §7.5–7.6).
+//!
+//! Activations are f32 `[T, ·]` row-major `Vec<f32>`; weights are `Matrix` views of the
+//! checkpoint, used in place.
+
+pub mod attn_res;
+pub mod dsa;
+pub mod ffn;
+pub mod kda;
+pub mod mla;
+pub mod moe;
+
+use k3_core::kernels::cpu::matmul::{linear, Matrix};
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{ModelError, Result};
+
+/// `y[T, out] = x[T, in] · Wᵀ`.
+pub(crate) fn lin(x: &[f32], t: usize, w: &Matrix) -> Result<Vec<f32>> {
+    let mut y = vec![0f32; t * w.rows()];
+    linear(x, t, w, &mut y)?;
+    Ok(y)
+}
+
+/// A dense weight matrix from the checkpoint, checked to be `[rows, cols]`.
+pub(crate) fn matrix(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+    let t = ck.tensor(name)?;
+    if t.shape() != [rows, cols] {
+        return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
+    }
+    Matrix::dense(t).map_err(|e| ModelError::Tensor { name: name.into(), msg: e.to_string() })
+}
+
+/// A small float vector (norm weights, biases) as f32, checked to have `n` elements.
+pub(crate) fn vector(ck: &Checkpoint, name: &str, n: usize) -> Result<Vec<f32>> {
+    let t = ck.tensor(name)?;
+    if t.numel() != n {
+        return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected {n} elements", t.shape()) });
+    }
+    Ok(t.to_f32().map_err(|e| ModelError::Tensor { name: name.into(), msg: e.to_string() })?.into_owned())
+}

@@ -1,0 +1,156 @@
+//! Stable LatentMoE (text-backbone §7.2–7.5).
+//!
+//! Router: `s = σ(W_gate x)` in f32, top-k on `s + e_score_correction_bias` (bias only for the
+//! choice), weights `s[sel] / Σ s[sel]`. Routed path in the latent space: `z = W_down x`
+//! `[T, lat]`; each expert runs only on the tokens routed to it (tokens grouped by expert):
+//! `y = w2 · SiTU-GLU(w1 z, w3 z)`; `r = Σ w_i y_i`, `r · routed_scaling_factor` (once),
+//! `RMSNorm_lat(r)`, `W_up r` `[T, H]`. Plus the shared experts on the full-width `x`.
+//! Expert weights are F32/BF16 or MXFP4, multiplied in place.
+
+use k3_core::kernels::cpu::act::{sigmoid, situ_glu_slice};
+use k3_core::kernels::cpu::matmul::Matrix;
+use k3_core::kernels::cpu::norm::rms_norm_inplace;
+use rayon::prelude::*;
+
+use super::ffn::Mlp;
+use super::{lin, matrix, vector};
+use crate::checkpoint::Checkpoint;
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+
+pub struct Expert {
+    pub w1: Matrix,
+    pub w3: Matrix,
+    pub w2: Matrix,
+}
+
+pub struct Moe {
+    pub gate: Matrix,
+    pub e_score_correction_bias: Vec<f32>,
+    pub routed_expert_down_proj: Matrix,
+    pub routed_expert_norm: Option<Vec<f32>>,
+    pub routed_expert_up_proj: Matrix,
+    pub shared_experts: Option<Mlp>,
+    pub experts: Vec<Expert>,
+    top_k: usize,
+    renormalize: bool,
+    scaling: f32,
+    eps: f32,
+    beta: f32,
+    linear_beta: f32,
+}
+
+/// One token's routing: expert ids and their weights.
+pub type Route = Vec<(usize, f32)>;
+
+fn expert_matrix(ck: &Checkpoint, p: &str, rows: usize, cols: usize, mxfp4: bool) -> Result<Matrix> {
+    if mxfp4 {
+        let (pn, sn) = (format!("{p}weight_packed"), format!("{p}weight_scale"));
+        Matrix::mxfp4(ck.tensor(&pn)?, ck.tensor(&sn)?).map_err(|e| ModelError::Tensor { name: pn, msg: e.to_string() })
+    } else {
+        matrix(ck, &format!("{p}weight"), rows, cols)
+    }
+}
+
+impl Moe {
+    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize) -> Result<Self> {
+        let t = &cfg.text;
+        let (h, e, lat, fi) = (t.hidden_size, t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
+        let p = format!("{}block_sparse_moe.", crate::weights::layer_prefix(l));
+        let mx = cfg.experts_mxfp4();
+        let experts = (0..e)
+            .map(|ex| {
+                let q = format!("{p}experts.{ex}.");
+                Ok(Expert {
+                    w1: expert_matrix(ck, &format!("{q}w1."), fi, lat, mx)?,
+                    w3: expert_matrix(ck, &format!("{q}w3."), fi, lat, mx)?,
+                    w2: expert_matrix(ck, &format!("{q}w2."), lat, fi, mx)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let shared = (t.num_shared_experts > 0)
+            .then(|| Mlp::load(ck, &format!("{p}shared_experts."), h, fi * t.num_shared_experts, t.activation_situ_beta, t.activation_situ_linear_beta))
+            .transpose()?;
+        Ok(Moe {
+            gate: matrix(ck, &format!("{p}gate.weight"), e, h)?,
+            e_score_correction_bias: vector(ck, &format!("{p}gate.e_score_correction_bias"), e)?,
+            routed_expert_down_proj: matrix(ck, &format!("{p}routed_expert_down_proj.weight"), lat, h)?,
+            routed_expert_norm: t.latent_moe_use_norm.then(|| vector(ck, &format!("{p}routed_expert_norm.weight"), lat)).transpose()?,
+            routed_expert_up_proj: matrix(ck, &format!("{p}routed_expert_up_proj.weight"), h, lat)?,
+            shared_experts: shared,
+            experts,
+            top_k: t.num_experts_per_token,
+            renormalize: t.moe_renormalize,
+            scaling: t.routed_scaling_factor,
+            eps: t.rms_norm_eps,
+            beta: t.activation_situ_beta,
+            linear_beta: t.activation_situ_linear_beta,
+        })
+    }
+
+    /// Router: per token, the top-k experts by biased score, weighted by renormalised raw scores.
+    pub fn route(&self, x: &[f32], t: usize) -> Result<Vec<Route>> {
+        let logits = lin(x, t, &self.gate)?; // [T, E] f32
+        let e = self.experts.len();
+        Ok(logits
+            .chunks_exact(e)
+            .map(|row| {
+                let s: Vec<f32> = row.iter().map(|&v| sigmoid(v)).collect();
+                let mut idx: Vec<usize> = (0..e).collect();
+                let key = |i: usize| s[i] + self.e_score_correction_bias[i];
+                // Descending by biased score; ties to the lower expert id.
+                idx.sort_by(|&a, &b| key(b).partial_cmp(&key(a)).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+                idx.truncate(self.top_k);
+                let sum: f32 = idx.iter().map(|&i| s[i]).sum();
+                idx.into_iter().map(|i| (i, if self.renormalize { s[i] / sum } else { s[i] })).collect()
+            })
+            .collect())
+    }
+
+    /// One expert on `n` latent rows `z` `[n, lat]` → `[n, lat]`.
+    pub fn expert_forward(&self, ex: &Expert, z: &[f32], n: usize) -> Result<Vec<f32>> {
+        let g = lin(z, n, &ex.w1)?; // [n, fi]
+        let u = lin(z, n, &ex.w3)?;
+        let mut a = vec![0f32; g.len()];
+        situ_glu_slice(&g, &u, &mut a, self.beta, self.linear_beta);
+        lin(&a, n, &ex.w2)
+    }
+
+    /// `x` `[T, H]` → `[T, H]`.
+    pub fn forward(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
+        let routes = self.route(x, t)?;
+        let z = lin(x, t, &self.routed_expert_down_proj)?; // [T, lat]
+        let lat = self.routed_expert_down_proj.rows();
+        // Group tokens by expert: for each expert the (token, weight) pairs routed to it.
+        let mut groups: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
+        for (tok, r) in routes.iter().enumerate() {
+            for &(e, w) in r {
+                groups[e].push((tok, w));
+            }
+        }
+        let outs: Vec<(usize, Vec<f32>)> = groups
+            .par_iter()
+            .enumerate()
+            .filter(|(_, g)| !g.is_empty())
+            .map(|(e, g)| {
+                let zin: Vec<f32> = g.iter().flat_map(|&(tok, _)| z[tok * lat..(tok + 1) * lat].iter().copied()).collect(); // [n_e, lat]
+                self.expert_forward(&self.experts[e], &zin, g.len()).map(|y| (e, y))
+            })
+            .collect::<Result<_>>()?;
+        let mut r = vec![0f32; t * lat];
+        for (e, y) in outs {
+            for (j, &(tok, w)) in groups[e].iter().enumerate() {
+                r[tok * lat..(tok + 1) * lat].iter_mut().zip(&y[j * lat..(j + 1) * lat]).for_each(|(a, &b)| *a += w * b);
+            }
+        }
+        r.iter_mut().for_each(|v| *v *= self.scaling);
+        if let Some(nw) = &self.routed_expert_norm {
+            rms_norm_inplace(&mut r, nw, self.eps);
+        }
+        let mut out = lin(&r, t, &self.routed_expert_up_proj)?;
+        if let Some(sh) = &self.shared_experts {
+            out.iter_mut().zip(sh.forward(x, t)?).for_each(|(a, b)| *a += b);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,18 @@
+//! k3-model: the Kimi K3 / K3.1 Pro text model on top of k3-core.
+//!
+//! - [`config`]: `config.json` mirror → validated [`Config`].
+//! - [`weights`]: the table of every checkpoint tensor (name, shape, kind, component).
+//! - [`checkpoint`]: memory-mapped safetensors (single file or index + shards), checked
+//!   against the table.
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod weights;
+
+pub use checkpoint::Checkpoint;
+pub use config::Config;
+pub use error::{ModelError, Result};
+pub mod layers;
+pub mod model;
+
+pub use model::{ForwardOpts, Model, SeqState};

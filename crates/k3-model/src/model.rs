@@ -1,0 +1,240 @@
+//! The Kimi K3 / K3.1 Pro text model on the CPU: embedding → 93 (or `num_hidden_layers`)
+//! decoder layers joined by Block Attention Residuals → output mix → final RMSNorm → untied
+//! `lm_head` (text-backbone §2, §6.2, §8). One forward serves full prefill, chunked prefill
+//! and decode: it consumes `T` new tokens of one sequence and advances its [`SeqState`].
+//!
+//! Shapes: tokens `[T]`; stream rows `[T, H]`; logits `[T, vocab]` (or `[1, vocab]` when only the
+//! last position is asked for).
+
+use k3_core::kernels::cpu::matmul::Matrix;
+use k3_core::kernels::cpu::norm::rms_norm_inplace;
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{Config, Ffn as FfnKind, LayerSpec, Mixer as MixerKind};
+use crate::error::{ModelError, Result};
+use crate::layers::attn_res::AttnRes;
+use crate::layers::ffn::Mlp;
+use crate::layers::kda::{Kda, KdaMode, KdaState};
+use crate::layers::mla::{Mla, MlaCache, MlaForm};
+use crate::layers::moe::Moe;
+use crate::layers::{lin, matrix, vector};
+use crate::weights::{layer_prefix, LM_HEAD, TEXT};
+
+pub enum Mixer {
+    Kda(Kda),
+    Mla(Mla),
+}
+
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+pub struct Layer {
+    pub spec: LayerSpec,
+    pub self_attention_res: AttnRes,
+    pub input_layernorm: Vec<f32>,
+    pub mixer: Mixer,
+    pub mlp_res: AttnRes,
+    pub post_attention_layernorm: Vec<f32>,
+    pub ffn: Ffn,
+}
+
+/// Per-layer state of one sequence.
+#[derive(Clone, Debug)]
+pub enum LayerState {
+    Kda(KdaState),
+    Mla(MlaCache),
+}
+
+/// Everything one sequence carries between forward calls.
+#[derive(Clone, Debug)]
+pub struct SeqState {
+    pub layers: Vec<LayerState>,
+    /// Tokens consumed so far.
+    pub pos: usize,
+}
+
+impl SeqState {
+    pub fn new(cfg: &Config) -> Self {
+        let layers = cfg
+            .layers
+            .iter()
+            .map(|l| match l.mixer {
+                MixerKind::Kda => LayerState::Kda(KdaState::new(cfg)),
+                _ => LayerState::Mla(MlaCache::default()),
+            })
+            .collect();
+        SeqState { layers, pos: 0 }
+    }
+    /// Bytes held by the caches and states.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| match l { LayerState::Kda(s) => s.bytes(), LayerState::Mla(c) => c.bytes() }).sum()
+    }
+}
+
+/// How to run one forward call.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardOpts {
+    pub kda: KdaMode,
+    pub mla: MlaForm,
+    /// Compute logits only for the last position.
+    pub last_only: bool,
+}
+
+impl Default for ForwardOpts {
+    fn default() -> Self {
+        ForwardOpts { kda: KdaMode::Auto, mla: MlaForm::Auto, last_only: false }
+    }
+}
+
+/// Receives named intermediates (`blk.3.attn_in`, ...) as `[T, width]` f32 rows.
+pub type Trace<'a> = Option<&'a mut dyn FnMut(&str, &[f32], usize)>;
+
+pub struct Model {
+    pub config: Config,
+    pub embed_tokens: Matrix,
+    pub layers: Vec<Layer>,
+    pub output_attn_res: AttnRes,
+    pub norm: Vec<f32>,
+    pub lm_head: Matrix,
+}
+
+impl Model {
+    /// Builds the model from an opened checkpoint (checked against the tensor table first).
+    pub fn load(ck: &Checkpoint) -> Result<Model> {
+        ck.check()?;
+        let cfg = ck.config.clone();
+        let t = &cfg.text;
+        let (h, v, eps) = (t.hidden_size, t.vocab_size, t.rms_norm_eps);
+        let layers = cfg
+            .layers
+            .iter()
+            .map(|spec| {
+                let l = spec.index;
+                let p = layer_prefix(l);
+                Ok(Layer {
+                    spec: *spec,
+                    self_attention_res: AttnRes::load(ck, &format!("{p}self_attention_res"), h, eps)?,
+                    input_layernorm: vector(ck, &format!("{p}input_layernorm.weight"), h)?,
+                    mixer: match spec.mixer {
+                        MixerKind::Kda => Mixer::Kda(Kda::load(ck, &cfg, l)?),
+                        MixerKind::Mla => Mixer::Mla(Mla::load(ck, &cfg, l, false)?),
+                        MixerKind::Dsa => Mixer::Mla(Mla::load(ck, &cfg, l, true)?),
+                    },
+                    mlp_res: AttnRes::load(ck, &format!("{p}mlp_res"), h, eps)?,
+                    post_attention_layernorm: vector(ck, &format!("{p}post_attention_layernorm.weight"), h)?,
+                    ffn: match spec.ffn {
+                        FfnKind::Dense => Ffn::Dense(Mlp::load(ck, &format!("{p}mlp."), h, t.intermediate_size, t.activation_situ_beta, t.activation_situ_linear_beta)?),
+                        FfnKind::Moe => Ffn::Moe(Moe::load(ck, &cfg, l)?),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Model {
+            embed_tokens: matrix(ck, &format!("{TEXT}embed_tokens.weight"), v, h)?,
+            output_attn_res: AttnRes::load(ck, &format!("{TEXT}output_attn_res"), h, eps)?,
+            norm: vector(ck, &format!("{TEXT}norm.weight"), h)?,
+            lm_head: matrix(ck, LM_HEAD, v, h)?,
+            layers,
+            config: cfg,
+        })
+    }
+
+    pub fn new_state(&self) -> SeqState {
+        SeqState::new(&self.config)
+    }
+
+    /// Embedding rows for `tokens` `[T]` → `[T, H]`; ids out of range are an input error.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let (v, h) = (self.config.text.vocab_size, self.config.text.hidden_size);
+        let mut x = vec![0f32; tokens.len() * h];
+        for (i, &tok) in tokens.iter().enumerate() {
+            if tok as usize >= v {
+                return Err(ModelError::Input(format!("token id {tok} at position {i} is outside the vocabulary (vocab_size {v})")));
+            }
+            self.embed_tokens.decode_rows(tok as usize, 1, &mut x[i * h..(i + 1) * h]);
+        }
+        Ok(x)
+    }
+
+    /// Runs `tokens` through the model, advancing `state`; returns logits `[T, vocab]`
+    /// (`[1, vocab]` with `opts.last_only`).
+    pub fn forward(&self, tokens: &[u32], state: &mut SeqState, opts: ForwardOpts, mut trace: Trace<'_>) -> Result<Vec<f32>> {
+        let t = tokens.len();
+        if t == 0 {
+            return Err(ModelError::Input("no tokens to run".into()));
+        }
+        let max = self.config.max_context();
+        if state.pos + t > max {
+            return Err(ModelError::Input(format!("{} tokens exceed the context limit of {max} (max_position_embeddings)", state.pos + t)));
+        }
+        let h = self.config.text.hidden_size;
+        let eps = self.config.text.rms_norm_eps;
+        let b = self.config.text.attn_res_block_size;
+        let mut emit = |name: &str, x: &[f32]| {
+            if let Some(f) = trace.as_mut() {
+                f(name, x, t);
+            }
+        };
+        let emb = self.embed(tokens)?; // [T, H]
+        emit("embed", &emb);
+        // Block AttnRes bookkeeping (§6.2): completed blocks and the running partial sum P.
+        let mut blocks: Vec<Vec<f32>> = Vec::new();
+        let mut p = emb;
+        let mut d: Option<Vec<f32>> = None;
+        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
+            let l = layer.spec.index;
+            if let Some(dd) = d.take() {
+                p.iter_mut().zip(&dd).for_each(|(a, b)| *a += b);
+            }
+            if l % b == 0 {
+                blocks.push(p.clone());
+            }
+            let nb = l.div_ceil(b);
+            let mut srcs: Vec<&[f32]> = blocks[..nb].iter().map(Vec::as_slice).collect();
+            srcs.push(&p);
+            let mut hx = layer.self_attention_res.mix(&srcs, t);
+            emit(&format!("blk.{l}.attn_res"), &hx);
+            rms_norm_inplace(&mut hx, &layer.input_layernorm, eps);
+            emit(&format!("blk.{l}.attn_in"), &hx);
+            let a = match (&layer.mixer, st) {
+                (Mixer::Kda(m), LayerState::Kda(s)) => m.forward(&hx, t, s, opts.kda)?,
+                (Mixer::Mla(m), LayerState::Mla(c)) => m.forward(&hx, t, c, opts.mla)?,
+                _ => return Err(ModelError::Input(format!("sequence state does not match layer {l}: it was made for another model"))),
+            };
+            emit(&format!("blk.{l}.{}.out", if matches!(layer.mixer, Mixer::Kda(_)) { "kda" } else { "mla" }), &a);
+            if l % b == 0 {
+                p = a;
+            } else {
+                p.iter_mut().zip(&a).for_each(|(x, y)| *x += y);
+            }
+            let nb2 = nb + usize::from(l % b == 0);
+            let mut srcs: Vec<&[f32]> = blocks[..nb2].iter().map(Vec::as_slice).collect();
+            srcs.push(&p);
+            let mut hf = layer.mlp_res.mix(&srcs, t);
+            rms_norm_inplace(&mut hf, &layer.post_attention_layernorm, eps);
+            emit(&format!("blk.{l}.ffn_in"), &hf);
+            let out = match &layer.ffn {
+                Ffn::Dense(m) => m.forward(&hf, t)?,
+                Ffn::Moe(m) => m.forward(&hf, t)?,
+            };
+            emit(&format!("blk.{l}.ffn.out"), &out);
+            d = Some(out);
+        }
+        if let Some(dd) = d.take() {
+            p.iter_mut().zip(&dd).for_each(|(a, b)| *a += b);
+        }
+        let mut srcs: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
+        srcs.push(&p);
+        let mut hout = self.output_attn_res.mix(&srcs, t);
+        rms_norm_inplace(&mut hout, &self.norm, eps);
+        emit("output_norm", &hout);
+        state.pos += t;
+        if opts.last_only {
+            lin(&hout[(t - 1) * h..], 1, &self.lm_head)
+        } else {
+            lin(&hout, t, &self.lm_head)
+        }
+    }
+}

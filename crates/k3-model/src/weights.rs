@@ -1,0 +1,227 @@
+//! Where every tensor comes from: the one table of checkpoint names, shapes and kinds.
+//!
+//! text-backbone §3 (KDA), §4 (MLA), §5.2 (DSA indexer), §6 (AttnRes), §7 (MoE, dense FFN),
+//! §8 (embedding, norm, lm_head); around-backbone §1.3–§1.5 (prefixes, vision tensors) and §2
+//! (MXFP4 experts). The loader checks a checkpoint against [`tensor_table`], `k3 init` writes
+//! exactly this table, and `k3 inspect` counts parameters from it — so a name lives in one place.
+
+use serde::Serialize;
+
+use crate::config::{Config, Ffn, Mixer};
+
+/// Prefix of every text-backbone tensor.
+pub const TEXT: &str = "language_model.model.";
+/// The untied head.
+pub const LM_HEAD: &str = "language_model.lm_head.weight";
+
+/// Which part of the model a tensor belongs to (for parameter accounting).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Component {
+    Embedding,
+    Kda,
+    Mla,
+    DsaIndexer,
+    AttnRes,
+    LayerNorms,
+    DenseFfn,
+    MoeRouter,
+    MoeLatent,
+    SharedExperts,
+    RoutedExperts,
+    FinalNorm,
+    LmHead,
+    VisionTower,
+    MmProjector,
+}
+
+/// What the stored bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// A float tensor: F32, BF16 or F16 are all accepted.
+    Float,
+    /// Kept F32 in the release (conv weights, `A_log`, `dt_bias`, `o_norm`, router bias).
+    Float32,
+    /// MXFP4 `weight_packed` (U8 `[out, in/2]`).
+    Mxfp4Packed,
+    /// MXFP4 `weight_scale` (U8 `[out, in/32]`).
+    Mxfp4Scale,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: Kind,
+    pub component: Component,
+    /// Layer index (0-based) for per-layer tensors.
+    pub layer: Option<usize>,
+    /// Routed expert id, for expert tensors.
+    pub expert: Option<usize>,
+}
+
+impl TensorSpec {
+    /// Logical parameter count (an MXFP4 `weight_packed` counts 2 per byte, scales count 0).
+    pub fn params(&self) -> u64 {
+        let n: u64 = self.shape.iter().map(|&d| d as u64).product();
+        match self.kind {
+            Kind::Mxfp4Packed => 2 * n,
+            Kind::Mxfp4Scale => 0,
+            _ => n,
+        }
+    }
+}
+
+struct Table<'a> {
+    out: &'a mut Vec<TensorSpec>,
+    layer: Option<usize>,
+    expert: Option<usize>,
+}
+
+impl Table<'_> {
+    fn add(&mut self, name: String, shape: &[usize], kind: Kind, component: Component) {
+        self.out.push(TensorSpec { name, shape: shape.to_vec(), kind, component, layer: self.layer, expert: self.expert });
+    }
+}
+
+/// Name prefix of layer `l`'s tensors.
+pub fn layer_prefix(l: usize) -> String {
+    format!("{TEXT}layers.{l}.")
+}
+
+/// Every tensor of the text backbone (and the vision tower when configured), in a stable order.
+pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
+    let t = &cfg.text;
+    let (h, v) = (t.hidden_size, t.vocab_size);
+    let mut out = Vec::new();
+    let mut tb = Table { out: &mut out, layer: None, expert: None };
+    use Component as C;
+    use Kind::*;
+    tb.add(format!("{TEXT}embed_tokens.weight"), &[v, h], Float, C::Embedding);
+    for spec in &cfg.layers {
+        let l = spec.index;
+        let p = layer_prefix(l);
+        tb.layer = Some(l);
+        let a = format!("{p}self_attn.");
+        match spec.mixer {
+            Mixer::Kda => {
+                let la = &t.linear_attn_config;
+                let (nh, hd, k) = (la.num_heads, la.head_dim, la.short_conv_kernel_size);
+                let d = nh * hd;
+                for x in ["q", "k", "v"] {
+                    tb.add(format!("{a}{x}_proj.weight"), &[d, h], Float, C::Kda);
+                    tb.add(format!("{a}{x}_conv1d.weight"), &[d, 1, k], Float32, C::Kda);
+                }
+                tb.add(format!("{a}b_proj.weight"), &[nh, h], Float, C::Kda);
+                tb.add(format!("{a}f_a_proj.weight"), &[hd, h], Float, C::Kda);
+                tb.add(format!("{a}f_b_proj.weight"), &[d, hd], Float, C::Kda);
+                tb.add(format!("{a}A_log"), &[nh], Float32, C::Kda);
+                tb.add(format!("{a}dt_bias"), &[d], Float32, C::Kda);
+                tb.add(format!("{a}g_proj.weight"), &[d, h], Float, C::Kda);
+                tb.add(format!("{a}o_norm.weight"), &[hd], Float32, C::Kda);
+                tb.add(format!("{a}o_proj.weight"), &[h, d], Float, C::Kda);
+            }
+            Mixer::Mla | Mixer::Dsa => {
+                let (nh, dn, dr, dv, r) = (t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
+                let q = t.q_lora_rank.unwrap_or(0);
+                tb.add(format!("{a}q_a_proj.weight"), &[q, h], Float, C::Mla);
+                tb.add(format!("{a}q_a_layernorm.weight"), &[q], Float, C::Mla);
+                tb.add(format!("{a}q_b_proj.weight"), &[nh * (dn + dr), q], Float, C::Mla);
+                tb.add(format!("{a}kv_a_proj_with_mqa.weight"), &[r + dr, h], Float, C::Mla);
+                tb.add(format!("{a}kv_a_layernorm.weight"), &[r], Float, C::Mla);
+                tb.add(format!("{a}kv_b_proj.weight"), &[nh * (dn + dv), r], Float, C::Mla);
+                tb.add(format!("{a}g_proj.weight"), &[nh * dv, h], Float, C::Mla);
+                tb.add(format!("{a}o_proj.weight"), &[h, nh * dv], Float, C::Mla);
+                if spec.mixer == Mixer::Dsa {
+                    if let Some(d) = &t.dsa_config {
+                        let (ih, id) = (d.index_num_heads, d.index_head_dim);
+                        tb.add(format!("{a}indexer.wq_b.weight"), &[ih * id, q], Float, C::DsaIndexer);
+                        tb.add(format!("{a}indexer.wk.weight"), &[id, h], Float, C::DsaIndexer);
+                        tb.add(format!("{a}indexer.k_norm.weight"), &[id], Float, C::DsaIndexer);
+                        tb.add(format!("{a}indexer.k_norm.bias"), &[id], Float, C::DsaIndexer);
+                        tb.add(format!("{a}indexer.weights_proj.weight"), &[ih, h], Float, C::DsaIndexer);
+                    }
+                }
+            }
+        }
+        tb.add(format!("{p}input_layernorm.weight"), &[h], Float, C::LayerNorms);
+        tb.add(format!("{p}post_attention_layernorm.weight"), &[h], Float, C::LayerNorms);
+        for n in ["self_attention_res", "mlp_res"] {
+            tb.add(format!("{p}{n}_norm.weight"), &[h], Float, C::AttnRes);
+            tb.add(format!("{p}{n}_proj.weight"), &[1, h], Float, C::AttnRes);
+        }
+        match spec.ffn {
+            Ffn::Dense => {
+                let i = t.intermediate_size;
+                tb.add(format!("{p}mlp.gate_proj.weight"), &[i, h], Float, C::DenseFfn);
+                tb.add(format!("{p}mlp.up_proj.weight"), &[i, h], Float, C::DenseFfn);
+                tb.add(format!("{p}mlp.down_proj.weight"), &[h, i], Float, C::DenseFfn);
+            }
+            Ffn::Moe => {
+                let m = format!("{p}block_sparse_moe.");
+                let (e, lat, fi) = (t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
+                tb.add(format!("{m}gate.weight"), &[e, h], Float, C::MoeRouter);
+                tb.add(format!("{m}gate.e_score_correction_bias"), &[e], Float32, C::MoeRouter);
+                tb.add(format!("{m}routed_expert_down_proj.weight"), &[lat, h], Float, C::MoeLatent);
+                if t.latent_moe_use_norm {
+                    tb.add(format!("{m}routed_expert_norm.weight"), &[lat], Float, C::MoeLatent);
+                }
+                tb.add(format!("{m}routed_expert_up_proj.weight"), &[h, lat], Float, C::MoeLatent);
+                if t.num_shared_experts > 0 {
+                    let si = fi * t.num_shared_experts;
+                    tb.add(format!("{m}shared_experts.gate_proj.weight"), &[si, h], Float, C::SharedExperts);
+                    tb.add(format!("{m}shared_experts.up_proj.weight"), &[si, h], Float, C::SharedExperts);
+                    tb.add(format!("{m}shared_experts.down_proj.weight"), &[h, si], Float, C::SharedExperts);
+                }
+                for ex in 0..e {
+                    tb.expert = Some(ex);
+                    for (w, o, i) in [("w1", fi, lat), ("w3", fi, lat), ("w2", lat, fi)] {
+                        let n = format!("{m}experts.{ex}.{w}.");
+                        if cfg.experts_mxfp4() {
+                            tb.add(format!("{n}weight_packed"), &[o, i / 2], Mxfp4Packed, C::RoutedExperts);
+                            tb.add(format!("{n}weight_scale"), &[o, i / 32], Mxfp4Scale, C::RoutedExperts);
+                        } else {
+                            tb.add(format!("{n}weight"), &[o, i], Float, C::RoutedExperts);
+                        }
+                    }
+                }
+                tb.expert = None;
+            }
+        }
+    }
+    tb.layer = None;
+    tb.add(format!("{TEXT}norm.weight"), &[h], Float, C::FinalNorm);
+    tb.add(format!("{TEXT}output_attn_res_norm.weight"), &[h], Float, C::AttnRes);
+    tb.add(format!("{TEXT}output_attn_res_proj.weight"), &[1, h], Float, C::AttnRes);
+    tb.add(LM_HEAD.to_string(), &[v, h], Float, C::LmHead);
+    if let Some(vc) = &cfg.vision_config {
+        vision_table(&mut tb, vc, h);
+    }
+    out
+}
+
+fn vision_table(tb: &mut Table<'_>, vc: &crate::config::VisionConfig, text_hidden: usize) {
+    use Component as C;
+    let (c, p) = (vc.vt_hidden_size, vc.patch_size);
+    let qkv = vc.qkv_hidden_size.unwrap_or(c);
+    let (ph, pw) = (vc.init_pos_emb_height.unwrap_or(64), vc.init_pos_emb_width.unwrap_or(64));
+    tb.add("vision_tower.patch_embed.proj.weight".into(), &[c, 3, p, p], Kind::Float, C::VisionTower);
+    tb.add("vision_tower.patch_embed.pos_emb.weight".into(), &[ph, pw, c], Kind::Float, C::VisionTower);
+    for b in 0..vc.vt_num_hidden_layers {
+        let n = format!("vision_tower.encoder.blocks.{b}.");
+        tb.add(format!("{n}norm0.weight"), &[c], Kind::Float, C::VisionTower);
+        tb.add(format!("{n}wqkv.weight"), &[3 * qkv, c], Kind::Float, C::VisionTower);
+        tb.add(format!("{n}wo.weight"), &[c, qkv], Kind::Float, C::VisionTower);
+        tb.add(format!("{n}norm1.weight"), &[c], Kind::Float, C::VisionTower);
+        tb.add(format!("{n}mlp.fc0.weight"), &[vc.vt_intermediate_size, c], Kind::Float, C::VisionTower);
+        tb.add(format!("{n}mlp.fc1.weight"), &[c, vc.vt_intermediate_size], Kind::Float, C::VisionTower);
+    }
+    tb.add("vision_tower.encoder.final_layernorm.weight".into(), &[c], Kind::Float, C::VisionTower);
+    let (mk, mk2) = vc.merge_kernel_size.as_ref().map(|m| (m.first().copied().unwrap_or(2), m.get(1).copied().unwrap_or(2))).unwrap_or((2, 2));
+    let merged = c * mk * mk2;
+    let th = vc.text_hidden_size.unwrap_or(text_hidden);
+    tb.add("mm_projector.proj.0.weight".into(), &[merged, merged], Kind::Float, C::MmProjector);
+    tb.add("mm_projector.proj.2.weight".into(), &[th, merged], Kind::Float, C::MmProjector);
+    tb.add("mm_projector.post_norm.weight".into(), &[th], Kind::Float, C::MmProjector);
+}

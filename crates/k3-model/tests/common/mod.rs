@@ -1,0 +1,74 @@
+//! Shared helpers for the model tests: locating the golden fixtures and comparing logits at
+//! the manifest's metrics (max_abs, per-position relative L2, top-1 agreement).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use k3_model::Checkpoint;
+
+/// `../shared/golden` beside the repository (or `$K3_GOLDEN_DIR`).
+pub fn golden_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("K3_GOLDEN_DIR") {
+        return PathBuf::from(d);
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden")
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    let d = golden_dir().join(name);
+    assert!(d.is_dir(), "golden fixture {} not found: set K3_GOLDEN_DIR to the shared/golden folder", d.display());
+    d
+}
+
+/// The reference file of a fixture (tokens_L*, logits_L*, decode_logits_L160).
+pub fn reference(name: &str) -> Checkpoint {
+    // Reuse the safetensors mapping of Checkpoint via a tiny directory view.
+    RefFile::open(&fixture(name).join("reference.safetensors"))
+}
+
+pub struct RefFile;
+impl RefFile {
+    fn open(p: &std::path::Path) -> Checkpoint {
+        k3_model::checkpoint::open_tensors_only(p).expect("reference.safetensors")
+    }
+}
+
+pub fn tokens(r: &Checkpoint, l: usize) -> Vec<u32> {
+    r.tensor(&format!("tokens_L{l}")).unwrap().as_i64().unwrap().iter().map(|&x| x as u32).collect()
+}
+
+pub fn ref_f32(r: &Checkpoint, name: &str) -> Vec<f32> {
+    r.tensor(name).unwrap().as_f32().unwrap().into_owned()
+}
+
+#[derive(Debug)]
+pub struct Cmp {
+    pub max_abs: f32,
+    pub max_rel_l2: f32,
+    pub top1: f32,
+}
+
+pub fn compare(got: &[f32], want: &[f32], vocab: usize) -> Cmp {
+    assert_eq!(got.len(), want.len());
+    let mut c = Cmp { max_abs: 0.0, max_rel_l2: 0.0, top1: 0.0 };
+    let rows = want.len() / vocab;
+    let mut agree = 0;
+    for (g, w) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)) {
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in g.iter().zip(w) {
+            c.max_abs = c.max_abs.max((a - b).abs());
+            num += ((a - b) as f64).powi(2);
+            den += (*b as f64).powi(2);
+        }
+        c.max_rel_l2 = c.max_rel_l2.max((num.sqrt() / den.sqrt()) as f32);
+        let am = |x: &[f32]| x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
+        agree += usize::from(am(g) == am(w));
+    }
+    c.top1 = agree as f32 / rows as f32;
+    c
+}
+
+/// The manifest tolerances for f32 engines.
+pub fn assert_within(c: &Cmp, what: &str) {
+    assert!(c.max_abs <= 1e-3 && c.max_rel_l2 <= 3e-4 && c.top1 >= 0.995, "{what}: {c:?} exceeds max_abs 1e-3 / rel_l2 3e-4 / top1 0.995");
+}
