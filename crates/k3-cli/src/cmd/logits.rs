@@ -1,0 +1,92 @@
+//! `k3 logits --model DIR (--ids 1,2,3 | --ids-file FILE) --out FILE.npy [--mode full|decode|chunked:N] [--trace DIR]`
+//!
+//! Writes float32 logits `[T, vocab]` for every position. `full` runs one pass over the whole
+//! sequence; `decode` feeds the tokens one at a time through the cache; `chunked:N` prefills in
+//! chunks of N. `--trace DIR` dumps named intermediates (`blk.3.attn_in.npy`, ...) of the pass.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use k3_model::{Checkpoint, ForwardOpts, Model};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model directory (config.json + safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Comma-separated token ids.
+    #[arg(long, conflicts_with = "ids_file")]
+    pub ids: Option<String>,
+    /// File with token ids separated by commas or whitespace.
+    #[arg(long)]
+    pub ids_file: Option<PathBuf>,
+    /// Output .npy path.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// full | decode | chunked:N
+    #[arg(long, default_value = "full")]
+    pub mode: String,
+    /// Directory to dump named intermediates into (one .npy per name).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+}
+
+/// Parses ids separated by commas and/or whitespace.
+pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    s.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|x| !x.is_empty())
+        .map(|x| x.parse::<u32>().with_context(|| format!("`{x}` is not a token id (non-negative integer)")))
+        .collect()
+}
+
+/// The chunk size of a `--mode` value: `None` for a single full pass.
+pub fn parse_mode(mode: &str) -> Result<Option<usize>> {
+    match mode {
+        "full" => Ok(None),
+        "decode" => Ok(Some(1)),
+        m => match m.strip_prefix("chunked:").map(str::parse::<usize>) {
+            Some(Ok(n)) if n > 0 => Ok(Some(n)),
+            _ => bail!("--mode `{m}` is not one of full, decode, chunked:N (N ≥ 1)"),
+        },
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let ids = match (&a.ids, &a.ids_file) {
+        (Some(s), _) => parse_ids(s)?,
+        (None, Some(f)) => parse_ids(&std::fs::read_to_string(f).with_context(|| format!("reading --ids-file {}", f.display()))?)?,
+        (None, None) => bail!("give the tokens with --ids 1,2,3 or --ids-file FILE"),
+    };
+    if ids.is_empty() {
+        bail!("no token ids given");
+    }
+    let chunk = parse_mode(&a.mode)?;
+    let ck = Checkpoint::open(&a.model)?;
+    let model = Model::load(&ck)?;
+    let vocab = model.config.text.vocab_size;
+    let mut state = model.new_state();
+    let mut logits = Vec::with_capacity(ids.len() * vocab);
+    if let Some(dir) = &a.trace {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating --trace dir {}", dir.display()))?;
+    }
+    let mut trace_err: Option<anyhow::Error> = None;
+    let mut tracer = |name: &str, x: &[f32], t: usize| {
+        if let Some(dir) = &a.trace {
+            let path = dir.join(format!("{name}.npy"));
+            if let Err(e) = k3_core::npy::write_npy_f32(&path, &[t, x.len() / t], x) {
+                trace_err.get_or_insert(e.into());
+            }
+        }
+    };
+    let step = chunk.unwrap_or(ids.len());
+    for piece in ids.chunks(step) {
+        let tr: k3_model::model::Trace = if a.trace.is_some() && chunk.is_none() { Some(&mut tracer) } else { None };
+        logits.extend(model.forward(piece, &mut state, ForwardOpts::default(), tr)?);
+    }
+    if let Some(e) = trace_err {
+        return Err(e.context("writing --trace output"));
+    }
+    k3_core::npy::write_npy_f32(&a.out, &[ids.len(), vocab], &logits).with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!("wrote {} ({} × {vocab} f32)", a.out.display(), ids.len());
+    Ok(())
+}
