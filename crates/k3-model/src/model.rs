@@ -160,16 +160,26 @@ impl Model {
 
     /// Runs `tokens` through the model, advancing `state`; returns logits `[T, vocab]`
     /// (`[1, vocab]` with `opts.last_only`).
-    pub fn forward(&self, tokens: &[u32], state: &mut SeqState, opts: ForwardOpts, mut trace: Trace<'_>) -> Result<Vec<f32>> {
-        let t = tokens.len();
-        if t == 0 {
+    pub fn forward(&self, tokens: &[u32], state: &mut SeqState, opts: ForwardOpts, trace: Trace<'_>) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
             return Err(ModelError::Input("no tokens to run".into()));
+        }
+        let emb = self.embed(tokens)?; // [T, H]
+        self.forward_embeds(emb, state, opts, trace)
+    }
+
+    /// Like [`Model::forward`] but from input rows `emb` `[T, H]` (token embeddings, possibly with
+    /// some rows replaced, e.g. by projected image features at `<|media_pad|>` positions).
+    pub fn forward_embeds(&self, emb: Vec<f32>, state: &mut SeqState, opts: ForwardOpts, mut trace: Trace<'_>) -> Result<Vec<f32>> {
+        let h = self.config.text.hidden_size;
+        let t = emb.len() / h;
+        if t == 0 || emb.len() != t * h {
+            return Err(ModelError::Input(format!("input rows: {} values is not a positive multiple of hidden_size {h}", emb.len())));
         }
         let max = self.config.max_context();
         if state.pos + t > max {
             return Err(ModelError::Input(format!("{} tokens exceed the context limit of {max} (max_position_embeddings)", state.pos + t)));
         }
-        let h = self.config.text.hidden_size;
         let eps = self.config.text.rms_norm_eps;
         let b = self.config.text.attn_res_block_size;
         let mut emit = |name: &str, x: &[f32]| {
@@ -177,7 +187,6 @@ impl Model {
                 f(name, x, t);
             }
         };
-        let emb = self.embed(tokens)?; // [T, H]
         emit("embed", &emb);
         // Block AttnRes bookkeeping (§6.2): completed blocks and the running partial sum P.
         let mut blocks: Vec<Vec<f32>> = Vec::new();
