@@ -59,6 +59,9 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// The tokenizer lacks a special token the chat format needs.
+    #[error("the tokenizer has no special token {0} (is this a Kimi K3 tokenizer?)")]
+    MissingSpecial(String),
     /// Invalid command-line input (bad `--ids` list, unreadable `--file`, ...).
     #[error("{0}")]
     Cli(String),

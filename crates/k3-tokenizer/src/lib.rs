@@ -7,3 +7,5 @@ pub mod stream;
 pub mod tokenizer;
 pub use error::{Error, Result};
 pub use tokenizer::Tokenizer;
+pub mod chat;
+pub mod xtml;

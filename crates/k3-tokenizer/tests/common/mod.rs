@@ -30,3 +30,10 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// Like [`load_json`] but keeps object key order.
+pub fn load_ordered(rel: &str) -> k3_tokenizer::json::Json {
+    let path = golden_dir().join(rel);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
