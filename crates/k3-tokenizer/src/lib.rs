@@ -9,3 +9,4 @@ pub use error::{Error, Result};
 pub use tokenizer::Tokenizer;
 pub mod chat;
 pub mod xtml;
+pub mod parser;
