@@ -164,9 +164,11 @@ impl ChatRequest {
         })
     }
 
-    /// Whether the request declares tools (non-empty `tools`).
+    /// Whether the output parser should return tool calls: `tools` is non-empty and
+    /// `tool_choice` is not `"none"`.
     pub fn tools_declared(&self) -> bool {
-        self.tools.as_ref().is_some_and(|t| !t.is_empty())
+        let none = matches!(self.lookup("tool_choice"), Some((Json::Str(s), _)) if s == "none");
+        self.tools.as_ref().is_some_and(|t| !t.is_empty()) && !none
     }
 }
 
