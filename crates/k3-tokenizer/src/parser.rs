@@ -312,9 +312,11 @@ impl<'a> OutputParser<'a> {
             (Reasoning, Open, "response") => self.set_phase(Response),
             (Reasoning, Open, "tools") => self.set_phase(Tools),
             (Reasoning, Close, "response") => {
-                // Choice 4: what looked like reasoning was the answer.
+                // Choice 4: what looked like reasoning was the answer (only before any content).
                 self.set_phase(Between);
-                self.content = std::mem::take(&mut self.reasoning) + &self.content;
+                if self.content.is_empty() {
+                    self.content = std::mem::take(&mut self.reasoning);
+                }
             }
             (Reasoning, Close, "message") => self.end(),
             (Reasoning, Open, "think") => {}
