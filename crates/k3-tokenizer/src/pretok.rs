@@ -77,7 +77,10 @@ pub fn presplit(text: &str) -> Vec<&str> {
 }
 
 fn regex_error(e: impl std::fmt::Display) -> Error {
-    Error::BadVocab { path: PathBuf::from("<pat_str>"), reason: format!("cannot compile the pre-tokenisation regex: {e}") }
+    Error::BadVocab {
+        path: PathBuf::from("<pat_str>"),
+        reason: format!("cannot compile the pre-tokenisation regex: {e}"),
+    }
 }
 
 /// The production pre-tokenizer: `pat_str` on the linear-time `regex` engine (see module docs).
@@ -98,7 +101,9 @@ impl Pretokenizer {
     pub fn for_each<'t>(&self, text: &'t str, mut f: impl FnMut(&'t str)) {
         let mut pos = 0;
         while pos < text.len() {
-            let Some(m) = self.re.find_at(text, pos) else { break };
+            let Some(m) = self.re.find_at(text, pos) else {
+                break;
+            };
             let mut end = m.end();
             if end < text.len() {
                 end = lookahead_fixup(text, m.start(), end);
@@ -118,17 +123,23 @@ impl Pretokenizer {
 
 /// Emulates the `\s+(?!\S)` alternative for a match `start..end` that is followed by text.
 fn lookahead_fixup(text: &str, start: usize, end: usize) -> usize {
-    let Some(next) = text[end..].chars().next() else { return end };
+    let Some(next) = text[end..].chars().next() else {
+        return end;
+    };
     if next.is_whitespace() {
         return end;
     }
     let m = &text[start..end];
     let mut chars = m.char_indices().rev();
-    let Some((last_pos, last)) = chars.next() else { return end };
+    let Some((last_pos, last)) = chars.next() else {
+        return end;
+    };
     if !last.is_whitespace() || last_pos == 0 {
         return end;
     }
-    if m.chars().all(|c| c.is_whitespace() && c != '\r' && c != '\n') {
+    if m.chars()
+        .all(|c| c.is_whitespace() && c != '\r' && c != '\n')
+    {
         start + last_pos
     } else {
         end
@@ -165,7 +176,9 @@ mod tests {
 
     #[test]
     fn isspace_matches_python_on_file_separators() {
-        for c in ['\u{1c}', '\u{1d}', '\u{1e}', '\u{1f}', ' ', '\u{3000}', '\u{85}'] {
+        for c in [
+            '\u{1c}', '\u{1d}', '\u{1e}', '\u{1f}', ' ', '\u{3000}', '\u{85}',
+        ] {
             assert!(py_isspace(c), "{:?}", c);
         }
         assert!(!py_isspace('\u{200b}'));
@@ -194,7 +207,14 @@ mod tests {
     fn fast_matches_reference_on_tricky_whitespace() {
         let fast = Pretokenizer::new().unwrap();
         let slow = ReferencePretokenizer::new().unwrap();
-        for text in ["a  b   c\t\td\n\n e \r\n  \n f", "   x", "x   ", " \u{3000}y", "\t \n", "a \u{a0}b"] {
+        for text in [
+            "a  b   c\t\td\n\n e \r\n  \n f",
+            "   x",
+            "x   ",
+            " \u{3000}y",
+            "\t \n",
+            "a \u{a0}b",
+        ] {
             assert_eq!(fast.split(text), slow.split(text).unwrap(), "{text:?}");
         }
     }

@@ -26,18 +26,25 @@ fn chat_cases() {
     let tok = tokenizer();
     let cases = load_json("chat/cases.json");
     let ordered = load_ordered("chat/cases.json");
-    let Some(Json::Array(ordered)) = ordered.get("cases") else { panic!("no cases") };
+    let Some(Json::Array(ordered)) = ordered.get("cases") else {
+        panic!("no cases")
+    };
     let mut n = 0;
     for (case, ordered_case) in cases["cases"].as_array().unwrap().iter().zip(ordered) {
         let name = case["name"].as_str().unwrap();
-        let parsed = ChatRequest::from_json(request_json(ordered_case)).and_then(|r| render_chat(&tok, &r));
+        let parsed =
+            ChatRequest::from_json(request_json(ordered_case)).and_then(|r| render_chat(&tok, &r));
         n += 1;
         if case.get("error").is_some() {
             assert!(parsed.is_err(), "{name}: expected an error");
             continue;
         }
         let rendered = parsed.unwrap_or_else(|e| panic!("{name}: {e}"));
-        let segs: Vec<(String, bool)> = rendered.segments.iter().map(|s| (s.text.clone(), s.control)).collect();
+        let segs: Vec<(String, bool)> = rendered
+            .segments
+            .iter()
+            .map(|s| (s.text.clone(), s.control))
+            .collect();
         let want: Vec<(String, bool)> = case["segments"]
             .as_array()
             .unwrap()
@@ -45,9 +52,17 @@ fn chat_cases() {
             .map(|s| (s[0].as_str().unwrap().to_owned(), s[1].as_bool().unwrap()))
             .collect();
         if let Some(i) = (0..segs.len().max(want.len())).find(|&i| segs.get(i) != want.get(i)) {
-            panic!("{name}: segment {i} differs: got {:?}, want {:?}", segs.get(i), want.get(i));
+            panic!(
+                "{name}: segment {i} differs: got {:?}, want {:?}",
+                segs.get(i),
+                want.get(i)
+            );
         }
-        assert_eq!(rendered.text, case["rendered"].as_str().unwrap(), "{name}: text");
+        assert_eq!(
+            rendered.text,
+            case["rendered"].as_str().unwrap(),
+            "{name}: text"
+        );
         assert_eq!(rendered.ids, ids(&case["ids"]), "{name}: ids");
     }
     assert!(n >= 25, "only {n} chat cases");

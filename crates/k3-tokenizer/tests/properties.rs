@@ -6,7 +6,9 @@ mod common;
 use common::tokenizer;
 use k3_tokenizer::json::Json;
 use k3_tokenizer::pretok::{Pretokenizer, ReferencePretokenizer};
-use k3_tokenizer::{parse_output, render_chat, ChatRequest, OutputDelta, OutputParser, StreamDecoder, Tokenizer};
+use k3_tokenizer::{
+    parse_output, render_chat, ChatRequest, OutputDelta, OutputParser, StreamDecoder, Tokenizer,
+};
 use proptest::prelude::*;
 use std::sync::OnceLock;
 
@@ -18,9 +20,49 @@ fn tok() -> &'static Tokenizer {
 /// Strings drawn from pieces that exercise every `pat_str` branch and the specials.
 fn texty() -> impl Strategy<Value = String> {
     let pieces = prop::sample::select(vec![
-        "a", "Z", "é", "e\u{301}", "中", "文", "カ", "한", "Ж", "1", "٣", "½", "Ⅻ", "'s", "'LL", "'d", " ", "  ", "\t", "\n",
-        "\r\n", "\r", "\u{a0}", "\u{3000}", "\u{2003}", "\u{1c}", "\u{85}", "!", "...", "—", "🦀", "👨\u{200d}👩", "\u{fe0f}",
-        "\0", "<|open|>", "<|sep|>", "<|close|>", "[EOS]", "<|reserved_token_8222|>", "<|", "|>", "𝔘", "𝟙",
+        "a",
+        "Z",
+        "é",
+        "e\u{301}",
+        "中",
+        "文",
+        "カ",
+        "한",
+        "Ж",
+        "1",
+        "٣",
+        "½",
+        "Ⅻ",
+        "'s",
+        "'LL",
+        "'d",
+        " ",
+        "  ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\r",
+        "\u{a0}",
+        "\u{3000}",
+        "\u{2003}",
+        "\u{1c}",
+        "\u{85}",
+        "!",
+        "...",
+        "—",
+        "🦀",
+        "👨\u{200d}👩",
+        "\u{fe0f}",
+        "\0",
+        "<|open|>",
+        "<|sep|>",
+        "<|close|>",
+        "[EOS]",
+        "<|reserved_token_8222|>",
+        "<|",
+        "|>",
+        "𝔘",
+        "𝟙",
     ]);
     prop::collection::vec(pieces, 0..40).prop_map(|v| v.concat())
 }
@@ -32,15 +74,35 @@ fn any_text() -> impl Strategy<Value = String> {
 /// Ids biased towards the XTML markers and the tag-name tokens.
 fn output_ids() -> impl Strategy<Value = Vec<u32>> {
     let t = tok();
-    let mut interesting: Vec<u32> = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]", "<|media_pad|>"]
-        .iter()
-        .filter_map(|n| t.special_id(n))
-        .collect();
-    for word in ["think", "response", "tools", "call", "argument", "json", "message", " tool=\"f\"", " key=\"k\" type=\"number\"", "3", "\""] {
+    let mut interesting: Vec<u32> = [
+        "<|open|>",
+        "<|close|>",
+        "<|sep|>",
+        "<|end_of_msg|>",
+        "[EOS]",
+        "<|media_pad|>",
+    ]
+    .iter()
+    .filter_map(|n| t.special_id(n))
+    .collect();
+    for word in [
+        "think",
+        "response",
+        "tools",
+        "call",
+        "argument",
+        "json",
+        "message",
+        " tool=\"f\"",
+        " key=\"k\" type=\"number\"",
+        "3",
+        "\"",
+    ] {
         interesting.extend(t.encode(word, false));
     }
     let vocab = t.vocab_size() as u32;
-    let id = prop_oneof![3 => prop::sample::select(interesting), 2 => 0..vocab, 1 => vocab..vocab + 100];
+    let id =
+        prop_oneof![3 => prop::sample::select(interesting), 2 => 0..vocab, 1 => vocab..vocab + 100];
     prop::collection::vec(id, 0..120)
 }
 
