@@ -100,7 +100,7 @@ impl Tokenizer {
             let bytes = s.name.as_bytes();
             if bytes.is_empty() {
                 return Err(Error::BadConfig {
-                    path: model_path.to_path_buf(),
+                    path: PathBuf::from("tokenizer_config.json"),
                     reason: format!("special token {} has an empty name", s.id),
                 });
             }
