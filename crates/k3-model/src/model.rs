@@ -170,15 +170,56 @@ impl Model {
 
     /// Like [`Model::forward`] but from input rows `emb` `[T, H]` (token embeddings, possibly with
     /// some rows replaced, e.g. by projected image features at `<|media_pad|>` positions).
-    pub fn forward_embeds(&self, emb: Vec<f32>, state: &mut SeqState, opts: ForwardOpts, mut trace: Trace<'_>) -> Result<Vec<f32>> {
+    pub fn forward_embeds(&self, emb: Vec<f32>, state: &mut SeqState, opts: ForwardOpts, trace: Trace<'_>) -> Result<Vec<f32>> {
         let h = self.config.text.hidden_size;
-        let t = emb.len() / h;
-        if t == 0 || emb.len() != t * h {
+        if emb.is_empty() || emb.len() % h != 0 {
             return Err(ModelError::Input(format!("input rows: {} values is not a positive multiple of hidden_size {h}", emb.len())));
         }
+        let t = emb.len() / h;
+        self.forward_varlen(emb, &[t], &mut [state], opts, trace)
+    }
+
+    /// One step for several sequences at once: `tokens[i]` are sequence i's new tokens (1 for a
+    /// decode step, more for a prefill chunk). Weights are read once for all rows; each
+    /// sequence attends over its own state. Returns logits per sequence (`[T_i, vocab]`, or
+    /// `[1, vocab]` with `last_only`). Equal to running the sequences one by one.
+    pub fn forward_batch(&self, tokens: &[&[u32]], states: &mut [&mut SeqState], opts: ForwardOpts) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() != states.len() {
+            return Err(ModelError::Input(format!("{} token lists for {} sequence states", tokens.len(), states.len())));
+        }
+        if let Some(i) = tokens.iter().position(|t| t.is_empty()) {
+            return Err(ModelError::Input(format!("sequence {i} of the batch has no tokens")));
+        }
+        let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let all: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
+        let emb = self.embed(&all)?;
+        let logits = self.forward_varlen(emb, &lens, states, opts, None)?;
+        let v = self.config.text.vocab_size;
+        let mut out = Vec::with_capacity(lens.len());
+        let mut r0 = 0;
+        for &t in &lens {
+            let rows = if opts.last_only { 1 } else { t };
+            out.push(logits[r0 * v..(r0 + rows) * v].to_vec());
+            r0 += rows;
+        }
+        Ok(out)
+    }
+
+    /// The packed forward: `emb` `[N, H]` holds `lens[i]` rows of sequence i.
+    pub fn forward_varlen(&self, emb: Vec<f32>, lens: &[usize], states: &mut [&mut SeqState], opts: ForwardOpts, mut trace: Trace<'_>) -> Result<Vec<f32>> {
+        let h = self.config.text.hidden_size;
+        let t: usize = lens.iter().sum();
+        if t == 0 || emb.len() != t * h || lens.len() != states.len() {
+            return Err(ModelError::Input(format!("packed input: {} values for {t} rows of hidden_size {h} and {} sequences", emb.len(), states.len())));
+        }
         let max = self.config.max_context();
-        if state.pos + t > max {
-            return Err(ModelError::Input(format!("{} tokens exceed the context limit of {max} (max_position_embeddings)", state.pos + t)));
+        for (i, (&n, st)) in lens.iter().zip(states.iter()).enumerate() {
+            if st.pos + n > max {
+                return Err(ModelError::Input(format!("sequence {i}: {} tokens exceed the context limit of {max} (max_position_embeddings)", st.pos + n)));
+            }
+            if st.layers.len() != self.layers.len() {
+                return Err(ModelError::Input(format!("sequence {i}: its state was made for another model ({} layers, this one has {})", st.layers.len(), self.layers.len())));
+            }
         }
         let eps = self.config.text.rms_norm_eps;
         let b = self.config.text.attn_res_block_size;
@@ -192,7 +233,7 @@ impl Model {
         let mut blocks: Vec<Vec<f32>> = Vec::new();
         let mut p = emb;
         let mut d: Option<Vec<f32>> = None;
-        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
+        for layer in &self.layers {
             let l = layer.spec.index;
             if let Some(dd) = d.take() {
                 p.iter_mut().zip(&dd).for_each(|(a, b)| *a += b);
@@ -207,10 +248,16 @@ impl Model {
             emit(&format!("blk.{l}.attn_res"), &hx);
             rms_norm_inplace(&mut hx, &layer.input_layernorm, eps);
             emit(&format!("blk.{l}.attn_in"), &hx);
-            let a = match (&layer.mixer, st) {
-                (Mixer::Kda(m), LayerState::Kda(s)) => m.forward(&hx, t, s, opts.kda)?,
-                (Mixer::Mla(m), LayerState::Mla(c)) => m.forward(&hx, t, c, opts.mla)?,
-                _ => return Err(ModelError::Input(format!("sequence state does not match layer {l}: it was made for another model"))),
+            let mismatch = || ModelError::Input(format!("sequence state does not match layer {l}: it was made for another model"));
+            let a = match &layer.mixer {
+                Mixer::Kda(m) => {
+                    let mut ss = states.iter_mut().map(|s| match &mut s.layers[l] { LayerState::Kda(k) => Ok(k), _ => Err(mismatch()) }).collect::<Result<Vec<_>>>()?;
+                    m.forward_varlen(&hx, lens, &mut ss, opts.kda)?
+                }
+                Mixer::Mla(m) => {
+                    let mut ss = states.iter_mut().map(|s| match &mut s.layers[l] { LayerState::Mla(c) => Ok(c), _ => Err(mismatch()) }).collect::<Result<Vec<_>>>()?;
+                    m.forward_varlen(&hx, lens, &mut ss, opts.mla)?
+                }
             };
             emit(&format!("blk.{l}.{}.out", if matches!(layer.mixer, Mixer::Kda(_)) { "kda" } else { "mla" }), &a);
             if l % b == 0 {
@@ -239,9 +286,18 @@ impl Model {
         let mut hout = self.output_attn_res.mix(&srcs, t);
         rms_norm_inplace(&mut hout, &self.norm, eps);
         emit("output_norm", &hout);
-        state.pos += t;
+        for (st, &n) in states.iter_mut().zip(lens) {
+            st.pos += n;
+        }
         if opts.last_only {
-            lin(&hout[(t - 1) * h..], 1, &self.lm_head)
+            // The last row of each sequence.
+            let mut last = Vec::with_capacity(lens.len() * h);
+            let mut r0 = 0;
+            for &n in lens {
+                r0 += n;
+                last.extend_from_slice(&hout[(r0 - 1) * h..r0 * h]);
+            }
+            lin(&last, lens.len(), &self.lm_head)
         } else {
             lin(&hout, t, &self.lm_head)
         }

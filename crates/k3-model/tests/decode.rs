@@ -65,3 +65,33 @@ fn context_limit_is_checked_before_work() {
     let e = model.forward(&[100_000], &mut model.new_state(), ForwardOpts::default(), None).unwrap_err().to_string();
     assert!(e.contains("100000") && e.contains("vocab"), "{e}");
 }
+
+/// A batch mixing a prefill chunk and decode steps of sequences at different lengths equals
+/// running each sequence alone.
+#[test]
+fn batched_equals_one_by_one() {
+    for fx in ["k3_small_f32", "k31_small_dsa_f32"] {
+        let ck = Checkpoint::open(&fixture(fx)).unwrap();
+        let model = Model::load(&ck).unwrap();
+        let v = model.config.text.vocab_size;
+        let toks = tokens(&reference(fx), 160);
+        // Three sequences: prefixes of different lengths, then one more step each (one of them a chunk).
+        let pre = [20usize, 33, 70];
+        let step: [&[u32]; 3] = [&toks[20..21], &toks[33..34], &toks[70..75]];
+        let mut solo = Vec::new();
+        let mut states = Vec::new();
+        for (i, &p) in pre.iter().enumerate() {
+            let mut st = model.new_state();
+            model.forward(&toks[..p], &mut st, ForwardOpts::default(), None).unwrap();
+            states.push(st.clone());
+            solo.push(model.forward(step[i], &mut st, ForwardOpts::default(), None).unwrap());
+        }
+        let mut refs: Vec<&mut k3_model::SeqState> = states.iter_mut().collect();
+        let batched = model.forward_batch(&step, &mut refs, ForwardOpts::default()).unwrap();
+        for i in 0..3 {
+            let c = compare(&batched[i], &solo[i], v);
+            assert!(c.max_rel_l2 < 1e-5, "{fx} seq {i}: {c:?}");
+        }
+        assert_eq!(states[2].pos, 75);
+    }
+}

@@ -98,40 +98,50 @@ impl Kda {
 
     /// `x` `[T, H]` → `[T, H]`, advancing `state` by T tokens.
     pub fn forward(&self, x: &[f32], t: usize, state: &mut KdaState, mode: KdaMode) -> Result<Vec<f32>> {
+        self.forward_varlen(x, &[t], &mut [state], mode)
+    }
+
+    /// Several sequences packed row-wise: `x` `[N, H]` with `lens` rows per sequence
+    /// (`Σ lens = N`), each advancing its own state. Projections run once over all rows.
+    pub fn forward_varlen(&self, x: &[f32], lens: &[usize], states: &mut [&mut KdaState], mode: KdaMode) -> Result<Vec<f32>> {
         let (nh, hd) = (self.nh, self.hd);
         let d = nh * hd;
-        let mut q = lin(x, t, &self.q_proj)?; // [T, D]
-        let mut k = lin(x, t, &self.k_proj)?;
-        let mut v = lin(x, t, &self.v_proj)?;
-        for (i, buf) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
-            short_conv(buf, t, d, &self.conv1d[i], self.kernel, &mut state.conv[i]);
-        }
-        l2_norm_inplace(&mut q, hd, 1e-6); // [T, nh, hd]
-        l2_norm_inplace(&mut k, hd, 1e-6);
-        let scale = (hd as f32).powf(-0.5);
-        q.iter_mut().for_each(|x| *x *= scale);
-        let beta: Vec<f32> = lin(x, t, &self.b_proj)?.into_iter().map(sigmoid).collect(); // [T, nh]
-        let mut g = lin(&lin(x, t, &self.f_a_proj)?, t, &self.f_b_proj)?; // [T, D]
+        let n: usize = lens.iter().sum();
+        let mut q = lin(x, n, &self.q_proj)?; // [N, D]
+        let mut k = lin(x, n, &self.k_proj)?;
+        let mut v = lin(x, n, &self.v_proj)?;
+        let beta: Vec<f32> = lin(x, n, &self.b_proj)?.into_iter().map(sigmoid).collect(); // [N, nh]
+        let mut g = lin(&lin(x, n, &self.f_a_proj)?, n, &self.f_b_proj)?; // [N, D]
         for (i, gv) in g.iter_mut().enumerate() {
             let c = i % d;
             *gv = self.lower_bound * sigmoid(self.a_exp[c / hd] * (*gv + self.dt_bias[c]));
         }
-        let mut o = vec![0f32; t * d]; // [T, nh, hd]
-        let dims = KdaDims { t, h: nh, dk: hd, dv: hd };
-        let chunked = match mode {
-            KdaMode::Auto => t > 1,
-            KdaMode::Chunked => true,
-            KdaMode::Recurrent => false,
-        };
-        if chunked {
-            kda_chunked(&q, &k, &v, &g, &beta, &mut state.s, &mut o, dims);
-        } else {
-            kda_recurrent(&q, &k, &v, &g, &beta, &mut state.s, &mut o, dims);
+        let mut o = vec![0f32; n * d]; // [N, nh, hd]
+        let mut r0 = 0;
+        for (&t, st) in lens.iter().zip(states.iter_mut()) {
+            let rows = r0 * d..(r0 + t) * d;
+            for (i, buf) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
+                short_conv(&mut buf[rows.clone()], t, d, &self.conv1d[i], self.kernel, &mut st.conv[i]);
+            }
+            let (qs, ks) = (&mut q[rows.clone()], &mut k[rows.clone()]);
+            l2_norm_inplace(qs, hd, 1e-6); // [T, nh, hd]
+            l2_norm_inplace(ks, hd, 1e-6);
+            let scale = (hd as f32).powf(-0.5);
+            qs.iter_mut().for_each(|x| *x *= scale);
+            let dims = KdaDims { t, h: nh, dk: hd, dv: hd };
+            let chunked = match mode {
+                KdaMode::Auto => t > 1,
+                KdaMode::Chunked => true,
+                KdaMode::Recurrent => false,
+            };
+            let core = if chunked { kda_chunked } else { kda_recurrent };
+            core(&q[rows.clone()], &k[rows.clone()], &v[rows.clone()], &g[rows.clone()], &beta[r0 * nh..(r0 + t) * nh], &mut st.s, &mut o[rows], dims);
+            r0 += t;
         }
         rms_norm_inplace(&mut o, &self.o_norm, self.eps);
-        let gate = lin(x, t, &self.g_proj)?; // [T, D]
+        let gate = lin(x, n, &self.g_proj)?; // [N, D]
         o.iter_mut().zip(&gate).for_each(|(a, &b)| *a *= sigmoid(b));
-        lin(&o, t, &self.o_proj)
+        lin(&o, n, &self.o_proj)
     }
 }
 

@@ -92,47 +92,78 @@ impl Mla {
 
     /// `x` `[T, H]` → `[T, H]`; appends T rows to `cache` first, then attends causally.
     pub fn forward(&self, x: &[f32], t: usize, cache: &mut MlaCache, form: MlaForm) -> Result<Vec<f32>> {
+        self.forward_varlen(x, &[t], &mut [cache], form)
+    }
+
+    /// Several sequences packed row-wise: `x` `[N, H]`, `lens` rows per sequence, each with
+    /// its own cache. Projections run once over all rows; attention runs per sequence.
+    pub fn forward_varlen(&self, x: &[f32], lens: &[usize], caches: &mut [&mut MlaCache], form: MlaForm) -> Result<Vec<f32>> {
         let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
         let w = r + dr;
-        let past = cache.latent.len() / w;
-        let mut c_q = lin(x, t, &self.q_a_proj)?; // [T, q_lora]
+        let n: usize = lens.iter().sum();
+        let mut c_q = lin(x, n, &self.q_a_proj)?; // [N, q_lora]
         rms_norm_inplace(&mut c_q, &self.q_a_layernorm, LATENT_EPS);
-        let q = lin(&c_q, t, &self.q_b_proj)?; // [T, nh, dn+dr]
-        let mut ckv = lin(x, t, &self.kv_a_proj_with_mqa)?; // [T, r+dr]
+        let q = lin(&c_q, n, &self.q_b_proj)?; // [N, nh, dn+dr]
+        let mut ckv = lin(x, n, &self.kv_a_proj_with_mqa)?; // [N, r+dr]
         for row in ckv.chunks_exact_mut(w) {
             rms_norm_inplace(&mut row[..r], &self.kv_a_layernorm, LATENT_EPS);
         }
-        cache.latent.extend_from_slice(&ckv);
-        let n = past + t;
-        // Key set per new token: None = all of 0..=pos (dense / short-context DSA).
-        let sel: Vec<Option<Vec<u32>>> = match &self.indexer {
-            None => vec![None; t],
-            Some(ix) => {
-                let io = ix.project(x, &c_q, t)?;
-                cache.index_keys.extend_from_slice(&io.k);
-                let (ih, id) = (ix.heads, ix.head_dim);
-                (0..t)
-                    .into_par_iter()
-                    .map(|i| {
-                        let pos = past + i;
-                        (pos + 1 > ix.topk).then(|| {
-                            let s = index_scores(&io.q[i * ih * id..(i + 1) * ih * id], &io.a[i * ih..(i + 1) * ih], &cache.index_keys[..(pos + 1) * id], id);
-                            select_topk(&s, ix.topk)
+        let ix_out = match &self.indexer {
+            Some(ix) => Some(ix.project(x, &c_q, n)?),
+            None => None,
+        };
+        let mut o = vec![0f32; n * nh * dv]; // [N, nh, dv]
+        let mut r0 = 0;
+        for (&t, cache) in lens.iter().zip(caches.iter_mut()) {
+            let past = cache.latent.len() / w;
+            cache.latent.extend_from_slice(&ckv[r0 * w..(r0 + t) * w]);
+            // Key set per new token: None = all of 0..=pos (dense / short-context DSA).
+            let sel: Vec<Option<Vec<u32>>> = match (&self.indexer, &ix_out) {
+                (Some(ix), Some(io)) => {
+                    let (ih, id) = (ix.heads, ix.head_dim);
+                    cache.index_keys.extend_from_slice(&io.k[r0 * id..(r0 + t) * id]);
+                    let keys = &cache.index_keys;
+                    (0..t)
+                        .into_par_iter()
+                        .map(|i| {
+                            let (pos, row) = (past + i, r0 + i);
+                            (pos + 1 > ix.topk).then(|| {
+                                let s = index_scores(&io.q[row * ih * id..(row + 1) * ih * id], &io.a[row * ih..(row + 1) * ih], &keys[..(pos + 1) * id], id);
+                                select_topk(&s, ix.topk)
+                            })
                         })
-                    })
-                    .collect()
+                        .collect()
+                }
+                _ => vec![None; t],
+            };
+            let explicit = match form {
+                MlaForm::Auto => past == 0,
+                MlaForm::Explicit => true,
+                MlaForm::Absorbed => false,
+            };
+            let qs = &q[r0 * nh * (dn + dr)..(r0 + t) * nh * (dn + dr)];
+            let heads = self.attend(qs, t, past, &cache.latent, &sel, explicit)?;
+            for (h, oh) in heads.iter().enumerate() {
+                for i in 0..t {
+                    o[((r0 + i) * nh + h) * dv..][..dv].copy_from_slice(&oh[i * dv..(i + 1) * dv]);
+                }
             }
-        };
-        let explicit = match form {
-            MlaForm::Auto => past == 0,
-            MlaForm::Explicit => true,
-            MlaForm::Absorbed => false,
-        };
+            r0 += t;
+        }
+        let gate = lin(x, n, &self.g_proj)?; // [N, nh·dv]
+        o.iter_mut().zip(&gate).for_each(|(a, &b)| *a *= sigmoid(b));
+        lin(&o, n, &self.o_proj)
+    }
+
+    /// Attention of one sequence's `t` new queries `q` `[t, nh, dn+dr]` over its cache
+    /// `lat` `[past+t, r+dr]`; returns per-head outputs `[nh][t, dv]`.
+    fn attend(&self, q: &[f32], t: usize, past: usize, lat: &[f32], sel: &[Option<Vec<u32>>], explicit: bool) -> Result<Vec<Vec<f32>>> {
+        let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
+        let w = r + dr;
+        let n = past + t;
         let scale = ((dn + dr) as f32).powf(-0.5);
-        let lat = &cache.latent;
         let keys = |i: usize| -> Vec<u32> { sel[i].clone().unwrap_or_else(|| (0..=(past + i) as u32).collect()) };
-        // Per head: out_h [T, dv].
-        let heads: Vec<Vec<f32>> = if explicit {
+        Ok(if explicit {
             let ckv_all: Vec<f32> = lat.chunks_exact(w).flat_map(|row| row[..r].iter().copied()).collect(); // [n, r]
             let kv = lin(&ckv_all, n, &self.kv_b_proj)?; // [n, nh, dn+dv]
             (0..nh)
@@ -198,17 +229,6 @@ impl Mla {
                     out
                 })
                 .collect()
-        };
-        let gate = lin(x, t, &self.g_proj)?; // [T, nh·dv]
-        let mut o = vec![0f32; t * nh * dv];
-        for (h, oh) in heads.iter().enumerate() {
-            for i in 0..t {
-                for j in 0..dv {
-                    let idx = (i * nh + h) * dv + j;
-                    o[idx] = oh[i * dv + j] * sigmoid(gate[idx]);
-                }
-            }
-        }
-        lin(&o, t, &self.o_proj)
+        })
     }
 }
