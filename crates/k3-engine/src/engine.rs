@@ -1,0 +1,314 @@
+//! The engine: owns the model, the tokenizer and the live sequences, and advances them with a
+//! continuous-batching scheduler. Each [`Engine::step`] runs ONE batched forward pass that
+//! holds a decode token for every running sequence (up to `max_batch`) plus prefill chunks of
+//! waiting sequences within the step's token budget, so long prompts are prefilled in chunks
+//! interleaved with decoding and never stall running streams. Sequences join and leave the
+//! batch at token boundaries; a cancelled sequence's state is dropped at once.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k3_model::{ForwardOpts, Model, SeqState};
+use k3_tokenizer::Tokenizer;
+use serde::Serialize;
+
+use crate::error::{param, EngineError, Result};
+use crate::sampler::{Sampled, Sampler, SamplingParams};
+use crate::stop::{StopCheck, StopMatcher};
+
+pub type SeqId = u64;
+
+/// A generation request (token ids in).
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    /// Stop strings (matched on the decoded text; needs a tokenizer).
+    pub stop: Vec<String>,
+    /// Extra stop token ids, in addition to the model's `eos_token_id`s.
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+impl Request {
+    pub fn new(prompt: Vec<u32>, params: SamplingParams, max_tokens: usize) -> Self {
+        Request { prompt, params, max_tokens, stop: Vec::new(), stop_token_ids: Vec::new(), ignore_eos: false }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+    Cancelled,
+}
+
+/// One generated token of one sequence.
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub seq: SeqId,
+    pub token: u32,
+    /// Text released by this token (may be empty while UTF-8 or a possible stop string is pending).
+    pub text: String,
+    pub sampled: Sampled,
+    /// Set on the sequence's last event.
+    pub finish: Option<FinishReason>,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Most sequences decoding at once.
+    pub max_batch: usize,
+    /// Largest prefill chunk of one sequence per step.
+    pub prefill_chunk: usize,
+    /// Token budget of one step (decode tokens + prefill chunk tokens).
+    pub max_step_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024 }
+    }
+}
+
+/// Per-sequence timing, for `k3 run` / `k3 bench` and the server's metrics.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SeqStats {
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+    /// Time from admission to the first generated token.
+    pub ttft: Duration,
+}
+
+struct Sequence {
+    id: SeqId,
+    req: Request,
+    state: SeqState,
+    /// Prompt tokens already prefilled.
+    done: usize,
+    output: Vec<u32>,
+    sampler: Sampler,
+    utf8: k3_tokenizer::stream::Utf8Stream,
+    stop: StopMatcher,
+    stats: SeqStats,
+    admitted: Instant,
+}
+
+pub struct Engine {
+    pub model: Arc<Model>,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub config: EngineConfig,
+    running: Vec<Sequence>,
+    waiting: VecDeque<Sequence>,
+    finished_stats: Vec<(SeqId, SeqStats)>,
+    next_id: SeqId,
+}
+
+impl Engine {
+    pub fn new(model: Arc<Model>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
+        Engine { model, tokenizer, config, running: Vec::new(), waiting: VecDeque::new(), finished_stats: Vec::new(), next_id: 1 }
+    }
+
+    /// Validates and queues a request; errors come before any work is done.
+    pub fn add(&mut self, req: Request) -> Result<SeqId> {
+        req.params.validate()?;
+        let limit = self.model.config.max_context();
+        if req.prompt.is_empty() {
+            return Err(param("prompt", "is empty"));
+        }
+        if req.max_tokens == 0 {
+            return Err(param("max_tokens", "must be ≥ 1"));
+        }
+        if req.prompt.len() >= limit {
+            return Err(EngineError::Context { prompt: req.prompt.len(), extra: String::new(), limit });
+        }
+        let vocab = self.model.config.text.vocab_size as u32;
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+            return Err(param("prompt", format!("token id {bad} is outside the vocabulary ({vocab})")));
+        }
+        if !req.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(param("stop", "stop strings need a tokenizer; this engine has none"));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let seq = Sequence {
+            id,
+            state: self.model.new_state(),
+            done: 0,
+            output: Vec::new(),
+            sampler: Sampler::new(req.params.clone()),
+            utf8: Default::default(),
+            stop: StopMatcher::new(req.stop.clone()),
+            stats: SeqStats { prompt_tokens: req.prompt.len(), ..Default::default() },
+            admitted: Instant::now(),
+            req,
+        };
+        self.waiting.push_back(seq);
+        Ok(id)
+    }
+
+    /// Drops a sequence (running or waiting) and frees its state. Returns whether it existed.
+    pub fn cancel(&mut self, id: SeqId) -> bool {
+        let before = self.running.len() + self.waiting.len();
+        self.running.retain(|s| s.id != id);
+        self.waiting.retain(|s| s.id != id);
+        before != self.running.len() + self.waiting.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    /// Bytes held by all live sequence states.
+    pub fn state_bytes(&self) -> usize {
+        self.running.iter().chain(self.waiting.iter()).map(|s| s.state.bytes()).sum()
+    }
+    /// Stats of sequences finished since the last call.
+    pub fn take_finished_stats(&mut self) -> Vec<(SeqId, SeqStats)> {
+        std::mem::take(&mut self.finished_stats)
+    }
+
+    /// Runs one batched forward pass and returns the tokens it produced.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        // Admit waiting sequences while there is room.
+        while self.running.len() < self.config.max_batch {
+            match self.waiting.pop_front() {
+                Some(s) => self.running.push(s),
+                None => break,
+            }
+        }
+        if self.running.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Plan: decode tokens first, then prefill chunks within the budget.
+        let mut budget = self.config.max_step_tokens.max(1);
+        let mut plan: Vec<(usize, Vec<u32>)> = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if s.done == s.req.prompt.len() {
+                if let Some(&last) = s.output.last() {
+                    plan.push((i, vec![last]));
+                    budget = budget.saturating_sub(1);
+                }
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            let left = s.req.prompt.len() - s.done;
+            if left > 0 && budget > 0 {
+                let n = left.min(self.config.prefill_chunk).min(budget);
+                plan.push((i, s.req.prompt[s.done..s.done + n].to_vec()));
+                budget -= n;
+            }
+        }
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t0 = Instant::now();
+        let toks: Vec<&[u32]> = plan.iter().map(|(_, t)| t.as_slice()).collect();
+        let logits = {
+            let mut idx: Vec<usize> = plan.iter().map(|(i, _)| *i).collect();
+            idx.sort_unstable();
+            // Disjoint &mut borrows of the planned sequences, in plan order.
+            let mut by_index: Vec<Option<&mut Sequence>> = self.running.iter_mut().map(Some).collect();
+            let mut states: Vec<&mut SeqState> = plan.iter().map(|(i, _)| by_index[*i].take().map(|s| &mut s.state)).collect::<Option<Vec<_>>>().ok_or_else(|| param("batch", "a sequence was planned twice"))?;
+            self.model.forward_batch(&toks, &mut states, ForwardOpts { last_only: true, ..Default::default() })?
+        };
+        let dt = t0.elapsed();
+        let vocab = self.model.config.text.vocab_size;
+        let mut events = Vec::new();
+        let mut finished: Vec<usize> = Vec::new();
+        let eos = self.model.config.eos_token_ids.clone();
+        for ((i, toks), lg) in plan.iter().zip(logits) {
+            let s = &mut self.running[*i];
+            let prefill = s.done < s.req.prompt.len();
+            if prefill {
+                s.done += toks.len();
+                s.stats.prefill_time += dt;
+                if s.done < s.req.prompt.len() {
+                    continue; // more prompt to go: no token yet
+                }
+            } else {
+                s.stats.decode_time += dt;
+            }
+            let sampled = s.sampler.sample(&lg[..vocab], &s.req.prompt, &s.output);
+            let tok = sampled.token;
+            if s.output.is_empty() {
+                s.stats.ttft = s.admitted.elapsed();
+            }
+            s.output.push(tok);
+            s.stats.output_tokens += 1;
+            let is_stop_tok = (!s.req.ignore_eos && eos.contains(&tok)) || s.req.stop_token_ids.contains(&tok);
+            let mut text = String::new();
+            let mut finish = None;
+            if let Some(tk) = &self.tokenizer {
+                if !is_stop_tok && !tk.skips_on_decode(tok) {
+                    let piece = tk.token_bytes(tok).unwrap_or_default();
+                    match s.stop.push(&s.utf8.push(piece)) {
+                        StopCheck::Continue(t) => text = t,
+                        StopCheck::Stopped(t) => {
+                            text = t;
+                            finish = Some(FinishReason::Stop);
+                        }
+                    }
+                }
+            }
+            if finish.is_none() {
+                if is_stop_tok {
+                    finish = Some(FinishReason::Stop);
+                } else if s.output.len() >= s.req.max_tokens || s.state.pos + 1 >= self.model.config.max_context() {
+                    finish = Some(FinishReason::Length);
+                }
+                if finish.is_some() && self.tokenizer.is_some() {
+                    let tail = s.utf8.finish();
+                    if let StopCheck::Stopped(t) = s.stop.push(&tail) {
+                        text.push_str(&t);
+                    } else {
+                        text.push_str(&s.stop.flush());
+                    }
+                }
+            }
+            if finish.is_some() {
+                finished.push(*i);
+            }
+            events.push(Event { seq: s.id, token: tok, text, sampled, finish });
+        }
+        finished.sort_unstable();
+        for i in finished.into_iter().rev() {
+            let s = self.running.remove(i);
+            self.finished_stats.push((s.id, s.stats));
+        }
+        Ok(events)
+    }
+
+    /// Runs one request to completion, calling `on_event` per token. Returns the output
+    /// tokens, the finish reason and the timing.
+    pub fn generate(&mut self, req: Request, mut on_event: impl FnMut(&Event)) -> Result<(Vec<u32>, FinishReason, SeqStats)> {
+        let id = self.add(req)?;
+        let mut out = Vec::new();
+        loop {
+            let evs = self.step()?;
+            if evs.is_empty() && !self.has_work() {
+                return Err(EngineError::UnknownSeq(id));
+            }
+            for e in evs.iter().filter(|e| e.seq == id) {
+                on_event(e);
+                out.push(e.token);
+                if let Some(f) = e.finish {
+                    let stats = self.finished_stats.iter().rev().find(|(i, _)| *i == id).map(|(_, s)| s.clone()).unwrap_or_default();
+                    return Ok((out, f, stats));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! The one error type of k3-engine. Request errors name the offending parameter.
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// A request parameter is out of range or inconsistent; `param` is its API name.
+    #[error("invalid request parameter `{param}`: {msg}")]
+    Param { param: &'static str, msg: String },
+    #[error("prompt of {prompt} tokens{extra} exceeds the context limit of {limit} tokens")]
+    Context { prompt: usize, extra: String, limit: usize },
+    #[error("unknown sequence id {0}")]
+    UnknownSeq(u64),
+    #[error(transparent)]
+    Model(#[from] k3_model::ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] k3_tokenizer::Error),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+pub(crate) fn param(param: &'static str, msg: impl Into<String>) -> EngineError {
+    EngineError::Param { param, msg: msg.into() }
+}

@@ -1,0 +1,16 @@
+//! k3-engine: what turns the model into a generator.
+//!
+//! - [`sampler`]: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+//! - [`stop`]: stop strings on streamed text.
+//! - [`engine`]: per-sequence state and the continuous-batching scheduler ([`Engine::step`]).
+//!
+//! The server talks to this crate only, never to model internals.
+
+pub mod engine;
+pub mod error;
+pub mod sampler;
+pub mod stop;
+
+pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, SeqId, SeqStats};
+pub use error::{EngineError, Result};
+pub use sampler::{Sampled, Sampler, SamplingParams};

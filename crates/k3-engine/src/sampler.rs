@@ -1,0 +1,292 @@
+//! Token sampling: penalties, temperature, top-k, top-p, min-p, seeded randomness, and top-n
+//! log-probabilities. Order (as vLLM applies them): repetition / presence / frequency
+//! penalties on the logits → greedy if `temperature == 0` → temperature → top-k → top-p →
+//! min-p → draw. Log-probabilities are reported from the model's raw logits (log-softmax).
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{param, Result};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// 1 = off; > 1 discourages tokens already in the prompt or output.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence of a token already generated.
+    pub frequency_penalty: f32,
+    /// Makes sampling reproducible.
+    pub seed: Option<u64>,
+    /// Return this many top log-probabilities per token (None = no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, presence_penalty: 0.0, frequency_penalty: 0.0, seed: None, logprobs: None }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    /// Checks ranges; the error names the parameter.
+    pub fn validate(&self) -> Result<()> {
+        let finite = |v: f32| v.is_finite();
+        if !finite(self.temperature) || self.temperature < 0.0 || self.temperature > 100.0 {
+            return Err(param("temperature", format!("{} is outside [0, 100]", self.temperature)));
+        }
+        if !finite(self.top_p) || self.top_p <= 0.0 || self.top_p > 1.0 {
+            return Err(param("top_p", format!("{} is outside (0, 1]", self.top_p)));
+        }
+        if !finite(self.min_p) || !(0.0..=1.0).contains(&self.min_p) {
+            return Err(param("min_p", format!("{} is outside [0, 1]", self.min_p)));
+        }
+        if !finite(self.repetition_penalty) || self.repetition_penalty <= 0.0 || self.repetition_penalty > 10.0 {
+            return Err(param("repetition_penalty", format!("{} is outside (0, 10]", self.repetition_penalty)));
+        }
+        if !finite(self.presence_penalty) || self.presence_penalty.abs() > 2.0 {
+            return Err(param("presence_penalty", format!("{} is outside [-2, 2]", self.presence_penalty)));
+        }
+        if !finite(self.frequency_penalty) || self.frequency_penalty.abs() > 2.0 {
+            return Err(param("frequency_penalty", format!("{} is outside [-2, 2]", self.frequency_penalty)));
+        }
+        if let Some(n) = self.logprobs {
+            if n > 20 {
+                return Err(param("top_logprobs", format!("{n} is more than 20")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// log p(token) under the raw model distribution.
+    pub logprob: f32,
+    /// The top-n (token, logprob) pairs, best first (empty unless `logprobs` was asked).
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+pub struct Sampler {
+    pub params: SamplingParams,
+    rng: StdRng,
+}
+
+/// `log_softmax(x)[i]` for all i.
+pub fn log_softmax(x: &[f32]) -> Vec<f32> {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + x.iter().map(|v| ((v - m) as f64).exp()).sum::<f64>().ln() as f32;
+    x.iter().map(|v| v - lse).collect()
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = match params.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        Sampler { params, rng }
+    }
+
+    /// Applies the penalties in place. `prompt` and `output` are the sequence's tokens so far.
+    pub fn apply_penalties(&self, logits: &mut [f32], prompt: &[u32], output: &[u32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            let mut seen = vec![false; logits.len()];
+            for &t in prompt.iter().chain(output) {
+                if let Some(s) = seen.get_mut(t as usize) {
+                    *s = true;
+                }
+            }
+            for (l, s) in logits.iter_mut().zip(seen) {
+                if s {
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut count = std::collections::HashMap::<u32, u32>::new();
+            for &t in output {
+                *count.entry(t).or_insert(0) += 1;
+            }
+            for (t, c) in count {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+    }
+
+    /// The probability distribution after temperature, top-k, top-p and min-p (sums to 1).
+    pub fn distribution(&self, logits: &[f32]) -> Vec<f32> {
+        let p = &self.params;
+        let scaled: Vec<f32> = logits.iter().map(|l| l / p.temperature).collect();
+        let mut probs = log_softmax(&scaled).into_iter().map(f32::exp).collect::<Vec<_>>();
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        order.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+        let mut keep = order.len();
+        if p.top_k > 0 {
+            keep = keep.min(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0f32;
+            for (i, &ix) in order.iter().enumerate().take(keep) {
+                acc += probs[ix];
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let thr = p.min_p * probs[order[0]];
+            keep = order[..keep].iter().take_while(|&&ix| probs[ix] >= thr).count().max(1);
+        }
+        let mut mask = vec![false; probs.len()];
+        order[..keep].iter().for_each(|&ix| mask[ix] = true);
+        let total: f32 = order[..keep].iter().map(|&ix| probs[ix]).sum();
+        for (pr, m) in probs.iter_mut().zip(mask) {
+            *pr = if m { *pr / total } else { 0.0 };
+        }
+        probs
+    }
+
+    /// Picks the next token from raw `logits` given the tokens so far.
+    pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Sampled {
+        let raw_lp = log_softmax(logits);
+        let mut l = logits.to_vec();
+        self.apply_penalties(&mut l, prompt, output);
+        let token = if self.params.temperature == 0.0 {
+            argmax(&l)
+        } else {
+            let probs = self.distribution(&l);
+            let u: f32 = self.rng.random();
+            let mut acc = 0f32;
+            let mut pick = argmax(&probs);
+            for (i, &pr) in probs.iter().enumerate() {
+                acc += pr;
+                if pr > 0.0 && u < acc {
+                    pick = i;
+                    break;
+                }
+            }
+            pick
+        };
+        let top_logprobs = match self.params.logprobs {
+            Some(n) if n > 0 => {
+                let mut idx: Vec<usize> = (0..raw_lp.len()).collect();
+                let n = n.min(idx.len());
+                idx.select_nth_unstable_by(n - 1, |&a, &b| raw_lp[b].partial_cmp(&raw_lp[a]).unwrap_or(std::cmp::Ordering::Equal));
+                idx.truncate(n);
+                idx.sort_by(|&a, &b| raw_lp[b].partial_cmp(&raw_lp[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+                idx.into_iter().map(|i| (i as u32, raw_lp[i])).collect()
+            }
+            _ => Vec::new(),
+        };
+        Sampled { token: token as u32, logprob: raw_lp[token], top_logprobs }
+    }
+}
+
+/// Index of the largest value (lowest index on ties).
+pub fn argmax(x: &[f32]) -> usize {
+    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(p: SamplingParams) -> Sampler {
+        Sampler::new(SamplingParams { seed: Some(1), ..p })
+    }
+
+    #[test]
+    fn greedy_takes_argmax() {
+        let mut sm = s(SamplingParams::greedy());
+        assert_eq!(sm.sample(&[0.1, 3.0, 2.9], &[], &[]).token, 1);
+    }
+
+    #[test]
+    fn top_k_keeps_k() {
+        let sm = s(SamplingParams { top_k: 2, ..Default::default() });
+        let d = sm.distribution(&[1.0, 3.0, 2.0, 0.0]);
+        assert_eq!(d.iter().filter(|p| **p > 0.0).count(), 2);
+        assert!(d[1] > d[2] && d[0] == 0.0 && d[3] == 0.0);
+        assert!((d.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_nucleus() {
+        // probs ≈ [0.665, 0.245, 0.090]: top_p 0.7 keeps two.
+        let sm = s(SamplingParams { top_p: 0.7, ..Default::default() });
+        let d = sm.distribution(&[2.0, 1.0, 0.0]);
+        assert!(d[0] > 0.0 && d[1] > 0.0 && d[2] == 0.0);
+    }
+
+    #[test]
+    fn min_p_drops_unlikely() {
+        let sm = s(SamplingParams { min_p: 0.2, ..Default::default() });
+        // p ∝ e^[0, -1, -3]: relative to max 1, 0.37, 0.05 → third dropped.
+        let d = sm.distribution(&[0.0, -1.0, -3.0]);
+        assert!(d[1] > 0.0 && d[2] == 0.0);
+    }
+
+    #[test]
+    fn temperature_sharpens() {
+        let a = s(SamplingParams { temperature: 0.5, ..Default::default() }).distribution(&[1.0, 0.0]);
+        let b = s(SamplingParams { temperature: 2.0, ..Default::default() }).distribution(&[1.0, 0.0]);
+        assert!(a[0] > b[0]);
+    }
+
+    #[test]
+    fn penalties() {
+        let sm = s(SamplingParams { repetition_penalty: 2.0, presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() });
+        let mut l = vec![4.0, -4.0, 1.0, 1.0];
+        sm.apply_penalties(&mut l, &[0, 1], &[2, 2]);
+        assert_eq!(l[0], 2.0); // positive / 2
+        assert_eq!(l[1], -8.0); // negative × 2
+        assert_eq!(l[2], 1.0 / 2.0 - 0.5 - 0.5); // repetition, presence, 2 × frequency
+        assert_eq!(l[3], 1.0);
+    }
+
+    #[test]
+    fn seed_reproduces_and_logprobs_sorted() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let run = |seed| {
+            let mut sm = Sampler::new(SamplingParams { seed: Some(seed), logprobs: Some(3), ..Default::default() });
+            (0..20).map(|_| sm.sample(&logits, &[], &[]).token).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+        let mut sm = Sampler::new(SamplingParams { seed: Some(1), logprobs: Some(3), ..Default::default() });
+        let out = sm.sample(&logits, &[], &[]);
+        assert_eq!(out.top_logprobs.len(), 3);
+        assert!(out.top_logprobs.windows(2).all(|w| w[0].1 >= w[1].1));
+        let lp = log_softmax(&logits);
+        assert!((out.logprob - lp[out.token as usize]).abs() < 1e-6);
+    }
+
+    #[test]
+    fn validation_names_parameter() {
+        let e = SamplingParams { top_p: 1.5, ..Default::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("top_p"));
+        let e = SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("temperature"));
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}
