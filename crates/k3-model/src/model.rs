@@ -303,3 +303,33 @@ impl Model {
         }
     }
 }
+
+impl Model {
+    /// Weight bytes one decode token reads: every non-expert matrix of every layer, the
+    /// `num_experts_per_token` routed experts of each MoE layer (their average size), one
+    /// embedding row and the whole `lm_head`. Used to turn decode time into bandwidth.
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        use crate::layers::moe::Expert;
+        let m = |x: &Matrix| x.bytes() as u64;
+        let mut total = m(&self.lm_head) + (self.embed_tokens.bytes() / self.embed_tokens.rows().max(1)) as u64;
+        for layer in &self.layers {
+            total += match &layer.mixer {
+                Mixer::Kda(k) => [&k.q_proj, &k.k_proj, &k.v_proj, &k.b_proj, &k.f_a_proj, &k.f_b_proj, &k.g_proj, &k.o_proj].iter().map(|x| m(x)).sum::<u64>(),
+                Mixer::Mla(a) => {
+                    let ix = a.indexer.as_ref().map_or(0, |i| m(&i.wq_b) + m(&i.wk) + m(&i.weights_proj));
+                    [&a.q_a_proj, &a.q_b_proj, &a.kv_a_proj_with_mqa, &a.kv_b_proj, &a.g_proj, &a.o_proj].iter().map(|x| m(x)).sum::<u64>() + ix
+                }
+            };
+            total += match &layer.ffn {
+                Ffn::Dense(f) => m(&f.gate_proj) + m(&f.up_proj) + m(&f.down_proj),
+                Ffn::Moe(e) => {
+                    let ex = |x: &Expert| m(&x.w1) + m(&x.w2) + m(&x.w3);
+                    let avg = e.experts.iter().map(ex).sum::<u64>() / e.experts.len().max(1) as u64;
+                    let sh = e.shared_experts.as_ref().map_or(0, |f| m(&f.gate_proj) + m(&f.up_proj) + m(&f.down_proj));
+                    m(&e.gate) + m(&e.routed_expert_down_proj) + m(&e.routed_expert_up_proj) + sh + avg * self.config.text.num_experts_per_token as u64
+                }
+            };
+        }
+        total
+    }
+}
