@@ -4,6 +4,7 @@
 //! ```text
 //! cargo build --release -p k3-core --features cuda --example cuda_bench
 //! cuda_bench                                   # the standard suite (issue 10's figures)
+//! cuda_bench gemm-suite                        # only the tuned bf16 GEMMs of the suite
 //! cuda_bench gemm 4096 12288 7168              # one case: gemm M N K | copy BYTES | rmsnorm ROWS DIM
 //! cuda_bench --warmup 10 --repeats 50 copy 2147483648
 //! ```
@@ -14,7 +15,7 @@ use k3_core::cuda::CudaDevice;
 use k3_core::DType;
 
 fn usage() -> ! {
-    eprintln!("usage: cuda_bench [--warmup N] [--repeats N] [gemm M N K | copy BYTES | rmsnorm ROWS DIM]");
+    eprintln!("usage: cuda_bench [--warmup N] [--repeats N] [gemm-suite | gemm M N K | copy BYTES | rmsnorm ROWS DIM]");
     std::process::exit(2)
 }
 
@@ -59,6 +60,10 @@ fn main() {
     }
     let ops = match args.split_first() {
         None => suite(),
+        Some((op, _)) if op == "gemm-suite" => suite()
+            .into_iter()
+            .filter(|o| matches!(o, BenchOp::Gemm { dtype: DType::BF16, opts: GemmOptions { backend: Backend::Lt, algo: Algo::Tuned }, .. }))
+            .collect(),
         Some((op, rest)) => {
             let dims: Option<Vec<usize>> = rest.iter().map(|s| s.parse().ok()).collect();
             let Some(dims) = dims else { usage() };

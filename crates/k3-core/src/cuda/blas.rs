@@ -29,6 +29,8 @@ pub const WORKSPACE_BYTES: usize = 32 << 20;
 pub const TUNE_MIN_MACS: u64 = 1 << 30;
 /// Heuristic candidates considered when tuning.
 const TUNE_CANDIDATES: usize = 8;
+/// Timed calls per candidate when tuning.
+const TUNE_CALLS: usize = 5;
 
 /// Operand layout of `b`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -234,16 +236,22 @@ impl Blas {
         .map_err(derr("cublasLtMatmul"))
     }
 
-    /// Mean milliseconds of one call with `plan.algo`: 1 warm-up, 3 timed back-to-back calls.
+    /// Fastest single call with `plan.algo`, in ms: 1 warm-up, then [`TUNE_CALLS`] calls
+    /// back to back with an event between each; the minimum is robust to clock dips.
     fn time_plan(&self, dev: &CudaDevice, plan: &Plan, a: u64, b: u64, c: u64) -> Result<f32> {
         self.run_plan(dev, plan, a, b, c)?;
-        let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
-        e0.record(&dev.stream())?;
-        for _ in 0..3 {
+        let events = (0..=TUNE_CALLS).map(|_| dev.new_event(true)).collect::<Result<Vec<_>>>()?;
+        let stream = dev.stream();
+        events[0].record(&stream)?;
+        for e in &events[1..] {
             self.run_plan(dev, plan, a, b, c)?;
+            e.record(&stream)?;
         }
-        e1.record(&dev.stream())?;
-        Ok(e0.elapsed_ms(&e1)? / 3.0)
+        let mut best = f32::INFINITY;
+        for w in events.windows(2) {
+            best = best.min(w[0].elapsed_ms(&w[1])?);
+        }
+        Ok(best)
     }
 
     fn cublas_gemm(&mut self, dev: &CudaDevice, p: Problem, a: u64, b: u64, c: u64) -> Result<()> {
