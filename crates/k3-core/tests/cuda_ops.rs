@@ -104,8 +104,8 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
 
 fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = rel_l2(got, want);
-    say(&format!("  {what:<48} rel L2 {e:.2e} (tol {tol:.0e})"));
-    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
+    say(&format!("  {what:<48} rel L2 {e:.2e} (tol {tol:.1e})"));
+    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.1e}");
 }
 
 fn tol_for(d: DType) -> f64 {
