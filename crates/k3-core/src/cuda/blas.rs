@@ -122,7 +122,7 @@ pub fn gemm(a: &CudaTensor, b: &CudaTensor, out: &CudaTensor, layout: Layout, op
         return Err(CoreError::Shape { op: OP, detail: format!("b must be 2-D, got {b:?}") });
     }
     let k = a.last_dim();
-    let m = if k == 0 { 0 } else { a.numel() / k };
+    let m = a.numel().checked_div(k).unwrap_or(0);
     let (bk, n) = match layout {
         Layout::BT => (b.shape()[1], b.shape()[0]),
         Layout::B => (b.shape()[0], b.shape()[1]),

@@ -33,7 +33,7 @@ fn check_like(op: &'static str, first: &CudaTensor, others: &[&CudaTensor]) -> R
 
 fn rows_of(op: &'static str, x: &CudaTensor) -> Result<(i32, u32)> {
     let d = x.last_dim();
-    let rows = if d == 0 { 0 } else { x.numel() / d };
+    let rows = x.numel().checked_div(d).unwrap_or(0);
     let d32 = i32::try_from(d).map_err(|_| CoreError::Shape { op, detail: format!("row width {d} exceeds i32") })?;
     let r32 = u32::try_from(rows).ok().filter(|&r| r < (1 << 31)).ok_or_else(|| CoreError::Shape { op, detail: format!("{rows} rows exceed the grid limit") })?;
     Ok((d32, r32))
@@ -58,7 +58,8 @@ pub fn rms_norm(x: &CudaTensor, w: &CudaTensor, eps: f32, out: &CudaTensor) -> R
     }
     let vec = 16 / x.dtype().size_in_bytes();
     let aligned = [x.ptr(), w.ptr(), out.ptr()].iter().all(|p| p % 16 == 0);
-    let vectorised = aligned && (d as usize) % vec == 0;
+    // vec is 4 or 8: a power of two.
+    let vectorised = aligned && (d as usize) & (vec - 1) == 0;
     let (name, work) = match (sfx, vectorised) {
         ("f32", true) => ("rms_norm_f32_v", d as usize / vec),
         ("f32", false) => ("rms_norm_f32", d as usize),
