@@ -14,6 +14,10 @@ pub enum CoreError {
     Io { path: String, source: std::io::Error },
     #[error("{0}")]
     Msg(String),
+    /// No usable CUDA driver or GPU on this machine (library absent, no device, driver too
+    /// old). Callers fall back to the CPU or skip; every other CUDA failure is `Device`.
+    #[error("CUDA unavailable: {0}")]
+    CudaUnavailable(String),
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;

@@ -9,6 +9,8 @@
 //!
 //! Imports point one way: this crate knows nothing of Kimi K3's config or checkpoint names.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -2,3 +2,5 @@
 //! `cuda` (feature `cuda`). A file stem names the same op family in every backend.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;

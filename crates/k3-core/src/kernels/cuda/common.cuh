@@ -1,0 +1,87 @@
+// common.cuh: prepended to every k3rs CUDA source before NVRTC compiles it (see
+// kernels/cuda/mod.rs). No system headers: NVRTC needs none of the toolkit's include files,
+// so bf16 is handled as raw `unsigned short` bits here instead of via <cuda_bf16.h>.
+
+typedef unsigned short bf16_t;
+
+#define K3_INF __int_as_float(0x7f800000)
+
+// bf16 -> f32 is exact: the bf16 bits are the top half of the f32.
+__device__ __forceinline__ float bf16_to_f32(bf16_t h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// f32 -> bf16, round to nearest even; NaN stays a quiet NaN. Same rule as the `half` crate.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// Load / store one element of either storage type as f32.
+__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16_t* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum / max for blockDim.x a multiple of 32 (<= 1024). Every thread gets the result.
+// `scratch` is 32 floats of shared memory; the call ends with the scratch free for reuse.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < nw) ? scratch[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < nw) ? scratch[lane] : -K3_INF;
+    v = warp_max(v);
+    __syncthreads();
+    return v;
+}
+
+// 16-byte vector loads/stores: 4 f32 or 8 bf16 per access.
+__device__ __forceinline__ void ld_vec(const float* p, float* f) {
+    float4 v = *reinterpret_cast<const float4*>(p);
+    f[0] = v.x; f[1] = v.y; f[2] = v.z; f[3] = v.w;
+}
+__device__ __forceinline__ void ld_vec(const bf16_t* p, float* f) {
+    uint4 r = *reinterpret_cast<const uint4*>(p);
+    unsigned int w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void st_vec(float* p, const float* f) {
+    *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+}
+__device__ __forceinline__ void st_vec(bf16_t* p, const float* f) {
+    unsigned int w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        w[i] = (unsigned int)f32_to_bf16(f[2 * i]) | ((unsigned int)f32_to_bf16(f[2 * i + 1]) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}

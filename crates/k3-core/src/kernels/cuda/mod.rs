@@ -1,0 +1,37 @@
+//! The CUDA C sources of k3rs's own kernels, embedded in the binary with `include_str!`.
+//!
+//! Each `.cu` file here is one op family; its stem matches the CPU file that is its oracle
+//! (`norm.cu` ↔ `kernels/cpu/norm.rs`, `act.cu` ↔ `kernels/cpu/act.rs`; `softmax.cu` holds
+//! the softmax of `act.rs`). `common.cuh` (bf16 bit conversions, 16-byte vector access, warp
+//! and block reductions) is prepended to every source, so no file includes a header and NVRTC
+//! needs none of the toolkit's include directory. The sources are compiled at run time by
+//! [`crate::cuda`] with NVRTC for the device's own architecture (`sm_90` on an H200) and the
+//! resulting cubin is cached per process; see `docs/gpu.md` for why NVRTC rather than
+//! ahead-of-time `nvcc`.
+
+/// One CUDA C translation unit: a module name (also the cache key) and its source text.
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    pub name: &'static str,
+    pub code: &'static str,
+}
+
+/// Prepended to every source before compilation.
+pub const COMMON: &str = include_str!("common.cuh");
+
+/// RMSNorm (`rms_norm_{f32,bf16}[_v]`).
+pub const NORM: Source = Source { name: "norm", code: include_str!("norm.cu") };
+/// Sigmoid, SiLU, SiTU-GLU and dtype casts (`sigmoid_*`, `silu_*`, `situ_glu_*`, `cast_*`).
+pub const ACT: Source = Source { name: "act", code: include_str!("act.cu") };
+/// Row softmax (`softmax_{f32,bf16}`).
+pub const SOFTMAX: Source = Source { name: "softmax", code: include_str!("softmax.cu") };
+
+/// Every source, for tools that want to compile them all up front.
+pub const ALL: [Source; 3] = [NORM, ACT, SOFTMAX];
+
+impl Source {
+    /// The full text handed to NVRTC: [`COMMON`] followed by this file.
+    pub fn full_text(&self) -> String {
+        format!("{COMMON}\n// ---- {}.cu ----\n{}", self.name, self.code)
+    }
+}

@@ -1,0 +1,416 @@
+//! Op-parity suite for the CUDA path, in the spirit of llama.cpp's `test-backend-ops`: every
+//! CUDA op against the CPU op of the same name (`kernels::cpu`, the oracle) on fresh random
+//! non-zero inputs, several shapes including odd ones, compared by relative L2 error
+//! ‖gpu − cpu‖ / ‖cpu‖ within the tolerances stated below. Outputs are poisoned with NaN
+//! before each op, and a NaN anywhere fails, so an unwritten element cannot pass.
+//!
+//! Without a CUDA driver or GPU each test prints `skipped: no CUDA driver (...)` and returns
+//! (CPU-only CI); with `K3_REQUIRE_CUDA=1` that case fails instead, so a GPU run cannot pass
+//! by skipping. The random seed is printed; `K3_TEST_SEED=N` replays it.
+#![cfg(feature = "cuda")]
+
+use std::io::Write;
+
+use half::bf16;
+use k3_core::cuda::blas::{self, Algo, Backend, GemmOptions, Layout};
+use k3_core::cuda::{self, bench, ops, CudaDevice, CudaTensor};
+use k3_core::kernels::cpu::{act, matmul, norm};
+use k3_core::{CoreError, DType, Tensor};
+use rand::{Rng, SeedableRng};
+
+/// f32 storage: only rounding-order differences between CPU and GPU.
+const TOL_F32: f64 = 1e-5;
+/// bf16 storage: the output is rounded to bf16 (at most half an ulp, 2⁻⁸ relative, per
+/// element; ≈ 1.6e-3 relative L2 on random data), and an f32 result a hair either side of a
+/// rounding boundary can land one ulp (2⁻⁷) apart: 8e-3 bounds both; a wrong kernel is ≫ 1e-2.
+const TOL_BF16: f64 = 8e-3;
+/// Row reductions in f32 (softmax, RMSNorm) against the CPU oracle: the CPU sums a row
+/// sequentially in f32, whose own error grows about linearly with d (5.6e-5 measured at
+/// d = 65536 on the H200, 1.5e-6 at d = 1000); the GPU's tree sum is far closer to exact, which the f64 check below ([`TOL_F32`] against an f64 reference)
+/// pins down independently of row length.
+fn tol_f32_rows(d: usize) -> f64 {
+    TOL_F32.max(2e-9 * d as f64)
+}
+/// bf16 GEMM inputs with an f32 output: accumulation order only.
+const TOL_GEMM_BF16_F32OUT: f64 = 1e-4;
+
+fn say(msg: &str) {
+    // Straight to stderr, past the test harness's capture, so a skip is always visible.
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
+fn device(test: &str) -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(CoreError::CudaUnavailable(why)) => {
+            if std::env::var("K3_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+                panic!("{test}: K3_REQUIRE_CUDA=1 but CUDA is unavailable: {why}");
+            }
+            say(&format!("{test}: skipped: no CUDA driver ({why})"));
+            None
+        }
+        Err(e) => panic!("{test}: a CUDA driver is present but the device failed: {e}"),
+    }
+}
+
+fn rng(test: &str) -> rand::rngs::StdRng {
+    let seed = std::env::var("K3_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+    });
+    say(&format!("{test}: seed {seed}"));
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+/// Values with |v| in [lo, hi), random sign: never zero.
+fn rand_vec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(lo..hi) * if r.random::<bool>() { 1.0 } else { -1.0 }).collect()
+}
+
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// Uploads `v` as `dtype` (values are already representable when dtype is BF16).
+fn upload(dev: &CudaDevice, dtype: DType, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
+    let t = match dtype {
+        DType::F32 => CudaTensor::from_f32(dev, shape, v),
+        _ => CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
+    };
+    t.expect("upload")
+}
+
+fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
+    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
+    t.fill_bytes(0xFF).expect("poison");
+    t
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    if let Some(i) = got.iter().position(|v| v.is_nan()) {
+        panic!("NaN at element {i} of {} (unwritten or invalid output)", got.len());
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        num += (g as f64 - w as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let e = rel_l2(got, want);
+    say(&format!("  {what:<48} rel L2 {e:.2e} (tol {tol:.1e})"));
+    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.1e}");
+}
+
+fn tol_for(d: DType) -> f64 {
+    if d == DType::F32 { TOL_F32 } else { TOL_BF16 }
+}
+
+/// Softmax rows of width `d` computed in f64 (all -inf row -> zeros), rounded to f32.
+fn softmax_f64(x: &[f32], d: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let m = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v as f64));
+        if m == f64::NEG_INFINITY {
+            out.extend(std::iter::repeat_n(0f32, d));
+            continue;
+        }
+        let s: f64 = row.iter().map(|&v| (v as f64 - m).exp()).sum();
+        out.extend(row.iter().map(|&v| ((v as f64 - m).exp() / s) as f32));
+    }
+    out
+}
+
+/// RMSNorm computed in f64, rounded to f32.
+fn rms_norm_f64(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let d = w.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+        let inv = 1.0 / (ms + eps as f64).sqrt();
+        out.extend(row.iter().zip(w).map(|(&v, &g)| (v as f64 * inv * g as f64) as f32));
+    }
+    out
+}
+
+#[test]
+fn no_driver_is_an_error_not_a_panic() {
+    let libs = cuda::library_report();
+    match cuda::probe() {
+        Ok(n) => {
+            assert!(n >= 1);
+            let e = CudaDevice::new(n + 7).unwrap_err();
+            assert!(matches!(e, CoreError::CudaUnavailable(_)), "{e}");
+        }
+        Err(CoreError::CudaUnavailable(why)) => {
+            assert!(why.contains("libcuda") || why.contains("GPU") || why.contains("cuInit"), "{why}");
+            assert!(matches!(CudaDevice::new(0), Err(CoreError::CudaUnavailable(_))));
+            say(&format!("no_driver_is_an_error_not_a_panic: no CUDA here ({why}); libraries {libs:?}"));
+        }
+        Err(e) => panic!("probe returned the wrong error kind: {e}"),
+    }
+}
+
+#[test]
+fn device_info_copies_and_allocator() {
+    let Some(dev) = device("device_info_copies_and_allocator") else { return };
+    say(&format!("device: {}", dev.info()));
+    let mut r = rng("device_info_copies_and_allocator");
+    for n in [1usize, 3, 1000, 65_537] {
+        let v = rand_vec(&mut r, n, 0.1, 10.0);
+        let t = CudaTensor::from_f32(&dev, vec![n], &v).unwrap();
+        assert_eq!(t.to_f32_vec().unwrap(), v, "host->device->host round trip, n={n}");
+        let u = poisoned(&dev, DType::F32, vec![n]);
+        u.copy_from(&t).unwrap();
+        assert_eq!(u.to_host().unwrap().as_f32().unwrap().to_vec(), v, "device->device copy, n={n}");
+        let h = Tensor::from_f32(vec![n], &v).unwrap();
+        let w = CudaTensor::from_host(&dev, &h).unwrap();
+        assert_eq!(w.to_bytes().unwrap(), h.bytes());
+    }
+    let z = CudaTensor::zeros(&dev, DType::BF16, vec![3, 5]).unwrap();
+    assert!(z.to_f32_vec().unwrap().iter().all(|&v| v == 0.0));
+    assert!(z.reshape(vec![4, 4]).is_err());
+    assert!(z.write_bytes(&[0u8; 3]).is_err());
+    // Caching allocator: a freed block is reused without a new driver allocation.
+    let size = 3 << 20;
+    drop(CudaTensor::uninit(&dev, DType::U8, vec![size]).unwrap());
+    let before = dev.alloc_stats();
+    let again = CudaTensor::uninit(&dev, DType::U8, vec![size]).unwrap();
+    let after = dev.alloc_stats();
+    assert_eq!(after.driver_allocs, before.driver_allocs, "same-size allocation should come from the cache");
+    assert!(after.cache_hits > before.cache_hits);
+    drop(again);
+    // Streams and events order work across streams.
+    let side = dev.new_stream().unwrap();
+    let ev = dev.new_event(false).unwrap();
+    ev.record(&dev.stream()).unwrap();
+    side.wait(&ev).unwrap();
+    side.synchronize().unwrap();
+}
+
+#[test]
+fn rms_norm_parity() {
+    let Some(dev) = device("rms_norm_parity") else { return };
+    let mut r = rng("rms_norm_parity");
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, d) in [(1usize, 1usize), (3, 7), (5, 128), (17, 1000), (2, 4097), (64, 7168)] {
+            let mut x = rand_vec(&mut r, rows * d, 0.05, 3.0);
+            let mut w = rand_vec(&mut r, d, 0.5, 1.5);
+            if dtype == DType::BF16 {
+                x = round_bf16(&x);
+                w = round_bf16(&w);
+            }
+            let eps = 1e-6;
+            let mut want = vec![0f32; rows * d];
+            norm::rms_norm(&x, &w, eps, &mut want);
+            let (gx, gw) = (upload(&dev, dtype, vec![rows, d], &x), upload(&dev, dtype, vec![d], &w));
+            let out = poisoned(&dev, dtype, vec![rows, d]);
+            ops::rms_norm(&gx, &gw, eps, &out).unwrap();
+            let tol = if dtype == DType::F32 { tol_f32_rows(d) } else { TOL_BF16 };
+            let got = out.to_f32_vec().unwrap();
+            check(&format!("rms_norm {dtype} [{rows},{d}]"), &got, &want, tol);
+            if dtype == DType::F32 {
+                check(&format!("rms_norm {dtype} [{rows},{d}] vs f64"), &got, &rms_norm_f64(&x, &w, eps), TOL_F32);
+            }
+            // In place.
+            ops::rms_norm(&gx, &gw, eps, &gx).unwrap();
+            check(&format!("rms_norm in place {dtype} [{rows},{d}]"), &gx.to_f32_vec().unwrap(), &want, tol);
+        }
+    }
+}
+
+#[test]
+fn sigmoid_silu_parity() {
+    let Some(dev) = device("sigmoid_silu_parity") else { return };
+    let mut r = rng("sigmoid_silu_parity");
+    for dtype in [DType::F32, DType::BF16] {
+        for n in [1usize, 7, 1000, 65_537, (1 << 20) + 3] {
+            let mut x = rand_vec(&mut r, n, 0.01, 12.0);
+            if dtype == DType::BF16 {
+                x = round_bf16(&x);
+            }
+            let gx = upload(&dev, dtype, vec![n], &x);
+            let out = poisoned(&dev, dtype, vec![n]);
+            ops::sigmoid(&gx, &out).unwrap();
+            let want: Vec<f32> = x.iter().map(|&v| act::sigmoid(v)).collect();
+            check(&format!("sigmoid {dtype} [{n}]"), &out.to_f32_vec().unwrap(), &want, tol_for(dtype));
+            out.fill_bytes(0xFF).unwrap();
+            ops::silu(&gx, &out).unwrap();
+            let want: Vec<f32> = x.iter().map(|&v| act::silu(v)).collect();
+            check(&format!("silu {dtype} [{n}]"), &out.to_f32_vec().unwrap(), &want, tol_for(dtype));
+        }
+    }
+}
+
+#[test]
+fn situ_glu_parity() {
+    let Some(dev) = device("situ_glu_parity") else { return };
+    let mut r = rng("situ_glu_parity");
+    let (beta, lin) = (4.0f32, 25.0f32);
+    for dtype in [DType::F32, DType::BF16] {
+        for shape in [vec![1usize], vec![3, 5], vec![7, 2048], vec![33, 3001]] {
+            let n: usize = shape.iter().product();
+            // Gate up to ±16 and up to ±80 exercise both soft caps (β = 4, λ = 25).
+            let (mut g, mut u) = (rand_vec(&mut r, n, 0.01, 16.0), rand_vec(&mut r, n, 0.01, 80.0));
+            if dtype == DType::BF16 {
+                g = round_bf16(&g);
+                u = round_bf16(&u);
+            }
+            let mut want = vec![0f32; n];
+            act::situ_glu_slice(&g, &u, &mut want, beta, lin);
+            let (gg, gu) = (upload(&dev, dtype, shape.clone(), &g), upload(&dev, dtype, shape.clone(), &u));
+            let out = poisoned(&dev, dtype, shape.clone());
+            ops::situ_glu(&gg, &gu, beta, lin, &out).unwrap();
+            check(&format!("situ_glu {dtype} {shape:?}"), &out.to_f32_vec().unwrap(), &want, tol_for(dtype));
+        }
+    }
+}
+
+#[test]
+fn softmax_parity() {
+    let Some(dev) = device("softmax_parity") else { return };
+    let mut r = rng("softmax_parity");
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, d) in [(1usize, 1usize), (3, 5), (7, 1000), (32, 4099), (4, 65_536)] {
+            let mut x = rand_vec(&mut r, rows * d, 0.01, 8.0);
+            if rows > 1 {
+                // One row entirely -inf (becomes zeros) and one with a few -inf entries.
+                x[..d].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                x[d] = f32::NEG_INFINITY;
+            }
+            if dtype == DType::BF16 {
+                x = round_bf16(&x);
+            }
+            let mut want = x.clone();
+            want.chunks_exact_mut(d).for_each(act::softmax_inplace);
+            let gx = upload(&dev, dtype, vec![rows, d], &x);
+            let out = poisoned(&dev, dtype, vec![rows, d]);
+            ops::softmax(&gx, &out).unwrap();
+            let got = out.to_f32_vec().unwrap();
+            let tol = if dtype == DType::F32 { tol_f32_rows(d) } else { TOL_BF16 };
+            check(&format!("softmax {dtype} [{rows},{d}]"), &got, &want, tol);
+            if dtype == DType::F32 {
+                check(&format!("softmax {dtype} [{rows},{d}] vs f64"), &got, &softmax_f64(&x, d), TOL_F32);
+            }
+            if rows > 1 {
+                assert!(got[..d].iter().all(|&v| v == 0.0), "an all -inf row must become zeros");
+            }
+            ops::softmax(&gx, &gx).unwrap();
+            check(&format!("softmax in place {dtype} [{rows},{d}]"), &gx.to_f32_vec().unwrap(), &want, tol);
+        }
+    }
+}
+
+#[test]
+fn cast_is_round_to_nearest_even() {
+    let Some(dev) = device("cast_is_round_to_nearest_even") else { return };
+    let mut r = rng("cast_is_round_to_nearest_even");
+    let n = 100_003;
+    let mut x = rand_vec(&mut r, n, 1e-3, 1e4);
+    x[0] = f32::INFINITY;
+    x[1] = f32::NEG_INFINITY;
+    x[2] = 1.0 + 1.0 / 256.0; // exactly halfway between two bf16 values: ties to even
+    let gx = CudaTensor::from_f32(&dev, vec![n], &x).unwrap();
+    let gb = poisoned(&dev, DType::BF16, vec![n]);
+    ops::cast(&gx, &gb).unwrap();
+    let got: Vec<u16> = bytemuck::pod_collect_to_vec(&gb.to_bytes().unwrap());
+    let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    assert_eq!(got, want, "f32 -> bf16 must match half::bf16::from_f32 bit for bit");
+    let back = poisoned(&dev, DType::F32, vec![n]);
+    ops::cast(&gb, &back).unwrap();
+    assert_eq!(back.to_f32_vec().unwrap(), round_bf16(&x));
+    assert!(ops::cast(&gx, &CudaTensor::uninit(&dev, DType::U8, vec![n]).unwrap()).is_err());
+}
+
+/// CPU reference `x[M,K] · w[N,K]ᵀ` through `kernels::cpu::matmul::linear`.
+fn cpu_linear(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let wm = matmul::Matrix::dense(Tensor::from_f32(vec![n, k], w).unwrap()).unwrap();
+    let mut out = vec![0f32; m * n];
+    matmul::linear(x, m, &wm, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn gemm_parity() {
+    let Some(dev) = device("gemm_parity") else { return };
+    let mut r = rng("gemm_parity");
+    let shapes = [(1usize, 67usize, 96usize), (5, 130, 200), (70, 257, 333), (128, 512, 1024), (33, 1000, 7168)];
+    let cases = [
+        (DType::BF16, DType::F32, TOL_GEMM_BF16_F32OUT),
+        (DType::BF16, DType::BF16, TOL_BF16),
+        (DType::F32, DType::F32, TOL_F32),
+    ];
+    let opts = [
+        GemmOptions { backend: Backend::Lt, algo: Algo::Auto },
+        GemmOptions { backend: Backend::Lt, algo: Algo::Tuned },
+        GemmOptions { backend: Backend::Cublas, algo: Algo::Auto },
+    ];
+    for &(m, n, k) in &shapes {
+        for &(input, output, tol) in &cases {
+            let mut x = rand_vec(&mut r, m * k, 0.05, 1.0);
+            let mut w = rand_vec(&mut r, n * k, 0.05, 1.0);
+            if input == DType::BF16 {
+                x = round_bf16(&x);
+                w = round_bf16(&w);
+            }
+            let want = cpu_linear(&x, &w, m, n, k);
+            // w transposed to [K, N] for the `a · b` layout.
+            let mut wt = vec![0f32; k * n];
+            for (j, row) in w.chunks_exact(k).enumerate() {
+                for (kk, &v) in row.iter().enumerate() {
+                    wt[kk * n + j] = v;
+                }
+            }
+            let gx = upload(&dev, input, vec![m, k], &x);
+            let gw = upload(&dev, input, vec![n, k], &w);
+            let gwt = upload(&dev, input, vec![k, n], &wt);
+            for o in opts {
+                for (layout, b) in [(Layout::BT, &gw), (Layout::B, &gwt)] {
+                    let out = poisoned(&dev, output, vec![m, n]);
+                    blas::gemm(&gx, b, &out, layout, o).unwrap();
+                    let what = format!("gemm {input}->{output} {layout:?} {:?}/{:?} M={m} N={n} K={k}", o.backend, o.algo);
+                    check(&what, &out.to_f32_vec().unwrap(), &want, tol);
+                }
+            }
+        }
+    }
+    // Leading batch dims on x flatten into M.
+    let x = round_bf16(&rand_vec(&mut r, 2 * 3 * 64, 0.05, 1.0));
+    let w = round_bf16(&rand_vec(&mut r, 40 * 64, 0.05, 1.0));
+    let out = poisoned(&dev, DType::F32, vec![2, 3, 40]);
+    blas::linear(&upload(&dev, DType::BF16, vec![2, 3, 64], &x), &upload(&dev, DType::BF16, vec![40, 64], &w), &out).unwrap();
+    check("linear bf16->f32 x [2,3,64] · w [40,64]T", &out.to_f32_vec().unwrap(), &cpu_linear(&x, &w, 6, 40, 64), TOL_GEMM_BF16_F32OUT);
+}
+
+#[test]
+fn ops_reject_bad_inputs() {
+    let Some(dev) = device("ops_reject_bad_inputs") else { return };
+    let f = |shape: Vec<usize>| CudaTensor::zeros(&dev, DType::F32, shape).unwrap();
+    let b = |shape: Vec<usize>| CudaTensor::zeros(&dev, DType::BF16, shape).unwrap();
+    assert!(ops::rms_norm(&f(vec![2, 8]), &f(vec![7]), 1e-6, &f(vec![2, 8])).is_err());
+    assert!(ops::rms_norm(&f(vec![2, 8]), &b(vec![8]), 1e-6, &f(vec![2, 8])).is_err());
+    assert!(ops::silu(&f(vec![4]), &b(vec![4])).is_err());
+    assert!(ops::situ_glu(&f(vec![4]), &f(vec![5]), 4.0, 25.0, &f(vec![4])).is_err());
+    assert!(ops::softmax(&CudaTensor::zeros(&dev, DType::U8, vec![4]).unwrap(), &CudaTensor::zeros(&dev, DType::U8, vec![4]).unwrap()).is_err());
+    assert!(blas::linear(&b(vec![3, 8]), &b(vec![5, 9]), &f(vec![3, 5])).is_err());
+    assert!(blas::linear(&b(vec![3, 8]), &f(vec![5, 8]), &f(vec![3, 5])).is_err());
+    assert!(blas::matmul(&f(vec![3, 8]), &f(vec![8, 5]), &f(vec![3, 4])).is_err());
+}
+
+#[test]
+fn bench_smoke() {
+    let Some(dev) = device("bench_smoke") else { return };
+    for (op, dims) in [("gemm", vec![256usize, 384, 512]), ("copy", vec![1 << 20]), ("rmsnorm", vec![64, 1000])] {
+        let spec = bench::BenchOp::from_cli(op, &dims).unwrap();
+        let rep = bench::bench_op(&dev, &spec, 2, 5).unwrap();
+        say(&format!("  {rep}"));
+        assert_eq!(rep.repeats, 5);
+        assert!(rep.median_ms > 0.0 && rep.median_ms.is_finite() && rep.min_ms <= rep.median_ms && rep.median_ms <= rep.max_ms, "{rep}");
+    }
+}
