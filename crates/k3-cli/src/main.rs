@@ -14,14 +14,32 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text from a prompt (default model: the embedded k3-nano).
+    Run(cmd::run::Args),
     /// Full-sequence logits for a list of token ids, written as a `[T, vocab]` f32 .npy.
     Logits(cmd::logits::Args),
+    /// Measure prefill/decode speed, bandwidth and memory (or a CUDA op with --device cuda).
+    Bench(cmd::bench::Args),
+    /// Encode text to token ids (JSON on stdout).
+    Tokenize(k3_tokenizer::cli::TokenizeArgs),
+    /// Decode token ids to text (JSON on stdout).
+    Detokenize(k3_tokenizer::cli::DetokenizeArgs),
+    /// Render an OpenAI chat request into XTML text and ids (JSON on stdout).
+    RenderChat(k3_tokenizer::cli::RenderChatArgs),
+    /// Parse generated ids into reasoning, content and tool calls (JSON on stdout).
+    ParseOutput(k3_tokenizer::cli::ParseOutputArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let r = match cli.command {
+        Command::Run(a) => cmd::run::run(a),
         Command::Logits(a) => cmd::logits::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
+        Command::Tokenize(a) => cmd::tokenize::tokenize(a),
+        Command::Detokenize(a) => cmd::tokenize::detokenize(a),
+        Command::RenderChat(a) => cmd::tokenize::render_chat(a),
+        Command::ParseOutput(a) => cmd::tokenize::parse_output(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -1,2 +1,6 @@
 //! One module per `k3` subcommand.
+pub mod bench;
 pub mod logits;
+pub mod model_dir;
+pub mod run;
+pub mod tokenize;

@@ -1,0 +1,190 @@
+//! `k3 bench`: speed and memory, measured in one process so figures read as ratios.
+//!
+//! Model mode (`--model DIR --prompt-len P --gen-len G [--batch B] [--threads N]`): load time,
+//! prefill tok/s, decode tok/s (B sequences decoding together), peak RSS, cache bytes, and the
+//! decode's achieved weight bandwidth (weight bytes a decode step reads ÷ step time) next to
+//! this machine's memory bandwidth measured in the same run (a parallel read of a 1 GiB buffer
+//! and a memcpy), so decode reads as a fraction of the limit.
+//!
+//! Op mode (`--device cuda --op gemm M N K | copy BYTES | rmsnorm ROWS DIM`, feature `cuda`):
+//! one GPU op timed with CUDA events after warm-up, median of repeats.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use k3_model::{Checkpoint, ForwardOpts, Model, SeqState};
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model directory (default: the embedded k3-nano model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    #[arg(long, default_value_t = 32)]
+    pub gen_len: usize,
+    /// Sequences decoding together.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// cpu | cuda (cuda needs `--op`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// GPU op to time: gemm M N K | copy BYTES | rmsnorm ROWS DIM.
+    #[arg(long, num_args = 1.., value_name = "OP DIMS")]
+    pub op: Vec<String>,
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 50)]
+    pub repeats: usize,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Peak and current resident memory in bytes (VmHWM, VmRSS), Linux only.
+pub fn rss() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let get = |k: &str| s.lines().find(|l| l.starts_with(k)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024;
+    (get("VmHWM:"), get("VmRSS:"))
+}
+
+/// (parallel read GB/s, memcpy GB/s counting read + write) over a 1 GiB buffer, best of 3.
+pub fn memory_bandwidth() -> (f64, f64) {
+    let n = (1usize << 30) / 4;
+    let src: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
+    let mut dst = vec![0f32; n];
+    let (mut read, mut copy) = (0f64, 0f64);
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: f32 = src.par_chunks(1 << 16).map(sum8).sum();
+        std::hint::black_box(s);
+        read = read.max((n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        let t = Instant::now();
+        dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
+        std::hint::black_box(&dst);
+        copy = copy.max((2 * n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    (read, copy)
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if let Some(n) = a.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("--threads: the thread pool was already started")?;
+    }
+    match a.device.as_str() {
+        "cpu" if a.op.is_empty() => bench_model(&a),
+        "cpu" => bail!("--op is for --device cuda; on the CPU, bench a model with --model"),
+        "cuda" | "cuda:0" => bench_cuda_op(&a),
+        d => bail!("--device `{d}`: use cpu or cuda"),
+    }
+}
+
+fn bench_model(a: &Args) -> Result<()> {
+    if a.prompt_len == 0 || a.gen_len == 0 || a.batch == 0 {
+        bail!("--prompt-len, --gen-len and --batch must be ≥ 1");
+    }
+    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
+    let t0 = Instant::now();
+    let ck = Checkpoint::open(&dir)?;
+    let model = Model::load(&ck)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let rss_after_load = rss().1;
+    let vocab = model.config.text.vocab_size as u32;
+    if a.prompt_len + a.gen_len > model.config.max_context() {
+        bail!("--prompt-len + --gen-len = {} exceeds the model's context limit {}", a.prompt_len + a.gen_len, model.config.max_context());
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let prompts: Vec<Vec<u32>> = (0..a.batch).map(|_| (0..a.prompt_len).map(|_| rng.random_range(0..vocab)).collect()).collect();
+    let mut states: Vec<SeqState> = (0..a.batch).map(|_| model.new_state()).collect();
+    let opts = ForwardOpts { last_only: true, ..Default::default() };
+    // Prefill each sequence (one pass each).
+    let t = Instant::now();
+    let mut next = Vec::with_capacity(a.batch);
+    for (p, st) in prompts.iter().zip(states.iter_mut()) {
+        let lg = model.forward(p, st, opts, None)?;
+        next.push(argmax(&lg));
+    }
+    let prefill_s = t.elapsed().as_secs_f64();
+    // Decode: all sequences one token per step, batched.
+    let t = Instant::now();
+    for _ in 0..a.gen_len {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&x| [x]).collect();
+        let tk: Vec<&[u32]> = toks.iter().map(|x| x.as_slice()).collect();
+        let mut refs: Vec<&mut SeqState> = states.iter_mut().collect();
+        let lg = model.forward_batch(&tk, &mut refs, opts)?;
+        next = lg.iter().map(|l| argmax(l)).collect();
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    let step_s = decode_s / a.gen_len as f64;
+    let bytes_per_step = model.weight_bytes_per_token();
+    let achieved = bytes_per_step as f64 / step_s / 1e9;
+    let cache_bytes: usize = states.iter().map(SeqState::bytes).sum();
+    let (peak, _) = rss();
+    let (read_bw, copy_bw) = memory_bandwidth();
+    let r = serde_json::json!({
+        "model": dir.display().to_string(),
+        "threads": rayon::current_num_threads(),
+        "batch": a.batch, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+        "file_bytes": ck.file_bytes(), "load_s": load_s, "rss_after_load_bytes": rss_after_load,
+        "prefill_tokens_per_s": (a.batch * a.prompt_len) as f64 / prefill_s,
+        "decode_tokens_per_s": (a.batch * a.gen_len) as f64 / decode_s,
+        "decode_step_ms": step_s * 1e3,
+        "decode_weight_bytes_per_step": bytes_per_step,
+        "decode_weight_bandwidth_gb_s": achieved,
+        "memory_read_bandwidth_gb_s": read_bw,
+        "memcpy_bandwidth_gb_s": copy_bw,
+        "decode_fraction_of_read_bandwidth": achieved / read_bw,
+        "cache_bytes": cache_bytes,
+        "peak_rss_bytes": peak,
+    });
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("model            {}  ({:.2} GB on disk, loaded in {:.2} s, RSS after load {:.2} GB)", dir.display(), ck.file_bytes() as f64 / 1e9, load_s, rss_after_load as f64 / 1e9);
+        println!("threads          {}", rayon::current_num_threads());
+        println!("prefill          {:.1} tok/s  ({} × {} tokens)", r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0), a.batch, a.prompt_len);
+        println!("decode           {:.2} tok/s  (batch {}, {:.1} ms/step)", r["decode_tokens_per_s"].as_f64().unwrap_or(0.0), a.batch, step_s * 1e3);
+        println!("decode bandwidth {:.2} GB/s of weights ({:.1} MB/step) = {:.0}% of measured read bandwidth {:.2} GB/s (memcpy {:.2} GB/s)", achieved, bytes_per_step as f64 / 1e6, 100.0 * achieved / read_bw, read_bw, copy_bw);
+        println!("cache            {:.2} MB for {} sequences at {} tokens", cache_bytes as f64 / 1e6, a.batch, a.prompt_len + a.gen_len);
+        println!("peak RSS         {:.2} GB", peak as f64 / 1e9);
+    }
+    Ok(())
+}
+
+/// Sum with 8 independent accumulators (vectorises, so the read is memory-bound).
+fn sum8(c: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for x in c.chunks_exact(8) {
+        for i in 0..8 {
+            acc[i] += x[i];
+        }
+    }
+    acc.iter().sum::<f32>() + c.chunks_exact(8).remainder().iter().sum::<f32>()
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0 as u32
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda_op(a: &Args) -> Result<()> {
+    use k3_core::cuda::bench::{bench_op, BenchOp};
+    let Some((op, dims)) = a.op.split_first() else { bail!("--device cuda needs --op gemm M N K | copy BYTES | rmsnorm ROWS DIM") };
+    let dims = dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
+    let dev = k3_core::cuda::CudaDevice::new(0)?;
+    let op = BenchOp::from_cli(op, &dims)?;
+    let rep = bench_op(&dev, &op, a.warmup, a.repeats)?;
+    println!("{rep}");
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda_op(_: &Args) -> Result<()> {
+    bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
+}

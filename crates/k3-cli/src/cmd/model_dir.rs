@@ -1,0 +1,36 @@
+//! Where `--model` points when it is not given: the embedded k3-nano model. It is looked up
+//! (1) in `$K3_MODEL_DIR`, (2) next to the executable (`<exe dir>/models/k3-nano`, then
+//! `<exe dir>/../../models/k3-nano` for `target/{debug,release}/k3` inside a checkout), and (3) in
+//! the source tree the binary was built from (`models/k3-nano` of this repository).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+
+pub const NANO: &str = "models/k3-nano";
+
+pub fn resolve_model_dir(given: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.to_path_buf());
+    }
+    let mut tried = Vec::new();
+    if let Ok(d) = std::env::var("K3_MODEL_DIR") {
+        tried.push(PathBuf::from(d));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            tried.push(dir.join(NANO));
+            tried.push(dir.join("../..").join(NANO));
+        }
+    }
+    tried.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(NANO));
+    for t in &tried {
+        if t.join("config.json").is_file() {
+            return Ok(t.clone());
+        }
+    }
+    bail!(
+        "no --model given and the embedded k3-nano model was not found (looked in: {}); pass --model DIR or set K3_MODEL_DIR",
+        tried.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )
+}

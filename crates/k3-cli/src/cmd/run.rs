@@ -1,0 +1,129 @@
+//! `k3 run [--model DIR] [sampling flags] PROMPT`: generates a continuation and streams the
+//! text to stdout as it is produced; prefill and decode tokens/s go to stderr (or, with
+//! `--json`, one JSON object on stdout at the end). `--ids` takes token ids instead of text.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
+use k3_model::{Checkpoint, Model};
+use k3_tokenizer::Tokenizer;
+
+use super::model_dir::resolve_model_dir;
+
+#[derive(clap::Args)]
+pub struct SamplingArgs {
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Makes sampling reproducible.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            logprobs: None,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model directory (default: the embedded k3-nano model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Tokenizer directory (default: the model directory).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// The prompt text.
+    #[arg(required_unless_present = "ids")]
+    pub prompt: Option<String>,
+    /// Token ids instead of text (comma separated); output is printed as ids.
+    #[arg(long, conflicts_with = "prompt")]
+    pub ids: Option<String>,
+    /// Tokens to generate at most.
+    #[arg(long, short = 'n', default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Stop string (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Prefill chunk size.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Print one JSON object (text, ids, timings) instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let dir = resolve_model_dir(a.model.as_deref())?;
+    let ck = Checkpoint::open(&dir)?;
+    let model = Arc::new(Model::load(&ck)?);
+    let tok_dir = a.tokenizer.clone().unwrap_or_else(|| dir.clone());
+    let tokenizer = if tok_dir.join("tiktoken.model").is_file() { Some(Arc::new(Tokenizer::from_dir(&tok_dir)?)) } else { None };
+    let prompt: Vec<u32> = match (&a.ids, &a.prompt, &tokenizer) {
+        (Some(ids), _, _) => super::logits::parse_ids(ids)?,
+        (None, Some(text), Some(tk)) => tk.encode(text, false),
+        (None, Some(_), None) => bail!("{} has no tiktoken.model: give --tokenizer DIR or --ids", tok_dir.display()),
+        (None, None, _) => bail!("give a PROMPT or --ids"),
+    };
+    let mut req = Request::new(prompt.clone(), a.sampling.params(), a.max_tokens);
+    req.stop = a.stop.clone();
+    let ids_mode = a.ids.is_some() || tokenizer.is_none();
+    let mut engine = Engine::new(model, tokenizer.clone(), EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1) });
+    let mut text = String::new();
+    let stdout = std::io::stdout();
+    let (out, finish, stats) = engine.generate(req, |ev| {
+        if a.json {
+            text.push_str(&ev.text);
+        } else {
+            let mut o = stdout.lock();
+            let _ = if ids_mode { write!(o, "{} ", ev.token) } else { write!(o, "{}", ev.text) };
+            let _ = o.flush();
+        }
+    })?;
+    let tps = |n: usize, d: std::time::Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { 0.0 };
+    let prefill_tps = tps(stats.prompt_tokens, stats.prefill_time);
+    let decode_tps = tps(stats.output_tokens.saturating_sub(1), stats.decode_time);
+    if a.json {
+        let v = serde_json::json!({
+            "model": dir.display().to_string(), "prompt_tokens": prompt.len(), "ids": out, "text": text,
+            "finish_reason": finish, "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
+            "time_to_first_token_s": stats.ttft.as_secs_f64(),
+        });
+        println!("{}", serde_json::to_string(&v).context("serialising the result")?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} prompt tokens: prefill {:.1} tok/s | {} generated: decode {:.1} tok/s | finish: {:?}]",
+            stats.prompt_tokens, prefill_tps, stats.output_tokens, decode_tps, finish
+        );
+    }
+    Ok(())
+}
