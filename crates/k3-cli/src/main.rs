@@ -16,12 +16,18 @@ struct Cli {
 enum Command {
     /// Full-sequence logits for a list of token ids, written as a `[T, vocab]` f32 .npy.
     Logits(cmd::logits::Args),
+    /// Layer schedule, weight shapes, parameter counts, bytes on disk and cache sizes of a model.
+    Inspect(cmd::inspect::Args),
+    /// Write a random-weight checkpoint in the release format.
+    Init(cmd::init::Args),
 }
 
 fn main() {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Logits(a) => cmd::logits::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Init(a) => cmd::init::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -1,2 +1,4 @@
 //! One module per `k3` subcommand.
 pub mod logits;
+pub mod init;
+pub mod inspect;
