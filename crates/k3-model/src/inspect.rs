@@ -84,6 +84,11 @@ pub struct CheckpointFacts {
     /// Resident memory of this process after opening (VmRSS); far below `file_bytes` because
     /// the weights are memory-mapped, not copied.
     pub resident_bytes: Option<u64>,
+    /// Seconds for `Checkpoint::open` and `Model::load`, and the peak resident memory (VmHWM)
+    /// afterwards — filled in by `k3 inspect --load`.
+    pub open_seconds: Option<f64>,
+    pub load_seconds: Option<f64>,
+    pub peak_resident_bytes: Option<u64>,
     /// `None` when the checkpoint matches the config's tensor table, else the first problem.
     pub check_error: Option<String>,
 }
@@ -272,6 +277,9 @@ pub fn report_with_checkpoint(ck: &Checkpoint) -> Report {
         file_bytes: ck.file_bytes(),
         bytes_by_dtype: ck.bytes_by_dtype(),
         resident_bytes: resident_bytes(),
+        open_seconds: None,
+        load_seconds: None,
+        peak_resident_bytes: None,
         check_error: ck.check().err().map(|e| e.to_string()),
     });
     r

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use k3_model::config::{builtin_config, Config, Ffn, Mixer};
-use k3_model::inspect::{report, report_with_checkpoint, Report};
-use k3_model::Checkpoint;
+use k3_model::inspect::{peak_resident_bytes, report, report_with_checkpoint, resident_bytes, Report};
+use k3_model::{Checkpoint, Model};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -19,12 +19,30 @@ pub struct Args {
     /// Print JSON (stable field names) instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Also build the model (`Model::load`) and report open/load time and peak RSS.
+    #[arg(long)]
+    pub load: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let r = if a.model.is_dir() {
+        let t0 = std::time::Instant::now();
         let ck = Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
-        report_with_checkpoint(&ck)
+        let open_s = t0.elapsed().as_secs_f64();
+        let mut r = report_with_checkpoint(&ck);
+        if a.load {
+            let t1 = std::time::Instant::now();
+            let model = Model::load(&ck)?;
+            let load_s = t1.elapsed().as_secs_f64();
+            if let Some(c) = r.checkpoint.as_mut() {
+                c.open_seconds = Some(open_s);
+                c.load_seconds = Some(load_s);
+                c.resident_bytes = resident_bytes();
+                c.peak_resident_bytes = peak_resident_bytes();
+            }
+            drop(model);
+        }
+        r
     } else if a.model.is_file() {
         report(&Config::from_file(&a.model)?)
     } else {
@@ -114,6 +132,9 @@ pub fn text(r: &Report) -> String {
         let _ = writeln!(s, "\ncheckpoint {}: {} files, {} tensors", c.dir, c.files, c.tensors);
         let _ = writeln!(s, "  file size       {} B ({})", commas(c.file_bytes), gib(c.file_bytes));
         let _ = writeln!(s, "  resident (RSS)  {}", c.resident_bytes.map(|b| format!("{} B ({}) — weights are mapped, not copied", commas(b), gib(b))).unwrap_or_else(|| "unknown".into()));
+        if let (Some(o), Some(l), Some(p)) = (c.open_seconds, c.load_seconds, c.peak_resident_bytes) {
+            let _ = writeln!(s, "  load            open {o:.3} s, Model::load {l:.3} s, peak RSS {} B ({})", commas(p), gib(p));
+        }
         let _ = writeln!(s, "  data by dtype   {}", c.bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
         let _ = writeln!(s, "  check           {}", c.check_error.as_deref().unwrap_or("ok: every tensor of the config is present with the right shape and dtype"));
     }
