@@ -89,6 +89,10 @@ pub struct CheckpointFacts {
     pub open_seconds: Option<f64>,
     pub load_seconds: Option<f64>,
     pub peak_resident_bytes: Option<u64>,
+    /// Resident memory split: anonymous (heap: copies, decoded data) vs file-backed (touched
+    /// pages of the memory-mapped weights), from `RssAnon` / `RssFile`.
+    pub resident_anon_bytes: Option<u64>,
+    pub resident_file_bytes: Option<u64>,
     /// `None` when the checkpoint matches the config's tensor table, else the first problem.
     pub check_error: Option<String>,
 }
@@ -280,6 +284,8 @@ pub fn report_with_checkpoint(ck: &Checkpoint) -> Report {
         open_seconds: None,
         load_seconds: None,
         peak_resident_bytes: None,
+        resident_anon_bytes: proc_status_kb("RssAnon:"),
+        resident_file_bytes: proc_status_kb("RssFile:"),
         check_error: ck.check().err().map(|e| e.to_string()),
     });
     r
@@ -294,6 +300,11 @@ fn proc_status_kb(key: &str) -> Option<u64> {
 /// Resident memory of this process (`VmRSS` of `/proc/self/status`), where the OS reports it.
 pub fn resident_bytes() -> Option<u64> {
     proc_status_kb("VmRSS:")
+}
+
+/// Resident memory split `(anonymous, file-backed)` (`RssAnon`, `RssFile`).
+pub fn resident_split() -> (Option<u64>, Option<u64>) {
+    (proc_status_kb("RssAnon:"), proc_status_kb("RssFile:"))
 }
 
 /// Peak resident memory of this process (`VmHWM`), where the OS reports it.

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use k3_model::config::{builtin_config, Config, Ffn, Mixer};
-use k3_model::inspect::{peak_resident_bytes, report, report_with_checkpoint, resident_bytes, Report};
+use k3_model::inspect::{peak_resident_bytes, report, report_with_checkpoint, resident_bytes, resident_split, Report};
 use k3_model::{Checkpoint, Model};
 
 #[derive(clap::Args)]
@@ -39,6 +39,7 @@ pub fn run(a: Args) -> Result<()> {
                 c.load_seconds = Some(load_s);
                 c.resident_bytes = resident_bytes();
                 c.peak_resident_bytes = peak_resident_bytes();
+                (c.resident_anon_bytes, c.resident_file_bytes) = resident_split();
             }
             drop(model);
         }
@@ -134,6 +135,9 @@ pub fn text(r: &Report) -> String {
         let _ = writeln!(s, "  resident (RSS)  {}", c.resident_bytes.map(|b| format!("{} B ({}) — weights are mapped, not copied", commas(b), gib(b))).unwrap_or_else(|| "unknown".into()));
         if let (Some(o), Some(l), Some(p)) = (c.open_seconds, c.load_seconds, c.peak_resident_bytes) {
             let _ = writeln!(s, "  load            open {o:.3} s, Model::load {l:.3} s, peak RSS {} B ({})", commas(p), gib(p));
+            if let (Some(an), Some(fi)) = (c.resident_anon_bytes, c.resident_file_bytes) {
+                let _ = writeln!(s, "  after load      RSS anonymous {} B (heap), file-backed {} B (touched pages of the mapped weights)", commas(an), commas(fi));
+            }
         }
         let _ = writeln!(s, "  data by dtype   {}", c.bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
         let _ = writeln!(s, "  check           {}", c.check_error.as_deref().unwrap_or("ok: every tensor of the config is present with the right shape and dtype"));
