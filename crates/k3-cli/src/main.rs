@@ -28,6 +28,10 @@ enum Command {
     RenderChat(k3_tokenizer::cli::RenderChatArgs),
     /// Parse generated ids into reasoning, content and tool calls (JSON on stdout).
     ParseOutput(k3_tokenizer::cli::ParseOutputArgs),
+    /// Layer schedule, weight shapes, parameter counts, bytes on disk and cache sizes of a model.
+    Inspect(cmd::inspect::Args),
+    /// Write a random-weight checkpoint in the release format.
+    Init(cmd::init::Args),
 }
 
 fn main() {
@@ -40,6 +44,8 @@ fn main() {
         Command::Detokenize(a) => cmd::tokenize::detokenize(a),
         Command::RenderChat(a) => cmd::tokenize::render_chat(a),
         Command::ParseOutput(a) => cmd::tokenize::parse_output(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Init(a) => cmd::init::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

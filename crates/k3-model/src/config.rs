@@ -235,6 +235,41 @@ pub enum Ffn {
     Moe,
 }
 
+/// Head-dimension and width consistency (text-backbone §3–§5, §7; around-backbone §1.1, §2.2).
+fn check_dims(t: &RawTextConfig, vision: Option<&VisionConfig>, q: Option<&QuantizationConfig>) -> Result<()> {
+    if let Some(kv) = t.num_key_value_heads {
+        if kv != t.num_attention_heads {
+            return Err(field("text_config.num_key_value_heads", format!("is {kv} but num_attention_heads is {}: MLA has one K/V head per query head (no GQA), so they must be equal", t.num_attention_heads)));
+        }
+    }
+    let mxfp4 = q.is_some_and(|q| q.format.as_deref() == Some("mxfp4-pack-quantized") || q.quant_method.as_deref() == Some("mxfp4"));
+    if mxfp4 {
+        for (f, v) in [("routed_expert_hidden_size", t.routed_expert_hidden_size), ("moe_intermediate_size", t.moe_intermediate_size)] {
+            if v % 32 != 0 {
+                return Err(field(&format!("text_config.{f}"), format!("is {v}: MXFP4 experts need both expert dimensions to be multiples of 32 (one E8M0 scale per 32 inputs)")));
+            }
+        }
+    }
+    if let Some(v) = vision {
+        let heads = v.vt_num_attention_heads;
+        let qkv = v.qkv_hidden_size.unwrap_or(v.vt_hidden_size);
+        if heads == 0 || qkv % heads != 0 {
+            return Err(field("vision_config.qkv_hidden_size", format!("{qkv} is not divisible by vt_num_attention_heads {heads}: inconsistent vision head dimension")));
+        }
+        if let Some(th) = v.text_hidden_size {
+            if th != t.hidden_size {
+                return Err(field("vision_config.text_hidden_size", format!("is {th} but text_config.hidden_size is {}: the projector must output the text width", t.hidden_size)));
+            }
+        }
+        if let Some(mm) = v.mm_hidden_size {
+            if mm != v.vt_hidden_size {
+                return Err(field("vision_config.mm_hidden_size", format!("is {mm} but vt_hidden_size is {}", v.vt_hidden_size)));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One decoder layer's kinds (0-based `index`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct LayerSpec {
@@ -400,6 +435,7 @@ impl Config {
                 }
             }
         }
+        check_dims(&t, raw.vision_config.as_ref(), quantization_config.as_ref())?;
         let b = t.attn_res_block_size;
         let dsa = t.dsa_config.is_some();
         let layers = (0..n)
@@ -440,5 +476,25 @@ impl Config {
     /// Context limit (`max_position_embeddings`, K3: 1,048,576).
     pub fn max_context(&self) -> usize {
         self.text.max_position_embeddings.unwrap_or(1 << 20)
+    }
+}
+
+/// `configs/k3-configs.json` (a copy of `shared/spec/k3-configs.json`), embedded in the binary.
+pub const BUILTIN_CONFIGS: &str = include_str!("../configs/k3-configs.json");
+
+/// Names of the built-in configs (`k3`, `k3_1_pro`, `tiny`, `tiny_dsa`; keys starting with `_`
+/// are notes, not configs).
+pub fn builtin_names() -> Vec<String> {
+    serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(BUILTIN_CONFIGS)
+        .map(|m| m.keys().filter(|k| !k.starts_with('_')).cloned().collect())
+        .unwrap_or_default()
+}
+
+/// The built-in config `name` as raw JSON (notes — keys starting with `_` — removed).
+pub fn builtin_config(name: &str) -> Result<serde_json::Value> {
+    let all: serde_json::Map<String, serde_json::Value> = serde_json::from_str(BUILTIN_CONFIGS).map_err(|e| ModelError::Config { path: "configs/k3-configs.json".into(), msg: format!("embedded file is not valid JSON: {e}") })?;
+    match all.get(name) {
+        Some(serde_json::Value::Object(m)) if !name.starts_with('_') => Ok(serde_json::Value::Object(m.iter().filter(|(k, _)| !k.starts_with('_')).map(|(k, v)| (k.clone(), v.clone())).collect())),
+        _ => Err(ModelError::Config { path: name.into(), msg: format!("is neither a file nor a built-in config name (built-in: {})", builtin_names().join(", ")) }),
     }
 }

@@ -4,9 +4,13 @@
 //! - [`weights`]: the table of every checkpoint tensor (name, shape, kind, component).
 //! - [`checkpoint`]: memory-mapped safetensors (single file or index + shards), checked
 //!   against the table.
+//! - [`inspect`]: parameter counts, bytes on disk, cache sizes (`k3 inspect`).
+//! - [`init`]: random-weight checkpoints in the release format (`k3 init`).
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod init;
+pub mod inspect;
 pub mod weights;
 
 pub use checkpoint::Checkpoint;

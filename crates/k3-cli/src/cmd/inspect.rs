@@ -1,0 +1,146 @@
+//! `k3 inspect <model-dir | config.json | name> [--json]` — the facts of a model
+//! (text-backbone §1–§2, around-backbone §1.4–§2.4; see `k3_model::inspect` for the
+//! conventions): layer schedule, weight shapes per layer kind, parameters (total and active per
+//! token), bytes on disk as shipped, cache sizes. Given a model directory it also opens the
+//! checkpoint (memory-mapped) and reports file size, bytes by dtype and resident memory.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use k3_model::config::{builtin_config, Config, Ffn, Mixer};
+use k3_model::inspect::{peak_resident_bytes, report, report_with_checkpoint, resident_bytes, resident_split, Report};
+use k3_model::{Checkpoint, Model};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A model directory, a config.json, or a built-in config name (k3, k3_1_pro, tiny, tiny_dsa).
+    pub model: PathBuf,
+    /// Print JSON (stable field names) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also build the model (`Model::load`) and report open/load time and peak RSS.
+    #[arg(long)]
+    pub load: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let r = if a.model.is_dir() {
+        let t0 = std::time::Instant::now();
+        let ck = Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+        let open_s = t0.elapsed().as_secs_f64();
+        let mut r = report_with_checkpoint(&ck);
+        if a.load {
+            let t1 = std::time::Instant::now();
+            let model = Model::load(&ck)?;
+            let load_s = t1.elapsed().as_secs_f64();
+            if let Some(c) = r.checkpoint.as_mut() {
+                c.open_seconds = Some(open_s);
+                c.load_seconds = Some(load_s);
+                c.resident_bytes = resident_bytes();
+                c.peak_resident_bytes = peak_resident_bytes();
+                (c.resident_anon_bytes, c.resident_file_bytes) = resident_split();
+            }
+            drop(model);
+        }
+        r
+    } else if a.model.is_file() {
+        report(&Config::from_file(&a.model)?)
+    } else {
+        let name = a.model.to_string_lossy();
+        report(&Config::from_json(builtin_config(&name)?)?)
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", text(&r));
+    }
+    Ok(())
+}
+
+/// `1234567` → `1,234,567`.
+pub fn commas(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn human(n: u64) -> String {
+    let f = n as f64;
+    if f >= 1e12 {
+        format!("{:.3}T", f / 1e12)
+    } else if f >= 1e9 {
+        format!("{:.2}B", f / 1e9)
+    } else if f >= 1e6 {
+        format!("{:.2}M", f / 1e6)
+    } else {
+        commas(n)
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn letter(m: Mixer, f: Ffn) -> char {
+    let c = match m {
+        Mixer::Kda => 'K',
+        Mixer::Mla => 'M',
+        Mixer::Dsa => 'S',
+    };
+    if f == Ffn::Dense { c.to_ascii_lowercase() } else { c }
+}
+
+/// The human-readable table.
+pub fn text(r: &Report) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "layers        {} = {} KDA + {} MLA + {} DSA; FFN {} dense + {} MoE; experts {}", r.num_hidden_layers, r.kda_layers, r.mla_layers, r.dsa_layers, r.dense_ffn_layers, r.moe_layers, if r.experts_mxfp4 { "MXFP4" } else { "float" });
+    let _ = writeln!(s, "AttnRes       block size {}, blocks start at {:?}", r.attn_res_block_size, r.attn_res_block_starts);
+    let _ = writeln!(s, "schedule      (K=KDA M=MLA S=DSA; lowercase = dense FFN, uppercase = MoE; one line per AttnRes block)");
+    for (i, &b) in r.attn_res_block_starts.iter().enumerate() {
+        let end = r.attn_res_block_starts.get(i + 1).copied().unwrap_or(r.num_hidden_layers);
+        let row: String = r.layers[b..end].chunks(4).map(|c| c.iter().map(|l| letter(l.mixer, l.ffn)).collect::<String>()).collect::<Vec<_>>().join(" ");
+        let _ = writeln!(s, "  {b:>4}..{:<4} {row}", end - 1);
+    }
+    for k in &r.layer_kinds {
+        let _ = writeln!(s, "\nweights of layer {} ({:?} + {:?}, {} layers of this kind)", k.example_layer, k.mixer, k.ffn, k.count);
+        for w in &k.weights {
+            let _ = writeln!(s, "  {:<52} {:<16} {}", w.name, format!("{:?}", w.shape), w.dtype);
+        }
+    }
+    let _ = writeln!(s, "\n{:<16} {:>20} {:>20} {:>20}", "component", "params", "active/token", "bytes as shipped");
+    for c in &r.params {
+        let _ = writeln!(s, "{:<16} {:>20} {:>20} {:>20}", serde_json::to_value(c.component).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(), commas(c.total), commas(c.active), commas(c.disk_bytes));
+    }
+    let _ = writeln!(s, "{:<16} {:>20} {:>20} {:>20}", "total", commas(r.total_params), commas(r.active_params), commas(r.disk_bytes));
+    let _ = writeln!(s, "                 ({} total, {} active per token — embedding lookup and vision excluded from active)", human(r.total_params), human(r.active_params));
+    let _ = writeln!(s, "disk by dtype   {}", r.disk_bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
+    let _ = writeln!(s, "\ncache (per sequence, max context {} tokens)", commas(r.max_position_embeddings as u64));
+    let _ = writeln!(s, "  MLA latent      {} values = {} B/token/layer bf16 ({} layers)", r.mla_latent_values_per_token_per_layer, r.mla_bytes_per_token_per_layer_bf16, r.mla_layers + r.dsa_layers);
+    if r.dsa {
+        let _ = writeln!(s, "  indexer keys    {} values = {} B/token/layer bf16 ({} layers)", r.indexer_key_values_per_token_per_layer, r.indexer_bytes_per_token_per_layer_bf16, r.dsa_layers);
+    }
+    let _ = writeln!(s, "  all layers      {} B/token bf16, {} B/token fp8 (656 B MLA + 132 B indexer)", r.kv_bytes_per_token_bf16, r.kv_bytes_per_token_fp8);
+    let _ = writeln!(s, "  at max context  {} bf16 ({} B), {} fp8 ({} B)", gib(r.kv_bytes_at_max_context_bf16), commas(r.kv_bytes_at_max_context_bf16), gib(r.kv_bytes_at_max_context_fp8), commas(r.kv_bytes_at_max_context_fp8));
+    let _ = writeln!(s, "  KDA state       {:.1} MB recurrent (f32) + {:.1} MB conv (bf16) = {:.1} MB per sequence", r.kda_recurrent_state_bytes_per_sequence as f64 / 1e6, r.kda_conv_state_bytes_per_sequence as f64 / 1e6, r.kda_state_bytes_per_sequence as f64 / 1e6);
+    if let Some(c) = &r.checkpoint {
+        let _ = writeln!(s, "\ncheckpoint {}: {} files, {} tensors", c.dir, c.files, c.tensors);
+        let _ = writeln!(s, "  file size       {} B ({})", commas(c.file_bytes), gib(c.file_bytes));
+        let _ = writeln!(s, "  resident (RSS)  {}", c.resident_bytes.map(|b| format!("{} B ({}) — weights are mapped, not copied", commas(b), gib(b))).unwrap_or_else(|| "unknown".into()));
+        if let (Some(o), Some(l), Some(p)) = (c.open_seconds, c.load_seconds, c.peak_resident_bytes) {
+            let _ = writeln!(s, "  load            open {o:.3} s, Model::load {l:.3} s, peak RSS {} B ({})", commas(p), gib(p));
+            if let (Some(an), Some(fi)) = (c.resident_anon_bytes, c.resident_file_bytes) {
+                let _ = writeln!(s, "  after load      RSS anonymous {} B (heap), file-backed {} B (touched pages of the mapped weights)", commas(an), commas(fi));
+            }
+        }
+        let _ = writeln!(s, "  data by dtype   {}", c.bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
+        let _ = writeln!(s, "  check           {}", c.check_error.as_deref().unwrap_or("ok: every tensor of the config is present with the right shape and dtype"));
+    }
+    s
+}
