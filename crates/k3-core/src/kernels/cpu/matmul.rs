@@ -80,9 +80,11 @@ impl Matrix {
         match self {
             Matrix::Dense(t) => {
                 let b = &t.bytes()[r0 * c * t.dtype().size_in_bytes()..(r0 + n) * c * t.dtype().size_in_bytes()];
-                match t.dtype() {
-                    DType::F32 => out[..n * c].iter_mut().zip(b.chunks_exact(4)).for_each(|(o, x)| *o = f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
-                    DType::BF16 => out[..n * c].iter_mut().zip(b.chunks_exact(2)).for_each(|(o, x)| *o = bf16::from_bits(u16::from_le_bytes([x[0], x[1]])).to_f32()),
+                match (t.dtype(), bytemuck::try_cast_slice::<u8, u16>(b)) {
+                    // bf16 → f32 is a 16-bit shift; on aligned data this loop vectorises.
+                    (DType::BF16, Ok(w)) => bf16_to_f32(w, &mut out[..n * c]),
+                    (DType::F32, _) => out[..n * c].iter_mut().zip(b.chunks_exact(4)).for_each(|(o, x)| *o = f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
+                    (DType::BF16, Err(_)) => out[..n * c].iter_mut().zip(b.chunks_exact(2)).for_each(|(o, x)| *o = bf16::from_bits(u16::from_le_bytes([x[0], x[1]])).to_f32()),
                     _ => out[..n * c].iter_mut().zip(b.chunks_exact(2)).for_each(|(o, x)| *o = f16::from_bits(u16::from_le_bytes([x[0], x[1]])).to_f32()),
                 }
             }
@@ -104,9 +106,16 @@ impl Matrix {
     }
 }
 
-/// Dot product with 8 independent accumulators (vectorises well).
+/// Dot product of two f32 slices (AVX2 + FMA when the CPU has them, chosen at run time).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::has_avx2_fma() {
+            // SAFETY: the features were detected at run time.
+            return unsafe { simd::dot_avx2(a, b) };
+        }
+    }
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
@@ -115,11 +124,87 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[i] += x[i] * y[i];
         }
     }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+    acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
+}
+
+/// Dot product of f32 `a` with bf16 bits `b` (converted in registers).
+#[inline]
+pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::has_avx2_fma() {
+            // SAFETY: the features were detected at run time.
+            return unsafe { simd::dot_bf16_avx2(a, b) };
+        }
     }
-    s
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * f32::from_bits((y[i] as u32) << 16);
+        }
+    }
+    acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, &y)| x * f32::from_bits((y as u32) << 16)).sum::<f32>()
+}
+
+/// bf16 bits → f32.
+#[inline]
+pub fn bf16_to_f32(w: &[u16], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::has_avx2_fma() {
+            // SAFETY: the features were detected at run time.
+            return unsafe { simd::bf16_to_f32_avx2(w, out) };
+        }
+    }
+    for (o, &x) in out.iter_mut().zip(w) {
+        *o = f32::from_bits((x as u32) << 16);
+    }
+}
+
+/// Run-time-dispatched AVX2 + FMA variants of the hot loops (same results up to rounding).
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::sync::OnceLock;
+
+    pub fn has_avx2_fma() -> bool {
+        static F: OnceLock<bool> = OnceLock::new();
+        *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; 32];
+        let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for i in 0..32 {
+                acc[i] = x[i].mul_add(y[i], acc[i]);
+            }
+        }
+        acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_bf16_avx2(a: &[f32], b: &[u16]) -> f32 {
+        let mut acc = [0f32; 32];
+        let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for i in 0..32 {
+                acc[i] = x[i].mul_add(f32::from_bits((y[i] as u32) << 16), acc[i]);
+            }
+        }
+        acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, &y)| x * f32::from_bits((y as u32) << 16)).sum::<f32>()
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn bf16_to_f32_avx2(w: &[u16], out: &mut [f32]) {
+        for (o, &x) in out.iter_mut().zip(w) {
+            *o = f32::from_bits((x as u32) << 16);
+        }
+    }
 }
 
 /// Raw pointer that may be shared across rayon tasks writing disjoint elements.
@@ -186,6 +271,24 @@ fn gemv(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
         Matrix::Dense(wt) if wt.dtype() == DType::F32 => wt.as_f32().ok(),
         _ => None,
     };
+    // bf16 rows read in place, converted inside the dot product (no row buffer).
+    let bf16_rows: Option<&[u16]> = match w {
+        Matrix::Dense(wt) if wt.dtype() == DType::BF16 => bytemuck::try_cast_slice::<u8, u16>(wt.bytes()).ok(),
+        _ => None,
+    };
+    if let Some(wb) = bf16_rows {
+        (0..n.div_ceil(RB)).into_par_iter().for_each(|b| {
+            let d = dst;
+            for r in b * RB..((b + 1) * RB).min(n) {
+                let wr = &wb[r * k..(r + 1) * k];
+                for i in 0..t {
+                    // SAFETY: element (i, r) is written by exactly this task.
+                    unsafe { *d.0.add(i * n + r) = dot_bf16(&x[i * k..(i + 1) * k], wr) };
+                }
+            }
+        });
+        return Ok(());
+    }
     (0..n.div_ceil(RB)).into_par_iter().for_each_init(
         || vec![0f32; k],
         |row, b| {
