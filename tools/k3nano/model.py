@@ -192,7 +192,7 @@ class KDA(nn.Module):
         g = self.lb * torch.sigmoid(graw)                               # (-5, 0)
         gate_o = self.g_proj(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            q, k, v = (t.view(B, T, nh, hd) for t in (q, k, v))
+            q, k, v = (t.to(ACC).view(B, T, nh, hd) for t in (q, k, v))
             q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
             k = k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
             q = q * hd ** -0.5
