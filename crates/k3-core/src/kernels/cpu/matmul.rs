@@ -25,7 +25,7 @@ pub enum Matrix {
 /// Up to this many token rows use the GEMV path (weights streamed once, dot per token).
 const GEMV_MAX_T: usize = 4;
 /// Weight rows decoded per tile on the GEMM path.
-const ROW_TILE: usize = 64;
+const ROW_TILE: usize = 256;
 
 impl Matrix {
     /// Wraps a dense 2-D tensor; checks the dtype.
