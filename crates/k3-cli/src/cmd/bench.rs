@@ -6,7 +6,11 @@
 //! this machine's memory bandwidth measured in the same run (a parallel read of a 1 GiB buffer
 //! and a memcpy), so decode reads as a fraction of the limit.
 //!
-//! Op mode (`--device cuda --op gemm M N K | copy BYTES | rmsnorm ROWS DIM`, feature `cuda`):
+//! CPU op mode (`--op gemv ROWS COLS [TOKENS]`): the expert GEMV of every weight format (MXFP4,
+//! BF16, F32) on the same shape, computing from the stored form, in GB/s of weights read, over
+//! enough distinct matrices (≥ 1 GiB per format) that they stream from memory, not cache.
+//!
+//! GPU op mode (`--device cuda --op gemm M N K | copy BYTES | rmsnorm ROWS DIM`, feature `cuda`):
 //! one GPU op timed with CUDA events after warm-up, median of repeats.
 
 use std::path::PathBuf;
@@ -79,7 +83,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     match a.device.as_str() {
         "cpu" if a.op.is_empty() => bench_model(&a),
-        "cpu" => bail!("--op is for --device cuda; on the CPU, bench a model with --model"),
+        "cpu" => bench_cpu_gemv(&a),
         "cuda" | "cuda:0" => bench_cuda_op(&a),
         d => bail!("--device `{d}`: use cpu or cuda"),
     }
@@ -166,6 +170,71 @@ fn sum8(c: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + c.chunks_exact(8).remainder().iter().sum::<f32>()
+}
+
+fn bench_cpu_gemv(a: &Args) -> Result<()> {
+    use k3_core::kernels::cpu::matmul::{linear, Matrix};
+    use k3_core::{DType, Tensor};
+    let usage = "--op gemv ROWS COLS [TOKENS] (COLS a multiple of 32)";
+    let (op, dims) = a.op.split_first().context(usage)?;
+    let dims = dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
+    if op != "gemv" || !(2..=3).contains(&dims.len()) || dims[1] % 32 != 0 || dims[0] == 0 {
+        bail!("{usage}");
+    }
+    let (rows, cols, t) = (dims[0], dims[1], dims.get(2).copied().unwrap_or(1));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let x: Vec<f32> = (0..t * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut y = vec![0f32; t * rows];
+    let (read_bw, copy_bw) = memory_bandwidth();
+    let mut results = Vec::new();
+    for fmt in ["mxfp4", "bf16", "f32"] {
+        let per = match fmt { "mxfp4" => rows * cols / 2 + rows * cols / 32, "bf16" => rows * cols * 2, _ => rows * cols * 4 };
+        let copies = ((1usize << 30) / per).max(2);
+        let mats: Vec<Matrix> = (0..copies)
+            .map(|_| -> Result<Matrix> {
+                Ok(match fmt {
+                    "mxfp4" => {
+                        let p: Vec<u8> = (0..rows * cols / 2).map(|_| rng.random()).collect();
+                        let sc: Vec<u8> = (0..rows * cols / 32).map(|_| rng.random_range(116..124)).collect();
+                        Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![rows, cols / 2], &p)?, Tensor::from_bytes(DType::U8, vec![rows, cols / 32], &sc)?)?
+                    }
+                    "bf16" => {
+                        let w: Vec<half::bf16> = (0..rows * cols).map(|_| half::bf16::from_f32(rng.random_range(-0.05..0.05))).collect();
+                        Matrix::dense(Tensor::from_bf16(vec![rows, cols], &w)?)?
+                    }
+                    _ => {
+                        let w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-0.05..0.05)).collect();
+                        Matrix::dense(Tensor::from_f32(vec![rows, cols], &w)?)?
+                    }
+                })
+            })
+            .collect::<Result<_>>()?;
+        // One warm pass, then three timed passes over all copies; best pass.
+        let mut best = f64::MAX;
+        for pass in 0..4 {
+            let t0 = Instant::now();
+            for m in &mats {
+                linear(&x, t, m, &mut y)?;
+            }
+            if pass > 0 {
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+        }
+        let gbs = (per * copies) as f64 / best / 1e9;
+        let us = best / copies as f64 * 1e6;
+        results.push(serde_json::json!({"format": fmt, "bytes_per_matrix": per, "matrices": copies, "us_per_gemv": us, "weights_gb_s": gbs, "fraction_of_read_bandwidth": gbs / read_bw}));
+        drop(mats);
+    }
+    let r = serde_json::json!({"op": "gemv", "rows": rows, "cols": cols, "tokens": t, "threads": rayon::current_num_threads(), "memory_read_bandwidth_gb_s": read_bw, "memcpy_bandwidth_gb_s": copy_bw, "results": results});
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("gemv [{rows} × {cols}] · x[{t}]  ({} threads; memory read {read_bw:.2} GB/s, memcpy {copy_bw:.2} GB/s)", rayon::current_num_threads());
+        for x in &results {
+            println!("  {:6} {:9.1} µs/GEMV  {:6.2} GB/s of weights  ({:.0}% of read bandwidth)", x["format"].as_str().unwrap_or(""), x["us_per_gemv"].as_f64().unwrap_or(0.0), x["weights_gb_s"].as_f64().unwrap_or(0.0), 100.0 * x["fraction_of_read_bandwidth"].as_f64().unwrap_or(0.0));
+        }
+    }
+    Ok(())
 }
 
 fn argmax(x: &[f32]) -> u32 {

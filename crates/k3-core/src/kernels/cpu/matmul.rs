@@ -92,7 +92,7 @@ impl Matrix {
                 let (p, s) = (packed.bytes(), scale.bytes());
                 for r in 0..n {
                     let rr = r0 + r;
-                    mxfp4::decode_row(&p[rr * c / 2..(rr + 1) * c / 2], &s[rr * c / 32..(rr + 1) * c / 32], &mut out[r * c..(r + 1) * c]);
+                    mxfp4::decode_row_fast(&p[rr * c / 2..(rr + 1) * c / 2], &s[rr * c / 32..(rr + 1) * c / 32], &mut out[r * c..(r + 1) * c]);
                 }
             }
         }
@@ -276,6 +276,22 @@ fn gemv(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
         Matrix::Dense(wt) if wt.dtype() == DType::BF16 => bytemuck::try_cast_slice::<u8, u16>(wt.bytes()).ok(),
         _ => None,
     };
+    if let Matrix::Mxfp4 { packed, scale } = w {
+        let (p, sc) = (packed.bytes(), scale.bytes());
+        let xs: Vec<&[f32]> = (0..t).map(|i| &x[i * k..(i + 1) * k]).collect();
+        (0..n.div_ceil(RB)).into_par_iter().for_each(|b| {
+            let d = dst;
+            let mut o = [0f32; GEMV_MAX_T];
+            for r in b * RB..((b + 1) * RB).min(n) {
+                mxfp4::dot_row(&p[r * k / 2..(r + 1) * k / 2], &sc[r * k / 32..(r + 1) * k / 32], &xs, &mut o[..t]);
+                for (i, &v) in o[..t].iter().enumerate() {
+                    // SAFETY: element (i, r) is written by exactly this task.
+                    unsafe { *d.0.add(i * n + r) = v };
+                }
+            }
+        });
+        return Ok(());
+    }
     if let Some(wb) = bf16_rows {
         (0..n.div_ceil(RB)).into_par_iter().for_each(|b| {
             let d = dst;

@@ -88,3 +88,118 @@ mod tests {
         assert!(e.contains("255"));
     }
 }
+
+/// `out[i] = Σ_c W[r, c] · x_i[c]` for one MXFP4 row and `xs.len()` token vectors, decoding
+/// the row group by group in registers (AVX2 + FMA when available).
+#[inline]
+pub fn dot_row(packed: &[u8], scale: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2::available() {
+            // SAFETY: the features were detected at run time; slice lengths are checked inside.
+            return unsafe { avx2::dot_row(packed, scale, xs, out) };
+        }
+    }
+    let mut buf = [0f32; 32];
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (g, (chunk, &s)) in packed.chunks_exact(16).zip(scale).enumerate() {
+        decode_row(chunk, &[s], &mut buf);
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o += buf.iter().zip(&x[g * 32..g * 32 + 32]).map(|(a, b)| a * b).sum::<f32>();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    pub fn available() -> bool {
+        static F: OnceLock<bool> = OnceLock::new();
+        *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+
+    /// 2·E2M1 as signed bytes (so the table is integral); the 0.5 goes into the scale.
+    const LUT2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+    /// The 32 weights of one group as four 8-lane vectors, multiplied by `f` (= scale / 2).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group(bytes: &[u8], f: f32) -> [__m256; 4] {
+        let lut = _mm_loadu_si128(LUT2.as_ptr() as *const __m128i);
+        let b = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m));
+        let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+        // Column order: byte j holds columns 2j (low) and 2j+1 (high).
+        let c0 = _mm_unpacklo_epi8(lo, hi); // columns 0..15
+        let c1 = _mm_unpackhi_epi8(lo, hi); // columns 16..31
+        let fv = _mm256_set1_ps(f);
+        [cv(c0, fv), cv(_mm_srli_si128(c0, 8), fv), cv(c1, fv), cv(_mm_srli_si128(c1, 8), fv)]
+    }
+
+    /// Eight signed bytes (low half of `v`) → eight f32 × `f`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn cv(v: __m128i, f: __m256) -> __m256 {
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), f)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_row(packed: &[u8], scale: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        let groups = scale.len().min(packed.len() / 16);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let nt = xs.len().min(out.len()).min(4);
+        for g in 0..groups {
+            let w = group(&packed[g * 16..g * 16 + 16], super::e8m0_to_f32(scale[g]) * 0.5);
+            for (i, x) in xs.iter().take(nt).enumerate() {
+                let xp = x[g * 32..g * 32 + 32].as_ptr();
+                let mut a = acc[i];
+                a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp), a);
+                a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), a);
+                a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), a);
+                a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), a);
+                acc[i] = a;
+            }
+        }
+        for i in 0..nt {
+            out[i] = hsum(acc[i]);
+        }
+    }
+
+    /// Decodes a whole row (used by the GEMM path's tile decode).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn decode_row(packed: &[u8], scale: &[u8], out: &mut [f32]) {
+        let groups = scale.len().min(packed.len() / 16).min(out.len() / 32);
+        for g in 0..groups {
+            let w = group(&packed[g * 16..g * 16 + 16], super::e8m0_to_f32(scale[g]) * 0.5);
+            let op = out[g * 32..g * 32 + 32].as_mut_ptr();
+            for (j, v) in w.iter().enumerate() {
+                _mm256_storeu_ps(op.add(8 * j), *v);
+            }
+        }
+    }
+}
+
+/// Fast row decode for compute paths (−0.0 may come out as +0.0; values are otherwise exact).
+#[inline]
+pub fn decode_row_fast(packed: &[u8], scale: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2::available() {
+            // SAFETY: the features were detected at run time.
+            return unsafe { avx2::decode_row(packed, scale, out) };
+        }
+    }
+    decode_row(packed, scale, out)
+}
