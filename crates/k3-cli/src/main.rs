@@ -16,12 +16,15 @@ struct Cli {
 enum Command {
     /// Full-sequence logits for a list of token ids, written as a `[T, vocab]` f32 .npy.
     Logits(cmd::logits::Args),
+    /// OpenAI-compatible HTTP server with continuous batching.
+    Serve(cmd::serve::Args),
 }
 
 fn main() {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Logits(a) => cmd::logits::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
