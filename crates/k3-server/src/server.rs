@@ -119,20 +119,31 @@ impl Inner {
     }
 }
 
+/// Bytes of an oversized body read and discarded before answering 413, so that a client that
+/// sends its whole body before reading the answer sees the 413 rather than a reset connection.
+const DRAIN_CAP: u64 = 64 << 20;
+
 /// Reads a body up to `limit` bytes (413 beyond).
 pub async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>> {
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if declared.is_some_and(|n| n > limit as u64 + DRAIN_CAP) {
         return Err(ServerError::TooLarge { limit });
     }
     let mut stream = body.into_data_stream();
     let mut buf = Vec::new();
+    let mut seen = 0u64;
     while let Some(chunk) = stream.next().await {
         let c = chunk.map_err(|e| crate::error::bad_request(format!("could not read the request body: {e}")))?;
-        if buf.len() + c.len() > limit {
-            return Err(ServerError::TooLarge { limit });
+        seen += c.len() as u64;
+        if seen > limit as u64 + DRAIN_CAP {
+            break;
         }
-        buf.extend_from_slice(&c);
+        if seen <= limit as u64 {
+            buf.extend_from_slice(&c);
+        }
+    }
+    if seen > limit as u64 {
+        return Err(ServerError::TooLarge { limit });
     }
     Ok(buf)
 }
