@@ -319,3 +319,16 @@ fn metrics_and_small_endpoints() {
         assert!(t.contains(&format!("# TYPE {name} gauge")), "{name}");
     }
 }
+
+#[test]
+fn non_streaming_disconnect_cancels() {
+    let srv = start(ServerConfig { max_batch: 8, ..cfg() }, Duration::from_millis(5));
+    let mut s = TcpStream::connect(srv.addr).expect("connect");
+    let body = json!({"messages": [{"role": "user", "content": "KEY_LONG"}]}).to_string();
+    s.write_all(&request_bytes("POST", "/v1/chat/completions", &[], body.as_bytes())).expect("write");
+    wait_metrics(srv.addr, "1 running", |m| metric(m, "k3_running_sequences") == 1.0);
+    drop(s);
+    let m = wait_metrics(srv.addr, "0 running", |m| metric(m, "k3_running_sequences") == 0.0);
+    assert_eq!(metric(&m, "k3_cancelled_total"), 1.0);
+    assert_eq!(metric(&m, "k3_state_bytes"), 0.0);
+}

@@ -214,21 +214,23 @@ def stream_completion(max_tokens, out, i, hold=None):
     try:
         s = client.completions.create(model=MODEL, prompt=CFG["completion"]["prompt"], max_tokens=max_tokens,
                                       stream=True, stream_options={"include_usage": True}, **GREEDY)
-        n, finish, usage = 0, None, None
+        n, finish, usage, text = 0, None, None, ""
         for c in s:
             usage = c.usage or usage
             for ch in c.choices:
                 n += 1
+                text += ch.text
                 finish = ch.finish_reason or finish
             if hold is not None and n >= 3:
                 hold(i, s)
                 return
-        out[i] = (n, finish, usage.completion_tokens if usage else None)
+        out[i] = (n, finish, usage.completion_tokens if usage else None, text)
     except Exception as e:  # recorded, checked by the caller
         out[i] = ("error", repr(e))
 
 
-def load(conc, max_tokens):
+def load(conc, max_tokens, want_text):
+    """Runs `conc` streams at once; each must give `max_tokens` tokens and the greedy text."""
     out = [None] * conc
     threads = [threading.Thread(target=stream_completion, args=(max_tokens, out, i)) for i in range(conc)]
     t0 = time.time()
@@ -237,22 +239,27 @@ def load(conc, max_tokens):
     for t in threads:
         t.join(120)
     dt = time.time() - t0
-    bad = [o for o in out if o != (max_tokens, "length", max_tokens)]
+    bad = [o for o in out if o != (max_tokens, "length", max_tokens, want_text)]
     assert not bad, bad[:3]
     return conc * max_tokens / dt
 
 
 @check("load: 32 concurrent streams complete; throughput rises with batching; RSS bounded")
 def _():
-    load(2, 8)  # warm-up
+    want = client.completions.create(model=MODEL, prompt=CFG["completion"]["prompt"], max_tokens=64, **GREEDY).choices[0].text
+    load(2, 64, want)  # warm-up
     rss0 = rss_mib()
     figures = {}
     peak = rss0
     for conc in (1, 8, 32):
-        figures[conc] = load(conc, 64)
+        figures[conc] = load(conc, 64, want)
         peak = max(peak, rss_mib())
+    rss1 = rss_mib()
+    load(32, 64, want)  # a second round must not grow the server
+    rss2 = rss_mib()
     print("LOAD aggregate decode tok/s: " + ", ".join(f"c={c}: {v:.0f}" for c, v in figures.items()), flush=True)
-    print(f"LOAD RSS MiB: before {rss0:.1f}, peak {peak:.1f}, after {rss_mib():.1f}", flush=True)
+    print(f"LOAD RSS MiB: before {rss0:.1f}, peak {peak:.1f}, after {rss1:.1f}, after another c=32 round {rss2:.1f}", flush=True)
+    assert rss2 < rss1 + 16, (rss1, rss2)
     assert figures[8] > 1.5 * figures[1], figures
     assert figures[32] > figures[8] * 0.9 and figures[32] > 2 * figures[1], figures
     assert peak < rss0 + 512, (rss0, peak)
