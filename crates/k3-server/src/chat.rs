@@ -356,10 +356,8 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
             Some(Msg::Token(ev)) => {
                 let deltas = run.push(&ev);
                 let mut lp = ctx.want_logprobs.then(|| run.logprob_entry(&ev));
-                if lp.is_some() && deltas.is_empty() && !run.stopped {
-                    if tx.send(chunk(json!({}), None, lp.take())).await.is_err() {
-                        return;
-                    }
+                if lp.is_some() && deltas.is_empty() && !run.stopped && tx.send(chunk(json!({}), None, lp.take())).await.is_err() {
+                    return;
                 }
                 for d in &deltas {
                     if tx.send(chunk(delta_json(d), None, lp.take())).await.is_err() {

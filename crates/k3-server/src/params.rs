@@ -174,10 +174,7 @@ impl GenParams {
             Some(k) if k < 0 => return Err(bad_param("top_k", format!("{k} must be -1 (off), 0 (off) or positive"))),
             Some(k) => k as usize,
         };
-        let seed = match f.i64("seed")? {
-            None => None,
-            Some(s) => Some(s as u64),
-        };
+        let seed = f.i64("seed")?.map(|s| s as u64);
         let sampling = SamplingParams {
             temperature: f.f32("temperature")?.unwrap_or(d.temperature),
             top_k,
