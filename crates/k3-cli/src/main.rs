@@ -32,6 +32,8 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Write a random-weight checkpoint in the release format.
     Init(cmd::init::Args),
+    /// OpenAI-compatible HTTP server with continuous batching.
+    Serve(cmd::serve::Args),
 }
 
 fn main() {
@@ -46,6 +48,7 @@ fn main() {
         Command::ParseOutput(a) => cmd::tokenize::parse_output(a),
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Init(a) => cmd::init::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -5,4 +5,5 @@ pub mod inspect;
 pub mod logits;
 pub mod model_dir;
 pub mod run;
+pub mod serve;
 pub mod tokenize;

@@ -1,0 +1,103 @@
+//! `k3 serve` end to end: starts the real binary on a free loopback port with the small golden
+//! model (`--fold-prompt-ids`, since its vocabulary of 384 is smaller than the golden
+//! tokenizer's) and drives it with the official `openai` Python client
+//! (crates/k3-server/tests/py/openai_e2e.py): chat and completions, streaming and not, usage
+//! counts equal to k3-tokenizer counts, stop strings, seeds, malformed inputs, and the load test
+//! (throughput at concurrency 1/8/32, RSS, cancelling half the clients). Skips, saying so, only
+//! when python3 or the `openai` package is missing.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+fn golden_dir() -> PathBuf {
+    match std::env::var_os("K3_GOLDEN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"),
+    }
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn python_with_openai() -> bool {
+    Command::new("python3").args(["-c", "import openai"]).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+#[test]
+fn serve_with_openai_python_client() {
+    if !python_with_openai() {
+        println!("SKIPPED serve_with_openai_python_client: python3 with the `openai` package is not installed (pip install openai)");
+        return;
+    }
+    let golden = golden_dir();
+    let key = "test-key-123";
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .arg("serve")
+        .arg("--model")
+        .arg(golden.join("k3_small_f32"))
+        .arg("--tokenizer")
+        .arg(golden.join("tokenizer"))
+        .args(["--host", "127.0.0.1", "--port", "0", "--fold-prompt-ids", "--api-key", key])
+        .args(["--served-model-name", "k3-small", "--max-batch", "32", "--max-queue", "64"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn k3 serve");
+    let pid = child.id();
+    let stdout = child.stdout.take().expect("stdout");
+    let server = Server(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
+                let _ = tx.send(url.to_owned());
+            }
+        }
+    });
+    let base = rx.recv_timeout(Duration::from_secs(60)).expect("k3 serve printed its address");
+
+    let tok = k3_tokenizer::Tokenizer::from_dir(&golden.join("tokenizer")).expect("tokenizer");
+    let messages = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]);
+    let chat = k3_tokenizer::ChatRequest::from_json_str(&json!({"messages": messages}).to_string()).expect("chat request");
+    let chat_tokens = k3_tokenizer::render_chat(&tok, &chat).expect("render").ids.len();
+    let prompt = "Once upon a time, in a quiet village,";
+    let cfg = json!({
+        "base_url": base, "api_key": key, "model": "k3-small", "pid": pid,
+        "chat": {"messages": messages, "prompt_tokens": chat_tokens},
+        "completion": {"prompt": prompt, "prompt_tokens": tok.encode(prompt, true).len()},
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg_path = dir.path().join("cfg.json");
+    std::fs::write(&cfg_path, cfg.to_string()).expect("write cfg");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../k3-server/tests/py/openai_e2e.py");
+    let mut py = Command::new("python3").arg(&script).arg(&cfg_path).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn python3");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = py.try_wait().expect("wait python") {
+            break Some(s);
+        }
+        if t0.elapsed() > Duration::from_secs(240) {
+            let _ = py.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = py.wait_with_output().expect("python output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    drop(server);
+    assert!(status.is_some(), "the Python e2e script timed out");
+    assert!(status.is_some_and(|s| s.success()), "the Python e2e script failed:\n{stdout}");
+    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+}

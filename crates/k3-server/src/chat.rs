@@ -1,0 +1,398 @@
+//! `POST /v1/chat/completions`.
+//!
+//! The request is validated field by field, rendered to XTML ids by `k3_tokenizer`, and
+//! submitted to the scheduler with `<|end_of_msg|>` / `[EOS]` as stop tokens. Generated ids go
+//! through the streaming [`OutputParser`], which splits them into `reasoning_content`,
+//! `content` and `tool_calls`. Stop strings are matched here, on the parsed reasoning and
+//! content text (one matcher per channel), so that a stop string never leaks XTML and never cuts
+//! a marker; a match cancels the sequence at once. Non-streaming answers use the parser's
+//! aggregate; streaming answers are SSE chunks in OpenAI's format ending with `data: [DONE]`.
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use k3_engine::stop::{StopCheck, StopMatcher};
+use k3_engine::{Event, FinishReason, Request};
+use k3_tokenizer::{render_chat, ChatRequest, OutputDelta, OutputParser, ParsedOutput, ToolCall, Tokenizer};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::error::{bad_param, Result};
+use crate::params::{parse_body, Fields, GenParams};
+use crate::scheduler::{Msg, Submitted};
+use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppState, SSE_DONE};
+
+/// Chat-only fields (renderer options included: they may also sit at the top level).
+const CHAT_FIELDS: &[&str] = &[
+    "messages", "tools", "tool_choice", "response_format", "reasoning_effort", "chat_template_kwargs",
+    "max_completion_tokens", "logprobs", "top_logprobs", "parallel_tool_calls", "thinking", "enable_thinking",
+    "thinking_effort", "add_generation_prompt", "response_schema", "modalities", "skip_special_tokens",
+];
+
+pub async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match run(s, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Shape checks the renderer does not make.
+fn check_shapes(f: &Fields) -> Result<()> {
+    match f.get("messages") {
+        None => return Err(bad_param("messages", "is required")),
+        Some(Value::Array(a)) if a.is_empty() => return Err(bad_param("messages", "must hold at least one message")),
+        Some(Value::Array(_)) => {}
+        Some(_) => return Err(bad_param("messages", "must be an array of message objects")),
+    }
+    f.object("chat_template_kwargs")?;
+    if let Some(rf) = f.object("response_format")? {
+        match rf.str("type").map_err(|_| bad_param("response_format.type", "must be a string"))? {
+            Some("text" | "json_object" | "json_schema") => {}
+            Some(t) => return Err(bad_param("response_format.type", format!("unsupported type {t:?} (text, json_object or json_schema)"))),
+            None => return Err(bad_param("response_format.type", "is required")),
+        }
+    }
+    match f.get("tool_choice") {
+        None | Some(Value::Object(_)) => {}
+        Some(Value::String(s)) if ["none", "auto", "required"].contains(&s.as_str()) => {}
+        Some(_) => return Err(bad_param("tool_choice", "must be \"none\", \"auto\", \"required\" or a function choice object")),
+    }
+    if let Some(tools) = f.get("tools") {
+        let Value::Array(tools) = tools else {
+            return Err(bad_param("tools", "must be an array of tool declarations"));
+        };
+        for (i, t) in tools.iter().enumerate() {
+            let name = t.get("function").and_then(|fun| fun.get("name")).and_then(Value::as_str);
+            if name.is_none_or(str::is_empty) {
+                return Err(bad_param(format!("tools[{i}].function.name"), "is required (a non-empty string)"));
+            }
+        }
+    }
+    f.bool("parallel_tool_calls")?;
+    f.bool("skip_special_tokens")?;
+    Ok(())
+}
+
+async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
+    let bytes = read_body(&headers, body, s.cfg.max_body_bytes).await?;
+    let obj = parse_body(&bytes)?;
+    let f = Fields(&obj);
+    f.check_known(CHAT_FIELDS)?;
+    let mut g = GenParams::read(&f, &["max_completion_tokens", "max_tokens"])?;
+    s.check_model(g.model.as_deref())?;
+    check_shapes(&f)?;
+    let want_logprobs = f.bool("logprobs")?.unwrap_or(false);
+    let top = f.usize("top_logprobs")?;
+    if top.is_some_and(|n| n > 0) && !want_logprobs {
+        return Err(bad_param("top_logprobs", "needs `logprobs: true`"));
+    }
+    if want_logprobs {
+        g.sampling.logprobs = Some(top.unwrap_or(0));
+    }
+    // The renderer's own parse keeps key order (tool schemas are rendered as given).
+    let text = std::str::from_utf8(&bytes).map_err(|_| bad_param("messages", "not UTF-8"))?;
+    let req = ChatRequest::from_json_str(text)?;
+    let thinking = req.options()?.thinking;
+    let tools = req.tools_declared();
+    let rendered = render_chat(&s.tok, &req)?;
+    let prompt_tokens = rendered.ids.len();
+    let (prompt, max_tokens) = s.prepare_prompt(rendered.ids, g.max_tokens, "messages")?;
+    let mut stop_token_ids = g.stop_token_ids.clone();
+    stop_token_ids.extend(["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| s.tok.special_id(n)));
+    let request = Request {
+        prompt,
+        params: g.sampling.clone(),
+        max_tokens,
+        stop: Vec::new(),
+        stop_token_ids,
+        ignore_eos: g.ignore_eos,
+    };
+    let sub = s.sched.submit(request).await?;
+    let ctx = Ctx { id: new_id("chatcmpl"), created: now_secs(), prompt_tokens, thinking, tools, stop: g.stop, want_logprobs };
+    if g.stream {
+        let (tx, rx) = mpsc::channel::<Bytes>(64);
+        tokio::spawn(stream_task(s.clone(), sub, ctx, g.include_usage, tx));
+        Ok(sse_response(rx))
+    } else {
+        collect(s, sub, ctx).await
+    }
+}
+
+struct Ctx {
+    id: String,
+    created: u64,
+    prompt_tokens: usize,
+    thinking: bool,
+    tools: bool,
+    stop: Vec<String>,
+    want_logprobs: bool,
+}
+
+/// Parser + stop matching over one output.
+struct ChatRun<'t> {
+    tok: &'t Tokenizer,
+    parser: OutputParser<'t>,
+    /// Stop matchers for reasoning and content.
+    stops: [StopMatcher; 2],
+    has_stops: bool,
+    stopped: bool,
+    tokens: usize,
+    reasoning: String,
+    content: String,
+    calls: Vec<ToolCall>,
+}
+
+impl<'t> ChatRun<'t> {
+    fn new(tok: &'t Tokenizer, ctx: &Ctx) -> Self {
+        let prefix = format!("call_{}_", ctx.id.rsplit('-').next().unwrap_or("0"));
+        ChatRun {
+            tok,
+            parser: OutputParser::new(tok, ctx.thinking, ctx.tools).with_id_prefix(prefix),
+            stops: [StopMatcher::new(ctx.stop.clone()), StopMatcher::new(ctx.stop.clone())],
+            has_stops: !ctx.stop.is_empty(),
+            stopped: false,
+            tokens: 0,
+            reasoning: String::new(),
+            content: String::new(),
+            calls: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, ev: &Event) -> Vec<OutputDelta> {
+        self.tokens += 1;
+        let d = self.parser.push(ev.token);
+        self.filter(d)
+    }
+
+    fn finish(&mut self) -> Vec<OutputDelta> {
+        let d = self.parser.finish();
+        let mut out = self.filter(d);
+        if !self.stopped {
+            let r = self.stops[0].flush();
+            let c = self.stops[1].flush();
+            self.emit(&mut out, OutputDelta::Reasoning(r));
+            self.emit(&mut out, OutputDelta::Content(c));
+        }
+        out
+    }
+
+    fn emit(&mut self, out: &mut Vec<OutputDelta>, d: OutputDelta) {
+        match &d {
+            OutputDelta::Reasoning(t) if t.is_empty() => return,
+            OutputDelta::Content(t) if t.is_empty() => return,
+            OutputDelta::Reasoning(t) => self.reasoning.push_str(t),
+            OutputDelta::Content(t) => self.content.push_str(t),
+            OutputDelta::ToolCall(c) => self.calls.push(c.clone()),
+        }
+        out.push(d);
+    }
+
+    /// Applies the stop strings to the parser's deltas.
+    fn filter(&mut self, deltas: Vec<OutputDelta>) -> Vec<OutputDelta> {
+        let mut out = Vec::new();
+        for d in deltas {
+            if self.stopped {
+                break;
+            }
+            if !self.has_stops {
+                self.emit(&mut out, d);
+                continue;
+            }
+            let (ch, text) = match d {
+                OutputDelta::ToolCall(c) => {
+                    let r = self.stops[0].flush();
+                    let t = self.stops[1].flush();
+                    self.emit(&mut out, OutputDelta::Reasoning(r));
+                    self.emit(&mut out, OutputDelta::Content(t));
+                    self.emit(&mut out, OutputDelta::ToolCall(c));
+                    continue;
+                }
+                OutputDelta::Reasoning(t) => (0, t),
+                OutputDelta::Content(t) => {
+                    let r = self.stops[0].flush();
+                    self.emit(&mut out, OutputDelta::Reasoning(r));
+                    (1, t)
+                }
+            };
+            let wrap = |t: String| if ch == 0 { OutputDelta::Reasoning(t) } else { OutputDelta::Content(t) };
+            match self.stops[ch].push(&text) {
+                StopCheck::Continue(t) => self.emit(&mut out, wrap(t)),
+                StopCheck::Stopped(t) => {
+                    self.emit(&mut out, wrap(t));
+                    self.stopped = true;
+                }
+            }
+        }
+        out
+    }
+
+    /// The final message: the parser's aggregate (which may move text between channels at the
+    /// end, spec rule 4), or what was emitted when a stop string cut the output.
+    fn result(&self) -> ParsedOutput {
+        if self.has_stops {
+            ParsedOutput {
+                reasoning_content: Some(self.reasoning.clone()).filter(|s| !s.is_empty()),
+                content: Some(self.content.clone()).filter(|s| !s.is_empty()),
+                tool_calls: self.calls.clone(),
+            }
+        } else {
+            self.parser.result()
+        }
+    }
+
+    fn finish_reason(&self, f: Option<FinishReason>) -> &'static str {
+        match f {
+            Some(FinishReason::Length) if !self.stopped => "length",
+            _ if !self.calls.is_empty() => "tool_calls",
+            _ => "stop",
+        }
+    }
+
+    fn logprob_entry(&self, ev: &Event) -> Value {
+        let piece = |id: u32| {
+            let b = self.tok.token_bytes(id).unwrap_or_default();
+            (String::from_utf8_lossy(b).into_owned(), b.to_vec())
+        };
+        let (t, b) = piece(ev.token);
+        let top: Vec<Value> = ev
+            .sampled
+            .top_logprobs
+            .iter()
+            .map(|&(id, lp)| {
+                let (t, b) = piece(id);
+                json!({"token": t, "logprob": lp, "bytes": b})
+            })
+            .collect();
+        json!({"token": t, "logprob": ev.sampled.logprob, "bytes": b, "top_logprobs": top})
+    }
+}
+
+fn tool_call_json(c: &ToolCall) -> Value {
+    json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> {
+    let tok = s.tok.clone();
+    let mut run = ChatRun::new(&tok, &ctx);
+    let mut logprobs = Vec::new();
+    let finish = loop {
+        match sub.rx.recv().await {
+            Some(Msg::Token(ev)) => {
+                run.push(&ev);
+                if ctx.want_logprobs {
+                    logprobs.push(run.logprob_entry(&ev));
+                }
+                if run.stopped {
+                    s.sched.cancel(sub.id);
+                    break None;
+                }
+                if ev.finish.is_some() {
+                    break ev.finish;
+                }
+            }
+            Some(Msg::Failed(m)) => return Err(crate::error::ServerError::Internal(m)),
+            None => return Err(crate::error::ServerError::Internal("the engine dropped the request".into())),
+        }
+    };
+    run.finish();
+    let out = run.result();
+    let calls: Vec<Value> = out.tool_calls.iter().map(tool_call_json).collect();
+    let content = match &out.content {
+        Some(c) => Value::String(c.clone()),
+        None if calls.is_empty() && out.reasoning_content.is_none() => Value::String(String::new()),
+        None => Value::Null,
+    };
+    let mut message = json!({"role": "assistant", "content": content, "reasoning_content": out.reasoning_content});
+    if !calls.is_empty() {
+        message["tool_calls"] = Value::Array(calls);
+    }
+    let body = json!({
+        "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": s.cfg.served_model_name,
+        "choices": [{
+            "index": 0, "message": message,
+            "logprobs": if ctx.want_logprobs { json!({"content": logprobs}) } else { Value::Null },
+            "finish_reason": run.finish_reason(finish),
+        }],
+        "usage": usage(ctx.prompt_tokens, run.tokens),
+    });
+    Ok(axum::Json(body).into_response())
+}
+
+fn delta_json(d: &OutputDelta) -> Value {
+    match d {
+        OutputDelta::Reasoning(t) => json!({"reasoning_content": t}),
+        OutputDelta::Content(t) => json!({"content": t}),
+        OutputDelta::ToolCall(c) => json!({"tool_calls": [{
+            "index": c.index, "id": c.id, "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }]}),
+    }
+}
+
+async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: bool, tx: mpsc::Sender<Bytes>) {
+    let tok = s.tok.clone();
+    let mut run = ChatRun::new(&tok, &ctx);
+    let model = s.cfg.served_model_name.clone();
+    let chunk = |delta: Value, finish: Option<&str>, logprobs: Option<Value>| {
+        let mut c = json!({
+            "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs.map(|l| json!({"content": [l]})), "finish_reason": finish}],
+        });
+        if include_usage {
+            c["usage"] = Value::Null;
+        }
+        sse_data(&c)
+    };
+    if tx.send(chunk(json!({"role": "assistant", "content": ""}), None, None)).await.is_err() {
+        return;
+    }
+    let finish = loop {
+        match sub.rx.recv().await {
+            Some(Msg::Token(ev)) => {
+                let deltas = run.push(&ev);
+                let mut lp = ctx.want_logprobs.then(|| run.logprob_entry(&ev));
+                if lp.is_some() && deltas.is_empty() && !run.stopped && tx.send(chunk(json!({}), None, lp.take())).await.is_err() {
+                    return;
+                }
+                for d in &deltas {
+                    if tx.send(chunk(delta_json(d), None, lp.take())).await.is_err() {
+                        return; // client gone: dropping `sub` cancels the sequence
+                    }
+                }
+                if run.stopped {
+                    s.sched.cancel(sub.id);
+                    break None;
+                }
+                if ev.finish.is_some() {
+                    break ev.finish;
+                }
+            }
+            Some(Msg::Failed(m)) => {
+                let e = crate::error::ServerError::Internal(m);
+                let _ = tx.send(sse_data(&e.to_json())).await;
+                let _ = tx.send(Bytes::from_static(SSE_DONE.as_bytes())).await;
+                return;
+            }
+            None => return,
+        }
+    };
+    for d in run.finish() {
+        if tx.send(chunk(delta_json(&d), None, None)).await.is_err() {
+            return;
+        }
+    }
+    let _ = tx.send(chunk(json!({}), Some(run.finish_reason(finish)), None)).await;
+    if include_usage {
+        let u = json!({
+            "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": model,
+            "choices": [], "usage": usage(ctx.prompt_tokens, run.tokens),
+        });
+        let _ = tx.send(sse_data(&u)).await;
+    }
+    let _ = tx.send(Bytes::from_static(SSE_DONE.as_bytes())).await;
+}

@@ -1,0 +1,113 @@
+//! `k3 serve`: the command-line arguments and the entry point the `k3` binary calls.
+//!
+//! Loads the model (and the tokenizer, by default the model directory's `tiktoken.model`),
+//! starts the engine on its scheduler thread, binds `--host:--port` (loopback by default) and
+//! serves until Ctrl-C / SIGTERM. The line `k3 serve: listening on http://ADDR` is printed to
+//! stdout once the socket is bound, so scripts can wait for it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use k3_engine::{Engine, EngineConfig};
+use k3_model::{Checkpoint, Model};
+use k3_tokenizer::Tokenizer;
+
+use crate::error::{Result, ServerError};
+use crate::server::{build, serve, ServerConfig};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Model directory (config.json + safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json); default: the model directory.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port; 0 picks a free one (the bound address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Sequences decoded together in one batch.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// Requests allowed to wait beyond --max-batch; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Context limit in tokens (default: the model's).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on /v1/* routes.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// The model name clients send and /v1/models lists (default: the model directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Largest prefill chunk of one sequence per step.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Token budget of one batched step (decode tokens + prefill chunks).
+    #[arg(long, default_value_t = 2048)]
+    pub max_step_tokens: usize,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Test fixtures whose model vocabulary is smaller than the tokenizer's: map prompt ids
+    /// outside the model vocabulary to `id % vocab` instead of rejecting them.
+    #[arg(long, hide = true)]
+    pub fold_prompt_ids: bool,
+}
+
+/// Runs `k3 serve` until interrupted.
+pub fn run_serve(a: ServeArgs) -> Result<()> {
+    let ck = Checkpoint::open(&a.model)?;
+    let model = Arc::new(Model::load(&ck)?);
+    let tok_dir = a.tokenizer.clone().unwrap_or_else(|| a.model.clone());
+    let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
+    if a.max_batch == 0 {
+        return Err(ServerError::Config("--max-batch must be at least 1".into()));
+    }
+    let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1) };
+    let engine = Engine::new(model, Some(tok.clone()), ecfg);
+    let name = a.served_model_name.clone().unwrap_or_else(|| {
+        let canon = a.model.canonicalize().unwrap_or_else(|_| a.model.clone());
+        canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "k3".into())
+    });
+    let cfg = ServerConfig {
+        served_model_name: name,
+        api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+        max_batch: a.max_batch,
+        max_queue: a.max_queue,
+        max_model_len: a.max_model_len,
+        max_body_bytes: a.max_body_bytes,
+        fold_prompt_ids: a.fold_prompt_ids,
+    };
+    let io = |what: String| move |source| ServerError::Io { what, source };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the async runtime".into()))?;
+    rt.block_on(async move {
+        let router = build(Box::new(engine), tok, cfg.clone())?;
+        let addr = format!("{}:{}", a.host, a.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.map_err(io(format!("binding {addr}")))?;
+        let bound = listener.local_addr().map_err(io("reading the bound address".into()))?;
+        println!("k3 serve: listening on http://{bound} (model `{}`)", cfg.served_model_name);
+        serve(listener, router, shutdown_signal()).await
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}

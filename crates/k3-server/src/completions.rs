@@ -1,0 +1,180 @@
+//! `POST /v1/completions`: a raw prompt (a string, or a list of token ids; a one-element list
+//! of either is accepted too) continued by the engine. Stop strings are matched by the engine
+//! on the decoded text, so `text` never contains one. Legacy `logprobs: N` is supported.
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use k3_engine::{Event, FinishReason, Request};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+
+use crate::error::{bad_param, Result, ServerError};
+use crate::params::{ids_of, parse_body, Fields, GenParams};
+use crate::scheduler::{Msg, Submitted};
+use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppState, SSE_DONE};
+
+const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo", "suffix"];
+
+pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match run(s, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The prompt ids of a `prompt` field.
+fn prompt_ids(s: &AppState, v: Option<&Value>) -> Result<Vec<u32>> {
+    let bad = || bad_param("prompt", "must be a string, a list of token ids, or a one-element list of either");
+    match v {
+        None => Err(bad_param("prompt", "is required")),
+        Some(Value::String(t)) => Ok(s.tok.encode(t, true)),
+        Some(Value::Array(a)) if a.is_empty() => Err(bad_param("prompt", "is empty")),
+        Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => prompt_ids(s, a.first()),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => {
+            let ids = ids_of(a).ok_or_else(|| bad_param("prompt", "token ids must be non-negative integers"))?;
+            let n = s.tok.vocab_size();
+            match ids.iter().find(|&&t| t as usize >= n) {
+                Some(t) => Err(bad_param("prompt", format!("token id {t} is outside the vocabulary ({n})"))),
+                None => Ok(ids),
+            }
+        }
+        Some(Value::Array(_)) => Err(bad_param("prompt", "batched prompts are not supported; send one prompt per request")),
+        Some(_) => Err(bad()),
+    }
+}
+
+async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
+    let bytes = read_body(&headers, body, s.cfg.max_body_bytes).await?;
+    let obj: Map<String, Value> = parse_body(&bytes)?;
+    let f = Fields(&obj);
+    f.check_known(COMPLETION_FIELDS)?;
+    let mut g = GenParams::read(&f, &["max_tokens"])?;
+    s.check_model(g.model.as_deref())?;
+    if f.bool("echo")?.unwrap_or(false) {
+        return Err(bad_param("echo", "is not supported"));
+    }
+    if f.str("suffix")?.is_some_and(|x| !x.is_empty()) {
+        return Err(bad_param("suffix", "is not supported"));
+    }
+    let logprobs = f.usize("logprobs")?;
+    g.sampling.logprobs = logprobs;
+    let ids = prompt_ids(&s, f.get("prompt"))?;
+    let prompt_tokens = ids.len();
+    // OpenAI's default for completions is 16 tokens.
+    let (prompt, max_tokens) = s.prepare_prompt(ids, Some(g.max_tokens.unwrap_or(16)), "prompt")?;
+    let request = Request { prompt, params: g.sampling.clone(), max_tokens, stop: g.stop.clone(), stop_token_ids: g.stop_token_ids.clone(), ignore_eos: g.ignore_eos };
+    let sub = s.sched.submit(request).await?;
+    let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some() };
+    if g.stream {
+        let (tx, rx) = mpsc::channel::<Bytes>(64);
+        tokio::spawn(stream_task(s.clone(), sub, ctx, g.include_usage, tx));
+        Ok(sse_response(rx))
+    } else {
+        collect(s, sub, ctx).await
+    }
+}
+
+struct Ctx {
+    id: String,
+    created: u64,
+    prompt_tokens: usize,
+    logprobs: bool,
+}
+
+/// Legacy logprobs of a run of events (`text_offset` counted from `offset`).
+fn logprobs_json(s: &AppState, events: &[Event], mut offset: usize) -> Value {
+    let piece = |id: u32| String::from_utf8_lossy(s.tok.token_bytes(id).unwrap_or_default()).into_owned();
+    let (mut tokens, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
+    for e in events {
+        tokens.push(piece(e.token));
+        lps.push(e.sampled.logprob);
+        let top: Map<String, Value> = e.sampled.top_logprobs.iter().map(|&(id, lp)| (piece(id), json!(lp))).collect();
+        tops.push(Value::Object(top));
+        offs.push(offset);
+        offset += e.text.len();
+    }
+    json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
+}
+
+fn reason(f: Option<FinishReason>) -> &'static str {
+    match f {
+        Some(FinishReason::Length) => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> {
+    let mut events = Vec::new();
+    let finish = loop {
+        match sub.rx.recv().await {
+            Some(Msg::Token(ev)) => {
+                let f = ev.finish;
+                events.push(ev);
+                if f.is_some() {
+                    break f;
+                }
+            }
+            Some(Msg::Failed(m)) => return Err(ServerError::Internal(m)),
+            None => return Err(ServerError::Internal("the engine dropped the request".into())),
+        }
+    };
+    let text: String = events.iter().map(|e| e.text.as_str()).collect();
+    let body = json!({
+        "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": s.cfg.served_model_name,
+        "choices": [{
+            "index": 0, "text": text,
+            "logprobs": if ctx.logprobs { logprobs_json(&s, &events, 0) } else { Value::Null },
+            "finish_reason": reason(finish),
+        }],
+        "usage": usage(ctx.prompt_tokens, events.len()),
+    });
+    Ok(axum::Json(body).into_response())
+}
+
+async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: bool, tx: mpsc::Sender<Bytes>) {
+    let model = s.cfg.served_model_name.clone();
+    let mut n = 0usize;
+    let mut offset = 0usize;
+    loop {
+        match sub.rx.recv().await {
+            Some(Msg::Token(ev)) => {
+                n += 1;
+                let lp = if ctx.logprobs { logprobs_json(&s, std::slice::from_ref(&ev), offset) } else { Value::Null };
+                offset += ev.text.len();
+                let mut c = json!({
+                    "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
+                    "choices": [{"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish.map(|f| reason(Some(f)))}],
+                });
+                if include_usage {
+                    c["usage"] = Value::Null;
+                }
+                if tx.send(sse_data(&c)).await.is_err() {
+                    return; // client gone: dropping `sub` cancels the sequence
+                }
+                if ev.finish.is_some() {
+                    break;
+                }
+            }
+            Some(Msg::Failed(m)) => {
+                let _ = tx.send(sse_data(&ServerError::Internal(m).to_json())).await;
+                let _ = tx.send(Bytes::from_static(SSE_DONE.as_bytes())).await;
+                return;
+            }
+            None => return,
+        }
+    }
+    if include_usage {
+        let u = json!({
+            "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
+            "choices": [], "usage": usage(ctx.prompt_tokens, n),
+        });
+        let _ = tx.send(sse_data(&u)).await;
+    }
+    let _ = tx.send(Bytes::from_static(SSE_DONE.as_bytes())).await;
+}

@@ -1,0 +1,29 @@
+//! k3-server: `k3 serve`, an OpenAI-compatible HTTP server over the k3 engine.
+//!
+//! The engine runs on one dedicated OS thread ([`scheduler`]) that drains new requests and
+//! cancellations, runs one batched [`Backend::step`] for every running sequence, and routes the
+//! tokens to each request's channel; requests join and leave the batch at token boundaries and
+//! a client that disconnects has its sequence cancelled at once. The HTTP side ([`server`],
+//! axum/tokio) serves `POST /v1/chat/completions` ([`chat`]: XTML rendering, output parsing into
+//! `reasoning_content` / `content` / `tool_calls`, SSE streaming), `POST /v1/completions`
+//! ([`completions`]), `GET /v1/models`, `GET /health` and `GET /metrics` ([`metrics`],
+//! Prometheus text). Errors use OpenAI's JSON error shape ([`error`]). This crate talks to
+//! `k3-engine` and `k3-tokenizer` only; `k3-model` is used just to load the model for the engine.
+//!
+//! [`backend::Scripted`] is an engine double emitting given token ids, for end-to-end tests of
+//! the tool-call and reasoning paths.
+
+pub mod backend;
+pub mod chat;
+pub mod cli;
+pub mod completions;
+pub mod error;
+pub mod metrics;
+pub mod params;
+pub mod scheduler;
+pub mod server;
+
+pub use backend::{Backend, Scripted};
+pub use cli::{run_serve, ServeArgs};
+pub use error::{Result, ServerError};
+pub use server::{build, serve, spawn_background, BackgroundServer, ServerConfig};

@@ -1,0 +1,296 @@
+//! The HTTP side: shared state, the router, the auth + request-counting middleware, body
+//! reading with a size limit, the small endpoints (`/v1/models`, `/health`, `/metrics`), SSE
+//! plumbing, and start-up ([`serve`], [`spawn_background`] for tests).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures_util::StreamExt;
+use k3_tokenizer::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::backend::Backend;
+use crate::error::{bad_param, Result, ServerError};
+use crate::metrics::Metrics;
+use crate::scheduler::SchedulerHandle;
+
+/// Server settings (from `k3 serve` flags, or set directly by tests).
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub served_model_name: String,
+    pub api_key: Option<String>,
+    /// Requests running at once (the backend's batch size).
+    pub max_batch: usize,
+    /// Requests allowed to wait beyond `max_batch` before answering 429.
+    pub max_queue: usize,
+    /// Context limit enforced by the server (clipped to the model's).
+    pub max_model_len: Option<usize>,
+    pub max_body_bytes: usize,
+    /// Test fixtures only: map prompt ids at or above a smaller model vocabulary to `id % vocab`.
+    pub fold_prompt_ids: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            served_model_name: "k3".into(),
+            api_key: None,
+            max_batch: 32,
+            max_queue: 64,
+            max_model_len: None,
+            max_body_bytes: 4 << 20,
+            fold_prompt_ids: false,
+        }
+    }
+}
+
+pub struct Inner {
+    pub sched: SchedulerHandle,
+    pub tok: Arc<Tokenizer>,
+    pub cfg: ServerConfig,
+    /// The context limit in force: min(model, --max-model-len).
+    pub max_context: usize,
+    pub vocab: usize,
+    pub created: u64,
+}
+
+pub type AppState = Arc<Inner>;
+
+pub fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A response id unique within this process (and very likely across restarts).
+pub fn new_id(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    format!("{prefix}-{:x}{:04x}", t, N.fetch_add(1, Relaxed) & 0xffff)
+}
+
+impl Inner {
+    /// 404 unless `model` is absent or the served name.
+    pub fn check_model(&self, model: Option<&str>) -> Result<()> {
+        match model {
+            Some(m) if m != self.cfg.served_model_name => Err(ServerError::NotFound {
+                message: format!("the model `{m}` does not exist; this server serves `{}`", self.cfg.served_model_name),
+                param: Some("model".into()),
+                code: "model_not_found",
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks the prompt against the context, applies the fixture id folding, and resolves
+    /// `max_tokens` (default and clip: the rest of the context).
+    pub fn prepare_prompt(&self, mut ids: Vec<u32>, max_tokens: Option<usize>, param: &str) -> Result<(Vec<u32>, usize)> {
+        if ids.is_empty() {
+            return Err(bad_param(param, "the prompt is empty"));
+        }
+        if ids.len() >= self.max_context {
+            return Err(ServerError::BadRequest {
+                message: format!(
+                    "this model's maximum context length is {} tokens, but the prompt has {} tokens (at least one more is needed for the completion)",
+                    self.max_context,
+                    ids.len()
+                ),
+                param: Some(param.into()),
+                code: Some("context_length_exceeded"),
+            });
+        }
+        if self.cfg.fold_prompt_ids && self.vocab > 0 {
+            for id in &mut ids {
+                if *id as usize >= self.vocab {
+                    *id %= self.vocab as u32;
+                }
+            }
+        }
+        let room = self.max_context - ids.len();
+        Ok((ids, max_tokens.unwrap_or(room).min(room)))
+    }
+}
+
+/// Bytes of an oversized body read and discarded before answering 413, so that a client that
+/// sends its whole body before reading the answer sees the 413 rather than a reset connection.
+const DRAIN_CAP: u64 = 64 << 20;
+
+/// Reads a body up to `limit` bytes (413 beyond).
+pub async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>> {
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64 + DRAIN_CAP) {
+        return Err(ServerError::TooLarge { limit });
+    }
+    let mut stream = body.into_data_stream();
+    let mut buf = Vec::new();
+    let mut seen = 0u64;
+    while let Some(chunk) = stream.next().await {
+        let c = chunk.map_err(|e| crate::error::bad_request(format!("could not read the request body: {e}")))?;
+        seen += c.len() as u64;
+        if seen > limit as u64 + DRAIN_CAP {
+            break;
+        }
+        if seen <= limit as u64 {
+            buf.extend_from_slice(&c);
+        }
+    }
+    if seen > limit as u64 {
+        return Err(ServerError::TooLarge { limit });
+    }
+    Ok(buf)
+}
+
+/// One SSE `data:` event.
+pub fn sse_data(v: &serde_json::Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+pub const SSE_DONE: &str = "data: [DONE]\n\n";
+
+/// A `text/event-stream` response fed by `rx`.
+pub fn sse_response(rx: mpsc::Receiver<Bytes>) -> Response {
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx)) });
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-cache"));
+    resp
+}
+
+async fn gate(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_owned();
+    let needs_key = path.starts_with("/v1/");
+    let resp = match (&s.cfg.api_key, needs_key) {
+        (Some(key), true) => {
+            let got = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+            match got {
+                Some(k) if constant_time_eq(k.trim().as_bytes(), key.as_bytes()) => next.run(req).await,
+                Some(_) => ServerError::Unauthorized("incorrect API key provided".into()).into_response(),
+                None => ServerError::Unauthorized("missing API key: send `Authorization: Bearer KEY`".into()).into_response(),
+            }
+        }
+        _ => next.run(req).await,
+    };
+    s.metrics().count_request(&path, resp.status().as_u16());
+    resp
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Inner {
+    pub fn metrics(&self) -> &Metrics {
+        &self.sched.metrics
+    }
+}
+
+async fn models(State(s): State<AppState>) -> Response {
+    let m = serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": s.cfg.served_model_name, "object": "model", "created": s.created, "owned_by": "k3rs",
+            "max_model_len": s.max_context,
+        }],
+    });
+    axum::Json(m).into_response()
+}
+
+async fn health(State(s): State<AppState>) -> Response {
+    let m = s.metrics();
+    let body = serde_json::json!({
+        "status": "ok",
+        "running": m.running.load(Relaxed),
+        "waiting": m.waiting.load(Relaxed),
+    });
+    axum::Json(body).into_response()
+}
+
+async fn metrics_text(State(s): State<AppState>) -> Response {
+    let text = s.metrics().render(&s.cfg.served_model_name);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    ServerError::NotFound { message: format!("no route for {}", req.uri().path()), param: None, code: "not_found" }.into_response()
+}
+
+async fn not_allowed() -> Response {
+    ServerError::MethodNotAllowed.into_response()
+}
+
+/// Starts the scheduler thread around `backend` and builds the router.
+pub fn build(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig) -> Result<Router> {
+    let model_ctx = backend.max_context();
+    let vocab = backend.vocab_size();
+    let max_context = cfg.max_model_len.map_or(model_ctx, |m| m.min(model_ctx)).max(1);
+    let capacity = cfg.max_batch.max(1) + cfg.max_queue;
+    let sched = SchedulerHandle::spawn(backend, Arc::new(Metrics::default()), capacity)?;
+    let state: AppState = Arc::new(Inner { sched, tok, cfg, max_context, vocab, created: now_secs() });
+    Ok(Router::new()
+        .route("/v1/chat/completions", post(crate::chat::chat_completions))
+        .route("/v1/completions", post(crate::completions::completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), gate))
+        .with_state(state))
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves.
+pub async fn serve(listener: tokio::net::TcpListener, router: Router, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| ServerError::Io { what: "serving HTTP".into(), source: e })
+}
+
+/// A server running on its own thread and runtime (for tests and embedding).
+pub struct BackgroundServer {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for BackgroundServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Binds `127.0.0.1:0` and serves on a background thread.
+pub fn spawn_background(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig) -> Result<BackgroundServer> {
+    let io = |what: &str| {
+        let what = what.to_owned();
+        move |source| ServerError::Io { what, source }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the runtime"))?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).map_err(io("binding 127.0.0.1:0"))?;
+    let addr = listener.local_addr().map_err(io("reading the bound address"))?;
+    let router = build(backend, tok, cfg)?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("k3-http".into())
+        .spawn(move || {
+            let _ = rt.block_on(serve(listener, router, async move {
+                let _ = stopped.await;
+            }));
+        })
+        .map_err(io("spawning the server thread"))?;
+    Ok(BackgroundServer { addr, stop: Some(stop), thread: Some(thread) })
+}

@@ -1,0 +1,314 @@
+"""End-to-end checks of a running `k3 serve` with the official `openai` client.
+
+Run by crates/k3-cli/tests/serve.rs, which starts the real binary on a free loopback port with
+the small golden model and passes a JSON file describing it:
+  {"base_url", "api_key", "model", "pid", "chat": {"messages", "prompt_tokens"},
+   "completion": {"prompt", "prompt_tokens"}}
+(prompt token counts come from k3-tokenizer). Covers chat and completions (streaming and not),
+usage counts, stop strings, seeds, malformed inputs, and a bounded load test: concurrency 1/8/32
+throughput, RSS, and cancelling half of the clients mid-stream. Exits non-zero on any failure and
+prints `N passed, M failed`.
+"""
+
+import json
+import re
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+
+import openai
+
+CFG = json.load(open(sys.argv[1]))
+BASE = CFG["base_url"]
+KEY = CFG["api_key"]
+MODEL = CFG["model"]
+client = openai.OpenAI(base_url=BASE + "/v1", api_key=KEY, max_retries=0, timeout=60)
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+results = []
+
+
+def check(name):
+    def wrap(f):
+        t0 = time.time()
+        try:
+            f()
+            results.append((name, True))
+            print(f"ok    {name} ({time.time() - t0:.1f}s)", flush=True)
+        except Exception:
+            results.append((name, False))
+            print(f"FAIL  {name}\n{traceback.format_exc()}", flush=True)
+        return f
+    return wrap
+
+
+def raw(path, body, headers=None, method="POST"):
+    """A raw HTTP request (for inputs the client cannot produce). Returns (status, headers, text)."""
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    h.update(headers or {})
+    req = urllib.request.Request(BASE + path, data=body, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode("utf-8", "replace")
+
+
+def metrics():
+    _, _, text = raw("/metrics", None, method="GET")
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(k3_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m and m.group(1) not in out:
+            out[m.group(1)] = float(m.group(3))
+    return out
+
+
+def rss_mib():
+    with open(f"/proc/{CFG['pid']}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def expect_error(status, param, fn):
+    try:
+        fn()
+    except openai.APIStatusError as e:
+        assert e.status_code == status, (e.status_code, e.body)
+        body = e.body if isinstance(e.body, dict) else {}
+        err = body.get("error", body)
+        assert err.get("message"), e.body
+        if param is not None:
+            assert err.get("param") == param, (param, e.body)
+        return err
+    raise AssertionError(f"expected HTTP {status}")
+
+
+MESSAGES = CFG["chat"]["messages"]
+
+
+@check("models")
+def _():
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL], ids
+
+
+@check("chat non-streaming + streaming agree; usage equals tokenizer counts")
+def _():
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
+    msg = r.choices[0].message
+    text = (msg.content or "") + (getattr(msg, "reasoning_content", None) or "")
+    assert r.choices[0].finish_reason == "length", r
+    assert r.usage.prompt_tokens == CFG["chat"]["prompt_tokens"], (r.usage, CFG["chat"])
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY)
+    parts, finish, usage = [], None, None
+    for c in stream:
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            d = ch.delta
+            parts.append((d.content or "") + (getattr(d, "reasoning_content", None) or ""))
+            finish = ch.finish_reason or finish
+    assert "".join(parts) == text, ("".join(parts), text)
+    assert finish == "length"
+    assert usage is not None and usage.prompt_tokens == r.usage.prompt_tokens and usage.completion_tokens == 12
+
+
+@check("chat with thinking off, tools declared, logprobs")
+def _():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=6, tools=tools, tool_choice="auto",
+        logprobs=True, top_logprobs=3, temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": False}, "ignore_eos": True})
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and r.usage.completion_tokens == 6
+    assert getattr(ch.message, "reasoning_content", None) is None
+    lp = ch.logprobs.content
+    assert len(lp) == 6 and all(len(t.top_logprobs) == 3 for t in lp)
+    assert all(t.logprob <= 0 for t in lp)
+
+
+@check("completions: string and token-list prompts, streaming agrees, usage")
+def _():
+    p = CFG["completion"]["prompt"]
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=10, **GREEDY)
+    assert r.usage.prompt_tokens == CFG["completion"]["prompt_tokens"], (r.usage, CFG["completion"])
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
+    s = client.completions.create(model=MODEL, prompt=p, max_tokens=10, stream=True,
+                                  stream_options={"include_usage": True}, **GREEDY)
+    text, usage = "", None
+    for c in s:
+        usage = c.usage or usage
+        for ch in c.choices:
+            text += ch.text
+    assert text == r.choices[0].text, (text, r.choices[0].text)
+    assert usage.completion_tokens == 10
+    ids = [5, 17, 42, 99, 200, 7]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, logprobs=2, **GREEDY)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 4
+    assert len(r.choices[0].logprobs.token_logprobs) == 4
+
+
+@check("stop strings")
+def _():
+    p = CFG["completion"]["prompt"]
+    full = client.completions.create(model=MODEL, prompt=p, max_tokens=40, **GREEDY).choices[0].text
+    assert len(full) > 12, repr(full)
+    stop = full[8:11]
+    cut = full.find(stop)
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=40, stop=[stop, "never-seen-zzz"], **GREEDY)
+    assert r.choices[0].text == full[:cut], (r.choices[0].text, full, stop)
+    assert r.choices[0].finish_reason == "stop"
+    s = client.completions.create(model=MODEL, prompt=p, max_tokens=40, stop=stop, stream=True, **GREEDY)
+    assert "".join(ch.text for c in s for ch in c.choices) == full[:cut]
+
+
+@check("seeds reproduce across requests")
+def _():
+    def go(seed):
+        return client.completions.create(model=MODEL, prompt=CFG["completion"]["prompt"], max_tokens=16,
+                                         temperature=1.0, top_p=0.95, seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+    a, b = go(1234), go(1234)
+    assert a == b, (a, b)
+    others = {go(s) for s in (1, 2, 3)}
+    assert len(others | {a}) > 1, "different seeds all gave the same text"
+    c1 = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=7, temperature=0.8)
+    c2 = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=7, temperature=0.8)
+    assert c1.choices[0].message == c2.choices[0].message
+
+
+@check("malformed inputs")
+def _():
+    expect_error(400, "temperature", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1))
+    expect_error(400, "top_p", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, top_p=1.5))
+    expect_error(400, "n", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2))
+    expect_error(400, "bogus", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"bogus": 1}))
+    expect_error(400, "top_k", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"top_k": "x"}))
+    expect_error(400, "messages[0].role", lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}]))
+    expect_error(404, "model", lambda: client.chat.completions.create(model="no-such-model", messages=MESSAGES))
+    long_msg = [{"role": "user", "content": "lorem ipsum dolor " * 3000}]
+    err = expect_error(400, "messages", lambda: client.chat.completions.create(model=MODEL, messages=long_msg))
+    assert err.get("code") == "context_length_exceeded", err
+    expect_error(400, "prompt", lambda: client.completions.create(model=MODEL, prompt=[1, 2, 10**9]))
+    bad = openai.OpenAI(base_url=BASE + "/v1", api_key="wrong-key", max_retries=0)
+    expect_error(401, None, lambda: bad.models.list())
+    for body, status in [(b'{"messages": [', 400), (b'{"messages": "\xff"}', 400), (b"[]", 400), (b" " * (5 << 20), 413)]:
+        st, _, text = raw("/v1/chat/completions", body)
+        assert st == status, (body[:20], st, text)
+        assert "error" in json.loads(text), text
+    st, _, text = raw("/v1/chat/completions", json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).encode())
+    assert st == 200, text
+
+
+def stream_completion(max_tokens, out, i, hold=None):
+    """Streams one completion; records (tokens, finish, text)."""
+    try:
+        s = client.completions.create(model=MODEL, prompt=CFG["completion"]["prompt"], max_tokens=max_tokens,
+                                      stream=True, stream_options={"include_usage": True}, **GREEDY)
+        n, finish, usage, text = 0, None, None, ""
+        for c in s:
+            usage = c.usage or usage
+            for ch in c.choices:
+                n += 1
+                text += ch.text
+                finish = ch.finish_reason or finish
+            if hold is not None and n >= 3:
+                hold(i, s)
+                return
+        out[i] = (n, finish, usage.completion_tokens if usage else None, text)
+    except Exception as e:  # recorded, checked by the caller
+        out[i] = ("error", repr(e))
+
+
+def load(conc, max_tokens, want_text):
+    """Runs `conc` streams at once; each must give `max_tokens` tokens and the greedy text."""
+    out = [None] * conc
+    threads = [threading.Thread(target=stream_completion, args=(max_tokens, out, i)) for i in range(conc)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    dt = time.time() - t0
+    bad = [o for o in out if o != (max_tokens, "length", max_tokens, want_text)]
+    assert not bad, bad[:3]
+    return conc * max_tokens / dt
+
+
+@check("load: 32 concurrent streams complete; throughput rises with batching; RSS bounded")
+def _():
+    want = client.completions.create(model=MODEL, prompt=CFG["completion"]["prompt"], max_tokens=64, **GREEDY).choices[0].text
+    load(2, 64, want)  # warm-up
+    rss0 = rss_mib()
+    figures = {}
+    peak = rss0
+    for conc in (1, 8, 32):
+        figures[conc] = load(conc, 64, want)
+        peak = max(peak, rss_mib())
+    rss1 = rss_mib()
+    load(32, 64, want)  # a second round must not grow the server
+    rss2 = rss_mib()
+    print("LOAD aggregate decode tok/s: " + ", ".join(f"c={c}: {v:.0f}" for c, v in figures.items()), flush=True)
+    print(f"LOAD RSS MiB: before {rss0:.1f}, peak {peak:.1f}, after {rss1:.1f}, after another c=32 round {rss2:.1f}", flush=True)
+    assert rss2 < rss1 + 16, (rss1, rss2)
+    # Batching must raise aggregate throughput (c=32 is partly bound by this Python client).
+    assert figures[8] > 1.5 * figures[1] and figures[32] > 1.5 * figures[1], figures
+    assert peak < rss0 + 512, (rss0, peak)
+    m = metrics()
+    assert m["k3_running_sequences"] == 0 and m["k3_requests_live"] == 0, m
+
+
+@check("cancelling half the clients mid-stream frees their state")
+def _():
+    n = 16
+    held, lock, out = {}, threading.Lock(), [None] * n
+
+    def hold(i, s):
+        with lock:
+            held[i] = s
+
+    threads = [threading.Thread(target=stream_completion, args=(3000, out, i, hold)) for i in range(n)]
+    for t in threads:
+        t.start()
+    t0 = time.time()
+    while len(held) < n and time.time() - t0 < 30:
+        time.sleep(0.01)
+    assert len(held) == n, (len(held), out)
+    before = metrics()
+    assert before["k3_running_sequences"] == n, before
+    c0 = before["k3_cancelled_total"]
+    for i in range(n // 2):
+        held[i].close()
+    t0 = time.time()
+    while time.time() - t0 < 10:
+        m = metrics()
+        if m["k3_running_sequences"] == n // 2:
+            break
+        time.sleep(0.01)
+    assert m["k3_running_sequences"] == n // 2, m
+    assert m["k3_cancelled_total"] >= c0 + n // 2, m
+    assert m["k3_state_bytes"] < before["k3_state_bytes"], (before["k3_state_bytes"], m["k3_state_bytes"])
+    print(f"CANCEL state bytes {before['k3_state_bytes']:.0f} -> {m['k3_state_bytes']:.0f}, "
+          f"running {before['k3_running_sequences']:.0f} -> {m['k3_running_sequences']:.0f}", flush=True)
+    for i in range(n // 2, n):
+        held[i].close()
+    t0 = time.time()
+    while time.time() - t0 < 10 and metrics()["k3_running_sequences"] != 0:
+        time.sleep(0.01)
+    m = metrics()
+    assert m["k3_running_sequences"] == 0 and m["k3_state_bytes"] == 0, m
+
+
+passed = sum(ok for _, ok in results)
+failed = len(results) - passed
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
