@@ -257,18 +257,18 @@ pub fn splice(emb: &mut [f32], ids: &[u32], pad_id: u32, features: &[&[f32]]) ->
             return Err(VisionError::Splice(format!("pad run {i} (at position {}) has {} <|media_pad|>, but image {i} gives {} rows (runs {lens:?}, images {counts:?})", runs[i].0, lens[i], counts[i])));
         }
     } else {
-        // Image boundaries must fall on run boundaries.
+        // Every run must be filled by whole images: each run ends where some image ends.
         let mut ends: Vec<usize> = Vec::new();
         let mut acc = 0;
-        for &l in &lens {
-            acc += l;
+        for &c in &counts {
+            acc += c;
             ends.push(acc);
         }
         let mut acc = 0;
-        for (i, &c) in counts.iter().enumerate() {
-            acc += c;
+        for (i, &l) in lens.iter().enumerate() {
+            acc += l;
             if !ends.contains(&acc) {
-                return Err(VisionError::Splice(format!("image {i} ends inside a pad run: runs {lens:?} cannot be filled by whole images {counts:?}")));
+                return Err(VisionError::Splice(format!("pad run {i} (at position {}) ends inside an image: runs {lens:?} cannot be filled by whole images {counts:?}", runs[i].0)));
             }
         }
     }

@@ -393,7 +393,7 @@ mod tests {
         let (dq, heads) = (12, 2);
         let grids = [[1, 9, 10], [1, 2, 3]];
         let l = 96;
-        let qkv: Vec<f32> = (0..l * 3 * dq).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+        let qkv: Vec<f32> = (0..l * 3 * dq).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
         let got = attention(&qkv, dq, heads, &grids);
         let a = naive_attention(&qkv[..90 * 3 * dq], dq, heads, 90);
         let b = naive_attention(&qkv[90 * 3 * dq..], dq, heads, 6);
