@@ -16,12 +16,15 @@ struct Cli {
 enum Command {
     /// Full-sequence logits for a list of token ids, written as a `[T, vocab]` f32 .npy.
     Logits(cmd::logits::Args),
+    /// One image through preprocessing, vision tower, merger and projector, written as .safetensors.
+    Vision(cmd::vision::Args),
 }
 
 fn main() {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Logits(a) => cmd::logits::run(a),
+        Command::Vision(a) => cmd::vision::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

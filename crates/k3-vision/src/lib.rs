@@ -23,7 +23,7 @@ pub mod tower;
 use std::path::Path;
 
 use k3_model::config::VisionConfig;
-use k3_model::Checkpoint;
+use k3_model::{Checkpoint, Model};
 
 pub use error::{Result, VisionError};
 pub use preprocess::{ProcessorConfig, ResizePlan};
@@ -281,4 +281,21 @@ pub fn splice(emb: &mut [f32], ids: &[u32], pad_id: u32, features: &[&[f32]]) ->
         }
     }
     Ok(())
+}
+
+/// Text embeddings of `ids` with each image's projected rows spliced into its `<|media_pad|>`
+/// run, in order: what [`Model::forward_embeds`] takes for a prompt with images. `ids` must
+/// already hold each image's N pads (see [`prompt::expand_pads`]).
+pub fn embed_with_images(model: &Model, vision: &VisionModel, ids: &[u32], images: &[&Path]) -> Result<Vec<f32>> {
+    let mut emb = model.embed(ids)?;
+    let feats = images.iter().map(|p| vision.encode_image(p)).collect::<Result<Vec<_>>>()?;
+    let views: Vec<&[f32]> = feats.iter().map(|f| f.projected.as_slice()).collect();
+    splice(&mut emb, ids, vision.pad_id, &views).map_err(|e| match e {
+        VisionError::Splice(m) => {
+            let names: Vec<String> = images.iter().map(|p| p.display().to_string()).collect();
+            VisionError::Splice(format!("{m} (images: {})", names.join(", ")))
+        }
+        e => e,
+    })?;
+    Ok(emb)
 }

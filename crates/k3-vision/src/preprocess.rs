@@ -237,6 +237,25 @@ pub fn preprocess_file(path: &Path, cfg: &ProcessorConfig) -> Result<Preprocesse
     preprocess_bytes(&bytes, &name, cfg)
 }
 
+/// Original size and resize plan of an image file, from its header alone (for rendering the
+/// prompt block `image WxH` and its N pads before any pixel is decoded).
+pub fn plan_file(path: &Path, cfg: &ProcessorConfig) -> Result<((usize, usize), ResizePlan)> {
+    let name = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| img_err(&name, format!("cannot read it: {e}")))?;
+    let fmt = image::guess_format(&bytes).map_err(|_| img_err(&name, "is not a recognised image (corrupt, or not an image at all); supported formats are PNG, JPEG and WebP"))?;
+    if !matches!(fmt, image::ImageFormat::Png | image::ImageFormat::Jpeg | image::ImageFormat::WebP) {
+        return Err(img_err(&name, format!("format {fmt:?} is unsupported; supported formats are PNG, JPEG and WebP")));
+    }
+    let (w, h) = image::ImageReader::with_format(std::io::Cursor::new(&bytes), fmt)
+        .into_dimensions()
+        .map_err(|e| img_err(&name, format!("corrupt or truncated {fmt:?} data: {e}")))?;
+    let (w, h) = (w as usize, h as usize);
+    if w == 0 || h == 0 {
+        return Err(img_err(&name, format!("is zero-sized ({w}x{h})")));
+    }
+    Ok(((w, h), resize_plan(w, h, cfg).map_err(|e| img_err(&name, e.to_string()))?))
+}
+
 /// Preprocesses encoded image bytes; `name` is used in error messages.
 pub fn preprocess_bytes(bytes: &[u8], name: &str, cfg: &ProcessorConfig) -> Result<Preprocessed> {
     let dec = decode(bytes, name)?;

@@ -1,2 +1,3 @@
 //! One module per `k3` subcommand.
 pub mod logits;
+pub mod vision;
