@@ -5,7 +5,8 @@
 //! (1 = L, 2 = LA, 3 = RGB, 4 = RGBA).
 //!
 //! What is reproduced, bit for bit:
-//! - the separable two-pass convolution (horizontal first, then vertical), with the filter support
+//! - the separable two-pass convolution (horizontal first, unless the height shrinks by more than
+//!   twice as many pixels as the width: then vertical first, as Pillow 13 does), with the filter support
 //!   widened by the downscale factor, the kernel bounds rounded the way Pillow rounds them, the
 //!   weights normalised in f64 and then turned into 22-bit fixed point, and the `clip8` rounding;
 //! - the bicubic kernel with `a = −0.5`;
@@ -178,11 +179,20 @@ pub fn resize_bicubic(src: &Raster, out_w: usize, out_h: usize) -> Raster {
     if has_alpha {
         premultiply(&mut cur);
     }
-    if out_w != cur.w {
-        cur = horizontal(&cur, out_w);
-    }
-    if out_h != cur.h {
+    // Pillow 13 runs the vertical pass first when the image loses more than twice as many rows as
+    // columns (found by matching its output on several hundred random size pairs; the two
+    // orders differ by one level in some pixels).
+    let vertical_first = out_w != cur.w && out_h != cur.h && cur.h as i64 - out_h as i64 > 2 * (cur.w as i64 - out_w as i64);
+    if vertical_first {
         cur = vertical(&cur, out_h);
+        cur = horizontal(&cur, out_w);
+    } else {
+        if out_w != cur.w {
+            cur = horizontal(&cur, out_w);
+        }
+        if out_h != cur.h {
+            cur = vertical(&cur, out_h);
+        }
     }
     if has_alpha {
         unpremultiply(&mut cur);
@@ -256,6 +266,20 @@ mod tests {
         assert_eq!(r.data, vec![100, 0, 128, 128]);
         unpremultiply(&mut r);
         assert_eq!(r.data, vec![199, 0, 255, 128]);
+    }
+
+    /// Outputs of Pillow 13.0.0 `Image.resize(BICUBIC)` on an L image; the two cases need
+    /// opposite pass orders (each order alone gets the other case wrong by one level).
+    #[test]
+    fn pass_order_matches_pillow() {
+        let img = |iw: usize, ih: usize| -> Raster {
+            let d = (0..ih).flat_map(|y| (0..iw).map(move |x| (((y * iw + x) * 37 + x * x * 11) % 256) as u8)).collect();
+            Raster::new(iw, ih, 1, d)
+        };
+        let tall: [u8; 65] = [101, 114, 126, 100, 117, 139, 126, 101, 115, 114, 135, 153, 136, 142, 117, 110, 121, 143, 107, 132, 130, 114, 109, 104, 111, 107, 143, 125, 147, 120, 115, 133, 151, 119, 133, 131, 109, 118, 97, 113, 111, 141, 114, 145, 124, 118, 142, 155, 130, 130, 127, 112, 130, 98, 122, 119, 136, 109, 137, 124, 131, 144, 154, 139, 124];
+        let wide: [u8; 65] = [118, 117, 149, 185, 141, 124, 123, 150, 96, 104, 127, 146, 161, 134, 122, 143, 75, 120, 118, 139, 137, 104, 128, 107, 96, 131, 110, 149, 99, 146, 113, 125, 106, 92, 140, 122, 181, 140, 107, 144, 135, 129, 141, 127, 106, 176, 186, 130, 123, 100, 103, 133, 136, 115, 108, 75, 122, 128, 137, 106, 137, 134, 92, 118, 105];
+        assert_eq!(resize_bicubic(&img(9, 40), 5, 13).data, tall.to_vec());
+        assert_eq!(resize_bicubic(&img(40, 9), 13, 5).data, wide.to_vec());
     }
 
     #[test]
