@@ -48,6 +48,9 @@ fn limits_are_read_from_the_model_directory() {
         assert_eq!(p.new_height as u64, rp["new_height"].as_u64().unwrap(), "image {i}");
         assert_eq!((p.pad_width as u64, p.pad_height as u64), (rp["pad_width"].as_u64().unwrap(), rp["pad_height"].as_u64().unwrap()), "image {i}");
         assert_eq!(p.num_tokens as u64, rp["num_tokens"].as_u64().unwrap(), "image {i}");
+        // The header-only plan (for rendering the prompt block) agrees.
+        let (orig, hp) = k3_vision::preprocess::plan_file(&fixture().join(IMAGES[i]), &cfg).unwrap();
+        assert_eq!((orig, hp), ((w, h), p), "image {i}");
     }
 }
 
