@@ -34,6 +34,8 @@ enum Command {
     Init(cmd::init::Args),
     /// OpenAI-compatible HTTP server with continuous batching.
     Serve(cmd::serve::Args),
+    /// One image through preprocessing, vision tower, merger and projector, written as .safetensors.
+    Vision(cmd::vision::Args),
 }
 
 fn main() {
@@ -49,6 +51,7 @@ fn main() {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Init(a) => cmd::init::run(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::Vision(a) => cmd::vision::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -3,6 +3,8 @@
 //! Writes float32 logits `[T, vocab]` for every position. `full` runs one pass over the whole
 //! sequence; `decode` feeds the tokens one at a time through the cache; `chunked:N` prefills in
 //! chunks of N. `--trace DIR` dumps named intermediates (`blk.3.attn_in.npy`, ...) of the pass.
+//! `--image P` (repeatable): the ids already hold each image's N `<|media_pad|>`; the images'
+//! projected features replace the pad runs in order (around-backbone §3.9); a count mismatch fails.
 
 use std::path::PathBuf;
 
@@ -29,6 +31,9 @@ pub struct Args {
     /// Directory to dump named intermediates into (one .npy per name).
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Image file whose features fill the next `<|media_pad|>` run (repeat for several images).
+    #[arg(long = "image")]
+    pub images: Vec<PathBuf>,
 }
 
 /// Parses ids separated by commas and/or whitespace.
@@ -64,6 +69,14 @@ pub fn run(a: Args) -> Result<()> {
     let ck = Checkpoint::open(&a.model)?;
     let model = Model::load(&ck)?;
     let vocab = model.config.text.vocab_size;
+    let hidden = model.config.text.hidden_size;
+    let emb = if a.images.is_empty() {
+        None
+    } else {
+        let vm = k3_vision::VisionModel::load(&ck)?;
+        let paths: Vec<&std::path::Path> = a.images.iter().map(PathBuf::as_path).collect();
+        Some(k3_vision::embed_with_images(&model, &vm, &ids, &paths)?)
+    };
     let mut state = model.new_state();
     let mut logits = Vec::with_capacity(ids.len() * vocab);
     if let Some(dir) = &a.trace {
@@ -79,9 +92,13 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     let step = chunk.unwrap_or(ids.len());
-    for piece in ids.chunks(step) {
+    for (ci, piece) in ids.chunks(step).enumerate() {
         let tr: k3_model::model::Trace = if a.trace.is_some() && chunk.is_none() { Some(&mut tracer) } else { None };
-        logits.extend(model.forward(piece, &mut state, ForwardOpts::default(), tr)?);
+        let out = match &emb {
+            None => model.forward(piece, &mut state, ForwardOpts::default(), tr)?,
+            Some(e) => model.forward_embeds(e[ci * step * hidden..(ci * step + piece.len()) * hidden].to_vec(), &mut state, ForwardOpts::default(), tr)?,
+        };
+        logits.extend(out);
     }
     if let Some(e) = trace_err {
         return Err(e.context("writing --trace output"));

@@ -7,3 +7,4 @@ pub mod model_dir;
 pub mod run;
 pub mod serve;
 pub mod tokenize;
+pub mod vision;

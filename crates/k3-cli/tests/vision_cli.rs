@@ -1,0 +1,76 @@
+//! `k3 vision` and `k3 logits --image` on the `vision_small_f32` fixture, run as a user would.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use k3_model::checkpoint::open_tensors_only;
+
+fn fixture() -> PathBuf {
+    match std::env::var_os("K3_GOLDEN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"),
+    }
+    .join("vision_small_f32")
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn read_npy_f32(p: &std::path::Path) -> Vec<f32> {
+    let b = std::fs::read(p).unwrap();
+    let hl = u16::from_le_bytes([b[8], b[9]]) as usize;
+    b[10 + hl..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn vision_writes_every_stage() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("v1.safetensors");
+    let st = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(["vision", "--model"]).arg(fixture())
+        .arg("--image").arg(fixture().join("v1_rgb_wide_resize.png"))
+        .arg("--out").arg(&out)
+        .status().unwrap();
+    assert!(st.success());
+    let got = open_tensors_only(&out).unwrap();
+    let r = open_tensors_only(&fixture().join("reference.safetensors")).unwrap();
+    assert_eq!(&*got.tensor("grid_thw").unwrap().as_i64().unwrap(), &[1, 4, 10]);
+    for (k, shape, tol) in [("pixel_values", vec![40, 3, 14, 14], 0.0), ("vit_out", vec![40, 32], 1e-4), ("merged", vec![10, 4, 32], 1e-4), ("projected", vec![10, 96], 1e-4)] {
+        let t = got.tensor(k).unwrap();
+        assert_eq!(t.shape(), shape.as_slice(), "{k}");
+        let m = max_abs(&t.to_f32().unwrap(), &r.tensor(&format!("{k}_1")).unwrap().to_f32().unwrap());
+        assert!(m <= tol, "{k}: max |Δ| {m}");
+    }
+    // No temporary file is left beside the output.
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn logits_with_images_match_and_mismatch_fails() {
+    let d = tempfile::tempdir().unwrap();
+    let r = open_tensors_only(&fixture().join("reference.safetensors")).unwrap();
+    let ids: Vec<String> = r.tensor("input_ids").unwrap().as_i64().unwrap().iter().map(|v| v.to_string()).collect();
+    let ids = ids.join(",");
+    let imgs = ["v0_rgba_resize.png", "v1_rgb_wide_resize.png", "v2_la_alpha.png"];
+    let run = |images: &[&str], mode: &str, out: &std::path::Path| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_k3"));
+        c.args(["logits", "--model"]).arg(fixture()).args(["--ids", &ids, "--mode", mode, "--out"]).arg(out);
+        for i in images {
+            c.arg("--image").arg(fixture().join(i));
+        }
+        c.output().unwrap()
+    };
+    let want = r.tensor("logits").unwrap().to_f32().unwrap().into_owned();
+    for mode in ["full", "chunked:16"] {
+        let out = d.path().join(format!("l_{}.npy", mode.replace(':', "_")));
+        let o = run(&imgs, mode, &out);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let m = max_abs(&read_npy_f32(&out), &want);
+        assert!(m <= 1e-3, "{mode}: max |Δ| {m}");
+    }
+    let o = run(&imgs[..2], "full", &d.path().join("bad.npy"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("26 <|media_pad|>") && err.contains("[12, 10]"), "{err}");
+}
