@@ -1,6 +1,5 @@
-//! `k3 serve` end to end: starts the real binary on a free loopback port with the small golden
-//! model (`--fold-prompt-ids`, since its vocabulary of 384 is smaller than the golden
-//! tokenizer's) and drives it with the official `openai` Python client
+//! `k3 serve` end to end: starts the real binary on a free loopback port with the embedded
+//! k3-nano model (its default, no `--model`) and drives it with the official `openai` Python client
 //! (crates/k3-server/tests/py/openai_e2e.py): chat and completions, streaming and not, usage
 //! counts equal to k3-tokenizer counts, stop strings, seeds, malformed inputs, and the load test
 //! (throughput at concurrency 1/8/32, RSS, cancelling half the clients). Skips, saying so, only
@@ -13,13 +12,6 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-
-fn golden_dir() -> PathBuf {
-    match std::env::var_os("K3_GOLDEN_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"),
-    }
-}
 
 struct Server(Child);
 
@@ -40,15 +32,11 @@ fn serve_with_openai_python_client() {
         println!("SKIPPED serve_with_openai_python_client: python3 with the `openai` package is not installed (pip install openai)");
         return;
     }
-    let golden = golden_dir();
+    let nano = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
     let key = "test-key-123";
     let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
         .arg("serve")
-        .arg("--model")
-        .arg(golden.join("k3_small_f32"))
-        .arg("--tokenizer")
-        .arg(golden.join("tokenizer"))
-        .args(["--host", "127.0.0.1", "--port", "0", "--fold-prompt-ids", "--api-key", key])
+        .args(["--host", "127.0.0.1", "--port", "0", "--api-key", key])
         .args(["--served-model-name", "k3-small", "--max-batch", "32", "--max-queue", "64"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -67,7 +55,7 @@ fn serve_with_openai_python_client() {
     });
     let base = rx.recv_timeout(Duration::from_secs(60)).expect("k3 serve printed its address");
 
-    let tok = k3_tokenizer::Tokenizer::from_dir(&golden.join("tokenizer")).expect("tokenizer");
+    let tok = k3_tokenizer::Tokenizer::from_dir(&nano).expect("tokenizer");
     let messages = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]);
     let chat = k3_tokenizer::ChatRequest::from_json_str(&json!({"messages": messages}).to_string()).expect("chat request");
     let chat_tokens = k3_tokenizer::render_chat(&tok, &chat).expect("render").ids.len();

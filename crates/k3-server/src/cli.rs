@@ -17,9 +17,9 @@ use crate::server::{build, serve, ServerConfig};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Model directory (config.json + safetensors).
+    /// Model directory (config.json + safetensors); `k3 serve` defaults to the embedded k3-nano.
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// Tokenizer directory (tiktoken.model + tokenizer_config.json); default: the model directory.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -52,17 +52,14 @@ pub struct ServeArgs {
     /// Largest request body in bytes (413 beyond).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
-    /// Test fixtures whose model vocabulary is smaller than the tokenizer's: map prompt ids
-    /// outside the model vocabulary to `id % vocab` instead of rejecting them.
-    #[arg(long, hide = true)]
-    pub fold_prompt_ids: bool,
 }
 
 /// Runs `k3 serve` until interrupted.
 pub fn run_serve(a: ServeArgs) -> Result<()> {
-    let ck = Checkpoint::open(&a.model)?;
+    let model_dir = a.model.clone().ok_or_else(|| ServerError::Config("no --model given".into()))?;
+    let ck = Checkpoint::open(&model_dir)?;
     let model = Arc::new(Model::load(&ck)?);
-    let tok_dir = a.tokenizer.clone().unwrap_or_else(|| a.model.clone());
+    let tok_dir = a.tokenizer.clone().unwrap_or_else(|| model_dir.clone());
     let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     if a.max_batch == 0 {
         return Err(ServerError::Config("--max-batch must be at least 1".into()));
@@ -70,7 +67,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1) };
     let engine = Engine::new(model, Some(tok.clone()), ecfg);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
-        let canon = a.model.canonicalize().unwrap_or_else(|_| a.model.clone());
+        let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());
         canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "k3".into())
     });
     let cfg = ServerConfig {
@@ -80,7 +77,6 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         max_queue: a.max_queue,
         max_model_len: a.max_model_len,
         max_body_bytes: a.max_body_bytes,
-        fold_prompt_ids: a.fold_prompt_ids,
     };
     let io = |what: String| move |source| ServerError::Io { what, source };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the async runtime".into()))?;

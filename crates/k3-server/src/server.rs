@@ -36,8 +36,6 @@ pub struct ServerConfig {
     /// Context limit enforced by the server (clipped to the model's).
     pub max_model_len: Option<usize>,
     pub max_body_bytes: usize,
-    /// Test fixtures only: map prompt ids at or above a smaller model vocabulary to `id % vocab`.
-    pub fold_prompt_ids: bool,
 }
 
 impl Default for ServerConfig {
@@ -49,7 +47,6 @@ impl Default for ServerConfig {
             max_queue: 64,
             max_model_len: None,
             max_body_bytes: 4 << 20,
-            fold_prompt_ids: false,
         }
     }
 }
@@ -90,9 +87,9 @@ impl Inner {
         }
     }
 
-    /// Checks the prompt against the context, applies the fixture id folding, and resolves
+    /// Checks the prompt against the context and resolves
     /// `max_tokens` (default and clip: the rest of the context).
-    pub fn prepare_prompt(&self, mut ids: Vec<u32>, max_tokens: Option<usize>, param: &str) -> Result<(Vec<u32>, usize)> {
+    pub fn prepare_prompt(&self, ids: Vec<u32>, max_tokens: Option<usize>, param: &str) -> Result<(Vec<u32>, usize)> {
         if ids.is_empty() {
             return Err(bad_param(param, "the prompt is empty"));
         }
@@ -106,13 +103,6 @@ impl Inner {
                 param: Some(param.into()),
                 code: Some("context_length_exceeded"),
             });
-        }
-        if self.cfg.fold_prompt_ids && self.vocab > 0 {
-            for id in &mut ids {
-                if *id as usize >= self.vocab {
-                    *id %= self.vocab as u32;
-                }
-            }
         }
         let room = self.max_context - ids.len();
         Ok((ids, max_tokens.unwrap_or(room).min(room)))
