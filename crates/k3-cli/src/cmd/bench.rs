@@ -10,6 +10,11 @@
 //! BF16, F32) on the same shape, computing from the stored form, in GB/s of weights read, over
 //! enough distinct matrices (≥ 1 GiB per format) that they stream from memory, not cache.
 //!
+//! DSA mode (`--op dsa [CONTEXTS...] --model DIR`, a model with a DSA layer): per-token decode
+//! cost of that layer over a filled cache at each context (default 4096 16384 65536), sparse
+//! (its `index_topk`) against the same layer run dense, and the indexer alone — the sparse
+//! attention core stays flat while the indexer grows linearly with the context.
+//!
 //! GPU op mode (`--device cuda --op gemm M N K | copy BYTES | rmsnorm ROWS DIM`, feature `cuda`):
 //! one GPU op timed with CUDA events after warm-up, median of repeats.
 
@@ -83,6 +88,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     match a.device.as_str() {
         "cpu" if a.op.is_empty() => bench_model(&a),
+        "cpu" if a.op[0] == "dsa" => bench_cpu_dsa(&a),
         "cpu" => bench_cpu_gemv(&a),
         "cuda" | "cuda:0" => bench_cuda_op(&a),
         d => bail!("--device `{d}`: use cpu or cuda"),
@@ -232,6 +238,81 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
         println!("gemv [{rows} × {cols}] · x[{t}]  ({} threads; memory read {read_bw:.2} GB/s, memcpy {copy_bw:.2} GB/s)", rayon::current_num_threads());
         for x in &results {
             println!("  {:6} {:9.1} µs/GEMV  {:6.2} GB/s of weights  ({:.0}% of read bandwidth)", x["format"].as_str().unwrap_or(""), x["us_per_gemv"].as_f64().unwrap_or(0.0), x["weights_gb_s"].as_f64().unwrap_or(0.0), 100.0 * x["fraction_of_read_bandwidth"].as_f64().unwrap_or(0.0));
+        }
+    }
+    Ok(())
+}
+
+fn bench_cpu_dsa(a: &Args) -> Result<()> {
+    use k3_model::layers::dsa::{index_scores, select_topk};
+    use k3_model::layers::mla::{MlaCache, MlaForm};
+    use k3_model::model::Mixer;
+    let contexts: Vec<usize> = if a.op.len() > 1 {
+        a.op[1..].iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dsa context `{d}` is not a positive integer"))).collect::<Result<_>>()?
+    } else {
+        vec![4096, 16384, 65536]
+    };
+    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
+    let mut model = Model::load(&Checkpoint::open(&dir)?)?;
+    let t = &model.config.text;
+    let (h, w) = (t.hidden_size, t.kv_lora_rank + t.qk_rope_head_dim);
+    let li = model.layers.iter().position(|l| matches!(&l.mixer, Mixer::Mla(m) if m.indexer.is_some())).context("the model has no DSA layer (needs text_config.dsa_config)")?;
+    let Mixer::Mla(m) = &mut model.layers[li].mixer else { bail!("layer {li} is not an attention layer") };
+    let ix = m.indexer.take().context("DSA layer without indexer")?;
+    let (topk, ih, id) = (ix.topk, ix.heads, ix.head_dim);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let x: Vec<f32> = (0..h).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            f()?;
+            v.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        v.sort_by(|a, b| a.total_cmp(b));
+        Ok(v[1])
+    };
+    let mut rows = Vec::new();
+    for &ctx in &contexts {
+        let mut cache = MlaCache {
+            latent: (0..ctx * w).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
+            index_keys: (0..ctx * id).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
+        };
+        let (n_lat, n_key) = (cache.latent.len(), cache.index_keys.len());
+        // Dense: the layer without its indexer (attends to all ctx+1 positions).
+        let dense = time(&mut || {
+            m.forward(&x, 1, &mut cache, MlaForm::Absorbed)?;
+            cache.latent.truncate(n_lat);
+            Ok(())
+        })?;
+        m.indexer = Some(ix.clone());
+        let sparse = time(&mut || {
+            m.forward(&x, 1, &mut cache, MlaForm::Absorbed)?;
+            cache.latent.truncate(n_lat);
+            cache.index_keys.truncate(n_key);
+            Ok(())
+        })?;
+        let ixr = m.indexer.take().context("indexer")?;
+        // The indexer alone: project, score ctx+1 keys, select top-k.
+        let c_q: Vec<f32> = (0..ixr.wq_b.cols()).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let indexer = time(&mut || {
+            let io = ixr.project(&x, &c_q, 1)?;
+            let s = index_scores(&io.q, &io.a, &cache.index_keys, id);
+            std::hint::black_box(select_topk(&s, topk));
+            Ok(())
+        })?;
+        rows.push(serde_json::json!({"context": ctx, "dense_ms": dense, "sparse_ms": sparse, "indexer_ms": indexer, "sparse_core_ms": (sparse - indexer).max(0.0)}));
+    }
+    let r = serde_json::json!({"op": "dsa", "model": dir.display().to_string(), "layer": li, "index_topk": topk, "index_heads": ih, "threads": rayon::current_num_threads(), "rows": rows});
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("DSA layer {li} decode, one token (index_topk {topk}, {ih} index heads, {} threads)", rayon::current_num_threads());
+        println!("{:>9} {:>12} {:>12} {:>12} {:>16}", "context", "dense ms", "sparse ms", "indexer ms", "sparse-indexer");
+        for x in &rows {
+            let g = |k: &str| x[k].as_f64().unwrap_or(0.0);
+            println!("{:>9} {:>12.2} {:>12.2} {:>12.2} {:>16.2}", x["context"].as_u64().unwrap_or(0), g("dense_ms"), g("sparse_ms"), g("indexer_ms"), g("sparse_core_ms"));
         }
     }
     Ok(())

@@ -15,6 +15,8 @@ use crate::checkpoint::Checkpoint;
 use crate::config::DsaConfig;
 use crate::error::Result;
 
+/// Cloning shares the mapped weights.
+#[derive(Clone)]
 pub struct Indexer {
     pub wq_b: Matrix,
     pub wk: Matrix,
