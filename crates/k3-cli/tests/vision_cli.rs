@@ -74,3 +74,28 @@ fn logits_with_images_match_and_mismatch_fails() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("26 <|media_pad|>") && err.contains("[12, 10]"), "{err}");
 }
+
+/// `k3 run --image` (greedy) continues with the argmax of `k3 logits --image` at the last
+/// position, and a wrong pad count is an error naming the counts.
+#[test]
+fn run_with_image_continues_like_logits() {
+    let f = fixture();
+    let pads = vec!["377"; 12].join(",");
+    let ids = format!("165,22,89,15,99,378,213,192,41,165,379,{pads},380,350,295,181");
+    let img = f.join("v0_rgba_resize.png");
+    let d = tempfile::tempdir().unwrap();
+    let npy = d.path().join("l.npy");
+    let st = Command::new(env!("CARGO_BIN_EXE_k3")).args(["logits", "--model"]).arg(&f).args(["--ids", &ids, "--image"]).arg(&img).arg("--out").arg(&npy).status().unwrap();
+    assert!(st.success());
+    let lg = read_npy_f32(&npy);
+    let last = &lg[lg.len() - 384..];
+    let want = last.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
+    let out = Command::new(env!("CARGO_BIN_EXE_k3")).args(["run", "--model"]).arg(&f).args(["--ids", &ids, "--image"]).arg(&img).args(["-n", "3", "--temperature", "0", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ids"][0].as_u64(), Some(want as u64));
+    let bad = Command::new(env!("CARGO_BIN_EXE_k3")).args(["run", "--model"]).arg(&f).args(["--ids", "1,2,377,377", "--image"]).arg(&img).output().unwrap();
+    assert!(!bad.status.success());
+    let e = String::from_utf8_lossy(&bad.stderr);
+    assert!(e.contains("377") && e.contains("12"), "{e}");
+}

@@ -30,11 +30,14 @@ pub struct Request {
     /// Extra stop token ids, in addition to the model's `eos_token_id`s.
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Input rows `[prompt.len(), hidden]` to use instead of the prompt's token embeddings
+    /// (e.g. with projected image features spliced in at `<|media_pad|>` positions).
+    pub prompt_embeds: Option<Arc<Vec<f32>>>,
 }
 
 impl Request {
     pub fn new(prompt: Vec<u32>, params: SamplingParams, max_tokens: usize) -> Self {
-        Request { prompt, params, max_tokens, stop: Vec::new(), stop_token_ids: Vec::new(), ignore_eos: false }
+        Request { prompt, params, max_tokens, stop: Vec::new(), stop_token_ids: Vec::new(), ignore_eos: false, prompt_embeds: None }
     }
 }
 
@@ -133,6 +136,12 @@ impl Engine {
         if let Some(&bad) = req.prompt.iter().find(|&&t| t >= vocab) {
             return Err(param("prompt", format!("token id {bad} is outside the vocabulary ({vocab})")));
         }
+        if let Some(e) = &req.prompt_embeds {
+            let h = self.model.config.text.hidden_size;
+            if e.len() != req.prompt.len() * h {
+                return Err(param("prompt_embeds", format!("holds {} values; the prompt needs {} × hidden_size {h}", e.len(), req.prompt.len())));
+            }
+        }
         if !req.stop.is_empty() && self.tokenizer.is_none() {
             return Err(param("stop", "stop strings need a tokenizer; this engine has none"));
         }
@@ -215,17 +224,26 @@ impl Engine {
             return Ok(Vec::new());
         }
         let t0 = Instant::now();
-        let toks: Vec<&[u32]> = plan.iter().map(|(_, t)| t.as_slice()).collect();
+        // Input rows: token embeddings, or the request's own rows for a prefill chunk.
+        let h = self.model.config.text.hidden_size;
+        let mut emb = Vec::with_capacity(plan.iter().map(|(_, t)| t.len()).sum::<usize>() * h);
+        for (i, toks) in &plan {
+            let s = &self.running[*i];
+            match (&s.req.prompt_embeds, s.done < s.req.prompt.len()) {
+                (Some(e), true) => emb.extend_from_slice(&e[s.done * h..(s.done + toks.len()) * h]),
+                _ => emb.extend(self.model.embed(toks)?),
+            }
+        }
+        let lens: Vec<usize> = plan.iter().map(|(_, t)| t.len()).collect();
         let logits = {
-            let mut idx: Vec<usize> = plan.iter().map(|(i, _)| *i).collect();
-            idx.sort_unstable();
             // Disjoint &mut borrows of the planned sequences, in plan order.
             let mut by_index: Vec<Option<&mut Sequence>> = self.running.iter_mut().map(Some).collect();
             let mut states: Vec<&mut SeqState> = plan.iter().map(|(i, _)| by_index[*i].take().map(|s| &mut s.state)).collect::<Option<Vec<_>>>().ok_or_else(|| param("batch", "a sequence was planned twice"))?;
-            self.model.forward_batch(&toks, &mut states, ForwardOpts { last_only: true, ..Default::default() })?
+            self.model.forward_varlen(emb, &lens, &mut states, ForwardOpts { last_only: true, ..Default::default() }, None)?
         };
-        let dt = t0.elapsed();
         let vocab = self.model.config.text.vocab_size;
+        let logits: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
+        let dt = t0.elapsed();
         let mut events = Vec::new();
         let mut finished: Vec<usize> = Vec::new();
         let eos = self.model.config.eos_token_ids.clone();
@@ -241,7 +259,7 @@ impl Engine {
             } else {
                 s.stats.decode_time += dt;
             }
-            let sampled = s.sampler.sample(&lg[..vocab], &s.req.prompt, &s.output);
+            let sampled = s.sampler.sample(lg, &s.req.prompt, &s.output);
             let tok = sampled.token;
             if s.output.is_empty() {
                 s.stats.ttft = s.admitted.elapsed();

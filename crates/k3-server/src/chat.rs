@@ -107,6 +107,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         stop: Vec::new(),
         stop_token_ids,
         ignore_eos: g.ignore_eos,
+        prompt_embeds: None,
     };
     let sub = s.sched.submit(request).await?;
     let ctx = Ctx { id: new_id("chatcmpl"), created: now_secs(), prompt_tokens, thinking, tools, stop: g.stop, want_logprobs };

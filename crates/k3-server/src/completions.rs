@@ -64,7 +64,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let prompt_tokens = ids.len();
     // OpenAI's default for completions is 16 tokens.
     let (prompt, max_tokens) = s.prepare_prompt(ids, Some(g.max_tokens.unwrap_or(16)), "prompt")?;
-    let request = Request { prompt, params: g.sampling.clone(), max_tokens, stop: g.stop.clone(), stop_token_ids: g.stop_token_ids.clone(), ignore_eos: g.ignore_eos };
+    let request = Request { prompt, params: g.sampling.clone(), max_tokens, stop: g.stop.clone(), stop_token_ids: g.stop_token_ids.clone(), prompt_embeds: None, ignore_eos: g.ignore_eos };
     let sub = s.sched.submit(request).await?;
     let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some() };
     if g.stream {

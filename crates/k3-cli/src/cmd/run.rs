@@ -65,6 +65,10 @@ pub struct Args {
     /// Token ids instead of text (comma separated); output is printed as ids.
     #[arg(long, conflicts_with = "prompt")]
     pub ids: Option<String>,
+    /// An image to put before the prompt (repeatable; needs a model with a vision tower).
+    /// With --ids, the ids must already hold each image's run of <|media_pad|> ids.
+    #[arg(long)]
+    pub image: Vec<PathBuf>,
     /// Tokens to generate at most.
     #[arg(long, short = 'n', default_value_t = 128)]
     pub max_tokens: usize,
@@ -93,7 +97,14 @@ pub fn run(a: Args) -> Result<()> {
         (None, Some(_), None) => bail!("{} has no tiktoken.model: give --tokenizer DIR or --ids", tok_dir.display()),
         (None, None, _) => bail!("give a PROMPT or --ids"),
     };
+    let (prompt, embeds) = if a.image.is_empty() {
+        (prompt, None)
+    } else {
+        let (ids, emb) = with_images(&ck, &model, tokenizer.as_deref(), prompt, a.ids.is_some(), &a.image)?;
+        (ids, Some(Arc::new(emb)))
+    };
     let mut req = Request::new(prompt.clone(), a.sampling.params(), a.max_tokens);
+    req.prompt_embeds = embeds;
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
     let mut engine = Engine::new(model, tokenizer.clone(), EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1) });
@@ -126,4 +137,32 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Encodes the images, puts their blocks (`<|media_begin|>image WxH<|media_content|>` + pads +
+/// `<|media_end|>`) before the text prompt (or checks the pads already in `--ids`), and returns
+/// the ids with their input rows, image features spliced in at the pads.
+fn with_images(ck: &Checkpoint, model: &Model, tok: Option<&Tokenizer>, prompt: Vec<u32>, ids_given: bool, images: &[PathBuf]) -> Result<(Vec<u32>, Vec<f32>)> {
+    use k3_vision::{prompt::image_prompt_text, splice, VisionModel};
+    if ck.config.vision_config.is_none() {
+        bail!("--image: {} has no vision_config (this model has no vision tower)", ck.dir.display());
+    }
+    let vision = VisionModel::load(ck)?;
+    let feats = images.iter().map(|p| vision.encode_image(p).with_context(|| format!("--image {}", p.display()))).collect::<Result<Vec<_>>>()?;
+    let ids = if ids_given {
+        prompt
+    } else {
+        let tk = tok.context("--image with a text prompt needs a tokenizer")?;
+        let mut ids = Vec::new();
+        for f in &feats {
+            let (w, h) = f.orig_size.unwrap_or((0, 0));
+            ids.extend(tk.encode(&image_prompt_text(w, h, f.num_tokens), true));
+        }
+        ids.extend(prompt);
+        ids
+    };
+    let mut emb = model.embed(&ids)?;
+    let views: Vec<&[f32]> = feats.iter().map(|f| f.projected.as_slice()).collect();
+    splice(&mut emb, &ids, vision.pad_id, &views)?;
+    Ok((ids, emb))
 }
