@@ -46,7 +46,12 @@ pub type Route = Vec<(usize, f32)>;
 fn expert_matrix(ck: &Checkpoint, p: &str, rows: usize, cols: usize, mxfp4: bool) -> Result<Matrix> {
     if mxfp4 {
         let (pn, sn) = (format!("{p}weight_packed"), format!("{p}weight_scale"));
-        Matrix::mxfp4(ck.tensor(&pn)?, ck.tensor(&sn)?).map_err(|e| ModelError::Tensor { name: pn, msg: e.to_string() })
+        Matrix::mxfp4(ck.tensor(&pn)?, ck.tensor(&sn)?).map_err(|e| {
+            // A bad scale byte is the scale tensor's fault; a shape mismatch names the pair.
+            let msg = e.to_string();
+            let name = if msg.contains("scale byte") { sn } else { format!("{pn} / weight_scale") };
+            ModelError::Tensor { name, msg }
+        })
     } else {
         matrix(ck, &format!("{p}weight"), rows, cols)
     }
