@@ -98,10 +98,20 @@ impl Matrix {
         }
     }
 
-    /// The whole matrix as f32 (tests and reference paths only).
+    /// The whole matrix as f32, bit-exact (MXFP4 nibble 8 gives −0.0); tests and reference
+    /// paths only. Compute paths decode tiles with [`Matrix::decode_rows`], which may give +0.0.
     pub fn to_f32(&self) -> Vec<f32> {
-        let mut v = vec![0f32; self.rows() * self.cols()];
-        self.decode_rows(0, self.rows(), &mut v);
+        let (r, c) = (self.rows(), self.cols());
+        let mut v = vec![0f32; r * c];
+        match self {
+            Matrix::Mxfp4 { packed, scale } => {
+                let (p, s) = (packed.bytes(), scale.bytes());
+                for i in 0..r {
+                    mxfp4::decode_row(&p[i * c / 2..(i + 1) * c / 2], &s[i * c / 32..(i + 1) * c / 32], &mut v[i * c..(i + 1) * c]);
+                }
+            }
+            Matrix::Dense(_) => self.decode_rows(0, r, &mut v),
+        }
         v
     }
 }
