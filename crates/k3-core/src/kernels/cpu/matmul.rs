@@ -386,6 +386,35 @@ mod tests {
         }
     }
 
+    /// MXFP4 GEMV/GEMM over every scale exponent 0..=254 (incl. the subnormal 2^-127) equals
+    /// dequantise-then-multiply (up to the exponents where the f32 sum itself overflows).
+    #[test]
+    fn mxfp4_every_scale_exponent() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (n, k) = (255, 64); // one row per exponent, two groups per row
+        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.random()).collect();
+        let scale: Vec<u8> = (0..n * k / 32).map(|i| (i / 2) as u8).collect();
+        let w = Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap()).unwrap();
+        let wf = w.to_f32();
+        for t in [1, 2, 9] {
+            let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut y = vec![0f32; t * n];
+            linear(&x, t, &w, &mut y).unwrap();
+            for i in 0..t {
+                for r in 0..n {
+                    let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * wf[r * k + c] as f64).sum();
+                    // f32 accumulation error is bounded relative to Σ|x·w| (terms may cancel).
+                    let mag: f64 = (0..k).map(|c| (x[i * k + c] as f64 * wf[r * k + c] as f64).abs()).sum();
+                    let got = y[i * n + r] as f64;
+                    if mag > 1e37 {
+                        continue; // near the top exponents the f32 sum itself overflows
+                    }
+                    assert!((got - want).abs() <= 1e-6 * mag + 1e-44, "T={t} row {r} (scale byte {r}): {got} vs {want}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn shape_errors() {
         let w = Matrix::dense(Tensor::from_f32(vec![2, 3], &[0.0; 6]).unwrap()).unwrap();
