@@ -26,8 +26,11 @@ pub const ACT: Source = Source { name: "act", code: include_str!("act.cu") };
 /// Row softmax (`softmax_{f32,bf16}`).
 pub const SOFTMAX: Source = Source { name: "softmax", code: include_str!("softmax.cu") };
 
+/// KDA prefill (`kda_chunk_prep`, `kda_chunk_scan`) and decode (`kda_decode`).
+pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 3] = [NORM, ACT, SOFTMAX];
+pub const ALL: [Source; 4] = [NORM, ACT, SOFTMAX, KDA];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
