@@ -136,6 +136,12 @@ fn run() -> Result<(), Box<dyn Error>> {
             }
         }
         let ms = time_ms(&dev, 3, 20, run)?;
+        let mut split = Vec::new();
+        for _ in 0..5 {
+            split.push(kda::kda_prefill_profiled(&l.inputs(), &l.weights(), &[t], &l.t[10], &l.t[11], &l.t[12], None)?);
+        }
+        let (prep, scan) = (median(split.iter().map(|x| x.0 as f64).collect()), median(split.iter().map(|x| x.1 as f64).collect()));
+        println!("ours prefill T={t}: split prep {prep:.4} ms + scan {scan:.4} ms");
         let nc = kda::num_chunks(&[t]);
         let cs = CudaTensor::uninit(&dev, DType::F32, vec![nc, H, HD, HD])?;
         let ms_cs = time_ms(&dev, 2, 10, || kda::kda_prefill(&l.inputs(), &l.weights(), &[t], &l.t[10], &l.t[11], &l.t[12], Some(&cs)))?;

@@ -16,7 +16,7 @@
 //! `chunk_states`, when given (F32 `[num_chunks(lens), H, 128, 128]`), receives the state
 //! after each chunk (chunks numbered sequence by sequence), for prefix caching.
 
-use super::{derr, kargs, CudaDevice, CudaTensor};
+use super::{derr, kargs, CudaDevice, CudaTensor, Event};
 use crate::kernels::cuda::KDA;
 use crate::{CoreError, DType, Result};
 
@@ -115,6 +115,21 @@ fn i32_of(x: usize, what: &str) -> Result<i32> {
 /// input). Updates `conv_state` and `state` in place, writes `out`, and, when given, the
 /// state after every chunk into `chunk_states`.
 pub fn kda_prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<()> {
+    prefill(inp, w, lens, conv_state, state, out, chunk_states, None)
+}
+
+/// [`kda_prefill`] with events around its two kernels; returns (prep ms, scan ms). For tuning.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_prefill_profiled(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<(f32, f32)> {
+    let dev = inp.q.cuda_device();
+    let ev = [dev.new_event(true)?, dev.new_event(true)?, dev.new_event(true)?];
+    prefill(inp, w, lens, conv_state, state, out, chunk_states, Some(&ev))?;
+    ev[2].synchronize()?;
+    Ok((ev[0].elapsed_ms(&ev[1])?, ev[1].elapsed_ms(&ev[2])?))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>, marks: Option<&[Event; 3]>) -> Result<()> {
     let n: usize = lens.iter().sum();
     let nb = lens.len();
     let (h, _d) = check(inp, w, n, nb, conv_state, state, out)?;
@@ -151,8 +166,12 @@ pub fn kda_prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: 
         let (cst, st, o, ct, sqt, wk) = (conv_state.ptr(), state.ptr(), out.ptr(), chunk_t.ptr(), seq_t.ptr(), work.ptr());
         big_smem(&dev, "kda_chunk_prep", PREP_SMEM)?;
         big_smem(&dev, "kda_chunk_scan", SCAN_SMEM)?;
+        let mark = |i: usize| marks.map_or(Ok(()), |m| m[i].record(&dev.stream()));
+        mark(0)?;
         dev.launch(KDA, "kda_chunk_prep", (nc as u32, h as u32, 1), (256, 1, 1), PREP_SMEM, &mut kargs![q, k, v, g, b, cw, al, dtb, cst, ct, wk, h32, lb])?;
+        mark(1)?;
         dev.launch(KDA, "kda_chunk_scan", (nb as u32, h as u32, 1), (256, 1, 1), SCAN_SMEM, &mut kargs![wk, sqt, q, k, v, cst, gate, onw, st, cs_ptr, o, h32, eps])?;
+        mark(2)?;
         // The workspace and tables go back to the caching allocator; later users are ordered
         // after these kernels on the same stream.
         drop(work);
@@ -184,7 +203,7 @@ pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, stat
     let (cw, al, dtb, onw) = (w.conv.ptr(), w.a_log.ptr(), w.dt_bias.ptr(), w.o_norm.ptr());
     let (cst, st, o) = (conv_state.ptr(), state.ptr(), out.ptr());
     let (h32, lb, eps) = (h as i32, w.lower_bound, w.eps);
-    dev.launch(KDA, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, o, h32, lb, eps])
+    dev.launch(KDA, "kda_decode", (h as u32, nb as u32, 1), (512, 1, 1), 0, &mut kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, o, h32, lb, eps])
 }
 
 /// A CUDA graph captured from the device's compute stream (e.g. one decode step), replayed

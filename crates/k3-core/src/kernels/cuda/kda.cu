@@ -102,35 +102,44 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 
     // --- conv + SiLU, gate and the local cumulative sum: thread = (half, channel).
     const int c = tid & 127, half = tid >> 7, r0 = half * 32, col = h * KD + c;
-    for (int which = 0; which < 3; which++) {
-        const bf16_t* X = which == 0 ? qr : which == 1 ? kr : vr;
-        float* dst = which == 0 ? sq : which == 1 ? sk : sv;
+    // All raw loads of a tensor are issued before any use (unconditional, clamped addresses):
+    // with one block per SM, serialised loads would leave the SM idle for most of the kernel.
+    auto load_raw = [&](const bf16_t* X, int which, bf16_t* xr) {
+#pragma unroll
+        for (int i = 0; i < 35; i++) {
+            const int r = r0 - 3 + i;
+            const bf16_t* p = pos0 + r >= 0 ? X + (long long)(tok0 + min(r, n - 1)) * D + col
+                                            : conv_state + ((long long)(seq * 3 + which) * 3 + (3 + pos0 + r)) * D + col;
+            xr[i] = *p;
+        }
+    };
+    auto conv_rows = [&](int which, const bf16_t* xr, float* dst) {
         const float* w = convw + ((long long)which * D + col) * 4;
         const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-        auto raw = [&](int r) -> float {
-            if (r >= n) return 0.0f;
-            if (pos0 + r >= 0) return bf16_to_f32(X[(long long)(tok0 + r) * D + col]);
-            return bf16_to_f32(conv_state[((long long)(seq * 3 + which) * 3 + (3 + pos0 + r)) * D + col]);
-        };
-        float x0 = raw(r0 - 3), x1 = raw(r0 - 2), x2 = raw(r0 - 1);
-#pragma unroll 8
+#pragma unroll
         for (int i = 0; i < 32; i++) {
             const int r = r0 + i;
-            const float x3 = raw(r);
-            const float y = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3;
+            const float y = w0 * bf16_to_f32(xr[i]) + w1 * bf16_to_f32(xr[i + 1]) + w2 * bf16_to_f32(xr[i + 2]) + w3 * bf16_to_f32(xr[i + 3]);
             dst[r * LDF + c] = r < n ? y / (1.0f + __expf(-y)) : 0.0f;
-            x0 = x1; x1 = x2; x2 = x3;
         }
-    }
+    };
     {
+        bf16_t xa[35], xb[35];
+        load_raw(qr, 0, xa);
+        load_raw(kr, 1, xb);
+        conv_rows(0, xa, sq);
+        load_raw(vr, 2, xa);
+        conv_rows(1, xb, sk);
+        bf16_t* xg = xb;  // gate inputs of rows r0..r0+31 (clamped)
+#pragma unroll
+        for (int i = 0; i < 32; i++) xg[i] = graw[(long long)(tok0 + min(r0 + i, n - 1)) * D + col];
+        conv_rows(2, xa, sv);
         const float aexp = __expf(a_log[h]), dtb = dt_bias[col];
         float run = 0.0f;
-#pragma unroll 8
+#pragma unroll
         for (int i = 0; i < 32; i++) {
             const int r = r0 + i;
-            float gv = 0.0f;
-            if (r < n) gv = lower_bound * sigm(aexp * (bf16_to_f32(graw[(long long)(tok0 + r) * D + col]) + dtb));
-            run += gv;
+            run += r < n ? lower_bound * sigm(aexp * (bf16_to_f32(xg[i]) + dtb)) : 0.0f;
             se[r * LDF + c] = run;
         }
         if (half == 0) sTot[c] = run;
@@ -521,22 +530,23 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
 }
 
 // ------------------------------------------------------------------------------------------
-// Decode: one token per sequence; block (256 threads) per (head, sequence). Thread = (row
-// group rg of 16 state rows, 4 consecutive columns). State f32 [B][H][128][128] in place,
+// Decode: one token per sequence; block (512 threads) per (head, sequence). Thread = (row
+// group rg of 8 state rows, 4 consecutive columns); 32 registers of state per thread lets 4
+// blocks share an SM, so more of the state is in flight. State f32 [B][H][128][128] in place,
 // conv state bf16 [B][3][3][D] in place.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(512, 2)
 kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
            const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw, const bf16_t* __restrict__ gate,
            const float* __restrict__ convw, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
            const float* __restrict__ onorm_w, bf16_t* __restrict__ conv_state, float* __restrict__ state,
            bf16_t* __restrict__ out, int H, float lower_bound, float eps) {
-    __shared__ float sq[KD], sk[KD], sv[KD], se[KD], su[KD], red[8][KD], misc[16];
+    __shared__ float sq[KD], sk[KD], sv[KD], se[KD], su[KD], red[16][KD], misc[16];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, cg = tid & 31, rg = tid >> 5;
     const int h = blockIdx.x, b = blockIdx.y, D = H * KD;
     float4* S = reinterpret_cast<float4*>(state + ((long long)b * H + h) * (KD * KD));
-    float4 s[16];
+    float4 s[8];
 #pragma unroll
-    for (int r = 0; r < 16; r++) s[r] = S[(rg * 16 + r) * 32 + cg];
+    for (int r = 0; r < 8; r++) s[r] = S[(rg * 8 + r) * 32 + cg];
 
     if (tid < KD) {
         const int col = h * KD + tid;
@@ -564,8 +574,8 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     const float beta = sigm(bf16_to_f32(braw[(long long)b * H + h]));
     float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int r = 0; r < 16; r++) {
-        const int row = rg * 16 + r;
+    for (int r = 0; r < 8; r++) {
+        const int row = rg * 8 + r;
         const float e = se[row], k = sk[row] * ki;
         s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
         p.x += k * s[r].x; p.y += k * s[r].y; p.z += k * s[r].z; p.w += k * s[r].w;
@@ -575,15 +585,15 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     if (tid < KD) {
         float acc = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc += red[i][tid];
+        for (int i = 0; i < 16; i++) acc += red[i][tid];
         su[tid] = beta * (sv[tid] - acc);
     }
     __syncthreads();
     const float4 u = *reinterpret_cast<const float4*>(&su[4 * cg]);
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int r = 0; r < 16; r++) {
-        const int row = rg * 16 + r;
+    for (int r = 0; r < 8; r++) {
+        const int row = rg * 8 + r;
         const float k = sk[row] * ki, q = sq[row] * qi;
         s[r].x += k * u.x; s[r].y += k * u.y; s[r].z += k * u.z; s[r].w += k * u.w;
         o.x += q * s[r].x; o.y += q * s[r].y; o.z += q * s[r].z; o.w += q * s[r].w;
@@ -594,7 +604,7 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     if (tid < KD) {
         float acc = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc += red[i][tid];
+        for (int i = 0; i < 16; i++) acc += red[i][tid];
         const float ss = warp_sum(acc * acc);
         if (lane == 0) misc[8 + wp] = ss;
         su[tid] = acc;
