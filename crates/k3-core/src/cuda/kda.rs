@@ -25,7 +25,7 @@ pub const HEAD_DIM: usize = 128;
 /// Chunk length of the prefill kernels.
 pub const CHUNK: usize = 64;
 const REC_BYTES: usize = 74_240;
-const PREP_SMEM: u32 = 200_960;
+const PREP_SMEM: u32 = 202_496;
 const SCAN_SMEM: u32 = 202_752;
 const OP: &str = "cuda kda";
 
@@ -168,7 +168,7 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTen
         big_smem(&dev, "kda_chunk_scan", SCAN_SMEM)?;
         let mark = |i: usize| marks.map_or(Ok(()), |m| m[i].record(&dev.stream()));
         mark(0)?;
-        dev.launch(KDA, "kda_chunk_prep", (nc as u32, h as u32, 1), (256, 1, 1), PREP_SMEM, &mut kargs![q, k, v, g, b, cw, al, dtb, cst, ct, wk, h32, lb])?;
+        dev.launch(KDA, "kda_chunk_prep", (nc as u32, h as u32, 1), (512, 1, 1), PREP_SMEM, &mut kargs![q, k, v, g, b, cw, al, dtb, cst, ct, wk, h32, lb])?;
         mark(1)?;
         dev.launch(KDA, "kda_chunk_scan", (nb as u32, h as u32, 1), (256, 1, 1), SCAN_SMEM, &mut kargs![wk, sqt, q, k, v, cst, gate, onw, st, cs_ptr, o, h32, eps])?;
         mark(2)?;
@@ -203,7 +203,7 @@ pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, stat
     let (cw, al, dtb, onw) = (w.conv.ptr(), w.a_log.ptr(), w.dt_bias.ptr(), w.o_norm.ptr());
     let (cst, st, o) = (conv_state.ptr(), state.ptr(), out.ptr());
     let (h32, lb, eps) = (h as i32, w.lower_bound, w.eps);
-    dev.launch(KDA, "kda_decode", (h as u32, nb as u32, 1), (512, 1, 1), 0, &mut kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, o, h32, lb, eps])
+    dev.launch(KDA, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, o, h32, lb, eps])
 }
 
 /// A CUDA graph captured from the device's compute stream (e.g. one decode step), replayed

@@ -48,7 +48,7 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigm(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 // Element (r, c) of a swizzled bf16 tile with `rowlen` (64 or 128) columns.
 __device__ __forceinline__ int swz(int r, int c, int rowlen) {
@@ -67,8 +67,10 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // ------------------------------------------------------------------------------------------
-// Prefill, stage 1: one block (256 threads) per (chunk, head). chunks[i] = {tok0, n, seq, pos0}.
-extern "C" __global__ void __launch_bounds__(256, 1)
+// Prefill, stage 1: one block (PT = 512 threads) per (chunk, head); chunks[i] = {tok0, n, seq,
+// pos0}. One block fills an SM's shared memory, so 16 warps hide the latencies of each phase.
+#define PT 512
+extern "C" __global__ void __launch_bounds__(PT, 1)
 kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
                const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw,
                const float* __restrict__ convw, const float* __restrict__ a_log,
@@ -88,8 +90,8 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     float* sF = sKL + 4 * KD;         // e^(G_ref(I) - G_ref(J)), I > J        [6][128]
     float* sT = sF + 6 * KD;          // block-substitution scratch            [768]
     float* sGL = sT + 768;            // G_last [128]
-    float* sTot = sGL + KD;           // half-chunk totals [128]
-    float* sBeta = sTot + KD;         // [64]
+    float* sTot = sGL + KD;           // quarter-chunk totals [4][128]
+    float* sBeta = sTot + 4 * KD;     // [64]
 
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int4 ch = chunks[blockIdx.x];
@@ -98,15 +100,15 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     unsigned char* rec = work + ((long long)blockIdx.x * H + h) * REC_BYTES;
     bf16_t* rb = reinterpret_cast<bf16_t*>(rec);
 
-    for (int i = tid; i < 3 * KC * LDA; i += 256) sA[i] = 0.0f;  // sA, sM, sQK
+    for (int i = tid; i < 3 * KC * LDA; i += PT) sA[i] = 0.0f;  // sA, sM, sQK
 
-    // --- conv + SiLU, gate and the local cumulative sum: thread = (half, channel).
-    const int c = tid & 127, half = tid >> 7, r0 = half * 32, col = h * KD + c;
+    // --- conv + SiLU, gate and the local cumulative sum: thread = (quarter = 16-row block, channel).
+    const int c = tid & 127, qt = tid >> 7, r0 = qt * 16, col = h * KD + c;
     // All raw loads of a tensor are issued before any use (unconditional, clamped addresses):
     // with one block per SM, serialised loads would leave the SM idle for most of the kernel.
     auto load_raw = [&](const bf16_t* X, int which, bf16_t* xr) {
 #pragma unroll
-        for (int i = 0; i < 35; i++) {
+        for (int i = 0; i < 19; i++) {
             const int r = r0 - 3 + i;
             const bf16_t* p = pos0 + r >= 0 ? X + (long long)(tok0 + min(r, n - 1)) * D + col
                                             : conv_state + ((long long)(seq * 3 + which) * 3 + (3 + pos0 + r)) * D + col;
@@ -117,50 +119,50 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
         const float* w = convw + ((long long)which * D + col) * 4;
         const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
+        for (int i = 0; i < 16; i++) {
             const int r = r0 + i;
             const float y = w0 * bf16_to_f32(xr[i]) + w1 * bf16_to_f32(xr[i + 1]) + w2 * bf16_to_f32(xr[i + 2]) + w3 * bf16_to_f32(xr[i + 3]);
-            dst[r * LDF + c] = r < n ? y / (1.0f + __expf(-y)) : 0.0f;
+            dst[r * LDF + c] = r < n ? __fdividef(y, 1.0f + __expf(-y)) : 0.0f;
         }
     };
     {
-        bf16_t xa[35], xb[35];
+        bf16_t xa[19], xb[19];
         load_raw(qr, 0, xa);
         load_raw(kr, 1, xb);
         conv_rows(0, xa, sq);
         load_raw(vr, 2, xa);
         conv_rows(1, xb, sk);
-        bf16_t* xg = xb;  // gate inputs of rows r0..r0+31 (clamped)
+        bf16_t* xg = xb;  // gate inputs of rows r0..r0+15 (clamped)
 #pragma unroll
-        for (int i = 0; i < 32; i++) xg[i] = graw[(long long)(tok0 + min(r0 + i, n - 1)) * D + col];
+        for (int i = 0; i < 16; i++) xg[i] = graw[(long long)(tok0 + min(r0 + i, n - 1)) * D + col];
         conv_rows(2, xa, sv);
         const float aexp = __expf(a_log[h]), dtb = dt_bias[col];
         float run = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
+        for (int i = 0; i < 16; i++) {
             const int r = r0 + i;
             run += r < n ? lower_bound * sigm(aexp * (bf16_to_f32(xg[i]) + dtb)) : 0.0f;
             se[r * LDF + c] = run;
         }
-        if (half == 0) sTot[c] = run;
+        sTot[qt * KD + c] = run;
     }
     if (tid < KC) sBeta[tid] = tid < n ? sigm(bf16_to_f32(braw[(long long)(tok0 + tid) * H + h])) : 0.0f;
     __syncthreads();
     {
-        const float base = half ? sTot[c] : 0.0f;
-        // Reference rows of this half: blocks 2*half and 2*half+1.
-        const float gr0 = se[(r0)*LDF + c] + base, gr1 = se[(r0 + 16) * LDF + c] + base;
-        sGR[(2 * half) * KD + c] = gr0;
-        sGR[(2 * half + 1) * KD + c] = gr1;
-        if (half) sGL[c] = se[63 * LDF + c] + base;
-#pragma unroll 8
-        for (int i = 0; i < 32; i++) {
+        float base = 0.0f;
+        for (int j = 0; j < qt; j++) base += sTot[j * KD + c];
+        // This quarter is block qt; its reference row is its first row.
+        const float gr = se[r0 * LDF + c] + base;
+        sGR[qt * KD + c] = gr;
+        if (qt == 3) sGL[c] = se[63 * LDF + c] + base;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
             const int r = r0 + i;
-            se[r * LDF + c] = __expf(se[r * LDF + c] + base - (i < 16 ? gr0 : gr1));
+            se[r * LDF + c] = __expf(se[r * LDF + c] + base - gr);
         }
     }
-    // L2 norms: one warp per row, 8 rows per warp.
-    for (int r = wp * 8; r < wp * 8 + 8; r++) {
+    // L2 norms: one warp per row, 4 rows per warp.
+    for (int r = wp * 4; r < wp * 4 + 4; r++) {
         float4 a = *reinterpret_cast<float4*>(&sq[r * LDF + 4 * lane]);
         float4 b = *reinterpret_cast<float4*>(&sk[r * LDF + 4 * lane]);
         const float qs = warp_sum(a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w);
@@ -177,7 +179,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
             sER[I * KD + tid] = __expf(sGR[I * KD + tid]);
             sKL[I * KD + tid] = __expf(sGL[tid] - sGR[I * KD + tid]);
         }
-    } else {
+    } else if (tid < 2 * KD) {
         const int cc = tid - KD;
         int p = 0;
         for (int I = 1; I < 4; I++)
@@ -186,7 +188,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     __syncthreads();
 
     // --- A_kk and A_qk, 16x16 blocks (I >= J), 20 tasks over 8 warps.
-    for (int tk = wp; tk < 20; tk += 8) {
+    for (int tk = wp; tk < 20; tk += PT / 32) {
         const int p = tk >> 1, mat = tk & 1;
         const int I = p >= 6 ? 3 : p >= 3 ? 2 : p >= 1 ? 1 : 0, J = p - I * (I + 1) / 2;
         const float* X = mat ? sq : sk;
@@ -247,7 +249,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     // ... then block (I, J), I > J: M_IJ = M_II · Σ_{K=J}^{I-1} A_IK M_KJ, by distance I - J.
     for (int d = 1; d < 4; d++) {
         const int np = 4 - d;
-        for (int e = tid; e < np * 256; e += 256) {
+        for (int e = tid; e < np * 256; e += PT) {
             const int J = e >> 8, I = J + d, r = (e >> 4) & 15, cc = e & 15;
             float s = 0.0f;
             for (int K = J; K < I; K++)
@@ -256,7 +258,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
             sT[e] = s;
         }
         __syncthreads();
-        for (int e = tid; e < np * 256; e += 256) {
+        for (int e = tid; e < np * 256; e += PT) {
             const int J = e >> 8, I = J + d, r = (e >> 4) & 15, cc = e & 15;
             float s = 0.0f;
 #pragma unroll
@@ -268,10 +270,10 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 
     // --- w = M (beta e^G k), u = M (beta v): warp = (row tile, w|u), 16 column tiles each.
     {
-        const int mt = wp & 3, isu = wp >> 2;
-        float acc[16][4];
+        const int mt = wp & 3, isu = (wp >> 2) & 1, n0 = (wp >> 3) * 8;
+        float acc[8][4];
 #pragma unroll
-        for (int nt = 0; nt < 16; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
         for (int ks = 0; ks <= mt; ks++) {
             unsigned a[4];
 #pragma unroll
@@ -283,8 +285,8 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
             const int j0 = ks * 16 + 2 * t;
             const float be[4] = {sBeta[j0], sBeta[j0 + 1], sBeta[j0 + 8], sBeta[j0 + 9]};
 #pragma unroll
-            for (int nt = 0; nt < 16; nt++) {
-                const int d = nt * 8 + g;
+            for (int nt = 0; nt < 8; nt++) {
+                const int d = (n0 + nt) * 8 + g;
                 float y[4];
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
@@ -296,15 +298,15 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
         }
         bf16_t* dst = rb + (isu ? REC_U : REC_W);
 #pragma unroll
-        for (int nt = 0; nt < 16; nt++)
+        for (int nt = 0; nt < 8; nt++)
 #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
-                const int row = mt * 16 + g + 8 * hh, cl = nt * 8 + 2 * t;
+                const int row = mt * 16 + g + 8 * hh, cl = (n0 + nt) * 8 + 2 * t;
                 *reinterpret_cast<unsigned*>(&dst[swz(row, cl, KD)]) = pack_bf16(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
             }
     }
     // --- q e^G [64][128], (k e^(G_last - G))^T [128][64], A_qk [64][64], e^G_last [128].
-    for (int e = tid; e < 1024; e += 256) {
+    for (int e = tid; e < 1024; e += PT) {
         const int row = e >> 4, u = e & 15;
         float f[8];
 #pragma unroll
@@ -314,7 +316,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
         }
         st_vec(rb + REC_QG + row * KD + ((u ^ (row & 7)) << 3), f);
     }
-    for (int e = tid; e < 1024; e += 256) {
+    for (int e = tid; e < 1024; e += PT) {
         const int d = e & 127, u = e >> 7;
         float f[8];
 #pragma unroll
@@ -324,7 +326,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
         }
         st_vec(rb + REC_KT + d * KC + ((u ^ (d & 7)) << 3), f);
     }
-    for (int e = tid; e < 512; e += 256) {
+    for (int e = tid; e < 512; e += PT) {
         const int row = e >> 3, u = e & 7;
         float f[8];
 #pragma unroll
@@ -530,23 +532,22 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
 }
 
 // ------------------------------------------------------------------------------------------
-// Decode: one token per sequence; block (512 threads) per (head, sequence). Thread = (row
-// group rg of 8 state rows, 4 consecutive columns); 32 registers of state per thread lets 4
-// blocks share an SM, so more of the state is in flight. State f32 [B][H][128][128] in place,
+// Decode: one token per sequence; block (256 threads) per (head, sequence). Thread = (row
+// group rg of 16 state rows, 4 consecutive columns). State f32 [B][H][128][128] in place,
 // conv state bf16 [B][3][3][D] in place.
-extern "C" __global__ void __launch_bounds__(512, 2)
+extern "C" __global__ void __launch_bounds__(256)
 kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
            const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw, const bf16_t* __restrict__ gate,
            const float* __restrict__ convw, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
            const float* __restrict__ onorm_w, bf16_t* __restrict__ conv_state, float* __restrict__ state,
            bf16_t* __restrict__ out, int H, float lower_bound, float eps) {
-    __shared__ float sq[KD], sk[KD], sv[KD], se[KD], su[KD], red[16][KD], misc[16];
+    __shared__ float sq[KD], sk[KD], sv[KD], se[KD], su[KD], red[8][KD], misc[16];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, cg = tid & 31, rg = tid >> 5;
     const int h = blockIdx.x, b = blockIdx.y, D = H * KD;
     float4* S = reinterpret_cast<float4*>(state + ((long long)b * H + h) * (KD * KD));
-    float4 s[8];
+    float4 s[16];
 #pragma unroll
-    for (int r = 0; r < 8; r++) s[r] = S[(rg * 8 + r) * 32 + cg];
+    for (int r = 0; r < 16; r++) s[r] = S[(rg * 16 + r) * 32 + cg];
 
     if (tid < KD) {
         const int col = h * KD + tid;
@@ -574,8 +575,8 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     const float beta = sigm(bf16_to_f32(braw[(long long)b * H + h]));
     float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const int row = rg * 8 + r;
+    for (int r = 0; r < 16; r++) {
+        const int row = rg * 16 + r;
         const float e = se[row], k = sk[row] * ki;
         s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
         p.x += k * s[r].x; p.y += k * s[r].y; p.z += k * s[r].z; p.w += k * s[r].w;
@@ -585,15 +586,15 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     if (tid < KD) {
         float acc = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 16; i++) acc += red[i][tid];
+        for (int i = 0; i < 8; i++) acc += red[i][tid];
         su[tid] = beta * (sv[tid] - acc);
     }
     __syncthreads();
     const float4 u = *reinterpret_cast<const float4*>(&su[4 * cg]);
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const int row = rg * 8 + r;
+    for (int r = 0; r < 16; r++) {
+        const int row = rg * 16 + r;
         const float k = sk[row] * ki, q = sq[row] * qi;
         s[r].x += k * u.x; s[r].y += k * u.y; s[r].z += k * u.z; s[r].w += k * u.w;
         o.x += q * s[r].x; o.y += q * s[r].y; o.z += q * s[r].z; o.w += q * s[r].w;
@@ -604,7 +605,7 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     if (tid < KD) {
         float acc = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 16; i++) acc += red[i][tid];
+        for (int i = 0; i < 8; i++) acc += red[i][tid];
         const float ss = warp_sum(acc * acc);
         if (lane == 0) misc[8 + wp] = ss;
         su[tid] = acc;
