@@ -340,6 +340,16 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 // Prefill, stage 2: one block (256 threads) per (sequence, head); seqs[b] = {tok0, len, chunk0,
 // nchunks}. Warp wp owns S rows (k index) 16wp..16wp+15 in accS, and for the output the row
 // tile wp&3 and the column half wp>>2.
+// Stores the pair (c0, c1) = C-fragment elements (row, col), (row, col + 1), row = base + g,
+// transposed as bf16 into dst[col][row]: lanes g and g^1 swap one value so that each stores
+// one 32-bit word of two consecutive rows. All 32 lanes must call it.
+__device__ __forceinline__ void st_frag_t(bf16_t* dst, int ld, int row, int col, float c0, float c1, int g) {
+    const bool odd = g & 1;
+    const float x = __shfl_xor_sync(0xffffffffu, odd ? c0 : c1, 4);
+    if (!odd) *reinterpret_cast<unsigned*>(&dst[col * ld + row]) = pack_bf16(c0, x);
+    else *reinterpret_cast<unsigned*>(&dst[(col + 1) * ld + row - 1]) = pack_bf16(x, c1);
+}
+
 __device__ __forceinline__ unsigned ld_rec(const bf16_t* base, int r, int c, int rowlen) {
     return *reinterpret_cast<const unsigned*>(&base[swz(r, c, rowlen)]);
 }
@@ -382,8 +392,7 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
             const float2 v = *reinterpret_cast<const float2*>(&Sg[row * KD + cl]);
             accS[nt][2 * hh] = v.x;
             accS[nt][2 * hh + 1] = v.y;
-            sST[cl * LST + row] = f32_to_bf16(v.x);
-            sST[(cl + 1) * LST + row] = f32_to_bf16(v.y);
+            st_frag_t(sST, LST, row, cl, v.x, v.y, g);
         }
 
     for (int c = 0; c < nch; c++) {
@@ -439,8 +448,7 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
             for (int hh = 0; hh < 2; hh++) {
                 const int row = mt * 16 + g + 8 * hh, cl = nh * 64 + nt * 8 + 2 * t;
                 const unsigned u = ld_rec(rU, row, cl, KD);
-                sVT[cl * LVT + row] = f32_to_bf16(lo_bf16(u) - accV[nt][2 * hh]);
-                sVT[(cl + 1) * LVT + row] = f32_to_bf16(hi_bf16(u) - accV[nt][2 * hh + 1]);
+                st_frag_t(sVT, LVT, row, cl, lo_bf16(u) - accV[nt][2 * hh], hi_bf16(u) - accV[nt][2 * hh + 1], g);
             }
         __syncthreads();
 
@@ -479,8 +487,7 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
                     const int row = wp * 16 + g + 8 * hh, cl = nt * 8 + 2 * t;
-                    sST[cl * LST + row] = f32_to_bf16(accS[nt][2 * hh]);
-                    sST[(cl + 1) * LST + row] = f32_to_bf16(accS[nt][2 * hh + 1]);
+                    st_frag_t(sST, LST, row, cl, accS[nt][2 * hh], accS[nt][2 * hh + 1], g);
                     if (cs) *reinterpret_cast<float2*>(&cs[row * KD + cl]) = make_float2(accS[nt][2 * hh], accS[nt][2 * hh + 1]);
                 }
         }
