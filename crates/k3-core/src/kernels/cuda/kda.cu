@@ -106,13 +106,18 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     const int c = tid & 127, qt = tid >> 7, r0 = qt * 16, col = h * KD + c;
     // All raw loads of a tensor are issued before any use (unconditional, clamped addresses):
     // with one block per SM, serialised loads would leave the SM idle for most of the kernel.
+    // No branches around the loads either: a load whose value meets a branch merge is waited
+    // for there. Rows before the sequence start come from the conv state; both candidates are
+    // loaded (clamped to valid addresses) and one is selected.
     auto load_raw = [&](const bf16_t* X, int which, bf16_t* xr) {
 #pragma unroll
-        for (int i = 0; i < 19; i++) {
+        for (int i = 3; i < 19; i++) xr[i] = X[(long long)(tok0 + min(r0 - 3 + i, n - 1)) * D + col];
+#pragma unroll
+        for (int i = 0; i < 3; i++) {
             const int r = r0 - 3 + i;
-            const bf16_t* p = pos0 + r >= 0 ? X + (long long)(tok0 + min(r, n - 1)) * D + col
-                                            : conv_state + ((long long)(seq * 3 + which) * 3 + (3 + pos0 + r)) * D + col;
-            xr[i] = *p;
+            const bf16_t a = X[(long long)max(tok0 + r, 0) * D + col];
+            const bf16_t b = conv_state[((long long)(seq * 3 + which) * 3 + max(3 + pos0 + r, 0)) * D + col];
+            xr[i] = pos0 + r >= 0 ? a : b;
         }
     };
     auto conv_rows = [&](int which, const bf16_t* xr, float* dst) {
@@ -416,7 +421,7 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
 #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
                 const int row = mt * 16 + g + 8 * hh, cl = h * KD + nh * 64 + nt * 8 + 2 * t;
-                gv[nt][hh] = row < n ? *reinterpret_cast<const unsigned*>(&gate[(trow + row) * D + cl]) : 0u;
+                gv[nt][hh] = *reinterpret_cast<const unsigned*>(&gate[(trow + min(row, n - 1)) * D + cl]);
             }
 
         // v' = u - w S ; o = (q e^G) S
