@@ -11,7 +11,7 @@ use std::error::Error;
 use std::io::Write;
 
 use half::bf16;
-use k3_core::cuda::kda::{self, KdaInputs, KdaWeights};
+use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -160,37 +160,39 @@ fn run() -> Result<(), Box<dyn Error>> {
     }
 
     for b in [1usize, 64] {
-        let l = Layer::new(&dev, &mut r, b, b)?;
-        let step = || kda::kda_decode(&l.inputs(), &l.weights(), &l.t[10], &l.t[11], &l.t[12]);
-        step()?;
-        let eager = time_ms(&dev, 20, 50, step)?;
-        let graph = kda::capture(&dev, step)?;
-        for _ in 0..50 {
-            graph.launch()?;
-        }
-        dev.synchronize()?;
-        let s = dev.stream();
-        let mut ts = Vec::new();
-        for _ in 0..30 {
-            let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
-            e0.record(&s)?;
-            for _ in 0..100 {
+        for kernel in [DecodeKernel::Fused, DecodeKernel::Split] {
+            let l = Layer::new(&dev, &mut r, b, b)?;
+            let step = || kda::kda_decode_with(&l.inputs(), &l.weights(), &l.t[10], &l.t[11], &l.t[12], kernel);
+            step()?;
+            let eager = time_ms(&dev, 20, 50, step)?;
+            let graph = kda::capture(&dev, step)?;
+            for _ in 0..50 {
                 graph.launch()?;
             }
-            e1.record(&s)?;
-            e1.synchronize()?;
-            ts.push(e0.elapsed_ms(&e1)? as f64 / 100.0);
+            dev.synchronize()?;
+            let s = dev.stream();
+            let mut ts = Vec::new();
+            for _ in 0..30 {
+                let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+                e0.record(&s)?;
+                for _ in 0..100 {
+                    graph.launch()?;
+                }
+                e1.record(&s)?;
+                e1.synchronize()?;
+                ts.push(e0.elapsed_ms(&e1)? as f64 / 100.0);
+            }
+            let ms = median(ts);
+            let bytes = (2 * b * H * HD * HD * 4 + b * d * 2 * 6 + b * 9 * d * 2 * 2) as f64;
+            println!(
+                "ours decode {kernel:?} B={b}: graph {:.2} us/step, eager {:.2} us; state+io {:.1} MB -> {:.0} GB/s = {:.0}% of copy",
+                ms * 1e3,
+                eager * 1e3,
+                bytes / 1e6,
+                bytes / (ms * 1e-3) / 1e9,
+                100.0 * bytes / (ms * 1e-3) / copy_bw
+            );
         }
-        let ms = median(ts);
-        let bytes = (2 * b * H * HD * HD * 4 + b * d * 2 * 6 + b * 9 * d * 2 * 2) as f64;
-        println!(
-            "ours decode B={b}: graph {:.2} us/step, eager {:.2} us; state+io {:.1} MB -> {:.0} GB/s = {:.0}% of copy",
-            ms * 1e3,
-            eager * 1e3,
-            bytes / 1e6,
-            bytes / (ms * 1e-3) / 1e9,
-            100.0 * bytes / (ms * 1e-3) / copy_bw
-        );
     }
     Ok(())
 }

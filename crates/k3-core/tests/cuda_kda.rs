@@ -16,7 +16,7 @@
 use std::io::Write;
 
 use half::bf16;
-use k3_core::cuda::kda::{self, KdaInputs, KdaWeights, HEAD_DIM};
+use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights, HEAD_DIM};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
 use k3_core::{CoreError, DType};
@@ -272,7 +272,7 @@ fn decode_parity() {
     const T: &str = "kda decode_parity";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    for (h, b) in [(2usize, 1usize), (3, 5), (4, 64)] {
+    for (h, b, kernel) in [(2usize, 1usize, DecodeKernel::Fused), (3, 5, DecodeKernel::Fused), (4, 64, DecodeKernel::Fused), (2, 1, DecodeKernel::Split), (3, 5, DecodeKernel::Split), (4, 64, DecodeKernel::Split)] {
         let steps = 3;
         // Token s of sequence i is row s*b + i; the CPU runs each sequence as lens = [steps].
         let p = Problem::new(&mut r, h, &vec![1; b * steps]);
@@ -283,7 +283,7 @@ fn decode_parity() {
         for s in 0..steps {
             let x = Gpu::new(&dev, &p, s * b..(s + 1) * b);
             let out = poisoned(&dev, DType::BF16, vec![b, d]);
-            kda::kda_decode(&x.inputs(), &x.weights(), &conv, &st, &out).expect("kda_decode");
+            kda::kda_decode_with(&x.inputs(), &x.weights(), &conv, &st, &out, kernel).expect("kda_decode");
             outs.push(out.to_f32_vec().expect("out"));
         }
         // Reorder the problem into b sequences of `steps` tokens for the CPU.
@@ -306,9 +306,9 @@ fn decode_parity() {
         };
         let (o_ref, conv_ref, s_ref, _) = cpu_reference(&q, false);
         let got: Vec<f32> = (0..b).flat_map(|i| (0..steps).flat_map(|s| outs[s][i * d..(i + 1) * d].to_vec()).collect::<Vec<_>>()).collect();
-        check(&format!("decode H={h} B={b} {steps} steps out"), &got, &o_ref, TOL_OUT);
-        check(&format!("decode H={h} B={b} state"), &st.to_f32_vec().expect("state"), &s_ref, TOL_DECODE_STATE);
-        assert_eq!(conv.to_f32_vec().expect("conv"), conv_ref, "decode H={h} B={b}: conv state differs");
+        check(&format!("decode {kernel:?} H={h} B={b} {steps} steps out"), &got, &o_ref, TOL_OUT);
+        check(&format!("decode {kernel:?} H={h} B={b} state"), &st.to_f32_vec().expect("state"), &s_ref, TOL_DECODE_STATE);
+        assert_eq!(conv.to_f32_vec().expect("conv"), conv_ref, "decode {kernel:?} H={h} B={b}: conv state differs");
     }
 }
 

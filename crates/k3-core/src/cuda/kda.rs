@@ -17,7 +17,7 @@
 //! after each chunk (chunks numbered sequence by sequence), for prefix caching.
 
 use super::{derr, kargs, CudaDevice, CudaTensor, Event};
-use crate::kernels::cuda::KDA;
+use crate::kernels::cuda::{KDA, KDA_DECODE};
 use crate::{CoreError, DType, Result};
 
 /// Head dimension the kernels are built for.
@@ -187,9 +187,25 @@ fn big_smem(dev: &CudaDevice, func: &'static str, bytes: u32) -> Result<()> {
     f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).map_err(derr("raising the shared-memory limit of the KDA kernels"))
 }
 
+/// Which decode kernel runs (both compute the same step; see `kernels/cuda/kda.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// One block per (head, sequence), the whole 128×128 state in registers.
+    Fused,
+    /// A cluster of two blocks per (head, sequence), 64 value columns each; the output norm's
+    /// sum of squares crosses over distributed shared memory. Needs sm_90.
+    Split,
+}
+
 /// One decode step for `B` sequences (each input has `B` rows): conv-state shift, gates, one
 /// step of the recurrence on `state` in place, output norm and gate into `out` `[B, D]`.
 pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<()> {
+    kda_decode_with(inp, w, conv_state, state, out, DecodeKernel::Fused)
+}
+
+/// [`kda_decode`] with an explicit kernel choice ([`DecodeKernel::Split`] needs compute
+/// capability ≥ 9.0 and is refused below).
+pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, kernel: DecodeKernel) -> Result<()> {
     let nb = inp.q.shape().first().copied().unwrap_or(0);
     let (h, _d) = check(inp, w, nb, nb, conv_state, state, out)?;
     if nb == 0 {
@@ -203,7 +219,16 @@ pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, stat
     let (cw, al, dtb, onw) = (w.conv.ptr(), w.a_log.ptr(), w.dt_bias.ptr(), w.o_norm.ptr());
     let (cst, st, o) = (conv_state.ptr(), state.ptr(), out.ptr());
     let (h32, lb, eps) = (h as i32, w.lower_bound, w.eps);
-    dev.launch(KDA, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, o, h32, lb, eps])
+    let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, o, h32, lb, eps];
+    match kernel {
+        DecodeKernel::Fused => dev.launch(KDA_DECODE, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args),
+        DecodeKernel::Split => {
+            if dev.info().compute_capability.0 < 9 {
+                return Err(CoreError::Device("kda_decode_split needs thread-block clusters (sm_90)".into()));
+            }
+            dev.launch(KDA_DECODE, "kda_decode_split", (2 * h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args)
+        }
+    }
 }
 
 /// A CUDA graph captured from the device's compute stream (e.g. one decode step), replayed

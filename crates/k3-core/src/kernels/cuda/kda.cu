@@ -15,9 +15,7 @@
 //    S = e^G_last S + (k e^(G_last-G))^T v', then RMSNorm x sigmoid(gate) and the bf16 output.
 //    Records stream in through cp.async, double-buffered. It also writes the final state, the
 //    new conv state and (optionally) the state after every chunk.
-// Decode (kda_decode) is one block per (head, sequence): conv-state shift, gates, one step of
-// the recurrence on the f32 state in place (16-byte coalesced loads issued first), output
-// norm and gate.
+// Decode is in kda_decode.cu.
 
 #define KD 128
 #define KC 64
@@ -540,92 +538,5 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
                 cs[(long long)k * D] = p >= 0 ? X[(long long)(tok0 + p) * D + col] : cs[(long long)(k + len) * D];
             }
         }
-    }
-}
-
-// ------------------------------------------------------------------------------------------
-// Decode: one token per sequence; block (256 threads) per (head, sequence). Thread = (row
-// group rg of 16 state rows, 4 consecutive columns). State f32 [B][H][128][128] in place,
-// conv state bf16 [B][3][3][D] in place.
-extern "C" __global__ void __launch_bounds__(256)
-kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
-           const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw, const bf16_t* __restrict__ gate,
-           const float* __restrict__ convw, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-           const float* __restrict__ onorm_w, bf16_t* __restrict__ conv_state, float* __restrict__ state,
-           bf16_t* __restrict__ out, int H, float lower_bound, float eps) {
-    __shared__ float sq[KD], sk[KD], sv[KD], se[KD], su[KD], red[8][KD], misc[16];
-    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, cg = tid & 31, rg = tid >> 5;
-    const int h = blockIdx.x, b = blockIdx.y, D = H * KD;
-    float4* S = reinterpret_cast<float4*>(state + ((long long)b * H + h) * (KD * KD));
-    float4 s[16];
-#pragma unroll
-    for (int r = 0; r < 16; r++) s[r] = S[(rg * 16 + r) * 32 + cg];
-
-    if (tid < KD) {
-        const int col = h * KD + tid;
-        const long long row = (long long)b * D + col;
-        float qq = 0.0f, kk = 0.0f;
-        for (int which = 0; which < 3; which++) {
-            const bf16_t* X = which == 0 ? qr : which == 1 ? kr : vr;
-            bf16_t* cs = conv_state + (long long)(b * 3 + which) * 3 * D + col;
-            const float* w = convw + ((long long)which * D + col) * 4;
-            const bf16_t x0 = cs[0], x1 = cs[D], x2 = cs[2 * (long long)D], x3 = X[row];
-            const float y = w[0] * bf16_to_f32(x0) + w[1] * bf16_to_f32(x1) + w[2] * bf16_to_f32(x2) + w[3] * bf16_to_f32(x3);
-            const float a = y / (1.0f + __expf(-y));
-            cs[0] = x1; cs[D] = x2; cs[2 * (long long)D] = x3;
-            if (which == 0) { sq[tid] = a; qq = a * a; }
-            else if (which == 1) { sk[tid] = a; kk = a * a; }
-            else sv[tid] = a;
-        }
-        se[tid] = __expf(lower_bound * sigm(__expf(a_log[h]) * (bf16_to_f32(graw[row]) + dt_bias[col])));
-        qq = warp_sum(qq); kk = warp_sum(kk);
-        if (lane == 0) { misc[wp] = qq; misc[4 + wp] = kk; }
-    }
-    __syncthreads();
-    const float qi = 0.08838834764831845f / sqrtf(misc[0] + misc[1] + misc[2] + misc[3] + 1e-6f);
-    const float ki = 1.0f / sqrtf(misc[4] + misc[5] + misc[6] + misc[7] + 1e-6f);
-    const float beta = sigm(bf16_to_f32(braw[(long long)b * H + h]));
-    float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int r = 0; r < 16; r++) {
-        const int row = rg * 16 + r;
-        const float e = se[row], k = sk[row] * ki;
-        s[r].x *= e; s[r].y *= e; s[r].z *= e; s[r].w *= e;
-        p.x += k * s[r].x; p.y += k * s[r].y; p.z += k * s[r].z; p.w += k * s[r].w;
-    }
-    *reinterpret_cast<float4*>(&red[rg][4 * cg]) = p;
-    __syncthreads();
-    if (tid < KD) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc += red[i][tid];
-        su[tid] = beta * (sv[tid] - acc);
-    }
-    __syncthreads();
-    const float4 u = *reinterpret_cast<const float4*>(&su[4 * cg]);
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int r = 0; r < 16; r++) {
-        const int row = rg * 16 + r;
-        const float k = sk[row] * ki, q = sq[row] * qi;
-        s[r].x += k * u.x; s[r].y += k * u.y; s[r].z += k * u.z; s[r].w += k * u.w;
-        o.x += q * s[r].x; o.y += q * s[r].y; o.z += q * s[r].z; o.w += q * s[r].w;
-        S[row * 32 + cg] = s[r];
-    }
-    *reinterpret_cast<float4*>(&red[rg][4 * cg]) = o;
-    __syncthreads();
-    if (tid < KD) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc += red[i][tid];
-        const float ss = warp_sum(acc * acc);
-        if (lane == 0) misc[8 + wp] = ss;
-        su[tid] = acc;
-    }
-    __syncthreads();
-    if (tid < KD) {
-        const float inv = 1.0f / sqrtf((misc[8] + misc[9] + misc[10] + misc[11]) * (1.0f / KD) + eps);
-        const long long row = (long long)b * D + h * KD + tid;
-        out[row] = f32_to_bf16(su[tid] * inv * onorm_w[tid] * sigm(bf16_to_f32(gate[row])));
     }
 }
