@@ -226,7 +226,9 @@ fn prefill_parity() {
     const T: &str = "kda prefill_parity";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    let cases: [(usize, &[usize]); 7] = [(2, &[1]), (2, &[64]), (3, &[100]), (2, &[2, 64, 130, 7]), (4, &[200]), (1, &[1, 1, 3]), (8, &[129, 300, 65])];
+    // Includes a long sequence (chunks far from the sequence start) and sequences shorter than
+    // the conv width.
+    let cases: [(usize, &[usize]); 8] = [(2, &[1]), (2, &[64]), (3, &[100]), (2, &[2, 64, 130, 7]), (4, &[200]), (1, &[1, 1, 3]), (8, &[129, 300, 65]), (2, &[1000, 3])];
     for (h, lens) in cases {
         let p = Problem::new(&mut r, h, lens);
         let (d, b, n) = (h * HD, lens.len(), lens.iter().sum::<usize>());

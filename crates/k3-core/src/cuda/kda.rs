@@ -71,7 +71,7 @@ fn expect(t: &CudaTensor, dev: &CudaDevice, dtype: DType, shape: &[usize], what:
     if t.dtype() != dtype || t.shape() != shape || !t.cuda_device().same(dev) {
         return Err(bad(format!("{what}: expected {dtype} {shape:?} on {:?}, got {t:?}", dev.device())));
     }
-    if t.ptr() % 16 != 0 {
+    if !t.ptr().is_multiple_of(16) {
         return Err(bad(format!("{what}: device address not 16-byte aligned")));
     }
     Ok(())

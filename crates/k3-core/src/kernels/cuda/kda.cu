@@ -106,15 +106,16 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     // with one block per SM, serialised loads would leave the SM idle for most of the kernel.
     // No branches around the loads either: a load whose value meets a branch merge is waited
     // for there. Rows before the sequence start come from the conv state; both candidates are
-    // loaded (clamped to valid addresses) and one is selected.
+    // loaded, each clamped to a valid address (the tap index to 0..2: unclamped, later chunks
+    // read far past the conv state), and one is selected.
     auto load_raw = [&](const bf16_t* X, int which, bf16_t* xr) {
 #pragma unroll
         for (int i = 3; i < 19; i++) xr[i] = X[(long long)(tok0 + min(r0 - 3 + i, n - 1)) * D + col];
 #pragma unroll
         for (int i = 0; i < 3; i++) {
             const int r = r0 - 3 + i;
-            const bf16_t a = X[(long long)max(tok0 + r, 0) * D + col];
-            const bf16_t b = conv_state[((long long)(seq * 3 + which) * 3 + max(3 + pos0 + r, 0)) * D + col];
+            const bf16_t a = X[(long long)max(tok0 + min(r, n - 1), 0) * D + col];
+            const bf16_t b = conv_state[((long long)(seq * 3 + which) * 3 + min(max(3 + pos0 + r, 0), 2)) * D + col];
             xr[i] = pos0 + r >= 0 ? a : b;
         }
     };
