@@ -20,6 +20,7 @@ mod alloc;
 pub mod bench;
 pub mod blas;
 mod compile;
+pub mod kda;
 pub mod ops;
 mod tensor;
 

@@ -26,8 +26,13 @@ pub const ACT: Source = Source { name: "act", code: include_str!("act.cu") };
 /// Row softmax (`softmax_{f32,bf16}`).
 pub const SOFTMAX: Source = Source { name: "softmax", code: include_str!("softmax.cu") };
 
+/// KDA chunked prefill (`kda_chunk_prep`, `kda_chunk_scan`).
+pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
+/// KDA decode step (`kda_decode`, `kda_decode_split`).
+pub const KDA_DECODE: Source = Source { name: "kda_decode", code: include_str!("kda_decode.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 3] = [NORM, ACT, SOFTMAX];
+pub const ALL: [Source; 5] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
