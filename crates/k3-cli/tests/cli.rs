@@ -113,3 +113,42 @@ fn inspect_errors_name_the_culprit() {
     let o = k3(&["inspect", d.path().to_str().unwrap()]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("config.json"));
 }
+
+/// Bad flags of `run`, `logits` and `bench` fail before any work, naming the flag or parameter.
+#[test]
+fn bad_flags_name_the_parameter() {
+    let nano = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/k3-nano");
+    let err = |args: &[&str]| {
+        let o = k3(args);
+        assert!(!o.status.success(), "{args:?} should fail");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let e = err(&["run", "--model", nano, "--top-p", "1.5", "hi"]);
+    assert!(e.contains("top_p"), "{e}");
+    let e = err(&["run", "--model", nano, "--temperature", "-1", "hi"]);
+    assert!(e.contains("temperature"), "{e}");
+    let e = err(&["run", "--model", nano, "-n", "0", "hi"]);
+    assert!(e.contains("max_tokens"), "{e}");
+    let e = err(&["logits", "--model", nano, "--ids", "1,2", "--out", "/tmp/never.npy", "--mode", "chunked:0"]);
+    assert!(e.contains("--mode"), "{e}");
+    let e = err(&["logits", "--model", nano, "--ids", "1,x", "--out", "/tmp/never.npy"]);
+    assert!(e.contains("`x`"), "{e}");
+    let e = err(&["bench", "--model", nano, "--prompt-len", "0"]);
+    assert!(e.contains("--prompt-len"), "{e}");
+    let e = err(&["bench", "--model", nano, "--prompt-len", "10000", "--gen-len", "1"]);
+    assert!(e.contains("context"), "{e}");
+    let e = err(&["run", "--model", "/nonexistent/model", "hi"]);
+    assert!(e.contains("/nonexistent/model"), "{e}");
+}
+
+/// `k3 run` on the embedded model: greedy generation is deterministic and prints timings.
+#[test]
+fn run_embedded_model_greedy() {
+    let a = ok(&["run", "-n", "8", "--temperature", "0", "--json", "ROMEO."]);
+    let b = ok(&["run", "-n", "8", "--temperature", "0", "--json", "ROMEO."]);
+    let (va, vb): (Value, Value) = (serde_json::from_str(&a).unwrap(), serde_json::from_str(&b).unwrap());
+    assert_eq!(va["ids"], vb["ids"]);
+    assert_eq!(va["ids"].as_array().unwrap().len(), 8);
+    assert!(va["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(!va["text"].as_str().unwrap().is_empty());
+}

@@ -16,7 +16,7 @@ use super::model_dir::resolve_model_dir;
 #[derive(clap::Args)]
 pub struct SamplingArgs {
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
@@ -26,9 +26,9 @@ pub struct SamplingArgs {
     pub min_p: f32,
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Makes sampling reproducible.
     #[arg(long)]
