@@ -244,24 +244,32 @@ def load(conc, max_tokens, want_text):
     return conc * max_tokens / dt
 
 
-@check("load: 32 concurrent streams complete; throughput rises with batching; RSS bounded")
+@check("load: 32 concurrent streams complete; they share engine steps (batching); RSS bounded")
 def _():
     want = client.completions.create(model=MODEL, prompt=CFG["completion"]["prompt"], max_tokens=64, **GREEDY).choices[0].text
     load(2, 64, want)  # warm-up
     rss0 = rss_mib()
     figures = {}
     peak = rss0
+    tokens_per_step = {}
     for conc in (1, 8, 32):
+        m0 = metrics()
         figures[conc] = load(conc, 64, want)
+        m1 = metrics()
+        steps = m1["k3_engine_steps_total"] - m0["k3_engine_steps_total"]
+        tokens_per_step[conc] = (m1["k3_generation_tokens_total"] - m0["k3_generation_tokens_total"]) / max(steps, 1)
         peak = max(peak, rss_mib())
     rss1 = rss_mib()
     load(32, 64, want)  # a second round must not grow the server
     rss2 = rss_mib()
     print("LOAD aggregate decode tok/s: " + ", ".join(f"c={c}: {v:.0f}" for c, v in figures.items()), flush=True)
     print(f"LOAD RSS MiB: before {rss0:.1f}, peak {peak:.1f}, after {rss1:.1f}, after another c=32 round {rss2:.1f}", flush=True)
+    print("LOAD generated tokens per engine step: " + ", ".join(f"c={c}: {v:.1f}" for c, v in tokens_per_step.items()), flush=True)
     assert rss2 < rss1 + 16, (rss1, rss2)
-    # Batching must raise aggregate throughput (c=32 is partly bound by this Python client).
-    assert figures[8] > 1.5 * figures[1] and figures[32] > 1.5 * figures[1], figures
+    # Batching is checked by counting, not timing: concurrent streams share engine steps
+    # (throughput figures above are reported, never asserted).
+    assert tokens_per_step[1] <= 1.0 + 1e-9, tokens_per_step
+    assert tokens_per_step[8] > 2 and tokens_per_step[32] > 4, tokens_per_step
     assert peak < rss0 + 512, (rss0, peak)
     m = metrics()
     assert m["k3_running_sequences"] == 0 and m["k3_requests_live"] == 0, m
