@@ -111,6 +111,23 @@ impl ChatRequest {
         }
     }
 
+    /// Sets the `image_prompts` option (a serving layer that encodes the images itself decides
+    /// them): any value the client gave, at the top level or in `chat_template_kwargs`, is
+    /// dropped; `None` leaves image parts as the literal placeholder.
+    pub fn set_image_prompts(&mut self, prompts: Option<Vec<String>>) {
+        if let Json::Object(fields) = &mut self.raw {
+            fields.retain(|(k, _)| k != "image_prompts");
+            for (k, v) in fields.iter_mut() {
+                if let (true, Json::Object(kw)) = (k == "chat_template_kwargs", v) {
+                    kw.retain(|(k, _)| k != "image_prompts");
+                }
+            }
+            if let Some(p) = prompts {
+                fields.push(("image_prompts".into(), Json::Array(p.into_iter().map(Json::Str).collect())));
+            }
+        }
+    }
+
     /// Looks an option up in `chat_template_kwargs`, then at the top level.
     /// Returns the value and the field path it came from.
     fn lookup(&self, key: &str) -> Option<(&Json, String)> {
