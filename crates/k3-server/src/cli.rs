@@ -78,6 +78,15 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         Some(_) => Some(Arc::new(VisionModel::load(&ck).map_err(|e| ServerError::Config(format!("loading the vision tower: {e}")))?)),
         None => None,
     };
+    // A tokenizer whose <|media_pad|> is not the model's pad id cannot carry images: serve text.
+    let vision = vision.filter(|v| {
+        let pad = tok.special_id("<|media_pad|>");
+        let ok = pad == Some(v.pad_id);
+        if !ok {
+            eprintln!("k3 serve: warning: the tokenizer's <|media_pad|> is {pad:?} but the model's media_placeholder_token_id is {}; image inputs are disabled", v.pad_id);
+        }
+        ok
+    });
     let engine = Engine::new(model, Some(tok.clone()), ecfg);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());

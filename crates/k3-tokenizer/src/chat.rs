@@ -239,6 +239,17 @@ mod tests {
     }
 
     #[test]
+    fn set_image_prompts_overrides_the_client() {
+        let mut r = req(r#"{"messages": [], "image_prompts": ["a"], "chat_template_kwargs": {"image_prompts": ["b"], "thinking": false}}"#).unwrap();
+        r.set_image_prompts(Some(vec!["x".into(), "y".into()]));
+        let o = r.options().unwrap();
+        assert_eq!(o.image_prompts, Some(vec!["x".to_owned(), "y".to_owned()]));
+        assert!(!o.thinking);
+        r.set_image_prompts(None);
+        assert_eq!(r.options().unwrap().image_prompts, None);
+    }
+
+    #[test]
     fn defaults_thinking_on_effort_max() {
         let o = req(r#"{"messages": []}"#).unwrap().options().unwrap();
         assert!(o.thinking && o.add_generation_prompt);
