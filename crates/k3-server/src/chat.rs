@@ -138,7 +138,7 @@ async fn images(s: &AppState, f: &Fields<'_>) -> Result<(Vec<ImageFeatures>, u32
         return Ok((Vec::new(), 0));
     };
     let Some(vision) = s.vision.clone() else {
-        return Err(bad_param(&first.field, "this model has no vision tower (its config.json has no vision_config); send text only"));
+        return Err(bad_param(&first.field, "images are not accepted: this server has no vision tower for the model (no `vision_config` in config.json, or a tokenizer whose <|media_pad|> does not match); send text only"));
     };
     s.sched.check_capacity()?;
     let limits = s.media.clone();
