@@ -30,6 +30,13 @@ pub trait Backend: Send + 'static {
     fn max_context(&self) -> usize;
     /// The model's vocabulary size (prompt ids must be below it).
     fn vocab_size(&self) -> usize;
+    /// The input rows `[ids.len(), hidden]` of `ids` (the token embeddings), into which image
+    /// features are spliced before a request with images is added. Backends without an
+    /// embedding table refuse.
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let _ = ids;
+        Err(EngineError::Param { param: "messages", msg: "this backend cannot take image inputs".into() })
+    }
 }
 
 impl Backend for Engine {
@@ -58,6 +65,9 @@ impl Backend for Engine {
     }
     fn vocab_size(&self) -> usize {
         self.model.config.text.vocab_size
+    }
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+        Ok(self.model.embed(ids)?)
     }
 }
 

@@ -7,6 +7,10 @@
 //! content text (one matcher per channel), so that a stop string never leaks XTML and never cuts
 //! a marker; a match cancels the sequence at once. Non-streaming answers use the parser's
 //! aggregate; streaming answers are SSE chunks in OpenAI's format ending with `data: [DONE]`.
+//!
+//! Image parts ([`crate::media`]) are encoded before rendering; each renders as its media block
+//! with N `<|media_pad|>` (counted in `usage.prompt_tokens`), and the request is submitted with
+//! `prompt_embeds` built on the engine thread.
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -18,7 +22,10 @@ use k3_tokenizer::{render_chat, ChatRequest, OutputDelta, OutputParser, ParsedOu
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::error::{bad_param, Result};
+use k3_vision::ImageFeatures;
+
+use crate::error::{bad_param, Result, ServerError};
+use crate::media;
 use crate::params::{parse_body, Fields, GenParams};
 use crate::scheduler::{Msg, Submitted};
 use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppState, SSE_DONE};
@@ -92,9 +99,11 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     }
     // The renderer's own parse keeps key order (tool schemas are rendered as given).
     let text = std::str::from_utf8(&bytes).map_err(|_| bad_param("messages", "not UTF-8"))?;
-    let req = ChatRequest::from_json_str(text)?;
+    let mut req = ChatRequest::from_json_str(text)?;
     let thinking = req.options()?.thinking;
     let tools = req.tools_declared();
+    let (feats, pad_id) = images(&s, &f).await?;
+    req.set_image_prompts((!feats.is_empty()).then(|| media::image_prompts(&feats)));
     let rendered = render_chat(&s.tok, &req)?;
     let prompt_tokens = rendered.ids.len();
     let (prompt, max_tokens) = s.prepare_prompt(rendered.ids, g.max_tokens, "messages")?;
@@ -109,7 +118,8 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         ignore_eos: g.ignore_eos,
         prompt_embeds: None,
     };
-    let sub = s.sched.submit(request).await?;
+    let prep = (!feats.is_empty()).then(|| media::splice_prep(feats, pad_id));
+    let sub = s.sched.submit_with(request, prep).await?;
     let ctx = Ctx { id: new_id("chatcmpl"), created: now_secs(), prompt_tokens, thinking, tools, stop: g.stop, want_logprobs };
     if g.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
@@ -118,6 +128,24 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     } else {
         collect(s, sub, ctx).await
     }
+}
+
+/// Reads and encodes the request's images (on a blocking thread); returns their features and
+/// the `<|media_pad|>` id they fill.
+async fn images(s: &AppState, f: &Fields<'_>) -> Result<(Vec<ImageFeatures>, u32)> {
+    let parts = media::find_images(f.get("messages"))?;
+    let Some(first) = parts.first() else {
+        return Ok((Vec::new(), 0));
+    };
+    let Some(vision) = s.vision.clone() else {
+        return Err(bad_param(&first.field, "images are not accepted: this server has no vision tower for the model (no `vision_config` in config.json, or a tokenizer whose <|media_pad|> does not match); send text only"));
+    };
+    s.sched.check_capacity()?;
+    let limits = s.media.clone();
+    let pad = vision.pad_id;
+    let job = tokio::task::spawn_blocking(move || media::encode_images(&vision, &parts, &limits));
+    let feats = job.await.map_err(|e| ServerError::Internal(format!("the image encoder failed: {e}")))??;
+    Ok((feats, pad))
 }
 
 struct Ctx {

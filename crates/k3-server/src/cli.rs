@@ -1,6 +1,7 @@
 //! `k3 serve`: the command-line arguments and the entry point the `k3` binary calls.
 //!
-//! Loads the model (and the tokenizer, by default the model directory's `tiktoken.model`),
+//! Loads the model (and the tokenizer, by default the model directory's `tiktoken.model`, and
+//! the vision tower when `config.json` has a `vision_config`),
 //! starts the engine on its scheduler thread, binds `--host:--port` (loopback by default) and
 //! serves until Ctrl-C / SIGTERM. The line `k3 serve: listening on http://ADDR` is printed to
 //! stdout once the socket is bound, so scripts can wait for it.
@@ -11,9 +12,10 @@ use std::sync::Arc;
 use k3_engine::{Engine, EngineConfig};
 use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
+use k3_vision::VisionModel;
 
 use crate::error::{Result, ServerError};
-use crate::server::{build, serve, ServerConfig};
+use crate::server::{build_with_vision, serve, ServerConfig};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -52,6 +54,13 @@ pub struct ServeArgs {
     /// Largest request body in bytes (413 beyond).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// Let chat requests name local images (`file://` URLs or plain paths) that resolve inside
+    /// DIR; without it, images come as `data:` URIs only.
+    #[arg(long, value_name = "DIR")]
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// Largest image accepted, in bytes (after base64 decoding).
+    #[arg(long, default_value_t = 20 << 20)]
+    pub max_image_bytes: usize,
 }
 
 /// Runs `k3 serve` until interrupted.
@@ -65,6 +74,19 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         return Err(ServerError::Config("--max-batch must be at least 1".into()));
     }
     let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1) };
+    let vision = match ck.config.vision_config {
+        Some(_) => Some(Arc::new(VisionModel::load(&ck).map_err(|e| ServerError::Config(format!("loading the vision tower: {e}")))?)),
+        None => None,
+    };
+    // A tokenizer whose <|media_pad|> is not the model's pad id cannot carry images: serve text.
+    let vision = vision.filter(|v| {
+        let pad = tok.special_id("<|media_pad|>");
+        let ok = pad == Some(v.pad_id);
+        if !ok {
+            eprintln!("k3 serve: warning: the tokenizer's <|media_pad|> is {pad:?} but the model's media_placeholder_token_id is {}; image inputs are disabled", v.pad_id);
+        }
+        ok
+    });
     let engine = Engine::new(model, Some(tok.clone()), ecfg);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());
@@ -77,11 +99,13 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         max_queue: a.max_queue,
         max_model_len: a.max_model_len,
         max_body_bytes: a.max_body_bytes,
+        allowed_local_media_path: a.allowed_local_media_path.clone(),
+        max_image_bytes: a.max_image_bytes,
     };
     let io = |what: String| move |source| ServerError::Io { what, source };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the async runtime".into()))?;
     rt.block_on(async move {
-        let router = build(Box::new(engine), tok, cfg.clone())?;
+        let router = build_with_vision(Box::new(engine), tok, cfg.clone(), vision)?;
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.map_err(io(format!("binding {addr}")))?;
         let bound = listener.local_addr().map_err(io("reading the bound address".into()))?;

@@ -7,8 +7,11 @@
 //! axum/tokio) serves `POST /v1/chat/completions` ([`chat`]: XTML rendering, output parsing into
 //! `reasoning_content` / `content` / `tool_calls`, SSE streaming), `POST /v1/completions`
 //! ([`completions`]), `GET /v1/models`, `GET /health` and `GET /metrics` ([`metrics`],
-//! Prometheus text). Errors use OpenAI's JSON error shape ([`error`]). This crate talks to
-//! `k3-engine` and `k3-tokenizer` only; `k3-model` is used just to load the model for the engine.
+//! Prometheus text). Errors use OpenAI's JSON error shape ([`error`]). Image parts of chat
+//! requests go through [`media`]: decoded and encoded by the `k3-vision` tower on a blocking
+//! thread, then spliced into the prompt's input rows (from [`Backend::embed`]) on the engine
+//! thread. This crate talks to `k3-engine`, `k3-tokenizer` and `k3-vision`; `k3-model` is used
+//! just to load the model.
 //!
 //! [`backend::Scripted`] is an engine double emitting given token ids, for end-to-end tests of
 //! the tool-call and reasoning paths.
@@ -18,6 +21,7 @@ pub mod chat;
 pub mod cli;
 pub mod completions;
 pub mod error;
+pub mod media;
 pub mod metrics;
 pub mod params;
 pub mod scheduler;
@@ -26,4 +30,4 @@ pub mod server;
 pub use backend::{Backend, Scripted};
 pub use cli::{run_serve, ServeArgs};
 pub use error::{Result, ServerError};
-pub use server::{build, serve, spawn_background, BackgroundServer, ServerConfig};
+pub use server::{build, build_with_vision, serve, spawn_background, spawn_background_with_vision, BackgroundServer, ServerConfig};

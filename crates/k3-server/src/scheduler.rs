@@ -30,8 +30,12 @@ pub enum Msg {
     Failed(String),
 }
 
+/// Work done on the engine thread just before a request is added, with the backend at hand
+/// (e.g. building `prompt_embeds` from the token embeddings and spliced image features).
+pub type Prep = Box<dyn FnOnce(&dyn Backend, &mut Request) -> Result<()> + Send>;
+
 enum Cmd {
-    Add { req: Request, tx: mpsc::UnboundedSender<Msg>, reply: oneshot::Sender<Result<SeqId>> },
+    Add { req: Request, prep: Option<Prep>, tx: mpsc::UnboundedSender<Msg>, reply: oneshot::Sender<Result<SeqId>> },
     Cancel(SeqId),
 }
 
@@ -71,6 +75,20 @@ impl SchedulerHandle {
     /// Admits a request unless the queue is full (429), then waits for the engine to accept it
     /// (validation errors come back here).
     pub async fn submit(&self, req: Request) -> Result<Submitted> {
+        self.submit_with(req, None).await
+    }
+
+    /// 429 now if the queue is full (a cheap check before expensive request preparation).
+    pub fn check_capacity(&self) -> Result<()> {
+        let n = self.metrics.live.load(Relaxed);
+        if n >= self.capacity {
+            return Err(ServerError::Busy { live: n, retry_after: 1 });
+        }
+        Ok(())
+    }
+
+    /// [`Self::submit`], running `prep` on the engine thread before the request is added.
+    pub async fn submit_with(&self, req: Request, prep: Option<Prep>) -> Result<Submitted> {
         let cap = self.capacity;
         let admitted = self.metrics.live.fetch_update(Relaxed, Relaxed, |n| (n < cap).then_some(n + 1));
         if let Err(n) = admitted {
@@ -78,7 +96,7 @@ impl SchedulerHandle {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let (reply, answer) = oneshot::channel();
-        if self.cmd.send(Cmd::Add { req, tx, reply }).is_err() {
+        if self.cmd.send(Cmd::Add { req, prep, tx, reply }).is_err() {
             self.metrics.live.fetch_sub(1, Relaxed);
             return Err(ServerError::Unavailable("the scheduler thread has stopped".into()));
         }
@@ -133,11 +151,16 @@ fn run(mut backend: Box<dyn Backend>, rx: stdmpsc::Receiver<Cmd>, metrics: Arc<M
 
 fn handle(cmd: Cmd, backend: &mut dyn Backend, live: &mut HashMap<SeqId, Live>, metrics: &Metrics) {
     match cmd {
-        Cmd::Add { req, tx, reply } => {
+        Cmd::Add { mut req, prep, tx, reply } => {
             let prompt_len = req.prompt.len() as u64;
-            let r = catch_unwind(AssertUnwindSafe(|| backend.add(req)));
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                if let Some(prep) = prep {
+                    prep(&*backend, &mut req)?;
+                }
+                backend.add(req).map_err(ServerError::from)
+            }));
             let r = match r {
-                Ok(r) => r.map_err(ServerError::from),
+                Ok(r) => r,
                 Err(_) => Err(ServerError::Internal("the engine panicked while admitting the request".into())),
             };
             match r {

@@ -4,6 +4,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -17,10 +18,12 @@ use axum::routing::{get, post};
 use axum::Router;
 use futures_util::StreamExt;
 use k3_tokenizer::Tokenizer;
+use k3_vision::VisionModel;
 use tokio::sync::mpsc;
 
 use crate::backend::Backend;
 use crate::error::{bad_param, Result, ServerError};
+use crate::media::MediaLimits;
 use crate::metrics::Metrics;
 use crate::scheduler::SchedulerHandle;
 
@@ -36,6 +39,11 @@ pub struct ServerConfig {
     /// Context limit enforced by the server (clipped to the model's).
     pub max_model_len: Option<usize>,
     pub max_body_bytes: usize,
+    /// Directory that local image paths (`file://` or plain) must resolve inside; `None`
+    /// refuses local paths (images then come as `data:` URIs only).
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// Largest encoded image accepted, in bytes.
+    pub max_image_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -47,6 +55,8 @@ impl Default for ServerConfig {
             max_queue: 64,
             max_model_len: None,
             max_body_bytes: 4 << 20,
+            allowed_local_media_path: None,
+            max_image_bytes: 20 << 20,
         }
     }
 }
@@ -59,6 +69,10 @@ pub struct Inner {
     pub max_context: usize,
     pub vocab: usize,
     pub created: u64,
+    /// The vision tower, when the model has one (image parts are refused otherwise).
+    pub vision: Option<Arc<VisionModel>>,
+    /// Where images may come from (the local directory canonicalised at start-up).
+    pub media: MediaLimits,
 }
 
 pub type AppState = Arc<Inner>;
@@ -217,14 +231,45 @@ async fn not_allowed() -> Response {
     ServerError::MethodNotAllowed.into_response()
 }
 
-/// Starts the scheduler thread around `backend` and builds the router.
+/// Starts the scheduler thread around `backend` and builds the router (text only).
 pub fn build(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig) -> Result<Router> {
+    build_with_vision(backend, tok, cfg, None)
+}
+
+/// The media limits in force; checks that the tokenizer's `<|media_pad|>` is the vision
+/// model's pad id.
+fn media_limits(tok: &Tokenizer, cfg: &ServerConfig, vision: Option<&VisionModel>) -> Result<MediaLimits> {
+    if let Some(v) = vision {
+        let pad = tok.special_id("<|media_pad|>");
+        if pad != Some(v.pad_id) {
+            return Err(ServerError::Config(format!(
+                "the tokenizer's <|media_pad|> is {pad:?} but the model's media_placeholder_token_id is {}; images could not be spliced",
+                v.pad_id
+            )));
+        }
+    }
+    let allowed = match &cfg.allowed_local_media_path {
+        None => None,
+        Some(d) => {
+            let c = d.canonicalize().map_err(|e| ServerError::Config(format!("--allowed-local-media-path {}: {e}", d.display())))?;
+            if !c.is_dir() {
+                return Err(ServerError::Config(format!("--allowed-local-media-path {}: not a directory", d.display())));
+            }
+            Some(c)
+        }
+    };
+    Ok(MediaLimits { allowed_local_media_path: allowed, max_image_bytes: cfg.max_image_bytes })
+}
+
+/// [`build`] with an optional vision tower for image parts in chat requests.
+pub fn build_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig, vision: Option<Arc<VisionModel>>) -> Result<Router> {
+    let media = media_limits(&tok, &cfg, vision.as_deref())?;
     let model_ctx = backend.max_context();
     let vocab = backend.vocab_size();
     let max_context = cfg.max_model_len.map_or(model_ctx, |m| m.min(model_ctx)).max(1);
     let capacity = cfg.max_batch.max(1) + cfg.max_queue;
     let sched = SchedulerHandle::spawn(backend, Arc::new(Metrics::default()), capacity)?;
-    let state: AppState = Arc::new(Inner { sched, tok, cfg, max_context, vocab, created: now_secs() });
+    let state: AppState = Arc::new(Inner { sched, tok, cfg, max_context, vocab, created: now_secs(), vision, media });
     Ok(Router::new()
         .route("/v1/chat/completions", post(crate::chat::chat_completions))
         .route("/v1/completions", post(crate::completions::completions))
@@ -265,6 +310,11 @@ impl Drop for BackgroundServer {
 
 /// Binds `127.0.0.1:0` and serves on a background thread.
 pub fn spawn_background(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig) -> Result<BackgroundServer> {
+    spawn_background_with_vision(backend, tok, cfg, None)
+}
+
+/// [`spawn_background`] with an optional vision tower.
+pub fn spawn_background_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig, vision: Option<Arc<VisionModel>>) -> Result<BackgroundServer> {
     let io = |what: &str| {
         let what = what.to_owned();
         move |source| ServerError::Io { what, source }
@@ -272,7 +322,7 @@ pub fn spawn_background(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: Ser
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the runtime"))?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).map_err(io("binding 127.0.0.1:0"))?;
     let addr = listener.local_addr().map_err(io("reading the bound address"))?;
-    let router = build(backend, tok, cfg)?;
+    let router = build_with_vision(backend, tok, cfg, vision)?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("k3-http".into())

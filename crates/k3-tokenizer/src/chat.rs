@@ -111,6 +111,23 @@ impl ChatRequest {
         }
     }
 
+    /// Sets the `image_prompts` option (a serving layer that encodes the images itself decides
+    /// them): any value the client gave, at the top level or in `chat_template_kwargs`, is
+    /// dropped; `None` leaves image parts as the literal placeholder.
+    pub fn set_image_prompts(&mut self, prompts: Option<Vec<String>>) {
+        if let Json::Object(fields) = &mut self.raw {
+            fields.retain(|(k, _)| k != "image_prompts");
+            for (k, v) in fields.iter_mut() {
+                if let (true, Json::Object(kw)) = (k == "chat_template_kwargs", v) {
+                    kw.retain(|(k, _)| k != "image_prompts");
+                }
+            }
+            if let Some(p) = prompts {
+                fields.push(("image_prompts".into(), Json::Array(p.into_iter().map(Json::Str).collect())));
+            }
+        }
+    }
+
     /// Looks an option up in `chat_template_kwargs`, then at the top level.
     /// Returns the value and the field path it came from.
     fn lookup(&self, key: &str) -> Option<(&Json, String)> {
@@ -219,6 +236,17 @@ mod tests {
 
     fn req(text: &str) -> Result<ChatRequest> {
         ChatRequest::from_json_str(text)
+    }
+
+    #[test]
+    fn set_image_prompts_overrides_the_client() {
+        let mut r = req(r#"{"messages": [], "image_prompts": ["a"], "chat_template_kwargs": {"image_prompts": ["b"], "thinking": false}}"#).unwrap();
+        r.set_image_prompts(Some(vec!["x".into(), "y".into()]));
+        let o = r.options().unwrap();
+        assert_eq!(o.image_prompts, Some(vec!["x".to_owned(), "y".to_owned()]));
+        assert!(!o.thinking);
+        r.set_image_prompts(None);
+        assert_eq!(r.options().unwrap().image_prompts, None);
     }
 
     #[test]

@@ -170,6 +170,15 @@ impl VisionModel {
         Ok(f)
     }
 
+    /// Preprocesses encoded image bytes (PNG, JPEG or WebP) and runs every stage; `name` names
+    /// the image in error messages (e.g. the request field it came from).
+    pub fn encode_bytes(&self, bytes: &[u8], name: &str) -> Result<ImageFeatures> {
+        let p = preprocess::preprocess_bytes(bytes, name, &self.processor)?;
+        let mut f = self.encode_pixels(p.pixel_values, p.grid_thw)?;
+        f.orig_size = Some(p.orig_size);
+        Ok(f)
+    }
+
     /// Runs tower, merger and projector on one sample's patches `[t·h·w, 3, ps, ps]`.
     pub fn encode_pixels(&self, pixel_values: Vec<f32>, grid_thw: [usize; 3]) -> Result<ImageFeatures> {
         let vit_out = self.tower.forward(&pixel_values, &[grid_thw], None)?;

@@ -1,0 +1,246 @@
+//! Image parts of chat requests (around-backbone §3.9, §6.4): finding them, reading their bytes,
+//! running the vision tower, and splicing the features into the prompt's input rows.
+//!
+//! An image part is `{"type": "image_url", "image_url": {"url": URL}}` (the URL may also be given
+//! as a bare string, and `{"type": "image", "image": URL}` is read the same way). URL is either
+//! a `data:` URI with base64 PNG/JPEG/WebP bytes, or — only when the server was started with
+//! `--allowed-local-media-path DIR` — a `file://` URL or plain path that resolves (symlinks and
+//! `..` included) inside DIR; relative paths are taken relative to DIR. Remote `http(s)` URLs
+//! are not fetched. Every failure (bad base64, unsupported or corrupt image, a disallowed path,
+//! an image too large, images sent to a model without a vision tower) is a 400 naming
+//! `messages[i].content[j].image_url`.
+//!
+//! The features of every image of a request are computed on a blocking thread
+//! ([`encode_images`], called through `tokio::task::spawn_blocking`), never on the async
+//! runtime. Each image's part renders as `<|media_begin|>image WxH<|media_content|>` + N ×
+//! `<|media_pad|>` + `<|media_end|>` ([`image_prompts`]); on the engine thread, [`splice_prep`]
+//! takes the backend's token embeddings of the rendered ids and replaces the pad rows with the
+//! projected features, in order, to give the request's `prompt_embeds`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use base64::Engine as _;
+use k3_vision::{prompt::image_prompt_text, splice, ImageFeatures, VisionError, VisionModel};
+use serde_json::Value;
+
+use crate::error::{bad_param, Result, ServerError};
+use crate::scheduler::Prep;
+
+/// One image part of a request.
+#[derive(Clone, Debug)]
+pub struct ImagePart {
+    /// The field it came from, e.g. `messages[1].content[0].image_url`.
+    pub field: String,
+    pub url: String,
+}
+
+/// Where the server may read images from, and how large they may be.
+#[derive(Clone, Debug)]
+pub struct MediaLimits {
+    /// Canonical directory local paths must resolve inside; `None`: local paths are refused.
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// Largest encoded image, in bytes.
+    pub max_image_bytes: usize,
+}
+
+/// The image parts of `messages`, in prompt order (the renderer's order).
+pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
+    let mut out = Vec::new();
+    let Some(Value::Array(msgs)) = messages else {
+        return Ok(out);
+    };
+    for (i, m) in msgs.iter().enumerate() {
+        let Some(Value::Array(parts)) = m.get("content") else {
+            continue;
+        };
+        for (j, part) in parts.iter().enumerate() {
+            let kind = part.get("type").and_then(Value::as_str);
+            let key = match kind {
+                Some("image_url") => "image_url",
+                Some("image") if part.get("image").is_some() => "image",
+                Some("image") => "image_url",
+                _ => continue,
+            };
+            let field = format!("messages[{i}].content[{j}].{key}");
+            let url = match part.get(key) {
+                Some(Value::String(u)) => u.clone(),
+                Some(Value::Object(o)) => match o.get("url") {
+                    Some(Value::String(u)) => u.clone(),
+                    _ => return Err(bad_param(field, "needs `url`: a data: URI (or a local path, if the server allows them)")),
+                },
+                _ => return Err(bad_param(field, "is required: an object with `url` (a data: URI or an allowed local path)")),
+            };
+            out.push(ImagePart { field, url });
+        }
+    }
+    Ok(out)
+}
+
+fn too_large(field: &str, n: usize, limit: usize) -> ServerError {
+    bad_param(field, format!("the image is {n} bytes, over the server's limit of {limit} bytes"))
+}
+
+/// Decodes a `data:[<mediatype>][;base64],<data>` URI.
+fn data_uri(field: &str, uri: &str, limit: usize) -> Result<Vec<u8>> {
+    let rest = &uri[5..];
+    let Some((meta, data)) = rest.split_once(',') else {
+        return Err(bad_param(field, "a data: URI needs a `,` before its data"));
+    };
+    let mut meta_parts = meta.split(';');
+    let mime = meta_parts.next().unwrap_or("").trim().to_ascii_lowercase();
+    if !meta_parts.any(|p| p.trim().eq_ignore_ascii_case("base64")) {
+        return Err(bad_param(field, "only base64 data: URIs are supported (`data:image/png;base64,...`)"));
+    }
+    if !mime.is_empty() && !["image/png", "image/jpeg", "image/jpg", "image/webp"].contains(&mime.as_str()) {
+        return Err(bad_param(field, format!("unsupported image type {mime:?}; supported formats are PNG, JPEG and WebP")));
+    }
+    let clean: Vec<u8> = data.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    if clean.len() / 4 * 3 > limit.saturating_add(3) {
+        return Err(too_large(field, clean.len() / 4 * 3, limit));
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(&clean)
+        .or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(&clean))
+        .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(clean.strip_suffix(b"==").or(clean.strip_suffix(b"=")).unwrap_or(&clean)))
+        .map_err(|e| bad_param(field, format!("invalid base64 in the data: URI: {e}")))?;
+    if bytes.is_empty() {
+        return Err(bad_param(field, "the data: URI holds no bytes"));
+    }
+    if bytes.len() > limit {
+        return Err(too_large(field, bytes.len(), limit));
+    }
+    Ok(bytes)
+}
+
+/// Reads a local image, if `limits` allow its path (blocking).
+fn local_file(field: &str, url: &str, limits: &MediaLimits) -> Result<Vec<u8>> {
+    let Some(dir) = &limits.allowed_local_media_path else {
+        return Err(bad_param(field, "local image paths are disabled on this server (start it with --allowed-local-media-path DIR); send the image as a data: URI"));
+    };
+    let raw = match url.strip_prefix("file://") {
+        Some(p) => p.strip_prefix("localhost").unwrap_or(p),
+        None => url,
+    };
+    if raw.is_empty() {
+        return Err(bad_param(field, "the local path is empty"));
+    }
+    let p = Path::new(raw);
+    let joined = if p.is_absolute() { p.to_path_buf() } else { dir.join(p) };
+    let canon = joined.canonicalize().map_err(|e| bad_param(field, format!("cannot open the local image {raw:?}: {e}")))?;
+    if !canon.starts_with(dir) {
+        return Err(bad_param(field, format!("the local path {raw:?} is outside the directory allowed by --allowed-local-media-path")));
+    }
+    let meta = std::fs::metadata(&canon).map_err(|e| bad_param(field, format!("cannot open the local image {raw:?}: {e}")))?;
+    if !meta.is_file() {
+        return Err(bad_param(field, format!("the local path {raw:?} is not a regular file")));
+    }
+    if meta.len() > limits.max_image_bytes as u64 {
+        return Err(too_large(field, meta.len() as usize, limits.max_image_bytes));
+    }
+    std::fs::read(&canon).map_err(|e| bad_param(field, format!("cannot read the local image {raw:?}: {e}")))
+}
+
+/// The encoded bytes of one image part (blocking for local files).
+pub fn image_bytes(part: &ImagePart, limits: &MediaLimits) -> Result<Vec<u8>> {
+    let (f, url) = (part.field.as_str(), part.url.trim());
+    let lower: String = url.chars().take(8).collect::<String>().to_ascii_lowercase();
+    if lower.starts_with("data:") {
+        data_uri(f, url, limits.max_image_bytes)
+    } else if lower.starts_with("http://") || lower.starts_with("https://") {
+        Err(bad_param(f, "remote image URLs are not fetched by this server; send the image as a data: URI"))
+    } else if lower.starts_with("file://") || !url.contains("://") {
+        local_file(f, url, limits)
+    } else {
+        Err(bad_param(f, "unsupported URL scheme; use a data: URI (or a local path, if the server allows them)"))
+    }
+}
+
+/// Reads and encodes every image (blocking: call from `spawn_blocking`).
+pub fn encode_images(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLimits) -> Result<Vec<ImageFeatures>> {
+    parts
+        .iter()
+        .map(|p| {
+            let bytes = image_bytes(p, limits)?;
+            vision.encode_bytes(&bytes, &p.field).map_err(|e| match e {
+                VisionError::Image { msg, .. } => bad_param(&p.field, msg),
+                VisionError::Input(msg) => bad_param(&p.field, msg),
+                e => ServerError::Internal(format!("{}: the vision tower failed: {e}", p.field)),
+            })
+        })
+        .collect()
+}
+
+/// One `image_prompts` entry per image: its block with the original size and N pads.
+pub fn image_prompts(feats: &[ImageFeatures]) -> Vec<String> {
+    feats
+        .iter()
+        .map(|f| {
+            let (w, h) = f.orig_size.unwrap_or((0, 0));
+            image_prompt_text(w, h, f.num_tokens)
+        })
+        .collect()
+}
+
+/// Engine-thread work: token embeddings of the prompt with the image features spliced in at the
+/// `pad_id` runs, set as the request's `prompt_embeds`.
+pub fn splice_prep(feats: Vec<ImageFeatures>, pad_id: u32) -> Prep {
+    Box::new(move |backend, req| {
+        let mut emb = backend.embed(&req.prompt)?;
+        let views: Vec<&[f32]> = feats.iter().map(|f| f.projected.as_slice()).collect();
+        splice(&mut emb, &req.prompt, pad_id, &views).map_err(|e| bad_param("messages", e.to_string()))?;
+        req.prompt_embeds = Some(Arc::new(emb));
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(url: &str) -> ImagePart {
+        ImagePart { field: "messages[0].content[1].image_url".into(), url: url.into() }
+    }
+
+    fn limits(dir: Option<PathBuf>) -> MediaLimits {
+        MediaLimits { allowed_local_media_path: dir, max_image_bytes: 64 }
+    }
+
+    fn err(r: Result<Vec<u8>>) -> String {
+        match r {
+            Ok(_) => "ok".into(),
+            Err(e) => format!("{} | {:?}", e, e.parts().2),
+        }
+    }
+
+    #[test]
+    fn data_uris() {
+        let l = limits(None);
+        assert_eq!(image_bytes(&part("data:image/png;base64,aGVsbG8="), &l).ok(), Some(b"hello".to_vec()));
+        assert_eq!(image_bytes(&part("data:;base64,aGVsbG8"), &l).ok(), Some(b"hello".to_vec()));
+        let e = err(image_bytes(&part("data:image/png;base64,@@@"), &l));
+        assert!(e.contains("invalid base64") && e.contains("content[1].image_url"), "{e}");
+        assert!(err(image_bytes(&part("data:image/gif;base64,aGVsbG8="), &l)).contains("unsupported image type"));
+        assert!(err(image_bytes(&part("data:image/png,hello"), &l)).contains("only base64"));
+        let big = format!("data:image/png;base64,{}", "A".repeat(200));
+        assert!(err(image_bytes(&part(&big), &l)).contains("over the server's limit"));
+        assert!(err(image_bytes(&part("https://x/y.png"), &l)).contains("remote image URLs"));
+    }
+
+    #[test]
+    fn local_paths() {
+        let d = std::env::temp_dir().join(format!("k3-media-{}", std::process::id()));
+        std::fs::create_dir_all(d.join("in")).expect("mkdir");
+        std::fs::write(d.join("in/a.png"), b"abc").expect("write");
+        std::fs::write(d.join("out.png"), b"abc").expect("write");
+        let allowed = d.join("in").canonicalize().expect("canon");
+        let l = limits(Some(allowed.clone()));
+        assert!(err(image_bytes(&part(&d.join("in/a.png").display().to_string()), &limits(None))).contains("--allowed-local-media-path"));
+        assert_eq!(image_bytes(&part(&format!("file://{}", d.join("in/a.png").display())), &l).ok(), Some(b"abc".to_vec()));
+        assert_eq!(image_bytes(&part("a.png"), &l).ok(), Some(b"abc".to_vec()));
+        assert!(err(image_bytes(&part("../out.png"), &l)).contains("outside"));
+        assert!(err(image_bytes(&part(&d.join("out.png").display().to_string()), &l)).contains("outside"));
+        assert!(err(image_bytes(&part("missing.png"), &l)).contains("cannot open"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
