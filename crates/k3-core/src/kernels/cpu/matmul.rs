@@ -217,6 +217,11 @@ mod simd {
     }
 }
 
+thread_local! {
+    /// Decoded weight tile of the GEMM path, one per worker thread.
+    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Raw pointer that may be shared across rayon tasks writing disjoint elements.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -245,17 +250,21 @@ pub fn linear(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
         }
     }
     let dst = SendPtr(out.as_mut_ptr());
-    (0..n.div_ceil(ROW_TILE)).into_par_iter().for_each_init(
-        || vec![0f32; ROW_TILE * k],
-        |tile, b| {
-            let r0 = b * ROW_TILE;
-            let nr = ROW_TILE.min(n - r0);
-            w.decode_rows(r0, nr, tile);
+    (0..n.div_ceil(ROW_TILE)).into_par_iter().for_each(|b| {
+        let r0 = b * ROW_TILE;
+        let nr = ROW_TILE.min(n - r0);
+        // A per-thread tile buffer, reused across calls (no page zeroing per task).
+        TILE.with(|cell| {
+            let mut tile = cell.borrow_mut();
+            if tile.len() < nr * k {
+                tile.resize(nr * k, 0.0);
+            }
+            w.decode_rows(r0, nr, &mut tile[..nr * k]);
             let d = dst;
             // SAFETY: each task writes only columns [r0, r0+nr) of out.
             unsafe { gemm_f32(t, nr, k, x, &tile[..nr * k], d.0.add(r0), n, gemm::Parallelism::None) };
-        },
-    );
+        });
+    });
     Ok(())
 }
 
