@@ -71,11 +71,13 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Token budget of one step (decode tokens + prefill chunk tokens).
     pub max_step_tokens: usize,
+    /// Storage of the KDA recurrent states (bf16 halves them; approximate).
+    pub kda_state: k3_model::layers::kda::StateDType,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024 }
+        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024, kda_state: Default::default() }
     }
 }
 
@@ -149,7 +151,7 @@ impl Engine {
         self.next_id += 1;
         let seq = Sequence {
             id,
-            state: self.model.new_state(),
+            state: SeqState::with_kda_state(&self.model.config, self.config.kda_state),
             done: 0,
             output: Vec::new(),
             sampler: Sampler::new(req.params.clone()),

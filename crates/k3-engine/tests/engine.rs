@@ -50,7 +50,7 @@ fn continuous_batching_equals_solo() {
         .map(|p| engine(EngineConfig::default()).generate(Request::new(p.clone(), SamplingParams::greedy(), 8), |_| {}).unwrap().0)
         .collect();
     // Small chunks and a small budget force interleaved prefill and decode.
-    let mut e = engine(EngineConfig { max_batch: 3, prefill_chunk: 5, max_step_tokens: 8 });
+    let mut e = engine(EngineConfig { max_batch: 3, prefill_chunk: 5, max_step_tokens: 8, ..Default::default() });
     let ids: Vec<u64> = prompts.iter().map(|p| e.add(Request::new(p.clone(), SamplingParams::greedy(), 8)).unwrap()).collect();
     let mut got: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
     let mut steps = 0;

@@ -14,7 +14,7 @@ use crate::config::{Config, Ffn as FfnKind, LayerSpec, Mixer as MixerKind};
 use crate::error::{ModelError, Result};
 use crate::layers::attn_res::AttnRes;
 use crate::layers::ffn::Mlp;
-use crate::layers::kda::{Kda, KdaMode, KdaState};
+use crate::layers::kda::{Kda, KdaMode, KdaState, StateDType};
 use crate::layers::mla::{Mla, MlaCache, MlaForm};
 use crate::layers::moe::Moe;
 use crate::layers::{lin, matrix, vector};
@@ -57,11 +57,16 @@ pub struct SeqState {
 
 impl SeqState {
     pub fn new(cfg: &Config) -> Self {
+        Self::with_kda_state(cfg, StateDType::F32)
+    }
+
+    /// A state whose KDA recurrent states are stored as `dtype` (bf16 is approximate).
+    pub fn with_kda_state(cfg: &Config, dtype: StateDType) -> Self {
         let layers = cfg
             .layers
             .iter()
             .map(|l| match l.mixer {
-                MixerKind::Kda => LayerState::Kda(KdaState::new(cfg)),
+                MixerKind::Kda => LayerState::Kda(KdaState::with_dtype(cfg, dtype)),
                 _ => LayerState::Mla(MlaCache::default()),
             })
             .collect();

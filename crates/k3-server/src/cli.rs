@@ -17,6 +17,22 @@ use k3_vision::VisionModel;
 use crate::error::{Result, ServerError};
 use crate::server::{build_with_vision, serve, ServerConfig};
 
+/// `--kda-state f32|bf16`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaStateArg {
+    F32,
+    Bf16,
+}
+
+impl From<KdaStateArg> for k3_model::layers::kda::StateDType {
+    fn from(a: KdaStateArg) -> Self {
+        match a {
+            KdaStateArg::F32 => Self::F32,
+            KdaStateArg::Bf16 => Self::Bf16,
+        }
+    }
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
     /// Model directory (config.json + safetensors); `k3 serve` defaults to the embedded k3-nano.
@@ -51,6 +67,9 @@ pub struct ServeArgs {
     /// Token budget of one batched step (decode tokens + prefill chunks).
     #[arg(long, default_value_t = 2048)]
     pub max_step_tokens: usize,
+    /// KDA recurrent-state storage: f32 (reference) or bf16 (half the memory, approximate).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub kda_state: KdaStateArg,
     /// Largest request body in bytes (413 beyond).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -73,7 +92,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     if a.max_batch == 0 {
         return Err(ServerError::Config("--max-batch must be at least 1".into()));
     }
-    let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1) };
+    let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1), kda_state: a.kda_state.into() };
     let vision = match ck.config.vision_config {
         Some(_) => Some(Arc::new(VisionModel::load(&ck).map_err(|e| ServerError::Config(format!("loading the vision tower: {e}")))?)),
         None => None,

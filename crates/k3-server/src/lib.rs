@@ -28,6 +28,6 @@ pub mod scheduler;
 pub mod server;
 
 pub use backend::{Backend, Scripted};
-pub use cli::{run_serve, ServeArgs};
+pub use cli::{run_serve, KdaStateArg, ServeArgs};
 pub use error::{Result, ServerError};
 pub use server::{build, build_with_vision, serve, spawn_background, spawn_background_with_vision, BackgroundServer, ServerConfig};

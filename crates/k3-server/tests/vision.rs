@@ -65,7 +65,7 @@ fn load() -> Loaded {
 }
 
 fn start(l: &Loaded, local: Option<PathBuf>) -> BackgroundServer {
-    let ecfg = EngineConfig { max_batch: 2, prefill_chunk: 512, max_step_tokens: 1024 };
+    let ecfg = EngineConfig { max_batch: 2, prefill_chunk: 512, max_step_tokens: 1024, ..Default::default() };
     let engine = Engine::new(l.model.clone(), Some(l.tok.clone()), ecfg);
     let cfg = ServerConfig { served_model_name: "vis".into(), allowed_local_media_path: local, ..Default::default() };
     spawn_background_with_vision(Box::new(engine), l.tok.clone(), cfg, Some(l.vision.clone())).expect("server starts")

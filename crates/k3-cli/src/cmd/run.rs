@@ -75,6 +75,9 @@ pub struct Args {
     /// Stop string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// KDA recurrent-state storage: f32 (reference) or bf16 (half the memory, approximate).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub kda_state: k3_server::KdaStateArg,
     /// Prefill chunk size.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
@@ -107,7 +110,7 @@ pub fn run(a: Args) -> Result<()> {
     req.prompt_embeds = embeds;
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
-    let mut engine = Engine::new(model, tokenizer.clone(), EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1) });
+    let mut engine = Engine::new(model, tokenizer.clone(), EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.into() });
     let mut text = String::new();
     let stdout = std::io::stdout();
     let (out, finish, stats) = engine.generate(req, |ev| {

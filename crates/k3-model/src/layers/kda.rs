@@ -16,24 +16,54 @@ use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::error::Result;
 
+/// Storage of the recurrent state. f32 is the reference (spec §3.8); bf16 halves the state's
+/// memory and is **approximate**: the state is rounded to bf16 after every forward call, so
+/// long decodes drift from the f32 result (engines report ~1e-3 relative).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum StateDType {
+    #[default]
+    F32,
+    Bf16,
+}
+
+/// The recurrent state `[nh, hd, hd]` in its storage dtype.
+#[derive(Clone, Debug)]
+pub enum StateBuf {
+    F32(Vec<f32>),
+    /// bf16 bits.
+    Bf16(Vec<u16>),
+}
+
 /// Per-sequence KDA state of one layer.
 #[derive(Clone, Debug)]
 pub struct KdaState {
     /// Last `K−1` raw projected inputs of q, k, v: `[3][K−1, D]`.
     pub conv: [Vec<f32>; 3],
-    /// Recurrent state `[nh, hd, hd]`, f32.
-    pub s: Vec<f32>,
+    /// Recurrent state `[nh, hd, hd]`.
+    pub s: StateBuf,
 }
 
 impl KdaState {
     pub fn new(cfg: &Config) -> Self {
+        Self::with_dtype(cfg, StateDType::F32)
+    }
+    pub fn with_dtype(cfg: &Config, dtype: StateDType) -> Self {
         let la = &cfg.text.linear_attn_config;
         let d = cfg.kda_dim();
         let tail = (la.short_conv_kernel_size - 1) * d;
-        KdaState { conv: [vec![0.0; tail], vec![0.0; tail], vec![0.0; tail]], s: vec![0.0; la.num_heads * la.head_dim * la.head_dim] }
+        let n = la.num_heads * la.head_dim * la.head_dim;
+        let s = match dtype {
+            StateDType::F32 => StateBuf::F32(vec![0.0; n]),
+            StateDType::Bf16 => StateBuf::Bf16(vec![0; n]),
+        };
+        KdaState { conv: [vec![0.0; tail], vec![0.0; tail], vec![0.0; tail]], s }
     }
     pub fn bytes(&self) -> usize {
-        4 * (self.s.len() + self.conv.iter().map(Vec::len).sum::<usize>())
+        let s = match &self.s {
+            StateBuf::F32(v) => 4 * v.len(),
+            StateBuf::Bf16(v) => 2 * v.len(),
+        };
+        s + 4 * self.conv.iter().map(Vec::len).sum::<usize>()
     }
 }
 
@@ -135,7 +165,16 @@ impl Kda {
                 KdaMode::Recurrent => false,
             };
             let core = if chunked { kda_chunked } else { kda_recurrent };
-            core(&q[rows.clone()], &k[rows.clone()], &v[rows.clone()], &g[rows.clone()], &beta[r0 * nh..(r0 + t) * nh], &mut st.s, &mut o[rows], dims);
+            let (qs, ks, vs, gs, bs) = (&q[rows.clone()], &k[rows.clone()], &v[rows.clone()], &g[rows.clone()], &beta[r0 * nh..(r0 + t) * nh]);
+            match &mut st.s {
+                StateBuf::F32(s) => core(qs, ks, vs, gs, bs, s, &mut o[rows], dims),
+                StateBuf::Bf16(bits) => {
+                    // Widen, run the f32 core, round back (round-to-nearest-even).
+                    let mut s: Vec<f32> = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+                    core(qs, ks, vs, gs, bs, &mut s, &mut o[rows], dims);
+                    bits.iter_mut().zip(&s).for_each(|(b, &x)| *b = half::bf16::from_f32(x).to_bits());
+                }
+            }
             r0 += t;
         }
         rms_norm_inplace(&mut o, &self.o_norm, self.eps);
