@@ -301,8 +301,24 @@ fn gemv(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
         (0..n.div_ceil(RB)).into_par_iter().for_each(|b| {
             let d = dst;
             let mut o = [0f32; GEMV_MAX_T];
-            for r in b * RB..((b + 1) * RB).min(n) {
-                mxfp4::dot_row(&p[r * k / 2..(r + 1) * k / 2], &sc[r * k / 32..(r + 1) * k / 32], &xs, &mut o[..t]);
+            let (lo, hi) = (b * RB, ((b + 1) * RB).min(n));
+            let row = |r: usize| (&p[r * k / 2..(r + 1) * k / 2], &sc[r * k / 32..(r + 1) * k / 32]);
+            let mut r = lo;
+            if t == 1 {
+                // Two rows at a time, sharing the loads of x.
+                while r + 1 < hi {
+                    let ((p0, s0), (p1, s1)) = (row(r), row(r + 1));
+                    let Some(v) = mxfp4::dot_rows2(p0, s0, p1, s1, xs[0]) else { break };
+                    // SAFETY: elements (0, r) and (0, r+1) are written by exactly this task.
+                    unsafe {
+                        *d.0.add(r) = v[0];
+                        *d.0.add(r + 1) = v[1];
+                    }
+                    r += 2;
+                }
+            }
+            for r in r..hi {
+                mxfp4::dot_row(row(r).0, row(r).1, &xs, &mut o[..t]);
                 for (i, &v) in o[..t].iter().enumerate() {
                     // SAFETY: element (i, r) is written by exactly this task.
                     unsafe { *d.0.add(i * n + r) = v };

@@ -155,6 +155,59 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// `scale / 2` for every E8M0 byte (the 0.5 undoes the doubled LUT).
+    fn half_scales() -> &'static [f32; 256] {
+        static T: OnceLock<[f32; 256]> = OnceLock::new();
+        T.get_or_init(|| std::array::from_fn(|s| super::e8m0_to_f32(s as u8) * 0.5))
+    }
+
+    /// The 32 weights of one group as integers (2·E2M1) in four 8-lane f32 vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_int(p: *const u8) -> [__m256; 4] {
+        let lut = _mm_loadu_si128(LUT2.as_ptr() as *const __m128i);
+        let b = _mm_loadu_si128(p as *const __m128i);
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m));
+        let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+        let c0 = _mm_unpacklo_epi8(lo, hi);
+        let c1 = _mm_unpackhi_epi8(lo, hi);
+        [cvt_i8(c0), cvt_i8(_mm_srli_si128(c0, 8)), cvt_i8(c1), cvt_i8(_mm_srli_si128(c1, 8))]
+    }
+
+    /// Eight signed bytes (low half of `v`) → eight f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn cvt_i8(v: __m128i) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+    }
+
+    /// Two rows against one token: `out[j] = row_j · x`. The scale is applied once per group
+    /// and the x loads are shared by both rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_rows2(p0: &[u8], s0: &[u8], p1: &[u8], s1: &[u8], x: &[f32]) -> [f32; 2] {
+        let groups = s0.len().min(s1.len()).min(p0.len() / 16).min(p1.len() / 16).min(x.len() / 32);
+        let hs = half_scales();
+        let (mut t0, mut t1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for g in 0..groups {
+            let xp = x.as_ptr().add(g * 32);
+            let xv = [_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8)), _mm256_loadu_ps(xp.add(16)), _mm256_loadu_ps(xp.add(24))];
+            let w = group_int(p0.as_ptr().add(g * 16));
+            let mut a = _mm256_mul_ps(w[0], xv[0]);
+            a = _mm256_fmadd_ps(w[1], xv[1], a);
+            a = _mm256_fmadd_ps(w[2], xv[2], a);
+            a = _mm256_fmadd_ps(w[3], xv[3], a);
+            t0 = _mm256_fmadd_ps(a, _mm256_set1_ps(hs[s0[g] as usize]), t0);
+            let w = group_int(p1.as_ptr().add(g * 16));
+            let mut b = _mm256_mul_ps(w[0], xv[0]);
+            b = _mm256_fmadd_ps(w[1], xv[1], b);
+            b = _mm256_fmadd_ps(w[2], xv[2], b);
+            b = _mm256_fmadd_ps(w[3], xv[3], b);
+            t1 = _mm256_fmadd_ps(b, _mm256_set1_ps(hs[s1[g] as usize]), t1);
+        }
+        [hsum(t0), hsum(t1)]
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_row(packed: &[u8], scale: &[u8], xs: &[&[f32]], out: &mut [f32]) {
         let groups = scale.len().min(packed.len() / 16);
@@ -189,6 +242,21 @@ mod avx2 {
             }
         }
     }
+}
+
+/// Two rows against one token vector (the decode GEMV's inner step); `None` when the CPU lacks
+/// AVX2 + FMA (callers then use [`dot_row`]).
+#[inline]
+pub fn dot_rows2(p0: &[u8], s0: &[u8], p1: &[u8], s1: &[u8], x: &[f32]) -> Option<[f32; 2]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2::available() {
+            // SAFETY: the features were detected at run time; lengths are bounded inside.
+            return Some(unsafe { avx2::dot_rows2(p0, s0, p1, s1, x) });
+        }
+    }
+    let _ = (p0, s0, p1, s1, x);
+    None
 }
 
 /// Fast row decode for compute paths (−0.0 may come out as +0.0; values are otherwise exact).
