@@ -199,8 +199,14 @@ pub enum DecodeKernel {
 
 /// One decode step for `B` sequences (each input has `B` rows): conv-state shift, gates, one
 /// step of the recurrence on `state` in place, output norm and gate into `out` `[B, D]`.
+/// Picks the kernel measured faster on the H200 (run 4, docs/kernels/kda.md): `Fused` at
+/// batch 1 (6.54 vs 7.17 µs), `Split` from batch 2 on where sm_90 clusters exist (251 vs 275 µs
+/// at batch 64).
 pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<()> {
-    kda_decode_with(inp, w, conv_state, state, out, DecodeKernel::Fused)
+    let nb = inp.q.shape().first().copied().unwrap_or(0);
+    let split_ok = inp.q.cuda_device().info().compute_capability.0 >= 9;
+    let kernel = if nb >= 2 && split_ok { DecodeKernel::Split } else { DecodeKernel::Fused };
+    kda_decode_with(inp, w, conv_state, state, out, kernel)
 }
 
 /// [`kda_decode`] with an explicit kernel choice ([`DecodeKernel::Split`] needs compute
