@@ -176,12 +176,7 @@ pub fn bf16_to_f32(w: &[u16], out: &mut [f32]) {
 /// Run-time-dispatched AVX2 + FMA variants of the hot loops (same results up to rounding).
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use std::sync::OnceLock;
-
-    pub fn has_avx2_fma() -> bool {
-        static F: OnceLock<bool> = OnceLock::new();
-        *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-    }
+    pub(crate) use super::super::has_avx2_fma;
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {

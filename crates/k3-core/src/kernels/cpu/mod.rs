@@ -8,6 +8,14 @@
 //! - `kda`: the KDA delta-rule core, recurrent and chunkwise (text-backbone §3.4–3.5).
 //! - `act`: sigmoid, SiLU, SiTU-GLU (text-backbone §7.4), softmax.
 
+/// True when the CPU has AVX2 and FMA (checked once): the hand-vectorised loops of `matmul`
+/// and `mxfp4` dispatch on it.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx2_fma() -> bool {
+    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
 pub mod act;
 pub mod kda;
 pub mod matmul;

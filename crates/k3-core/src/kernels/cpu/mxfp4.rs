@@ -115,10 +115,7 @@ mod avx2 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
-    pub fn available() -> bool {
-        static F: OnceLock<bool> = OnceLock::new();
-        *F.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-    }
+    pub(crate) use super::super::has_avx2_fma as available;
 
     /// 2·E2M1 as signed bytes (so the table is integral); the 0.5 goes into the scale.
     const LUT2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
@@ -126,24 +123,9 @@ mod avx2 {
     /// The 32 weights of one group as four 8-lane vectors, multiplied by `f` (= scale / 2).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn group(bytes: &[u8], f: f32) -> [__m256; 4] {
-        let lut = _mm_loadu_si128(LUT2.as_ptr() as *const __m128i);
-        let b = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
-        let m = _mm_set1_epi8(0x0F);
-        let lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m));
-        let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
-        // Column order: byte j holds columns 2j (low) and 2j+1 (high).
-        let c0 = _mm_unpacklo_epi8(lo, hi); // columns 0..15
-        let c1 = _mm_unpackhi_epi8(lo, hi); // columns 16..31
-        let fv = _mm256_set1_ps(f);
-        [cv(c0, fv), cv(_mm_srli_si128(c0, 8), fv), cv(c1, fv), cv(_mm_srli_si128(c1, 8), fv)]
-    }
-
-    /// Eight signed bytes (low half of `v`) → eight f32 × `f`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn cv(v: __m128i, f: __m256) -> __m256 {
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), f)
+    unsafe fn group(p: *const u8, f: f32) -> [__m256; 4] {
+        let (w, fv) = (group_int(p), _mm256_set1_ps(f));
+        [_mm256_mul_ps(w[0], fv), _mm256_mul_ps(w[1], fv), _mm256_mul_ps(w[2], fv), _mm256_mul_ps(w[3], fv)]
     }
 
     #[inline]
@@ -182,6 +164,17 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
     }
 
+    /// One group's unscaled products with `x` (32 lanes as four vectors), summed to 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_dot(p: *const u8, xv: &[__m256; 4]) -> __m256 {
+        let w = group_int(p);
+        let mut a = _mm256_mul_ps(w[0], xv[0]);
+        a = _mm256_fmadd_ps(w[1], xv[1], a);
+        a = _mm256_fmadd_ps(w[2], xv[2], a);
+        _mm256_fmadd_ps(w[3], xv[3], a)
+    }
+
     /// Two rows against one token: `out[j] = row_j · x`. The scale is applied once per group
     /// and the x loads are shared by both rows.
     #[target_feature(enable = "avx2,fma")]
@@ -192,18 +185,8 @@ mod avx2 {
         for g in 0..groups {
             let xp = x.as_ptr().add(g * 32);
             let xv = [_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8)), _mm256_loadu_ps(xp.add(16)), _mm256_loadu_ps(xp.add(24))];
-            let w = group_int(p0.as_ptr().add(g * 16));
-            let mut a = _mm256_mul_ps(w[0], xv[0]);
-            a = _mm256_fmadd_ps(w[1], xv[1], a);
-            a = _mm256_fmadd_ps(w[2], xv[2], a);
-            a = _mm256_fmadd_ps(w[3], xv[3], a);
-            t0 = _mm256_fmadd_ps(a, _mm256_set1_ps(hs[s0[g] as usize]), t0);
-            let w = group_int(p1.as_ptr().add(g * 16));
-            let mut b = _mm256_mul_ps(w[0], xv[0]);
-            b = _mm256_fmadd_ps(w[1], xv[1], b);
-            b = _mm256_fmadd_ps(w[2], xv[2], b);
-            b = _mm256_fmadd_ps(w[3], xv[3], b);
-            t1 = _mm256_fmadd_ps(b, _mm256_set1_ps(hs[s1[g] as usize]), t1);
+            t0 = _mm256_fmadd_ps(group_dot(p0.as_ptr().add(g * 16), &xv), _mm256_set1_ps(hs[s0[g] as usize]), t0);
+            t1 = _mm256_fmadd_ps(group_dot(p1.as_ptr().add(g * 16), &xv), _mm256_set1_ps(hs[s1[g] as usize]), t1);
         }
         [hsum(t0), hsum(t1)]
     }
@@ -214,7 +197,7 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); 4];
         let nt = xs.len().min(out.len()).min(4);
         for g in 0..groups {
-            let w = group(&packed[g * 16..g * 16 + 16], super::e8m0_to_f32(scale[g]) * 0.5);
+            let w = group(packed.as_ptr().add(g * 16), half_scales()[scale[g] as usize]);
             for (i, x) in xs.iter().take(nt).enumerate() {
                 let xp = x[g * 32..g * 32 + 32].as_ptr();
                 let mut a = acc[i];
@@ -235,7 +218,7 @@ mod avx2 {
     pub unsafe fn decode_row(packed: &[u8], scale: &[u8], out: &mut [f32]) {
         let groups = scale.len().min(packed.len() / 16).min(out.len() / 32);
         for g in 0..groups {
-            let w = group(&packed[g * 16..g * 16 + 16], super::e8m0_to_f32(scale[g]) * 0.5);
+            let w = group(packed.as_ptr().add(g * 16), half_scales()[scale[g] as usize]);
             let op = out[g * 32..g * 32 + 32].as_mut_ptr();
             for (j, v) in w.iter().enumerate() {
                 _mm256_storeu_ps(op.add(8 * j), *v);
