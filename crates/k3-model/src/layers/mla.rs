@@ -162,7 +162,12 @@ impl Mla {
         let w = r + dr;
         let n = past + t;
         let scale = ((dn + dr) as f32).powf(-0.5);
-        let keys = |i: usize| -> Vec<u32> { sel[i].clone().unwrap_or_else(|| (0..=(past + i) as u32).collect()) };
+        // The positions query i attends to: its DSA selection, or all of 0..=past+i (no allocation).
+        let keys = |i: usize| {
+            let chosen = sel[i].as_deref();
+            let len = chosen.map_or(past + i + 1, <[u32]>::len);
+            (0..len).map(move |j| chosen.map_or(j, |c| c[j] as usize))
+        };
         Ok(if explicit {
             let ckv_all: Vec<f32> = lat.chunks_exact(w).flat_map(|row| row[..r].iter().copied()).collect(); // [n, r]
             let kv = lin(&ckv_all, n, &self.kv_b_proj)?; // [n, nh, dn+dv]
@@ -172,19 +177,16 @@ impl Mla {
                     let mut out = vec![0f32; t * dv];
                     for i in 0..t {
                         let qh = &q[(i * nh + h) * (dn + dr)..][..dn + dr];
-                        let ks = keys(i);
-                        let mut p: Vec<f32> = ks
-                            .iter()
-                            .map(|&s| {
-                                let s = s as usize;
+                        let mut p: Vec<f32> = keys(i)
+                            .map(|s| {
                                 let kn = &kv[(s * nh + h) * (dn + dv)..][..dn];
                                 (dot(&qh[..dn], kn) + dot(&qh[dn..], &lat[s * w + r..(s + 1) * w])) * scale
                             })
                             .collect();
                         softmax_inplace(&mut p);
                         let o = &mut out[i * dv..(i + 1) * dv];
-                        for (&s, &ps) in ks.iter().zip(&p) {
-                            let vv = &kv[(s as usize * nh + h) * (dn + dv) + dn..][..dv];
+                        for (s, &ps) in keys(i).zip(&p) {
+                            let vv = &kv[(s * nh + h) * (dn + dv) + dn..][..dv];
                             o.iter_mut().zip(vv).for_each(|(a, &b)| *a += ps * b);
                         }
                     }
@@ -209,18 +211,16 @@ impl Mla {
                         for (j, &qj) in qh[..dn].iter().enumerate() {
                             q_lat.iter_mut().zip(&w_uk[j * r..(j + 1) * r]).for_each(|(a, &b)| *a += qj * b);
                         }
-                        let ks = keys(i);
-                        let mut p: Vec<f32> = ks
-                            .iter()
-                            .map(|&s| {
-                                let row = &lat[s as usize * w..(s as usize + 1) * w];
+                        let mut p: Vec<f32> = keys(i)
+                            .map(|s| {
+                                let row = &lat[s * w..(s + 1) * w];
                                 (dot(&q_lat, &row[..r]) + dot(&qh[dn..], &row[r..])) * scale
                             })
                             .collect();
                         softmax_inplace(&mut p);
                         o_lat.iter_mut().for_each(|v| *v = 0.0);
-                        for (&s, &ps) in ks.iter().zip(&p) {
-                            o_lat.iter_mut().zip(&lat[s as usize * w..s as usize * w + r]).for_each(|(a, &b)| *a += ps * b);
+                        for (s, &ps) in keys(i).zip(&p) {
+                            o_lat.iter_mut().zip(&lat[s * w..s * w + r]).for_each(|(a, &b)| *a += ps * b);
                         }
                         for (j, o) in out[i * dv..(i + 1) * dv].iter_mut().enumerate() {
                             *o = dot(&w_uv[j * r..(j + 1) * r], &o_lat);
