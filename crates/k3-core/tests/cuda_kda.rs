@@ -13,45 +13,20 @@
 //! `K3_REQUIRE_CUDA=1` that case fails instead.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod cuda_common;
+use cuda_common::{device, rng, say};
 
 use half::bf16;
 use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights, HEAD_DIM};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
-use k3_core::{CoreError, DType};
-use rand::{Rng, SeedableRng};
+use k3_core::DType;
+use rand::Rng;
 
 const TOL_OUT: f64 = 5e-3;
 const TOL_STATE: f64 = 5e-3;
 const TOL_DECODE_STATE: f64 = 1e-4;
 const HD: usize = HEAD_DIM;
-
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn device(test: &str) -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(CoreError::CudaUnavailable(why)) => {
-            if std::env::var("K3_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-                panic!("{test}: K3_REQUIRE_CUDA=1 but CUDA is unavailable: {why}");
-            }
-            say(&format!("{test}: skipped: no CUDA driver ({why})"));
-            None
-        }
-        Err(e) => panic!("{test}: a CUDA driver is present but the device failed: {e}"),
-    }
-}
-
-fn rng(test: &str) -> rand::rngs::StdRng {
-    let seed = std::env::var("K3_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
-    });
-    say(&format!("{test}: seed {seed}"));
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
 
 /// Uniform in ±[lo, hi), bf16-representable.
 fn rvec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {

@@ -9,14 +9,15 @@
 //! by skipping. The random seed is printed; `K3_TEST_SEED=N` replays it.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+mod cuda_common;
+use cuda_common::{device, rng, say};
 
 use half::bf16;
 use k3_core::cuda::blas::{self, Algo, Backend, GemmOptions, Layout};
 use k3_core::cuda::{self, bench, ops, CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::{act, matmul, norm};
 use k3_core::{CoreError, DType, Tensor};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 /// f32 storage: only rounding-order differences between CPU and GPU.
 const TOL_F32: f64 = 1e-5;
@@ -33,33 +34,6 @@ fn tol_f32_rows(d: usize) -> f64 {
 }
 /// bf16 GEMM inputs with an f32 output: accumulation order only.
 const TOL_GEMM_BF16_F32OUT: f64 = 1e-4;
-
-fn say(msg: &str) {
-    // Straight to stderr, past the test harness's capture, so a skip is always visible.
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn device(test: &str) -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(CoreError::CudaUnavailable(why)) => {
-            if std::env::var("K3_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-                panic!("{test}: K3_REQUIRE_CUDA=1 but CUDA is unavailable: {why}");
-            }
-            say(&format!("{test}: skipped: no CUDA driver ({why})"));
-            None
-        }
-        Err(e) => panic!("{test}: a CUDA driver is present but the device failed: {e}"),
-    }
-}
-
-fn rng(test: &str) -> rand::rngs::StdRng {
-    let seed = std::env::var("K3_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
-    });
-    say(&format!("{test}: seed {seed}"));
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
 
 /// Values with |v| in [lo, hi), random sign: never zero.
 fn rand_vec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
