@@ -11,6 +11,7 @@ pub enum DType {
     BF16,
     F16,
     U8,
+    I32,
     I64,
 }
 
@@ -20,6 +21,7 @@ impl DType {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
             DType::U8 => 1,
+            DType::I32 => 4,
             DType::I64 => 8,
         }
     }
@@ -31,6 +33,7 @@ impl DType {
             DType::BF16 => "BF16",
             DType::F16 => "F16",
             DType::U8 => "U8",
+            DType::I32 => "I32",
             DType::I64 => "I64",
         }
     }

@@ -45,6 +45,7 @@ fn map_dtype(d: StDtype) -> Option<DType> {
         StDtype::BF16 => DType::BF16,
         StDtype::F16 => DType::F16,
         StDtype::U8 => DType::U8,
+        StDtype::I32 => DType::I32,
         StDtype::I64 => DType::I64,
         _ => return None,
     })
