@@ -10,7 +10,7 @@
 //! runs out of memory, the pool is synchronised, emptied back to the driver, and the
 //! allocation is retried once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use cudarc::driver::{result as dres, sys as dsys};
 
@@ -41,6 +41,9 @@ pub struct AllocStats {
 pub(crate) struct Pool {
     free: BTreeMap<usize, Vec<dsys::CUdeviceptr>>,
     stats: AllocStats,
+    /// While a CUDA graph is being captured: every block handed out or returned since the
+    /// capture began (the graph may address any of them; see [`Pool::end_capture`]).
+    capture: Option<HashSet<dsys::CUdeviceptr>>,
 }
 
 /// The size class a request of `bytes` is rounded to.
@@ -68,9 +71,47 @@ impl Pool {
     }
 
     fn put(&mut self, ptr: dsys::CUdeviceptr, size: usize) {
+        if let Some(c) = &mut self.capture {
+            c.insert(ptr);
+        }
         self.free.entry(size).or_default().push(ptr);
         self.stats.cached_bytes += size;
         self.stats.in_use_bytes = self.stats.in_use_bytes.saturating_sub(size);
+    }
+
+    /// Starts recording the blocks a graph capture touches.
+    pub(crate) fn begin_capture(&mut self) {
+        self.capture = Some(HashSet::new());
+    }
+
+    /// Ends recording and takes out of the free lists every block the capture touched: the
+    /// graph's kernels may read or write them on every replay, so they belong to the graph
+    /// until it is dropped ([`Pool::give_back`]). Blocks still held by live tensors stay theirs.
+    pub(crate) fn end_capture(&mut self) -> Vec<(dsys::CUdeviceptr, usize)> {
+        let Some(touched) = self.capture.take() else { return Vec::new() };
+        let mut held = Vec::new();
+        for (&size, list) in self.free.iter_mut() {
+            list.retain(|p| {
+                let keep = !touched.contains(p);
+                if !keep {
+                    held.push((*p, size));
+                }
+                keep
+            });
+        }
+        self.free.retain(|_, l| !l.is_empty());
+        for &(_, size) in &held {
+            self.stats.cached_bytes -= size;
+        }
+        held
+    }
+
+    /// Returns blocks a dropped graph held to the free lists.
+    pub(crate) fn give_back(&mut self, blocks: Vec<(dsys::CUdeviceptr, usize)>) {
+        for (p, size) in blocks {
+            self.free.entry(size).or_default().push(p);
+            self.stats.cached_bytes += size;
+        }
     }
 
     fn note_in_use(&mut self, size: usize) {
@@ -138,8 +179,11 @@ pub(crate) fn alloc(dev: &CudaDevice, bytes: usize) -> Result<CudaBuffer> {
     if let Some((ptr, size)) = {
         let mut pool = lock(&dev.inner().pool);
         let got = pool.take(class);
-        if let Some((_, s)) = got {
+        if let Some((p, s)) = got {
             pool.note_in_use(s);
+            if let Some(c) = &mut pool.capture {
+                c.insert(p);
+            }
         }
         got
     } {
@@ -164,6 +208,9 @@ pub(crate) fn alloc(dev: &CudaDevice, bytes: usize) -> Result<CudaBuffer> {
         Err(e) => return Err(derr(&format!("cuMemAlloc of {class} bytes"))(e)),
     };
     let mut pool = lock(&dev.inner().pool);
+    if let Some(c) = &mut pool.capture {
+        c.insert(ptr);
+    }
     pool.stats.driver_allocs += 1;
     pool.note_in_use(class);
     Ok(CudaBuffer { ptr, len: bytes, size: class, dev: dev.clone() })
@@ -190,5 +237,27 @@ mod tests {
         assert_eq!(p.take(60 << 20), Some((0x2000, 64 << 20)));
         assert_eq!(p.stats().cached_bytes, 0);
         assert_eq!(p.stats().cache_hits, 2);
+    }
+
+    #[test]
+    fn capture_keeps_touched_blocks_out_of_the_pool() {
+        let mut p = Pool::default();
+        p.put(0x1000, 1024);
+        p.put(0x3000, 1024);
+        p.begin_capture();
+        // A block taken and returned during capture, and one only returned (freed) during it.
+        let (a, _) = p.take(1024).expect("cached block");
+        p.put(a, 1024);
+        p.put(0x2000, 2048);
+        let held = p.end_capture();
+        let mut ptrs: Vec<_> = held.iter().map(|h| h.0).collect();
+        ptrs.sort();
+        assert_eq!(ptrs, vec![a, 0x2000]);
+        // The untouched block is still served; the held ones are not until given back.
+        let other = if a == 0x1000 { 0x3000 } else { 0x1000 };
+        assert_eq!(p.take(1024), Some((other, 1024)));
+        assert!(p.take(1024).is_none());
+        p.give_back(held);
+        assert_eq!(p.take(2048), Some((0x2000, 2048)));
     }
 }

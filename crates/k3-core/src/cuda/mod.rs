@@ -19,6 +19,7 @@
 mod alloc;
 pub mod bench;
 pub mod blas;
+mod graph;
 mod compile;
 pub mod kda;
 pub mod ops;
@@ -32,6 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{result as dres, sys as dsys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 
 pub use alloc::{AllocStats, CudaBuffer};
+pub use graph::{capture, Graph};
 pub use tensor::CudaTensor;
 
 use crate::kernels::cuda::Source;

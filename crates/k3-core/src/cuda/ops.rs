@@ -6,7 +6,7 @@
 //! in `kernels::cpu` are the oracle (`tests/cuda_ops.rs`).
 
 use super::{kargs, CudaTensor};
-use crate::kernels::cuda::{ACT, NORM, SOFTMAX};
+use crate::kernels::cuda::{ACT, ATTN_RES, COPY, NORM, SOFTMAX};
 use crate::{CoreError, DType, Result};
 
 /// Threads per block of the elementwise kernels.
@@ -142,4 +142,169 @@ pub fn cast(x: &CudaTensor, out: &CudaTensor) -> Result<()> {
     let grid = dev.elementwise_grid(n as usize, EW_BLOCK);
     let (xp, op) = (x.ptr(), out.ptr());
     dev.launch(ACT, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, op, n])
+}
+
+/// How [`attn_res_norm`] updates the partial sum `P` before mixing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResUpdate {
+    /// Leave `P` as it is.
+    Keep,
+    /// `P += d`.
+    Add,
+    /// `P = d` (the first layer output of a new block).
+    Assign,
+}
+
+/// Most completed blocks one mix can take (the kernel's source array).
+pub const ATTN_RES_MAX_BLOCKS: usize = 63;
+
+/// Block Attention Residuals (text-backbone §6) fused with the RMSNorm after it, per row of
+/// width `H`: first `P` (F32 `[N, H]`) is updated in place by `update` with `d`, and copied to
+/// `snap` when given (the snapshot that becomes a completed block); then the sources `blocks`
+/// (F32 `[N, H]` each) followed by `P` are mixed with the pseudo-query `c` (F32 `[H]`) and
+/// `eps_res`, and `out = RMSNorm(mix; w, eps)` (w F32 `[H]`) is written as BF16 or F32 `[N, H]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_res_norm(blocks: &[&CudaTensor], p: &CudaTensor, update: ResUpdate, d: Option<&CudaTensor>, snap: Option<&CudaTensor>, c: &CudaTensor, eps_res: f32, w: &CudaTensor, eps: f32, out: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda attn_res_norm";
+    if p.dtype() != DType::F32 {
+        return Err(CoreError::DType { op: OP, dtype: format!("partial sum P must be F32, got {}", p.dtype()) });
+    }
+    let mut like: Vec<&CudaTensor> = blocks.to_vec();
+    like.extend(d);
+    like.extend(snap);
+    check_like(OP, p, &like)?;
+    if update != ResUpdate::Keep && d.is_none() {
+        return Err(CoreError::Shape { op: OP, detail: "update Add/Assign needs the layer output d".into() });
+    }
+    if blocks.len() > ATTN_RES_MAX_BLOCKS {
+        return Err(CoreError::Shape { op: OP, detail: format!("{} completed blocks exceed the kernel's {ATTN_RES_MAX_BLOCKS}; raise attn_res_block_size", blocks.len()) });
+    }
+    let (h, rows) = rows_of(OP, p)?;
+    for (t, what) in [(c, "pseudo-query c"), (w, "norm weight")] {
+        if t.dtype() != DType::F32 || t.numel() != h as usize || !t.cuda_device().same(p.cuda_device()) {
+            return Err(CoreError::Shape { op: OP, detail: format!("{what} {t:?} must be F32 [{h}] on the same device as P") });
+        }
+    }
+    if out.shape() != p.shape() || !out.cuda_device().same(p.cuda_device()) {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must have P's shape {:?}", p.shape()) });
+    }
+    let name = match suffix(OP, out)? {
+        "f32" => "attn_res_norm_f32",
+        _ => "attn_res_norm_bf16",
+    };
+    if rows == 0 || h == 0 {
+        return Ok(());
+    }
+    let mut srcs = [0u64; ATTN_RES_MAX_BLOCKS + 1];
+    for (s, b) in srcs.iter_mut().zip(blocks) {
+        *s = b.ptr();
+    }
+    let nsrc = blocks.len() as i32;
+    let mode: i32 = match update {
+        ResUpdate::Keep => 0,
+        ResUpdate::Add => 1,
+        ResUpdate::Assign => 2,
+    };
+    let (pp, dp, sp) = (p.ptr(), d.map_or(0, |t| t.ptr()), snap.map_or(0, |t| t.ptr()));
+    let (cp, wp, op) = (c.ptr(), w.ptr(), out.ptr());
+    let smem = ((h as usize + 3 * (ATTN_RES_MAX_BLOCKS + 1) + 32) * 4) as u32;
+    if smem > 48 * 1024 {
+        return Err(CoreError::Shape { op: OP, detail: format!("hidden size {h} needs {smem} bytes of shared memory (48 KiB max)") });
+    }
+    p.cuda_device().launch(ATTN_RES, name, (rows, 1, 1), (512, 1, 1), smem, &mut kargs![srcs, nsrc, pp, dp, mode, sp, cp, eps_res, wp, eps, op, h])
+}
+
+/// RMSNorm of the first `cols` columns of every row of `x` (F32 or BF16, any row width ≥ cols)
+/// with an F32 weight `[cols]`, written to the first `cols` columns of `out`'s rows (F32 or BF16,
+/// same row count). The other columns of `out` are untouched.
+pub fn rms_norm_cols(x: &CudaTensor, cols: usize, w: &CudaTensor, eps: f32, out: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda rms_norm_cols";
+    let (li, rows) = rows_of(OP, x)?;
+    let (lo, rows_out) = rows_of(OP, out)?;
+    if rows != rows_out || cols > li as usize || cols > lo as usize || !out.cuda_device().same(x.cuda_device()) {
+        return Err(CoreError::Shape { op: OP, detail: format!("x {x:?}, out {out:?}: need equal row counts and rows of at least {cols} columns") });
+    }
+    if w.dtype() != DType::F32 || w.numel() != cols || !w.cuda_device().same(x.cuda_device()) {
+        return Err(CoreError::Shape { op: OP, detail: format!("weight {w:?} must be F32 [{cols}]") });
+    }
+    let name = match (suffix(OP, x)?, suffix(OP, out)?) {
+        ("f32", "f32") => "rms_norm_w_f32_f32",
+        ("f32", _) => "rms_norm_w_f32_bf16",
+        (_, "f32") => "rms_norm_w_bf16_f32",
+        _ => "rms_norm_w_bf16_bf16",
+    };
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let (xp, wp, op, d) = (x.ptr(), w.ptr(), out.ptr(), cols as i32);
+    x.cuda_device().launch(NORM, name, (rows, 1, 1), (row_block(cols), 1, 1), 0, &mut kargs![xp, wp, op, d, li, lo, eps])
+}
+
+/// `x = x · σ(g)` elementwise, BF16, in place (the gated attention output).
+pub fn sigmoid_mul(x: &CudaTensor, g: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda sigmoid_mul";
+    check_like(OP, x, &[g])?;
+    if x.dtype() != DType::BF16 {
+        return Err(CoreError::DType { op: OP, dtype: x.dtype().to_string() });
+    }
+    let n = x.numel() as i64;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = x.cuda_device();
+    let grid = dev.elementwise_grid(n as usize, EW_BLOCK);
+    let (xp, gp) = (x.ptr(), g.ptr());
+    dev.launch(ACT, "sigmoid_mul_bf16", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, gp, n])
+}
+
+/// `y += x` elementwise, F32.
+pub fn add_assign(y: &CudaTensor, x: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda add_assign";
+    check_like(OP, y, &[x])?;
+    if y.dtype() != DType::F32 {
+        return Err(CoreError::DType { op: OP, dtype: y.dtype().to_string() });
+    }
+    let n = y.numel() as i64;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = y.cuda_device();
+    let grid = dev.elementwise_grid(n as usize, EW_BLOCK);
+    let (yp, xp) = (y.ptr(), x.ptr());
+    dev.launch(ACT, "add_f32", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![yp, xp, n])
+}
+
+/// `out[i, :] = src[ids[i], :]`: `src` `[R, H]` (BF16 → F32/BF16, or F32 → F32), `ids` I32 `[n]`
+/// (values checked by the caller: device values are not read back), `out` `[n, H]`.
+pub fn gather_rows(src: &CudaTensor, ids: &CudaTensor, out: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda gather_rows";
+    let h = src.last_dim();
+    let n = ids.numel();
+    if ids.dtype() != DType::I32 || out.numel() != n * h || out.last_dim() != h || !ids.cuda_device().same(src.cuda_device()) || !out.cuda_device().same(src.cuda_device()) {
+        return Err(CoreError::Shape { op: OP, detail: format!("src {src:?}, ids {ids:?} (I32 [n]), out {out:?} (must be [n, {h}])") });
+    }
+    let name = match (src.dtype(), out.dtype()) {
+        (DType::BF16, DType::F32) => "gather_rows_bf16_f32",
+        (DType::BF16, DType::BF16) => "gather_rows_bf16_bf16",
+        (DType::F32, DType::F32) => "gather_rows_f32_f32",
+        (a, b) => return Err(CoreError::DType { op: OP, dtype: format!("{a} -> {b}") }),
+    };
+    if n == 0 || h == 0 {
+        return Ok(());
+    }
+    let (sp, ip, op, n32, h32) = (src.ptr(), ids.ptr(), out.ptr(), n as i32, h as i32);
+    let grid = n.min(65_535) as u32;
+    src.cuda_device().launch(COPY, name, (grid, 1, 1), (row_block(h).min(256), 1, 1), 0, &mut kargs![sp, ip, op, n32, h32])
+}
+
+/// Copies `rows` rows of `width` BF16 elements from device address `src` (row stride `src_stride`
+/// elements) to `dst` (row stride `dst_stride`). The caller guarantees both ranges lie inside
+/// live tensors of `dev` (this is the raw form used to address a slice of a wider tensor).
+pub fn copy_strided_bf16(dev: &super::CudaDevice, src: u64, src_stride: usize, dst: u64, dst_stride: usize, rows: usize, width: usize) -> Result<()> {
+    if rows == 0 || width == 0 {
+        return Ok(());
+    }
+    let (ss, ds, r, w) = (src_stride as i64, dst_stride as i64, rows as i32, width as i32);
+    let grid = dev.elementwise_grid(rows * width, EW_BLOCK);
+    dev.launch(COPY, "copy_strided_bf16", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![src, ss, dst, ds, r, w])
 }

@@ -46,3 +46,12 @@ extern "C" __global__ void cast_f32_bf16(const float* x, bf16_t* y, long long n)
 extern "C" __global__ void cast_bf16_f32(const bf16_t* x, float* y, long long n) {
     GRID_STRIDE(i, n) y[i] = bf16_to_f32(x[i]);
 }
+
+// Output gate: x = x * sigmoid(g), in place (MLA's gated output, text-backbone §4).
+extern "C" __global__ void sigmoid_mul_bf16(bf16_t* x, const bf16_t* g, long long n) {
+    GRID_STRIDE(i, n) x[i] = f32_to_bf16(bf16_to_f32(x[i]) * k3_sigmoid(bf16_to_f32(g[i])));
+}
+// y += x (f32), e.g. the shared experts' output onto the routed one.
+extern "C" __global__ void add_f32(float* y, const float* x, long long n) {
+    GRID_STRIDE(i, n) y[i] += x[i];
+}

@@ -31,8 +31,13 @@ pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
 /// KDA decode step (`kda_decode`, `kda_decode_split`).
 pub const KDA_DECODE: Source = Source { name: "kda_decode", code: include_str!("kda_decode.cu") };
 
+/// Block Attention Residuals mix fused with the following RMSNorm (`attn_res_norm_{bf16,f32}`).
+pub const ATTN_RES: Source = Source { name: "attn_res", code: include_str!("attn_res.cu") };
+/// Row gathers (embedding, last rows) and strided copies (`gather_rows_*`, `copy_strided_bf16`).
+pub const COPY: Source = Source { name: "copy", code: include_str!("copy.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 5] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE];
+pub const ALL: [Source; 7] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, ATTN_RES, COPY];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.

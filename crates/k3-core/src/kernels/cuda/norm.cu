@@ -52,3 +52,36 @@ extern "C" __global__ void rms_norm_bf16(const bf16_t* x, const bf16_t* w, bf16_
 extern "C" __global__ void rms_norm_bf16_v(const bf16_t* x, const bf16_t* w, bf16_t* out, int d, float eps) {
     rms_norm_row<bf16_t, 8>(x, w, out, d, eps);
 }
+
+// RMSNorm with an f32 weight and any storage of input and output (the model's norms keep their
+// weights in f32; activations are f32 or bf16): out = x / sqrt(mean(x^2) + eps) * w.
+// One block per row of width d; rows are `ld_in` / `ld_out` elements apart, so a norm can
+// cover the first d columns of a wider row (MLA's kv latent) and leave the rest alone.
+template <typename TI, typename TO>
+__device__ __forceinline__ void rms_norm_w_row(const TI* __restrict__ x, const float* __restrict__ w, TO* __restrict__ out,
+                                               int d, int ld_in, int ld_out, float eps) {
+    __shared__ float scratch[32];
+    const TI* xr = x + (long long)blockIdx.x * ld_in;
+    TO* yr = out + (long long)blockIdx.x * ld_out;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = ld(xr, i);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) st(yr, i, ld(xr, i) * inv * w[i]);
+}
+
+extern "C" __global__ void rms_norm_w_f32_f32(const float* x, const float* w, float* out, int d, int li, int lo, float eps) {
+    rms_norm_w_row(x, w, out, d, li, lo, eps);
+}
+extern "C" __global__ void rms_norm_w_f32_bf16(const float* x, const float* w, bf16_t* out, int d, int li, int lo, float eps) {
+    rms_norm_w_row(x, w, out, d, li, lo, eps);
+}
+extern "C" __global__ void rms_norm_w_bf16_bf16(const bf16_t* x, const float* w, bf16_t* out, int d, int li, int lo, float eps) {
+    rms_norm_w_row(x, w, out, d, li, lo, eps);
+}
+extern "C" __global__ void rms_norm_w_bf16_f32(const bf16_t* x, const float* w, float* out, int d, int li, int lo, float eps) {
+    rms_norm_w_row(x, w, out, d, li, lo, eps);
+}
