@@ -14,6 +14,7 @@ use k3_tokenizer::Tokenizer;
 use serde::Serialize;
 
 use crate::error::{param, EngineError, Result};
+use crate::gpu::{GpuRunner, GpuSeq};
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::stop::{StopCheck, StopMatcher};
 
@@ -95,7 +96,10 @@ pub struct SeqStats {
 struct Sequence {
     id: SeqId,
     req: Request,
+    /// The CPU model's state; with a GPU runner only its `pos` is used (the layers live on the
+    /// device, in `gpu`).
     state: SeqState,
+    gpu: Option<GpuSeq>,
     /// Prompt tokens already prefilled.
     done: usize,
     output: Vec<u32>,
@@ -107,7 +111,10 @@ struct Sequence {
 }
 
 pub struct Engine {
+    /// The model on the CPU (memory-mapped); also the config and embedding rows with a GPU runner.
     pub model: Arc<Model>,
+    /// When set, forwards run on the GPU.
+    pub gpu: Option<Box<GpuRunner>>,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub config: EngineConfig,
     running: Vec<Sequence>,
@@ -118,7 +125,20 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(model: Arc<Model>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
-        Engine { model, tokenizer, config, running: Vec::new(), waiting: VecDeque::new(), finished_stats: Vec::new(), next_id: 1 }
+        Engine { model, gpu: None, tokenizer, config, running: Vec::new(), waiting: VecDeque::new(), finished_stats: Vec::new(), next_id: 1 }
+    }
+
+    /// An engine whose forwards run on `gpu` (the CPU `model` still gives the config and the
+    /// embedding rows of requests with their own input rows).
+    pub fn with_gpu(model: Arc<Model>, gpu: GpuRunner, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
+        Engine { gpu: Some(Box::new(gpu)), ..Self::new(model, tokenizer, config) }
+    }
+
+    /// Frees a sequence's GPU state (if it has one).
+    fn free(&mut self, s: Sequence) {
+        if let (Some(g), Some(gs)) = (self.gpu.as_mut(), s.gpu) {
+            g.release(gs);
+        }
     }
 
     /// Validates and queues a request; errors come before any work is done.
@@ -149,9 +169,12 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
+        // With a GPU runner the state lives on the device; the host keeps only the position.
+        let state = if self.gpu.is_some() { SeqState { layers: Vec::new(), pos: 0 } } else { SeqState::with_kda_state(&self.model.config, self.config.kda_state) };
         let seq = Sequence {
             id,
-            state: SeqState::with_kda_state(&self.model.config, self.config.kda_state),
+            state,
+            gpu: None,
             done: 0,
             output: Vec::new(),
             sampler: Sampler::new(req.params.clone()),
@@ -167,10 +190,15 @@ impl Engine {
 
     /// Drops a sequence (running or waiting) and frees its state. Returns whether it existed.
     pub fn cancel(&mut self, id: SeqId) -> bool {
-        let before = self.running.len() + self.waiting.len();
-        self.running.retain(|s| s.id != id);
-        self.waiting.retain(|s| s.id != id);
-        before != self.running.len() + self.waiting.len()
+        let mut gone: Vec<Sequence> = self.running.extract_if(.., |s| s.id == id).collect();
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            gone.extend(self.waiting.remove(i));
+        }
+        let found = !gone.is_empty();
+        for s in gone {
+            self.free(s);
+        }
+        found
     }
 
     pub fn has_work(&self) -> bool {
@@ -193,10 +221,15 @@ impl Engine {
 
     /// Runs one batched forward pass and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<Event>> {
-        // Admit waiting sequences while there is room.
+        // Admit waiting sequences while there is room (and, on the GPU, a free state slot).
         while self.running.len() < self.config.max_batch {
             match self.waiting.pop_front() {
-                Some(s) => self.running.push(s),
+                Some(mut s) => {
+                    if let Some(g) = self.gpu.as_mut() {
+                        s.gpu = Some(g.new_seq()?);
+                    }
+                    self.running.push(s)
+                }
                 None => break,
             }
         }
@@ -226,22 +259,41 @@ impl Engine {
             return Ok(Vec::new());
         }
         let t0 = Instant::now();
+        let lens: Vec<usize> = plan.iter().map(|(_, t)| t.len()).collect();
         // Input rows: token embeddings, or the request's own rows for a prefill chunk.
+        let own_rows = |s: &Sequence| s.req.prompt_embeds.is_some() && s.done < s.req.prompt.len();
+        let need_rows = self.gpu.is_none() || plan.iter().any(|(i, _)| own_rows(&self.running[*i]));
         let h = self.model.config.text.hidden_size;
-        let mut emb = Vec::with_capacity(plan.iter().map(|(_, t)| t.len()).sum::<usize>() * h);
-        for (i, toks) in &plan {
-            let s = &self.running[*i];
-            match (&s.req.prompt_embeds, s.done < s.req.prompt.len()) {
-                (Some(e), true) => emb.extend_from_slice(&e[s.done * h..(s.done + toks.len()) * h]),
-                _ => emb.extend(self.model.embed(toks)?),
+        let mut emb = Vec::new();
+        if need_rows {
+            emb.reserve(plan.iter().map(|(_, t)| t.len()).sum::<usize>() * h);
+            for (i, toks) in &plan {
+                let s = &self.running[*i];
+                match (&s.req.prompt_embeds, s.done < s.req.prompt.len()) {
+                    (Some(e), true) => emb.extend_from_slice(&e[s.done * h..(s.done + toks.len()) * h]),
+                    _ => emb.extend(self.model.embed(toks)?),
+                }
             }
         }
-        let lens: Vec<usize> = plan.iter().map(|(_, t)| t.len()).collect();
         let logits = {
             // Disjoint &mut borrows of the planned sequences, in plan order.
             let mut by_index: Vec<Option<&mut Sequence>> = self.running.iter_mut().map(Some).collect();
-            let mut states: Vec<&mut SeqState> = plan.iter().map(|(i, _)| by_index[*i].take().map(|s| &mut s.state)).collect::<Option<Vec<_>>>().ok_or_else(|| param("batch", "a sequence was planned twice"))?;
-            self.model.forward_varlen(emb, &lens, &mut states, ForwardOpts { last_only: true, ..Default::default() }, None)?
+            let mut seqs: Vec<&mut Sequence> = plan.iter().map(|(i, _)| by_index[*i].take()).collect::<Option<Vec<_>>>().ok_or_else(|| param("batch", "a sequence was planned twice"))?;
+            match self.gpu.as_mut() {
+                None => {
+                    let mut states: Vec<&mut SeqState> = seqs.iter_mut().map(|s| &mut s.state).collect();
+                    self.model.forward_varlen(emb, &lens, &mut states, ForwardOpts { last_only: true, ..Default::default() }, None)?
+                }
+                Some(g) => {
+                    let tokens: Vec<u32> = plan.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+                    let mut gs: Vec<&mut GpuSeq> = seqs.iter_mut().map(|s| s.gpu.as_mut()).collect::<Option<Vec<_>>>().ok_or_else(|| param("batch", "a running sequence has no GPU state"))?;
+                    let out = g.forward(&tokens, need_rows.then_some(emb.as_slice()), &lens, &mut gs)?;
+                    for (s, &n) in seqs.iter_mut().zip(&lens) {
+                        s.state.pos += n;
+                    }
+                    out
+                }
+            }
         };
         let vocab = self.model.config.text.vocab_size;
         let logits: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
@@ -305,8 +357,9 @@ impl Engine {
         }
         finished.sort_unstable();
         for i in finished.into_iter().rev() {
-            let s = self.running.remove(i);
-            self.finished_stats.push((s.id, s.stats));
+            let mut s = self.running.remove(i);
+            self.finished_stats.push((s.id, std::mem::take(&mut s.stats)));
+            self.free(s);
         }
         Ok(events)
     }

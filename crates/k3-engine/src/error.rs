@@ -9,6 +9,8 @@ pub enum EngineError {
     Param { param: &'static str, msg: String },
     #[error("prompt of {prompt} tokens{extra} exceeds the context limit of {limit} tokens")]
     Context { prompt: usize, extra: String, limit: usize },
+    #[error("{0}")]
+    Unsupported(String),
     #[error("unknown sequence id {0}")]
     UnknownSeq(u64),
     #[error(transparent)]

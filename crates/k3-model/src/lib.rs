@@ -20,3 +20,5 @@ pub mod layers;
 pub mod model;
 
 pub use model::{ForwardOpts, Model, SeqState};
+#[cfg(feature = "cuda")]
+pub mod cuda;

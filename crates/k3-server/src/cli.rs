@@ -80,6 +80,24 @@ pub struct ServeArgs {
     /// Largest image accepted, in bytes (after base64 decoding).
     #[arg(long, default_value_t = 20 << 20)]
     pub max_image_bytes: usize,
+    /// cpu, or cuda / cuda:N to run the model on a GPU (needs a k3 built with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// GPU only: tokens the latent caches hold across all sequences.
+    #[arg(long, default_value_t = 1 << 18)]
+    pub max_cache_tokens: usize,
+    /// GPU only: run decode steps eagerly instead of replaying CUDA graphs.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
+}
+
+/// Parses `--device`: `None` for the CPU, `Some(ordinal)` for `cuda` / `cuda:N`.
+pub fn parse_device(d: &str) -> std::result::Result<Option<usize>, String> {
+    match d {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        _ => d.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Some).ok_or_else(|| format!("--device `{d}`: use cpu, cuda or cuda:N")),
+    }
 }
 
 /// Runs `k3 serve` until interrupted.
@@ -106,7 +124,13 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         }
         ok
     });
-    let engine = Engine::new(model, Some(tok.clone()), ecfg);
+    let engine = match parse_device(&a.device).map_err(ServerError::Config)? {
+        None => Engine::new(model, Some(tok.clone()), ecfg),
+        Some(ord) => {
+            let gpu = k3_engine::gpu::load_gpu(&ck, ord, a.max_batch, a.max_cache_tokens, !a.no_cuda_graphs).map_err(|e| ServerError::Config(format!("--device {}: {e}", a.device)))?;
+            Engine::with_gpu(model, gpu, Some(tok.clone()), ecfg)
+        }
+    };
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());
         canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "k3".into())

@@ -17,6 +17,9 @@
 //!
 //! GPU op mode (`--device cuda --op gemm M N K | copy BYTES | rmsnorm ROWS DIM`, feature `cuda`):
 //! one GPU op timed with CUDA events after warm-up, median of repeats.
+//!
+//! GPU model mode (`--device cuda --model DIR [--prompt-len T] [--batches 1,16,64] [--context C]`):
+//! the whole model on the GPU, see `bench_cuda.rs`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -54,6 +57,12 @@ pub struct Args {
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// GPU model mode: decode batch sizes, comma separated.
+    #[arg(long, default_value = "1,16,64")]
+    pub batches: String,
+    /// GPU model mode: tokens already in each sequence's cache when decode is timed.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
 }
 
 /// Peak and current resident memory in bytes (VmHWM, VmRSS), Linux only.
@@ -90,6 +99,7 @@ pub fn run(a: Args) -> Result<()> {
         "cpu" if a.op.is_empty() => bench_model(&a),
         "cpu" if a.op[0] == "dsa" => bench_cpu_dsa(&a),
         "cpu" => bench_cpu_gemv(&a),
+        "cuda" | "cuda:0" if a.op.is_empty() => bench_cuda_model(&a),
         "cuda" | "cuda:0" => bench_cuda_op(&a),
         d => bail!("--device `{d}`: use cpu or cuda"),
     }
@@ -336,5 +346,13 @@ fn bench_cuda_op(a: &Args) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn bench_cuda_op(_: &Args) -> Result<()> {
+    bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
+}
+
+#[cfg(feature = "cuda")]
+use super::bench_cuda::bench_cuda_model;
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda_model(_: &Args) -> Result<()> {
     bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
 }

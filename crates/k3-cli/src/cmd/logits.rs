@@ -34,6 +34,12 @@ pub struct Args {
     /// Image file whose features fill the next `<|media_pad|>` run (repeat for several images).
     #[arg(long = "image")]
     pub images: Vec<PathBuf>,
+    /// cpu, or cuda / cuda:N (a k3 built with `--features cuda`; no --trace there).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// GPU `--mode decode`: run the steps eagerly instead of replaying a CUDA graph.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
 }
 
 /// Parses ids separated by commas and/or whitespace.
@@ -54,6 +60,33 @@ pub fn parse_mode(mode: &str) -> Result<Option<usize>> {
             _ => bail!("--mode `{m}` is not one of full, decode, chunked:N (N ≥ 1)"),
         },
     }
+}
+
+/// Logits of every position on the GPU: the sequence fed in pieces of `step` rows (decode steps
+/// through a CUDA graph when `step` is 1 and `graphs`).
+#[cfg(feature = "cuda")]
+fn gpu_logits(ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, step: usize, graphs: bool) -> Result<Vec<f32>> {
+    use k3_model::cuda::{CacheConfig, CudaModel, Input};
+    let dev = k3_core::cuda::CudaDevice::new(ord)?;
+    let mut m = CudaModel::load(ck, &dev, CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 })?;
+    let h = m.config.text.hidden_size;
+    let mut s = m.new_sequence()?;
+    let mut out = Vec::with_capacity(ids.len() * m.config.text.vocab_size);
+    let graph = if step == 1 && graphs && emb.is_none() { Some(m.capture_decode(1, ids.len() + 64)?) } else { None };
+    for (ci, piece) in ids.chunks(step).enumerate() {
+        let lg = match (&graph, emb) {
+            (Some(g), _) => m.decode_step(g, piece, &mut [&mut s])?,
+            (None, Some(e)) => m.forward_varlen(Input::Embeds(&e[ci * step * h..(ci * step + piece.len()) * h]), &[piece.len()], &mut [&mut s], false)?,
+            (None, None) => m.forward(piece, &mut s, false)?,
+        };
+        out.extend(lg);
+    }
+    Ok(out)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_logits(_: &Checkpoint, _: usize, _: &[u32], _: Option<&[f32]>, _: usize, _: bool) -> Result<Vec<f32>> {
+    bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -92,13 +125,23 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     let step = chunk.unwrap_or(ids.len());
-    for (ci, piece) in ids.chunks(step).enumerate() {
-        let tr: k3_model::model::Trace = if a.trace.is_some() && chunk.is_none() { Some(&mut tracer) } else { None };
-        let out = match &emb {
-            None => model.forward(piece, &mut state, ForwardOpts::default(), tr)?,
-            Some(e) => model.forward_embeds(e[ci * step * hidden..(ci * step + piece.len()) * hidden].to_vec(), &mut state, ForwardOpts::default(), tr)?,
-        };
-        logits.extend(out);
+    match k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)? {
+        Some(ord) => {
+            if a.trace.is_some() {
+                bail!("--trace is CPU-only: drop --device or --trace");
+            }
+            logits = gpu_logits(&ck, ord, &ids, emb.as_deref(), step, !a.no_cuda_graphs)?;
+        }
+        None => {
+            for (ci, piece) in ids.chunks(step).enumerate() {
+                let tr: k3_model::model::Trace = if a.trace.is_some() && chunk.is_none() { Some(&mut tracer) } else { None };
+                let out = match &emb {
+                    None => model.forward(piece, &mut state, ForwardOpts::default(), tr)?,
+                    Some(e) => model.forward_embeds(e[ci * step * hidden..(ci * step + piece.len()) * hidden].to_vec(), &mut state, ForwardOpts::default(), tr)?,
+                };
+                logits.extend(out);
+            }
+        }
     }
     if let Some(e) = trace_err {
         return Err(e.context("writing --trace output"));

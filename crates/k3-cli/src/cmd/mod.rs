@@ -1,5 +1,7 @@
 //! One module per `k3` subcommand.
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_cuda;
 pub mod init;
 pub mod inspect;
 pub mod logits;

@@ -86,6 +86,12 @@ pub struct Args {
     /// Print one JSON object (text, ids, timings) instead of streaming.
     #[arg(long)]
     pub json: bool,
+    /// cpu, or cuda / cuda:N (a k3 built with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// GPU only: run decode steps eagerly instead of replaying a CUDA graph.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -110,7 +116,15 @@ pub fn run(a: Args) -> Result<()> {
     req.prompt_embeds = embeds;
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
-    let mut engine = Engine::new(model, tokenizer.clone(), EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.into() });
+    let ecfg = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.into() };
+    let mut engine = match k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)? {
+        None => Engine::new(model, tokenizer.clone(), ecfg),
+        Some(ord) => {
+            let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
+            let gpu = k3_engine::gpu::load_gpu(&ck, ord, 1, cache, !a.no_cuda_graphs).with_context(|| format!("--device {}", a.device))?;
+            Engine::with_gpu(model, gpu, tokenizer.clone(), ecfg)
+        }
+    };
     let mut text = String::new();
     let stdout = std::io::stdout();
     let (out, finish, stats) = engine.generate(req, |ev| {

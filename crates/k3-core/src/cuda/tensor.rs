@@ -81,6 +81,21 @@ impl CudaTensor {
         unsafe { dres::memcpy_htod_async(self.ptr(), bytes, dev.cu_stream()) }.map_err(derr("host-to-device copy"))
     }
 
+    /// Writes `bytes` from the host at byte offset `offset` (the range must lie inside the tensor).
+    pub fn write_at(&self, offset: usize, bytes: &[u8]) -> Result<()> {
+        if offset.checked_add(bytes.len()).is_none_or(|end| end > self.byte_len()) {
+            return Err(CoreError::Shape { op: "CudaTensor::write_at", detail: format!("{} bytes at offset {offset} overrun {self:?} ({} bytes)", bytes.len(), self.byte_len()) });
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let dev = self.buf.device();
+        dev.bind()?;
+        // SAFETY: the destination range was checked to lie inside the block; pageable host
+        // memory is staged before the call returns.
+        unsafe { dres::memcpy_htod_async(self.ptr() + offset as u64, bytes, dev.cu_stream()) }.map_err(derr("host-to-device copy"))
+    }
+
     /// Sets every byte to `byte` (0xFF poisons f32 and bf16 with NaN).
     pub fn fill_bytes(&self, byte: u8) -> Result<()> {
         if self.byte_len() == 0 {
@@ -90,6 +105,20 @@ impl CudaTensor {
         dev.bind()?;
         // SAFETY: the block holds at least byte_len() bytes.
         unsafe { dres::memset_d8_async(self.ptr(), byte, self.byte_len(), dev.cu_stream()) }.map_err(derr("cuMemsetD8Async"))
+    }
+
+    /// Sets `len` bytes from byte offset `offset` to `byte` (the range must lie inside the tensor).
+    pub fn fill_range(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.byte_len()) {
+            return Err(CoreError::Shape { op: "CudaTensor::fill_range", detail: format!("{len} bytes at offset {offset} overrun {self:?}") });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let dev = self.buf.device();
+        dev.bind()?;
+        // SAFETY: the range was checked to lie inside the block.
+        unsafe { dres::memset_d8_async(self.ptr() + offset as u64, byte, len, dev.cu_stream()) }.map_err(derr("cuMemsetD8Async"))
     }
 
     /// Copies `src` (same dtype and element count, same device) into `self`.

@@ -1,0 +1,149 @@
+//! `k3 bench --device cuda --model DIR`: the whole model on one GPU (feature `cuda`), measured in
+//! one process beside this GPU's own copy bandwidth so every figure reads as a ratio.
+//!
+//! Prefill: one sequence of `--prompt-len` tokens in one forward (after a warm-up forward that
+//! compiles kernels and picks GEMM algorithms), tokens/s by wall clock (includes the last-row
+//! logits copy). Decode, for each batch in `--batches`: B sequences prefilled with `--context`
+//! tokens, one decode step captured as a CUDA graph, replayed `--repeats` times between CUDA
+//! events (median); the same step end to end through `decode_step` (table upload + replay +
+//! logits download) by wall clock. The HBM floor of a step is the bytes it must move —
+//! non-expert weights, the routed experts it touches (exact at batch 1; the expected number of
+//! distinct experts for uniform routing above), KDA states read and written, latent and
+//! indexer-key caches read — divided by the device-to-device copy bandwidth measured here.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use k3_core::cuda::bench::time_calls;
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::DType;
+use k3_model::config::Mixer;
+use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input};
+use k3_model::Checkpoint;
+use rand::{Rng, SeedableRng};
+
+use super::bench::Args;
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) }
+}
+
+/// Device-to-device copy bandwidth (read + write bytes / s), median of 20 copies of 2 GiB.
+fn copy_bandwidth(dev: &CudaDevice) -> Result<f64> {
+    let bytes = 2usize << 30;
+    let src = CudaTensor::uninit(dev, DType::U8, vec![bytes])?;
+    src.fill_bytes(0x5A)?;
+    let dst = CudaTensor::uninit(dev, DType::U8, vec![bytes])?;
+    let ms = time_calls(dev, 5, 20, || dst.copy_from(&src))?;
+    Ok(2.0 * bytes as f64 / (median(&ms) * 1e-3))
+}
+
+/// Bytes one decode step of `b` sequences at context `ctx` must move (see the module docs).
+fn floor_bytes(m: &CudaModel, b: usize, ctx: usize) -> f64 {
+    let t = &m.config.text;
+    let mut bytes = m.weight_bytes_per_token() as f64;
+    let (e, k) = (t.num_experts as f64, t.num_experts_per_token as f64);
+    if b > 1 && t.num_experts > 0 {
+        // Extra distinct experts beyond the k counted once in weight_bytes_per_token.
+        let distinct = e * (1.0 - (1.0 - k / e).powi(b as i32));
+        let per_expert = 3.0 * (t.moe_intermediate_size * t.routed_expert_hidden_size) as f64 * if m.config.experts_mxfp4() { 0.5 + 1.0 / 32.0 } else { 2.0 };
+        let moe_layers = m.config.layers.iter().filter(|l| l.ffn == k3_model::config::Ffn::Moe).count() as f64;
+        bytes += (distinct - k).max(0.0) * per_expert * moe_layers;
+    }
+    let la = &t.linear_attn_config;
+    for l in &m.config.layers {
+        bytes += b as f64
+            * match l.mixer {
+                Mixer::Kda => 2.0 * (la.num_heads * la.head_dim * la.head_dim * 4) as f64,
+                Mixer::Mla => (ctx * (t.kv_lora_rank + t.qk_rope_head_dim) * 2) as f64,
+                Mixer::Dsa => {
+                    let d = t.dsa_config.as_ref();
+                    let (id, topk) = d.map_or((0, 0), |d| (d.index_head_dim, d.index_topk));
+                    (ctx * id * 4 + ctx.min(topk) * (t.kv_lora_rank + t.qk_rope_head_dim) * 2) as f64
+                }
+            };
+    }
+    bytes
+}
+
+pub fn bench_cuda_model(a: &Args) -> Result<()> {
+    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
+    let batches: Vec<usize> = a.batches.split(',').map(|s| s.trim().parse::<usize>().with_context(|| format!("--batches: `{s}` is not a batch size"))).collect::<Result<_>>()?;
+    if batches.contains(&0) || a.prompt_len == 0 || a.context == 0 {
+        bail!("--batches, --prompt-len and --context must be ≥ 1");
+    }
+    let max_b = batches.iter().copied().max().unwrap_or(1);
+    let dev = CudaDevice::new(0)?;
+    eprintln!("device: {}", dev.info());
+    let t0 = Instant::now();
+    let ck = Checkpoint::open(&dir)?;
+    let cache = CacheConfig { max_seqs: max_b + 2, max_tokens: (max_b + 2) * (a.context.max(a.prompt_len) + a.repeats + a.warmup + 64) };
+    let mut m = CudaModel::load(&ck, &dev, cache)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let vocab = m.config.text.vocab_size as u32;
+    let layers = m.config.layers.len();
+    let copy_bw = copy_bandwidth(&dev)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+    // Prefill: warm-up on one sequence, then the timed one.
+    let p = prompt(a.prompt_len);
+    let mut warm = m.new_sequence()?;
+    m.forward(&p, &mut warm, true)?;
+    m.release(warm);
+    let mut s = m.new_sequence()?;
+    let t = Instant::now();
+    m.forward(&p, &mut s, true)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    m.release(s);
+    println!("model      {}  ({layers} layers, loaded to GPU in {load_s:.1} s; weight bytes per decode token {:.1} MB)", dir.display(), m.weight_bytes_per_token() as f64 / 1e6);
+    println!("copy bw    {:.0} GB/s (device-to-device, read + write)", copy_bw / 1e9);
+    println!("prefill    T={}: {:.1} ms, {:.0} tokens/s", a.prompt_len, prefill_s * 1e3, a.prompt_len as f64 / prefill_s);
+    let mut rows = Vec::new();
+    for &b in &batches {
+        let mut seqs: Vec<CudaSeqState> = (0..b).map(|_| m.new_sequence()).collect::<k3_model::Result<_>>()?;
+        let ctx_tokens: Vec<Vec<u32>> = (0..b).map(|_| prompt(a.context)).collect();
+        for (s, p) in seqs.iter_mut().zip(&ctx_tokens) {
+            m.forward_varlen(Input::Tokens(p), &[p.len()], &mut [s], true)?;
+        }
+        let g = m.capture_decode(b, a.context + a.warmup + a.repeats + 8)?;
+        let toks: Vec<u32> = prompt(b);
+        // End to end through decode_step (advances the sequences).
+        let mut wall = Vec::new();
+        for i in 0..(a.warmup.min(5) + a.repeats.min(20)) {
+            let mut refs: Vec<&mut CudaSeqState> = seqs.iter_mut().collect();
+            let t = Instant::now();
+            m.decode_step(&g, &toks, &mut refs)?;
+            if i >= a.warmup.min(5) {
+                wall.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        wall.sort_by(f64::total_cmp);
+        // Replays of the captured step alone, between CUDA events.
+        let ms = time_calls(&dev, a.warmup, a.repeats, || g.replay())?;
+        let step = median(&ms);
+        let floor = floor_bytes(&m, b, a.context) / copy_bw * 1e3;
+        println!(
+            "decode     B={b:>3} ctx={}: graph {step:.3} ms/step = {:.3} ms/layer; floor {floor:.3} ms/step ({:.2}x); end to end {:.3} ms/step; {:.0} tokens/s",
+            a.context,
+            step / layers as f64,
+            step / floor,
+            median(&wall),
+            b as f64 / (step * 1e-3)
+        );
+        rows.push(serde_json::json!({"batch": b, "context": a.context, "graph_ms_per_step": step, "ms_per_layer": step / layers as f64, "floor_ms_per_step": floor, "ratio_to_floor": step / floor, "end_to_end_ms_per_step": median(&wall)}));
+        drop(g);
+        for s in seqs {
+            m.release(s);
+        }
+    }
+    if a.json {
+        let r = serde_json::json!({"model": dir.display().to_string(), "layers": layers, "copy_gb_s": copy_bw / 1e9, "prefill_tokens": a.prompt_len, "prefill_tokens_per_s": a.prompt_len as f64 / prefill_s, "decode": rows});
+        println!("{}", serde_json::to_string(&r)?);
+    }
+    Ok(())
+}

@@ -1,0 +1,45 @@
+//! The SiTU-GLU MLP on the GPU (text-backbone §7.4–7.6): `down(SiTU-GLU(gate x, up x))` with
+//! BF16 weights through cuBLAS. Serves the dense FFN (`mlp.*`) and the shared experts
+//! (`shared_experts.*`), as `layers/ffn.rs` does on the CPU.
+//!
+//! Shapes: `x` BF16 `[N, H]` → F32 `[N, H]`; intermediate BF16 `[N, I]`.
+
+use k3_core::cuda::ops::situ_glu;
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::DType;
+
+use super::lin;
+use super::upload::matrix;
+use crate::checkpoint::Checkpoint;
+use crate::error::Result;
+
+pub struct Mlp {
+    pub gate_proj: CudaTensor,
+    pub up_proj: CudaTensor,
+    pub down_proj: CudaTensor,
+    pub beta: f32,
+    pub linear_beta: f32,
+}
+
+impl Mlp {
+    pub fn load(dev: &CudaDevice, ck: &Checkpoint, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32) -> Result<Self> {
+        Ok(Mlp {
+            gate_proj: matrix(dev, ck, &format!("{p}gate_proj.weight"), inter, h)?,
+            up_proj: matrix(dev, ck, &format!("{p}up_proj.weight"), inter, h)?,
+            down_proj: matrix(dev, ck, &format!("{p}down_proj.weight"), h, inter)?,
+            beta,
+            linear_beta,
+        })
+    }
+
+    pub fn forward(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let g = lin(x, &self.gate_proj, DType::BF16)?; // [N, I]
+        let u = lin(x, &self.up_proj, DType::BF16)?;
+        situ_glu(&g, &u, self.beta, self.linear_beta, &g)?;
+        lin(&g, &self.down_proj, DType::F32)
+    }
+
+    pub fn weight_bytes(&self) -> u64 {
+        (self.gate_proj.byte_len() + self.up_proj.byte_len() + self.down_proj.byte_len()) as u64
+    }
+}

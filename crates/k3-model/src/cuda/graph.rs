@@ -1,0 +1,102 @@
+//! Decode steps replayed from a CUDA graph (issue 13: 93 layers must not pay launch overhead per
+//! token). A [`DecodeGraph`] is captured for one batch size `B` and a block-table width (the most
+//! pages a sequence may have while it is used): it owns the step's device tables and its logits
+//! buffer; each [`CudaModel::decode_step`] writes the new tables into them, replays the graph and
+//! reads the logits back.
+//!
+//! Capture needs the kernels compiled and the GEMM plans chosen beforehand, so one eager warm-up
+//! step runs first on the pools' scratch slot and page (never given to a sequence). DSA layers
+//! score `width · PAGE` positions per row in the graph (rows beyond a sequence's length are
+//! skipped by the kernels), so the width bounds the context the graph serves.
+
+use k3_core::cuda::mla::PAGE;
+use k3_core::cuda::{capture, CudaTensor, Graph};
+
+use super::state::{Step, StepHost};
+use super::{CudaModel, CudaSeqState, Input};
+use crate::error::{ModelError, Result};
+
+pub struct DecodeGraph {
+    batch: usize,
+    width: usize,
+    step: Step,
+    logits: CudaTensor,
+    graph: Graph,
+}
+
+impl DecodeGraph {
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+    /// Replays the captured step as it is (same tables): for timing.
+    pub fn replay(&self) -> k3_core::Result<()> {
+        self.graph.launch()
+    }
+    /// Longest context (tokens) a sequence may reach while decoding through this graph.
+    pub fn max_context(&self) -> usize {
+        self.width * PAGE
+    }
+}
+
+impl CudaModel {
+    /// Captures the decode step of `batch` sequences whose contexts stay within `max_context`
+    /// tokens.
+    pub fn capture_decode(&mut self, batch: usize, max_context: usize) -> Result<DecodeGraph> {
+        if batch == 0 || batch > self.cache.max_seqs {
+            return Err(ModelError::Input(format!("decode graph batch {batch}: must be 1..={} (CacheConfig.max_seqs)", self.cache.max_seqs)));
+        }
+        let width = max_context.min(self.config.max_context()).div_ceil(PAGE).max(1);
+        let scratch = self.free.scratch();
+        let refs: Vec<&CudaSeqState> = (0..batch).map(|_| &scratch).collect();
+        let lens = vec![1; batch];
+        let mut host = StepHost::build(&refs, &lens, width);
+        host.max_len = width * PAGE;
+        let zeros = vec![0u32; batch];
+        let step = host.upload(&self.dev, &lens, Some(&zeros))?;
+        let input = Input::Tokens(&zeros);
+        // Warm-up: compiles kernels and picks GEMM algorithms (writes only scratch state).
+        drop(self.run(&step, &input, true)?);
+        self.dev.synchronize()?;
+        let mut out = None;
+        let graph = capture(&self.dev, || {
+            out = Some(self.run(&step, &input, true).map_err(|e| k3_core::CoreError::Device(e.to_string()))?);
+            Ok(())
+        })?;
+        let logits = out.ok_or_else(|| ModelError::Input("graph capture produced no logits".into()))?;
+        Ok(DecodeGraph { batch, width, step, logits, graph })
+    }
+
+    /// One decode token for each of `seqs` through `g`; returns logits `[B, vocab]` on the host.
+    pub fn decode_step(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<f32>> {
+        let v = self.config.text.vocab_size;
+        if tokens.len() != g.batch || seqs.len() != g.batch {
+            return Err(ModelError::Input(format!("decode graph for batch {} got {} tokens and {} sequences", g.batch, tokens.len(), seqs.len())));
+        }
+        if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= v) {
+            return Err(ModelError::Input(format!("token id {t} of sequence {i} is outside the vocabulary (vocab_size {v})")));
+        }
+        for (i, s) in seqs.iter_mut().enumerate() {
+            if s.pos + 1 > g.max_context() {
+                return Err(ModelError::Input(format!("sequence {i} would reach {} tokens, beyond the {} this decode graph was captured for", s.pos + 1, g.max_context())));
+            }
+            self.free.cover(s, s.pos + 1)?;
+        }
+        let refs: Vec<&CudaSeqState> = seqs.iter().map(|s| &**s).collect();
+        let host = StepHost::build(&refs, &vec![1; g.batch], g.width);
+        let st = &g.step;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        if let Some(t) = &st.tokens {
+            t.write_bytes(bytemuck::cast_slice(&ids))?;
+        }
+        st.row_seq.write_bytes(bytemuck::cast_slice(&host.row_seq))?;
+        st.row_pos.write_bytes(bytemuck::cast_slice(&host.row_pos))?;
+        st.block_table.write_bytes(bytemuck::cast_slice(&host.block_table))?;
+        st.slots.write_bytes(bytemuck::cast_slice(&host.slots))?;
+        g.graph.launch()?;
+        let out = g.logits.to_f32_vec()?;
+        for s in seqs.iter_mut() {
+            s.pos += 1;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,107 @@
+//! The KDA token mixer on the GPU (text-backbone §3): the projections as cuBLAS GEMMs (BF16 out),
+//! then one fused kernel from the raw projections to the gated, normed output
+//! (`k3_core::cuda::kda`: chunked prefill, or the one-token decode step that CUDA graphs
+//! capture), then `o_proj`. Same weights, same names as `layers/kda.rs`.
+//!
+//! Shapes: `x` BF16 `[N, H]`; `D = num_heads · head_dim`; q/k/v/g/gate BF16 `[N, D]`, beta `[N, nh]`;
+//! state in this layer's pools (see `state.rs`); output F32 `[N, H]`.
+
+use k3_core::cuda::kda::{kda_decode, kda_prefill, KdaInputs, KdaWeights};
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::DType;
+
+use super::state::Step;
+use super::upload::{f32s, matrix, vector};
+use super::lin;
+use crate::checkpoint::Checkpoint;
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+
+pub struct Kda {
+    pub q_proj: CudaTensor,
+    pub k_proj: CudaTensor,
+    pub v_proj: CudaTensor,
+    /// F32 `[3, D, 4]`: the q, k, v depthwise conv kernels.
+    pub conv1d: CudaTensor,
+    pub b_proj: CudaTensor,
+    pub f_a_proj: CudaTensor,
+    pub f_b_proj: CudaTensor,
+    /// F32 `[nh]`.
+    pub a_log: CudaTensor,
+    pub dt_bias: CudaTensor,
+    pub g_proj: CudaTensor,
+    pub o_norm: CudaTensor,
+    pub o_proj: CudaTensor,
+    /// Pools: conv tails BF16 `[S, 3, 3, D]`, state F32 `[S, nh, hd, hd]`.
+    pub conv_pool: CudaTensor,
+    pub state_pool: CudaTensor,
+    lower_bound: f32,
+    eps: f32,
+}
+
+impl Kda {
+    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, max_seqs: usize) -> Result<Self> {
+        let la = &cfg.text.linear_attn_config;
+        let (h, nh, hd, kernel) = (cfg.text.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size);
+        let d = nh * hd;
+        let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
+        if kernel != 4 {
+            return Err(ModelError::Field { field: "linear_attn_config.short_conv_kernel_size".into(), msg: format!("{kernel}: the CUDA KDA kernels are built for 4 (K3's)") });
+        }
+        let mut conv = Vec::with_capacity(3 * d * 4);
+        for x in ["q", "k", "v"] {
+            conv.extend(crate::layers::vector(ck, &format!("{p}{x}_conv1d.weight"), d * kernel)?);
+        }
+        let a_log = ck.a_log(&format!("{p}A_log"), nh)?;
+        Ok(Kda {
+            q_proj: matrix(dev, ck, &format!("{p}q_proj.weight"), d, h)?,
+            k_proj: matrix(dev, ck, &format!("{p}k_proj.weight"), d, h)?,
+            v_proj: matrix(dev, ck, &format!("{p}v_proj.weight"), d, h)?,
+            conv1d: f32s(dev, &conv, vec![3, d, 4], &format!("{p}q/k/v_conv1d.weight"))?,
+            b_proj: matrix(dev, ck, &format!("{p}b_proj.weight"), nh, h)?,
+            f_a_proj: matrix(dev, ck, &format!("{p}f_a_proj.weight"), hd, h)?,
+            f_b_proj: matrix(dev, ck, &format!("{p}f_b_proj.weight"), d, hd)?,
+            a_log: f32s(dev, &a_log, vec![nh], &format!("{p}A_log"))?,
+            dt_bias: vector(dev, ck, &format!("{p}dt_bias"), d)?,
+            g_proj: matrix(dev, ck, &format!("{p}g_proj.weight"), d, h)?,
+            o_norm: vector(dev, ck, &format!("{p}o_norm.weight"), hd)?,
+            o_proj: matrix(dev, ck, &format!("{p}o_proj.weight"), h, d)?,
+            conv_pool: CudaTensor::zeros(dev, DType::BF16, vec![max_seqs, 3, 3, d])?,
+            state_pool: CudaTensor::zeros(dev, DType::F32, vec![max_seqs, nh, hd, hd])?,
+            lower_bound: la.gate_lower_bound.unwrap_or(-5.0),
+            eps: cfg.text.rms_norm_eps,
+        })
+    }
+
+    /// Zeroes one slot's conv tails and recurrent state (a new sequence).
+    pub fn reset_slot(&self, slot: usize) -> Result<()> {
+        for t in [&self.conv_pool, &self.state_pool] {
+            let per = t.byte_len() / t.shape()[0];
+            t.fill_range(slot * per, per, 0)?;
+        }
+        Ok(())
+    }
+
+    /// `x` BF16 `[N, H]` → F32 `[N, H]`, advancing the step's sequences' states.
+    pub fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
+        let bf = DType::BF16;
+        let (q, k, v) = (lin(x, &self.q_proj, bf)?, lin(x, &self.k_proj, bf)?, lin(x, &self.v_proj, bf)?); // [N, D]
+        let beta = lin(x, &self.b_proj, bf)?; // [N, nh]
+        let g = lin(&lin(x, &self.f_a_proj, bf)?, &self.f_b_proj, bf)?; // [N, D]
+        let gate = lin(x, &self.g_proj, bf)?;
+        let o = CudaTensor::uninit(x.cuda_device(), bf, q.shape().to_vec())?;
+        let inp = KdaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, gate: &gate };
+        let w = KdaWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, o_norm: &self.o_norm, lower_bound: self.lower_bound, eps: self.eps };
+        if step.decode {
+            kda_decode(&inp, &w, &step.slots, &self.conv_pool, &self.state_pool, &o)?;
+        } else {
+            kda_prefill(&inp, &w, &step.lens, &step.slots_host, &self.conv_pool, &self.state_pool, &o, None)?;
+        }
+        lin(&o, &self.o_proj, DType::F32)
+    }
+
+    /// Bytes of weights one decode token reads.
+    pub fn weight_bytes(&self) -> u64 {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.b_proj, &self.f_a_proj, &self.f_b_proj, &self.g_proj, &self.o_proj].iter().map(|t| t.byte_len() as u64).sum()
+    }
+}

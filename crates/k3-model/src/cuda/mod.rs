@@ -1,0 +1,285 @@
+//! The Kimi K3 / K3.1 Pro text model on one NVIDIA GPU (feature `cuda`): the same network as
+//! `model.rs` (text-backbone §2–§8), with weights uploaded from the memory-mapped checkpoint
+//! (float matrices as BF16, MXFP4 experts as they are stored) and every op on the device: cuBLAS
+//! GEMMs for the projections, k3rs's kernels for the rest (`k3_core::cuda`). The residual stream
+//! (AttnRes partial sum and completed blocks) is F32; GEMM inputs are BF16; per-sequence state
+//! lives in pools (`state.rs`). One forward serves prefill chunks and decode steps of many
+//! sequences packed row-wise; decode steps can be replayed from a CUDA graph (`graph.rs`).
+//!
+//! Shapes: tokens `[N]` packed over `B` sequences; stream F32 `[N, H]`; logits F32 `[N or B, vocab]`.
+
+mod ffn;
+mod graph;
+mod kda;
+mod mla;
+mod moe;
+mod state;
+mod upload;
+
+use k3_core::cuda::blas::linear;
+use k3_core::cuda::ops::{attn_res_norm, gather_rows, ResUpdate};
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::DType;
+
+pub use graph::DecodeGraph;
+pub use state::{CacheConfig, CudaSeqState};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{Config, Ffn as FfnKind, LayerSpec, Mixer as MixerKind};
+use crate::error::{ModelError, Result};
+use crate::weights::{layer_prefix, LM_HEAD, TEXT};
+use state::{Free, Step, StepHost};
+
+/// `out[N, rows(w)] = x[N, K] · wᵀ` as `dtype` (BF16 weights, f32 accumulation).
+pub(crate) fn lin(x: &CudaTensor, w: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
+    let rows = x.numel() / x.last_dim().max(1);
+    let out = CudaTensor::uninit(x.cuda_device(), dtype, vec![rows, w.shape()[0]])?;
+    linear(x, w, &out)?;
+    Ok(out)
+}
+
+/// One AttnRes (norm, proj) pair folded into its pseudo-query `c` (F32 `[H]`).
+pub struct AttnRes {
+    pub c: CudaTensor,
+    pub eps: f32,
+}
+
+impl AttnRes {
+    fn load(dev: &CudaDevice, ck: &Checkpoint, prefix: &str, h: usize, eps: f32) -> Result<Self> {
+        let cpu = crate::layers::attn_res::AttnRes::load(ck, prefix, h, eps)?;
+        Ok(AttnRes { c: upload::f32s(dev, &cpu.c, vec![h], prefix)?, eps })
+    }
+}
+
+pub enum Mixer {
+    Kda(kda::Kda),
+    Mla(mla::Mla),
+}
+
+pub enum Ffn {
+    Dense(ffn::Mlp),
+    Moe(moe::Moe),
+}
+
+pub struct Layer {
+    pub spec: LayerSpec,
+    pub self_attention_res: AttnRes,
+    pub input_layernorm: CudaTensor,
+    pub mixer: Mixer,
+    pub mlp_res: AttnRes,
+    pub post_attention_layernorm: CudaTensor,
+    pub ffn: Ffn,
+}
+
+pub struct CudaModel {
+    pub config: Config,
+    pub dev: CudaDevice,
+    pub embed_tokens: CudaTensor,
+    pub layers: Vec<Layer>,
+    pub output_attn_res: AttnRes,
+    pub norm: CudaTensor,
+    pub lm_head: CudaTensor,
+    pub cache: CacheConfig,
+    pub(crate) free: Free,
+}
+
+impl CudaModel {
+    /// Uploads the checkpoint (checked against the tensor table first) to `dev`, with state
+    /// pools sized by `cache`.
+    pub fn load(ck: &Checkpoint, dev: &CudaDevice, cache: CacheConfig) -> Result<CudaModel> {
+        ck.check()?;
+        let cfg = ck.config.clone();
+        let t = &cfg.text;
+        let (h, v, eps) = (t.hidden_size, t.vocab_size, t.rms_norm_eps);
+        let free = Free::new(&cache);
+        let layers = cfg
+            .layers
+            .iter()
+            .map(|spec| {
+                let l = spec.index;
+                let p = layer_prefix(l);
+                Ok(Layer {
+                    spec: *spec,
+                    self_attention_res: AttnRes::load(dev, ck, &format!("{p}self_attention_res"), h, eps)?,
+                    input_layernorm: upload::vector(dev, ck, &format!("{p}input_layernorm.weight"), h)?,
+                    mixer: match spec.mixer {
+                        MixerKind::Kda => Mixer::Kda(kda::Kda::load(dev, ck, &cfg, l, free.pool_slots())?),
+                        MixerKind::Mla => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, false, free.pool_pages())?),
+                        MixerKind::Dsa => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, true, free.pool_pages())?),
+                    },
+                    mlp_res: AttnRes::load(dev, ck, &format!("{p}mlp_res"), h, eps)?,
+                    post_attention_layernorm: upload::vector(dev, ck, &format!("{p}post_attention_layernorm.weight"), h)?,
+                    ffn: match spec.ffn {
+                        FfnKind::Dense => Ffn::Dense(ffn::Mlp::load(dev, ck, &format!("{p}mlp."), h, t.intermediate_size, t.activation_situ_beta, t.activation_situ_linear_beta)?),
+                        FfnKind::Moe => Ffn::Moe(moe::Moe::load(dev, ck, &cfg, l)?),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let model = CudaModel {
+            embed_tokens: upload::matrix(dev, ck, &format!("{TEXT}embed_tokens.weight"), v, h)?,
+            output_attn_res: AttnRes::load(dev, ck, &format!("{TEXT}output_attn_res"), h, eps)?,
+            norm: upload::vector(dev, ck, &format!("{TEXT}norm.weight"), h)?,
+            lm_head: upload::matrix(dev, ck, LM_HEAD, v, h)?,
+            layers,
+            config: cfg,
+            dev: dev.clone(),
+            cache,
+            free,
+        };
+        dev.synchronize()?;
+        Ok(model)
+    }
+
+    /// A new, empty sequence (takes a KDA slot and zeroes its state).
+    pub fn new_sequence(&mut self) -> Result<CudaSeqState> {
+        let slot = self.free.take_slot()?;
+        for l in &self.layers {
+            if let Mixer::Kda(k) = &l.mixer {
+                k.reset_slot(slot)?;
+            }
+        }
+        Ok(CudaSeqState { slot, pages: Vec::new(), pos: 0 })
+    }
+
+    /// Returns a finished sequence's slot and pages to the pools.
+    pub fn release(&mut self, seq: CudaSeqState) {
+        self.free.release(seq);
+    }
+
+    /// Runs `tokens` of one sequence; logits `[T, vocab]` (or `[1, vocab]` with `last_only`).
+    pub fn forward(&mut self, tokens: &[u32], seq: &mut CudaSeqState, last_only: bool) -> Result<Vec<f32>> {
+        self.forward_varlen(Input::Tokens(tokens), &[tokens.len()], &mut [seq], last_only)
+    }
+
+    /// The packed forward: sequence i consumes `lens[i]` rows of `input`. Returns logits for every
+    /// row, or each sequence's last row with `last_only`, as F32 on the host.
+    pub fn forward_varlen(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], last_only: bool) -> Result<Vec<f32>> {
+        let step = self.prepare(&input, lens, seqs, None)?;
+        let logits = self.run(&step, &input, last_only)?;
+        for (s, &n) in seqs.iter_mut().zip(lens) {
+            s.pos += n;
+        }
+        Ok(logits.to_f32_vec()?)
+    }
+
+    /// Validates the inputs, grows the sequences' pages, and uploads the step tables. The block
+    /// table is `width` pages wide (default: the widest sequence).
+    pub(crate) fn prepare(&mut self, input: &Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], width: Option<usize>) -> Result<Step> {
+        let (h, v) = (self.config.text.hidden_size, self.config.text.vocab_size);
+        let n: usize = lens.iter().sum();
+        if n == 0 || lens.len() != seqs.len() || lens.contains(&0) {
+            return Err(ModelError::Input(format!("{} sequences with lengths {lens:?}: every sequence needs at least one row", seqs.len())));
+        }
+        match input {
+            Input::Tokens(t) => {
+                if t.len() != n {
+                    return Err(ModelError::Input(format!("{} tokens for {n} rows", t.len())));
+                }
+                if let Some((i, &tok)) = t.iter().enumerate().find(|(_, &x)| x as usize >= v) {
+                    return Err(ModelError::Input(format!("token id {tok} at position {i} is outside the vocabulary (vocab_size {v})")));
+                }
+            }
+            Input::Embeds(e) => {
+                if e.len() != n * h {
+                    return Err(ModelError::Input(format!("input rows: {} values for {n} rows of hidden_size {h}", e.len())));
+                }
+            }
+        }
+        let max = self.config.max_context();
+        for (i, (s, &l)) in seqs.iter_mut().zip(lens).enumerate() {
+            if s.pos + l > max {
+                return Err(ModelError::Input(format!("sequence {i}: {} tokens exceed the context limit of {max} (max_position_embeddings)", s.pos + l)));
+            }
+            self.free.cover(s, s.pos + l)?;
+        }
+        let refs: Vec<&CudaSeqState> = seqs.iter().map(|s| &**s).collect();
+        let w = width.unwrap_or_else(|| refs.iter().map(|s| s.pages.len()).max().unwrap_or(1)).max(1);
+        let host = StepHost::build(&refs, lens, w);
+        let tokens = match input {
+            Input::Tokens(t) => Some(*t),
+            Input::Embeds(_) => None,
+        };
+        host.upload(&self.dev, lens, tokens)
+    }
+
+    /// Every layer on the step; returns the logits tensor F32 `[N or B, vocab]` on the device.
+    /// Enqueues work only (no host synchronisation) when the input is token ids.
+    pub(crate) fn run(&self, step: &Step, input: &Input<'_>, last_only: bool) -> Result<CudaTensor> {
+        let (h, n) = (self.config.text.hidden_size, step.n);
+        let b = self.config.text.attn_res_block_size;
+        let eps = self.config.text.rms_norm_eps;
+        let dev = &self.dev;
+        // The partial sum P starts as the embeddings.
+        let p = CudaTensor::uninit(dev, DType::F32, vec![n, h])?; // [N, H]
+        match (input, &step.tokens) {
+            (Input::Tokens(_), Some(ids)) => gather_rows(&self.embed_tokens, ids, &p)?,
+            (Input::Embeds(e), _) => p.write_bytes(bytemuck::cast_slice(e))?,
+            _ => return Err(ModelError::Input("token ids missing from the step".into())),
+        }
+        let mut blocks: Vec<CudaTensor> = Vec::new();
+        let mut d: Option<CudaTensor> = None;
+        let x = CudaTensor::uninit(dev, DType::BF16, vec![n, h])?; // normed mix, GEMM input
+        for layer in &self.layers {
+            let l = layer.spec.index;
+            let starts = l % b == 0;
+            let nb = l.div_ceil(b);
+            let snap = if starts { Some(CudaTensor::uninit(dev, DType::F32, vec![n, h])?) } else { None };
+            let srcs: Vec<&CudaTensor> = blocks[..nb].iter().collect();
+            let upd = if d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
+            let ar = &layer.self_attention_res;
+            attn_res_norm(&srcs, &p, upd, d.as_ref(), snap.as_ref(), &ar.c, ar.eps, &layer.input_layernorm, eps, &x)?;
+            blocks.extend(snap);
+            let a = match &layer.mixer {
+                Mixer::Kda(m) => m.forward(&x, step)?,
+                Mixer::Mla(m) => m.forward(&x, step)?,
+            };
+            let nb2 = nb + usize::from(starts);
+            let srcs: Vec<&CudaTensor> = blocks[..nb2].iter().collect();
+            let upd = if starts { ResUpdate::Assign } else { ResUpdate::Add };
+            let mr = &layer.mlp_res;
+            attn_res_norm(&srcs, &p, upd, Some(&a), None, &mr.c, mr.eps, &layer.post_attention_layernorm, eps, &x)?;
+            d = Some(match &layer.ffn {
+                Ffn::Dense(m) => m.forward(&x)?,
+                Ffn::Moe(m) => m.forward(&x)?,
+            });
+        }
+        let srcs: Vec<&CudaTensor> = blocks.iter().collect();
+        let upd = if d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
+        let o = &self.output_attn_res;
+        attn_res_norm(&srcs, &p, upd, d.as_ref(), None, &o.c, o.eps, &self.norm, eps, &x)?;
+        if last_only {
+            let nb = step.lens.len();
+            let last = CudaTensor::uninit(dev, DType::BF16, vec![nb, h])?; // [B, H]
+            gather_rows(&x, &step.last_rows, &last)?;
+            lin(&last, &self.lm_head, DType::F32)
+        } else {
+            lin(&x, &self.lm_head, DType::F32)
+        }
+    }
+
+    /// Weight bytes one decode token reads (every non-expert matrix, `top_k` routed experts per
+    /// MoE layer, one embedding row, the whole `lm_head`): the numerator of decode bandwidth.
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        let mut total = (self.lm_head.byte_len() + self.embed_tokens.byte_len() / self.embed_tokens.shape()[0].max(1)) as u64;
+        for l in &self.layers {
+            total += match &l.mixer {
+                Mixer::Kda(k) => k.weight_bytes(),
+                Mixer::Mla(m) => m.weight_bytes(),
+            };
+            total += match &l.ffn {
+                Ffn::Dense(m) => m.weight_bytes(),
+                Ffn::Moe(m) => m.weight_bytes(),
+            };
+        }
+        total
+    }
+}
+
+/// What a forward consumes: token ids, or input rows F32 `[N, H]` (embeddings with image
+/// features spliced in).
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    Tokens(&'a [u32]),
+    Embeds(&'a [f32]),
+}

@@ -1,0 +1,174 @@
+//! GPU-side per-sequence state (feature `cuda`): the pools every sequence's state lives in, and
+//! the per-step index tables the kernels read.
+//!
+//! - KDA layers: one **slot** per live sequence in each KDA layer's pools — conv tails BF16
+//!   `[S, 3, 3, D]` and recurrent state F32 `[S, H, hd, hd]` (text-backbone §3.8); the slot is the
+//!   same in every layer.
+//! - MLA / DSA layers: a **paged** latent cache BF16 `[P, PAGE, r + dr]` per layer (normed latent
+//!   then raw `k_pe`, §4) and for DSA the indexer-key cache F32 `[P, PAGE, id]` (§5). A sequence
+//!   owns a list of page ids (the same ids in every layer) and grows by whole pages, never by
+//!   copying.
+//! - [`Step`]: what one packed forward needs on the device — token ids, each row's sequence and
+//!   absolute position, the block table `[B, max_pages]`, the KDA slots, the rows whose logits
+//!   are wanted.
+
+use k3_core::cuda::mla::PAGE;
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::DType;
+
+use crate::error::{ModelError, Result};
+
+/// How much state the pools hold.
+#[derive(Clone, Copy, Debug)]
+pub struct CacheConfig {
+    /// Live sequences at once (KDA slots).
+    pub max_seqs: usize,
+    /// Cached tokens across all sequences (MLA pages × PAGE).
+    pub max_tokens: usize,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig { max_seqs: 8, max_tokens: 1 << 16 }
+    }
+}
+
+/// One live sequence's place in the pools. Created by `CudaModel::new_sequence`, returned with
+/// `CudaModel::release`.
+#[derive(Debug)]
+pub struct CudaSeqState {
+    /// KDA slot (same in every KDA layer).
+    pub slot: usize,
+    /// Latent-cache pages, in order (same ids in every MLA/DSA layer).
+    pub pages: Vec<u32>,
+    /// Tokens consumed so far.
+    pub pos: usize,
+}
+
+/// The free lists of slots and pages. The pools hold one extra slot and one extra page, never
+/// handed out: the scratch a warm-up or capture pass of a CUDA graph writes to.
+#[derive(Debug)]
+pub(crate) struct Free {
+    pub slots: Vec<usize>,
+    pub pages: Vec<u32>,
+    pub max_seqs: usize,
+    pub max_pages: usize,
+}
+
+impl Free {
+    pub fn new(c: &CacheConfig) -> Self {
+        let max_pages = c.max_tokens.div_ceil(PAGE).max(1);
+        Free { slots: (0..c.max_seqs).rev().collect(), pages: (0..max_pages as u32).rev().collect(), max_seqs: c.max_seqs, max_pages }
+    }
+
+    /// Slots in each KDA pool (the last one is scratch).
+    pub fn pool_slots(&self) -> usize {
+        self.max_seqs + 1
+    }
+    /// Pages in each latent pool (the last one is scratch).
+    pub fn pool_pages(&self) -> usize {
+        self.max_pages + 1
+    }
+    /// A sequence living only in the scratch slot and page (for graph warm-up and capture).
+    pub fn scratch(&self) -> CudaSeqState {
+        CudaSeqState { slot: self.max_seqs, pages: vec![self.max_pages as u32], pos: 0 }
+    }
+
+    pub fn take_slot(&mut self) -> Result<usize> {
+        self.slots.pop().ok_or_else(|| ModelError::Input(format!("all {} sequence slots are in use: finish a sequence or raise CacheConfig.max_seqs (--max-seqs)", self.max_seqs)))
+    }
+
+    /// Grows `seq.pages` to cover `upto` tokens.
+    pub fn cover(&mut self, seq: &mut CudaSeqState, upto: usize) -> Result<()> {
+        let need = upto.div_ceil(PAGE);
+        while seq.pages.len() < need {
+            let p = self.pages.pop().ok_or_else(|| ModelError::Input(format!("the GPU cache is full ({} pages of {PAGE} tokens): finish sequences or raise CacheConfig.max_tokens (--max-cache-tokens)", self.max_pages)))?;
+            seq.pages.push(p);
+        }
+        Ok(())
+    }
+
+    pub fn release(&mut self, seq: CudaSeqState) {
+        self.slots.push(seq.slot);
+        self.pages.extend(seq.pages);
+    }
+}
+
+/// Device tables of one packed step over `B` sequences and `N` rows.
+pub(crate) struct Step {
+    pub n: usize,
+    pub lens: Vec<usize>,
+    /// I32 `[N]` token ids (absent when the step starts from embeddings).
+    pub tokens: Option<CudaTensor>,
+    /// I32 `[N]`.
+    pub row_seq: CudaTensor,
+    /// I32 `[N]`.
+    pub row_pos: CudaTensor,
+    /// I32 `[B, max_pages]`.
+    pub block_table: CudaTensor,
+    /// KDA slots: host and I32 `[B]`.
+    pub slots_host: Vec<u32>,
+    pub slots: CudaTensor,
+    /// Every sequence has exactly one row (decode kernels, graph capture).
+    pub decode: bool,
+    /// Upper bound of `row_pos + 1` over the rows (the width of DSA score rows).
+    pub max_len: usize,
+    /// I32 `[B]`: each sequence's last row (for last-position logits).
+    pub last_rows: CudaTensor,
+}
+
+fn i32s(dev: &CudaDevice, v: &[i32], shape: Vec<usize>) -> Result<CudaTensor> {
+    Ok(CudaTensor::from_pod(dev, DType::I32, shape, v)?)
+}
+
+/// Host-side contents of a [`Step`]'s tables.
+pub(crate) struct StepHost {
+    pub row_seq: Vec<i32>,
+    pub row_pos: Vec<i32>,
+    pub block_table: Vec<i32>,
+    pub width: usize,
+    pub slots: Vec<i32>,
+    pub last_rows: Vec<i32>,
+    pub max_len: usize,
+}
+
+impl StepHost {
+    /// Tables for sequences `seqs` consuming `lens` new rows each; the block table is `width`
+    /// pages wide (at least every sequence's page count).
+    pub fn build(seqs: &[&CudaSeqState], lens: &[usize], width: usize) -> StepHost {
+        let mut h = StepHost { row_seq: vec![], row_pos: vec![], block_table: vec![0; seqs.len() * width], width, slots: vec![], last_rows: vec![], max_len: 0 };
+        let mut r = 0;
+        for (b, (s, &n)) in seqs.iter().zip(lens).enumerate() {
+            for j in 0..n {
+                h.row_seq.push(b as i32);
+                h.row_pos.push((s.pos + j) as i32);
+            }
+            r += n;
+            h.last_rows.push(r as i32 - 1);
+            h.max_len = h.max_len.max(s.pos + n);
+            for (k, &p) in s.pages.iter().enumerate().take(width) {
+                h.block_table[b * width + k] = p as i32;
+            }
+            h.slots.push(s.slot as i32);
+        }
+        h
+    }
+
+    pub fn upload(&self, dev: &CudaDevice, lens: &[usize], tokens: Option<&[u32]>) -> Result<Step> {
+        let n = self.row_seq.len();
+        let b = lens.len();
+        Ok(Step {
+            n,
+            lens: lens.to_vec(),
+            tokens: tokens.map(|t| i32s(dev, &t.iter().map(|&x| x as i32).collect::<Vec<_>>(), vec![n])).transpose()?,
+            row_seq: i32s(dev, &self.row_seq, vec![n])?,
+            row_pos: i32s(dev, &self.row_pos, vec![n])?,
+            block_table: i32s(dev, &self.block_table, vec![b, self.width])?,
+            slots_host: self.slots.iter().map(|&s| s as u32).collect(),
+            slots: i32s(dev, &self.slots, vec![b])?,
+            decode: lens.iter().all(|&l| l == 1),
+            max_len: self.max_len,
+            last_rows: i32s(dev, &self.last_rows, vec![b])?,
+        })
+    }
+}

@@ -1,0 +1,77 @@
+//! Moving checkpoint tensors into GPU memory (feature `cuda`): float matrices become BF16
+//! (converted on the host when the file stores F32/F16; BF16 bytes go up as they are), small
+//! vectors (norm weights, biases, gates' constants) become F32, and MXFP4 expert bytes go up
+//! unchanged. Every error names the tensor.
+
+use half::bf16;
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::{DType, Tensor};
+use rayon::prelude::*;
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{ModelError, Result};
+
+fn terr(name: &str) -> impl FnOnce(k3_core::CoreError) -> ModelError + '_ {
+    move |e| ModelError::Tensor { name: name.to_string(), msg: e.to_string() }
+}
+
+/// The tensor's values as BF16 bytes (no copy of the conversion when already BF16).
+pub(crate) fn bf16_bytes(t: &Tensor, name: &str) -> Result<Vec<u8>> {
+    match t.dtype() {
+        DType::BF16 => Ok(t.bytes().to_vec()),
+        DType::F32 | DType::F16 => {
+            let f = t.to_f32().map_err(terr(name))?;
+            let v: Vec<bf16> = f.par_iter().map(|&x| bf16::from_f32(x)).collect();
+            Ok(bytemuck::cast_slice(&v).to_vec())
+        }
+        d => Err(ModelError::Tensor { name: name.into(), msg: format!("dtype {d} where a float tensor was expected") }),
+    }
+}
+
+/// A float matrix `[rows, cols]` as BF16 on the device.
+pub(crate) fn matrix(dev: &CudaDevice, ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<CudaTensor> {
+    let t = ck.tensor(name)?;
+    if t.shape() != [rows, cols] {
+        return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
+    }
+    let out = CudaTensor::uninit(dev, DType::BF16, vec![rows, cols]).map_err(terr(name))?;
+    out.write_bytes(&bf16_bytes(&t, name)?).map_err(terr(name))?;
+    Ok(out)
+}
+
+/// Several float matrices with the same column count stacked by rows into one BF16 `[Σ rows, cols]`
+/// (one GEMM reads them all: e.g. a dense MLP's gate and up projections).
+pub(crate) fn stacked(dev: &CudaDevice, ck: &Checkpoint, names: &[(&str, usize)], cols: usize) -> Result<CudaTensor> {
+    let rows: usize = names.iter().map(|n| n.1).sum();
+    let out = CudaTensor::uninit(dev, DType::BF16, vec![rows, cols]).map_err(terr(names[0].0))?;
+    let mut off = 0;
+    for &(name, r) in names {
+        let t = ck.tensor(name)?;
+        if t.shape() != [r, cols] {
+            return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{r}, {cols}]", t.shape()) });
+        }
+        let b = bf16_bytes(&t, name)?;
+        out.write_at(off, &b).map_err(terr(name))?;
+        off += b.len();
+    }
+    Ok(out)
+}
+
+/// A host f32 vector as an F32 device tensor of shape `shape`.
+pub(crate) fn f32s(dev: &CudaDevice, v: &[f32], shape: Vec<usize>, name: &str) -> Result<CudaTensor> {
+    CudaTensor::from_f32(dev, shape, v).map_err(terr(name))
+}
+
+/// A small float tensor of `n` elements as F32 `[n]` on the device.
+pub(crate) fn vector(dev: &CudaDevice, ck: &Checkpoint, name: &str, n: usize) -> Result<CudaTensor> {
+    let v = crate::layers::vector(ck, name, n)?;
+    f32s(dev, &v, vec![n], name)
+}
+
+/// Raw bytes of a U8 tensor (MXFP4 `weight_packed` / `weight_scale`) checked to be `[rows, cols]`.
+pub(crate) fn u8_bytes<'a>(t: &'a Tensor, name: &str, rows: usize, cols: usize) -> Result<&'a [u8]> {
+    if t.dtype() != DType::U8 || t.shape() != [rows, cols] {
+        return Err(ModelError::Tensor { name: name.into(), msg: format!("is {} {:?}, expected U8 [{rows}, {cols}]", t.dtype(), t.shape()) });
+    }
+    Ok(t.bytes())
+}
