@@ -100,6 +100,7 @@ pub fn run(a: Args) -> Result<()> {
         "cpu" if a.op[0] == "dsa" => bench_cpu_dsa(&a),
         "cpu" => bench_cpu_gemv(&a),
         "cuda" | "cuda:0" if a.op.is_empty() => bench_cuda_model(&a),
+        "cuda" | "cuda:0" if a.op[0] == "dsa" => bench_cuda_dsa(&a),
         "cuda" | "cuda:0" => bench_cuda_op(&a),
         d => bail!("--device `{d}`: use cpu or cuda"),
     }
@@ -350,9 +351,14 @@ fn bench_cuda_op(_: &Args) -> Result<()> {
 }
 
 #[cfg(feature = "cuda")]
-use super::bench_cuda::bench_cuda_model;
+use super::bench_cuda::{bench_cuda_dsa, bench_cuda_model};
 
 #[cfg(not(feature = "cuda"))]
 fn bench_cuda_model(_: &Args) -> Result<()> {
+    bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda_dsa(_: &Args) -> Result<()> {
     bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
 }

@@ -147,3 +147,60 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     }
     Ok(())
 }
+
+/// `k3 bench --device cuda --op dsa [CONTEXTS...] --model DIR` (a model with DSA layers): the
+/// decode step (batch 1, CUDA graph) at each context — default 16384 131072 524288 — over a
+/// filled cache (`CudaModel::fill_context`), beside the DSA indexer alone (scores over every
+/// cached key + top-k, the kernels of one DSA layer on the same shapes) times the number of DSA
+/// layers: the step should grow only by what the indexer grows.
+pub fn bench_cuda_dsa(a: &Args) -> Result<()> {
+    use k3_core::cuda::dsa::{index_scores, topk};
+    use k3_core::cuda::mla::{PagedBatch, PAGE};
+    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
+    let ctxs: Vec<usize> = if a.op.len() > 1 {
+        a.op[1..].iter().map(|s| s.parse::<usize>().with_context(|| format!("--op dsa: `{s}` is not a context length"))).collect::<Result<_>>()?
+    } else {
+        vec![16384, 131072, 524288]
+    };
+    let dev = CudaDevice::new(0)?;
+    let ck = Checkpoint::open(&dir)?;
+    let Some(dsa) = ck.config.text.dsa_config.clone() else { bail!("{}: no dsa_config (give a K3.1-style model)", dir.display()) };
+    let n_dsa = ck.config.layers.iter().filter(|l| l.mixer == Mixer::Dsa).count();
+    let max_ctx = ctxs.iter().copied().max().unwrap_or(1);
+    let mut m = CudaModel::load(&ck, &dev, CacheConfig { max_seqs: 1, max_tokens: max_ctx + a.warmup + a.repeats + 64 })?;
+    let (ih, id, k) = (dsa.index_num_heads, dsa.index_head_dim, dsa.index_topk);
+    println!("model {} ({} layers, {n_dsa} DSA; indexer {ih}×{id}, top-{k})", dir.display(), m.config.layers.len());
+    let mut first: Option<(f64, f64)> = None;
+    for &c in &ctxs {
+        let mut s = m.new_sequence()?;
+        m.fill_context(&mut s, c, 3)?;
+        let g = m.capture_decode(1, c + a.warmup + a.repeats + 16)?;
+        let step = median(&time_calls(&dev, a.warmup, a.repeats, || g.replay())?);
+        drop(g);
+        m.release(s);
+        // The indexer of one DSA layer alone, same shapes: one query over c keys.
+        let pages = c.div_ceil(PAGE);
+        let q = k3_core::cuda::bench::random_tensor(&dev, DType::F32, vec![1, ih, id], 1)?;
+        let w = k3_core::cuda::bench::random_tensor(&dev, DType::F32, vec![1, ih], 2)?;
+        let keys = k3_core::cuda::bench::random_tensor(&dev, DType::F32, vec![pages, PAGE, id], 3)?;
+        let table = CudaTensor::from_pod(&dev, DType::I32, vec![1, pages], &(0..pages as i32).collect::<Vec<_>>())?;
+        let zero = CudaTensor::from_pod(&dev, DType::I32, vec![1], &[0i32])?;
+        let pos = CudaTensor::from_pod(&dev, DType::I32, vec![1], &[c as i32 - 1])?;
+        let batch = PagedBatch { block_table: &table, row_seq: &zero, row_pos: &pos };
+        let scores = CudaTensor::uninit(&dev, DType::F32, vec![1, c])?;
+        let idx = CudaTensor::uninit(&dev, DType::I32, vec![1, k])?;
+        let cnt = CudaTensor::uninit(&dev, DType::I32, vec![1])?;
+        let ix = median(&time_calls(&dev, a.warmup, a.repeats, || {
+            index_scores(&q, &w, &keys, &batch, &scores)?;
+            topk(&scores, &batch, k, &idx, &cnt)
+        })?);
+        let (s0, i0) = *first.get_or_insert((step, ix));
+        println!(
+            "context {c:>8}: decode step {step:.3} ms (+{:.3} vs first); indexer {ix:.3} ms per DSA layer × {n_dsa} = {:.3} ms (+{:.3} vs first)",
+            step - s0,
+            ix * n_dsa as f64,
+            (ix - i0) * n_dsa as f64
+        );
+    }
+    Ok(())
+}

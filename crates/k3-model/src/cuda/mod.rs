@@ -8,6 +8,7 @@
 //!
 //! Shapes: tokens `[N]` packed over `B` sequences; stream F32 `[N, H]`; logits F32 `[N or B, vocab]`.
 
+mod bench;
 mod ffn;
 mod graph;
 mod kda;
