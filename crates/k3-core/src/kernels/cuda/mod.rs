@@ -30,9 +30,11 @@ pub const SOFTMAX: Source = Source { name: "softmax", code: include_str!("softma
 pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
 /// KDA decode step (`kda_decode`, `kda_decode_split`).
 pub const KDA_DECODE: Source = Source { name: "kda_decode", code: include_str!("kda_decode.cu") };
+/// KDA for head dims 32..=128 other than the fast kernels' 128: recurrent form (`kda_general`).
+pub const KDA_GENERAL: Source = Source { name: "kda_general", code: include_str!("kda_general.cu") };
 
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 5] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE];
+pub const ALL: [Source; 6] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
