@@ -1,6 +1,7 @@
 //! KDA timing on the GPU: the fused chunked prefill (B = 1, H = 96, K = V = 128, T = 4096 and
 //! 16384) and the fused decode step (batch 1 and 64, captured in a CUDA graph), with the copy
-//! ceiling measured in the same process. Timing as in `scripts/gpu/kda_fla_bench.py` for fla:
+//! ceiling measured in the same process. States: slot 0 (prefill) and slots 0..B (decode) of a
+//! pool of exactly B. Timing as in `scripts/gpu/kda_fla_bench.py` for fla:
 //! random non-zero bf16 inputs, warm-up, CUDA events, median. Prefill: one event pair around
 //! each call; decode: 100 graph replays between two events, per-step mean, median of 30.
 //!
@@ -122,7 +123,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     let mut r = Rng(0x9e3779b97f4a7c15);
     for t in [4096usize, 16384] {
         let l = Layer::new(&dev, &mut r, t, 1)?;
-        let run = || kda::kda_prefill(&l.inputs(), &l.weights(), &[t], &l.t[10], &l.t[11], &l.t[12], None);
+        let run = || kda::kda_prefill(&l.inputs(), &l.weights(), &[t], &[0], &l.t[10], &l.t[11], &l.t[12], None);
         if t == 4096 {
             if let Some(dir) = &dump_dir {
                 let names = ["q", "k", "v", "g", "beta", "gate", "conv_w", "a_log", "dt_bias", "o_norm", "conv0", "s0"];
@@ -138,13 +139,13 @@ fn run() -> Result<(), Box<dyn Error>> {
         let ms = time_ms(&dev, 3, 20, run)?;
         let mut split = Vec::new();
         for _ in 0..5 {
-            split.push(kda::kda_prefill_profiled(&l.inputs(), &l.weights(), &[t], &l.t[10], &l.t[11], &l.t[12], None)?);
+            split.push(kda::kda_prefill_profiled(&l.inputs(), &l.weights(), &[t], &[0], &l.t[10], &l.t[11], &l.t[12], None)?);
         }
         let (prep, scan) = (median(split.iter().map(|x| x.0 as f64).collect()), median(split.iter().map(|x| x.1 as f64).collect()));
         println!("ours prefill T={t}: split prep {prep:.4} ms + scan {scan:.4} ms");
         let nc = kda::num_chunks(&[t]);
         let cs = CudaTensor::uninit(&dev, DType::F32, vec![nc, H, HD, HD])?;
-        let ms_cs = time_ms(&dev, 2, 10, || kda::kda_prefill(&l.inputs(), &l.weights(), &[t], &l.t[10], &l.t[11], &l.t[12], Some(&cs)))?;
+        let ms_cs = time_ms(&dev, 2, 10, || kda::kda_prefill(&l.inputs(), &l.weights(), &[t], &[0], &l.t[10], &l.t[11], &l.t[12], Some(&cs)))?;
         let bytes = (t * d * 2 * 6 + t * H * 2 + 2 * H * HD * HD * 4) as f64;
         let flops = (nc * H) as f64 * 11.5e6 * (t as f64 / (nc * 64) as f64);
         println!(
@@ -162,7 +163,9 @@ fn run() -> Result<(), Box<dyn Error>> {
     for b in [1usize, 64] {
         for kernel in [DecodeKernel::Fused, DecodeKernel::Split] {
             let l = Layer::new(&dev, &mut r, b, b)?;
-            let step = || kda::kda_decode_with(&l.inputs(), &l.weights(), &l.t[10], &l.t[11], &l.t[12], kernel);
+            // Identity slots over a pool of exactly B states.
+            let slots = CudaTensor::from_pod(&dev, DType::I32, vec![b], &(0..b as i32).collect::<Vec<i32>>())?;
+            let step = || kda::kda_decode_with(&l.inputs(), &l.weights(), &slots, &l.t[10], &l.t[11], &l.t[12], kernel);
             step()?;
             let eager = time_ms(&dev, 20, 50, step)?;
             let graph = kda::capture(&dev, step)?;

@@ -1,14 +1,18 @@
-//! Parity suite for the CUDA KDA kernels (`cuda::kda`): chunked prefill and fused decode
+//! Parity suite for the CUDA KDA kernels (`cuda::kda`): chunked prefill and fused decode at
+//! head dim 128, the general recurrent kernel at head dims 32, 64 and 96 (prefill and decode),
 //! against a CPU reference of the whole KDA token mixer after the projections (causal conv +
 //! SiLU with conv state, L2 norms, q scale, β = σ(b), the lower-bounded gate, the delta-rule
 //! core from `kernels::cpu::kda` — recurrent, the normative definition, and chunked — then
 //! RMSNorm × σ(gate)), written here in f32 the same way as k3-model's `layers/kda.rs`.
 //!
+//! States live in a pool of slots: every case gives its sequences non-identity slots in a larger
+//! pool (e.g. `[3, 0, 5]` of 7) and checks that the slots no sequence uses stay bit-identical.
 //! Inputs are fresh random non-zero bf16 values (seed printed; `K3_TEST_SEED=N` replays),
 //! with non-zero initial recurrent and conv states; outputs are poisoned with NaN first.
-//! Tolerances (relative L2): prefill output and state vs the f32 recurrence 5e-3 (bf16
-//! tensor-core operands inside the chunk form, bf16 output), decode output 5e-3 (bf16 output
-//! rounding) and decode state 1e-4 (f32 throughout); the conv state must match exactly.
+//! Tolerances (relative L2): output 5e-3 everywhere (bf16 output rounding; at head dim 128 also
+//! bf16 tensor-core operands in the chunk form); head-dim-128 prefill state 5e-3 vs the f32
+//! recurrence; decode state and the general kernel's prefill state 1e-4 (f32 throughout); the
+//! conv state must match exactly.
 //! Without a GPU every test prints `skipped: no CUDA driver (...)` and passes; with
 //! `K3_REQUIRE_CUDA=1` that case fails instead.
 #![cfg(feature = "cuda")]
@@ -17,7 +21,7 @@ mod cuda_common;
 use cuda_common::{device, rng, say};
 
 use half::bf16;
-use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights, HEAD_DIM};
+use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
 use k3_core::DType;
@@ -25,8 +29,7 @@ use rand::Rng;
 
 const TOL_OUT: f64 = 5e-3;
 const TOL_STATE: f64 = 5e-3;
-const TOL_DECODE_STATE: f64 = 1e-4;
-const HD: usize = HEAD_DIM;
+const TOL_F32_STATE: f64 = 1e-4;
 
 /// Uniform in ±[lo, hi), bf16-representable.
 fn rvec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
@@ -66,10 +69,28 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
 }
 
-/// One random problem: `lens` packed sequences, `h` heads.
+/// Slots for `b` sequences and the pool size: `[3, 0, 5]` of 7 for three, else the even slots
+/// 2b, 2b−2, …, 2 of a pool of 2b + 1 (slot 0 and the odd slots stay unused).
+fn slots_for(b: usize) -> (Vec<usize>, usize) {
+    if b == 3 {
+        return (vec![3, 0, 5], 7);
+    }
+    ((0..b).map(|i| 2 * b - 2 * i).collect(), 2 * b + 1)
+}
+
+fn slot_tensor(dev: &CudaDevice, slots: &[usize]) -> CudaTensor {
+    let v: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
+    CudaTensor::from_pod(dev, DType::I32, vec![v.len()], &v).expect("slots")
+}
+
+/// One random problem: `lens` packed sequences, `h` heads of `hd`, sequence b in pool slot
+/// `slots[b]` of `npool`.
 struct Problem {
     h: usize,
+    hd: usize,
     lens: Vec<usize>,
+    slots: Vec<usize>,
+    npool: usize,
     raw: [Vec<f32>; 3], // q, k, v raw [N, D]
     g: Vec<f32>,        // [N, D]
     beta: Vec<f32>,     // [N, H] logits
@@ -77,18 +98,21 @@ struct Problem {
     conv_w: Vec<f32>,   // [3, D, 4]
     a_log: Vec<f32>,
     dt_bias: Vec<f32>,
-    o_norm: Vec<f32>,
-    conv0: Vec<f32>, // [B, 3, 3, D]
-    s0: Vec<f32>,    // [B, H, 128, 128]
+    o_norm: Vec<f32>, // [hd]
+    conv0: Vec<f32>,  // [S, 3, 3, D]
+    s0: Vec<f32>,     // [S, H, hd, hd]
 }
 
 impl Problem {
-    fn new(r: &mut impl Rng, h: usize, lens: &[usize]) -> Self {
-        let d = h * HD;
-        let (n, b) = (lens.iter().sum::<usize>(), lens.len());
+    fn new(r: &mut impl Rng, h: usize, hd: usize, lens: &[usize], slots: &[usize], npool: usize) -> Self {
+        let d = h * hd;
+        let n = lens.iter().sum::<usize>();
         Problem {
             h,
+            hd,
             lens: lens.to_vec(),
+            slots: slots.to_vec(),
+            npool,
             raw: [rvec(r, n * d, 0.05, 1.0), rvec(r, n * d, 0.05, 1.0), rvec(r, n * d, 0.05, 1.0)],
             g: rvec(r, n * d, 0.01, 3.0),
             beta: rvec(r, n * h, 0.01, 3.0),
@@ -96,24 +120,31 @@ impl Problem {
             conv_w: rvec(r, 3 * d * 4, 0.05, 0.8),
             a_log: rvec(r, h, 0.01, 1.0),
             dt_bias: rvec(r, d, 0.01, 2.0),
-            o_norm: rvec(r, HD, 0.5, 1.5),
-            conv0: rvec(r, b * 9 * d, 0.05, 1.0),
-            s0: rvec(r, b * h * HD * HD, 0.001, 0.3),
+            o_norm: rvec(r, hd, 0.5, 1.5),
+            conv0: rvec(r, npool * 9 * d, 0.05, 1.0),
+            s0: rvec(r, npool * h * hd * hd, 0.001, 0.3),
         }
+    }
+    fn d(&self) -> usize {
+        self.h * self.hd
+    }
+    fn pools(&self, dev: &CudaDevice) -> (CudaTensor, CudaTensor) {
+        let (h, hd, d, s) = (self.h, self.hd, self.d(), self.npool);
+        (up(dev, DType::BF16, vec![s, 3, 3, d], &self.conv0), up(dev, DType::F32, vec![s, h, hd, hd], &self.s0))
     }
 }
 
-/// CPU reference: (output [N, D], conv state, state, states after each chunk).
+/// CPU reference: (output [N, D], conv-state pool, state pool, states after each chunk).
 fn cpu_reference(p: &Problem, chunked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-    let (h, d) = (p.h, p.h * HD);
+    let (h, hd, d) = (p.h, p.hd, p.d());
     let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
     let (mut out, mut conv, mut st, mut chunk_states) = (Vec::new(), p.conv0.clone(), p.s0.clone(), Vec::new());
     let mut r0 = 0;
-    for (bi, &t) in p.lens.iter().enumerate() {
+    for (&t, &slot) in p.lens.iter().zip(&p.slots) {
         // conv + SiLU with the conv-state tail, then the new tail.
         let mut qkv: Vec<Vec<f32>> = Vec::new();
         for which in 0..3 {
-            let tail = &mut conv[(bi * 3 + which) * 3 * d..][..3 * d];
+            let tail = &mut conv[(slot * 3 + which) * 3 * d..][..3 * d];
             let mut xs = tail.to_vec();
             xs.extend_from_slice(&p.raw[which][r0 * d..(r0 + t) * d]);
             let w = &p.conv_w[which * d * 4..][..d * 4];
@@ -129,21 +160,21 @@ fn cpu_reference(p: &Problem, chunked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, V
         }
         let (mut q, mut k, v) = (qkv[0].clone(), qkv[1].clone(), qkv[2].clone());
         for row in 0..t * h {
-            let (qs, ks) = (&mut q[row * HD..][..HD], &mut k[row * HD..][..HD]);
-            let qi = 1.0 / (qs.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt() / (HD as f32).sqrt();
+            let (qs, ks) = (&mut q[row * hd..][..hd], &mut k[row * hd..][..hd]);
+            let qi = 1.0 / (qs.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt() / (hd as f32).sqrt();
             let ki = 1.0 / (ks.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
             qs.iter_mut().for_each(|x| *x *= qi);
             ks.iter_mut().for_each(|x| *x *= ki);
         }
-        let g: Vec<f32> = (0..t * d).map(|i| -5.0 * sig(p.a_log[(i % d) / HD].exp() * (p.g[r0 * d + i] + p.dt_bias[i % d]))).collect();
+        let g: Vec<f32> = (0..t * d).map(|i| -5.0 * sig(p.a_log[(i % d) / hd].exp() * (p.g[r0 * d + i] + p.dt_bias[i % d]))).collect();
         let beta: Vec<f32> = p.beta[r0 * h..(r0 + t) * h].iter().map(|&x| sig(x)).collect();
-        let s = &mut st[bi * h * HD * HD..][..h * HD * HD];
+        let s = &mut st[slot * h * hd * hd..][..h * hd * hd];
         let mut o = vec![0f32; t * d];
         // Chunk by chunk (equal to one call: the state carries over), snapshotting S.
         let mut c0 = 0;
         while c0 < t {
             let n = 64.min(t - c0);
-            let dims = KdaDims { t: n, h, dk: HD, dv: HD };
+            let dims = KdaDims { t: n, h, dk: hd, dv: hd };
             let sl = |x: &Vec<f32>, w: usize| x[c0 * w..(c0 + n) * w].to_vec();
             let core = if chunked { kda_chunked } else { kda_recurrent };
             core(&sl(&q, d), &sl(&k, d), &sl(&v, d), &sl(&g, d), &sl(&beta, h), s, &mut o[c0 * d..(c0 + n) * d], dims);
@@ -151,11 +182,11 @@ fn cpu_reference(p: &Problem, chunked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, V
             c0 += n;
         }
         for row in 0..t * h {
-            let orow = &mut o[row * HD..][..HD];
-            let inv = 1.0 / (orow.iter().map(|x| x * x).sum::<f32>() / HD as f32 + 1e-5).sqrt();
+            let orow = &mut o[row * hd..][..hd];
+            let inv = 1.0 / (orow.iter().map(|x| x * x).sum::<f32>() / hd as f32 + 1e-5).sqrt();
             let (tt, hh) = (row / h, row % h);
             for (dd, x) in orow.iter_mut().enumerate() {
-                *x *= inv * p.o_norm[dd] * sig(p.gate[(r0 + tt) * d + hh * HD + dd]);
+                *x *= inv * p.o_norm[dd] * sig(p.gate[(r0 + tt) * d + hh * hd + dd]);
             }
         }
         out.extend_from_slice(&o);
@@ -164,13 +195,33 @@ fn cpu_reference(p: &Problem, chunked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, V
     (out, conv, st, chunk_states)
 }
 
+/// Compares the pools: the used slots within `tol` (the conv state exactly), every other slot
+/// bit-identical to its initial value.
+fn check_pools(what: &str, p: &Problem, conv: &CudaTensor, st: &CudaTensor, conv_ref: &[f32], s_ref: &[f32], tol: f64) {
+    let (cg, sg) = (conv.to_f32_vec().expect("conv"), st.to_f32_vec().expect("state"));
+    let (cw, sw) = (9 * p.d(), p.h * p.hd * p.hd);
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for slot in 0..p.npool {
+        let (c, s) = (slot * cw..(slot + 1) * cw, slot * sw..(slot + 1) * sw);
+        if p.slots.contains(&slot) {
+            assert_eq!(cg[c.clone()], conv_ref[c], "{what}: conv state of slot {slot} differs");
+            got.extend_from_slice(&sg[s.clone()]);
+            want.extend_from_slice(&s_ref[s]);
+        } else {
+            assert!(cg[c.clone()].iter().zip(&p.conv0[c]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: unused conv slot {slot} changed");
+            assert!(sg[s.clone()].iter().zip(&p.s0[s]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: unused state slot {slot} changed");
+        }
+    }
+    check(&format!("{what} state (slots {:?} of {})", p.slots, p.npool), &got, &want, tol);
+}
+
 struct Gpu {
     t: Vec<CudaTensor>, // q k v g beta gate conv a_log dt o_norm
 }
 
 impl Gpu {
     fn new(dev: &CudaDevice, p: &Problem, rows: std::ops::Range<usize>) -> Self {
-        let (h, d) = (p.h, p.h * HD);
+        let (h, d) = (p.h, p.d());
         let n = rows.len();
         let bf = |v: &Vec<f32>, w: usize| up(dev, DType::BF16, vec![n, w], &v[rows.start * w..rows.end * w]);
         Gpu {
@@ -184,7 +235,7 @@ impl Gpu {
                 up(dev, DType::F32, vec![3, d, 4], &p.conv_w),
                 up(dev, DType::F32, vec![h], &p.a_log),
                 up(dev, DType::F32, vec![d], &p.dt_bias),
-                up(dev, DType::F32, vec![HD], &p.o_norm),
+                up(dev, DType::F32, vec![p.hd], &p.o_norm),
             ],
         }
     }
@@ -196,6 +247,33 @@ impl Gpu {
     }
 }
 
+/// One prefill case: output, pools and chunk states vs the recurrence (and, at head dim 128,
+/// vs the CPU chunked form too).
+fn prefill_case(dev: &CudaDevice, r: &mut impl Rng, h: usize, hd: usize, lens: &[usize]) {
+    let (slots, npool) = slots_for(lens.len());
+    let p = Problem::new(r, h, hd, lens, &slots, npool);
+    let (d, n) = (p.d(), lens.iter().sum::<usize>());
+    let x = Gpu::new(dev, &p, 0..n);
+    let (conv, st) = p.pools(dev);
+    let out = poisoned(dev, DType::BF16, vec![n, d]);
+    let nc = kda::num_chunks(lens);
+    let cs = poisoned(dev, DType::F32, vec![nc, h, hd, hd]);
+    let su: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+    kda::kda_prefill(&x.inputs(), &x.weights(), lens, &su, &conv, &st, &out, Some(&cs)).expect("kda_prefill");
+    let (o_ref, conv_ref, s_ref, cs_ref) = cpu_reference(&p, false);
+    let what = format!("hd={hd} H={h} lens={lens:?}");
+    let tol_s = if hd == 128 { TOL_STATE } else { TOL_F32_STATE };
+    let o_gpu = out.to_f32_vec().expect("out");
+    check(&format!("{what} out vs recurrent"), &o_gpu, &o_ref, TOL_OUT);
+    check_pools(&format!("{what} vs recurrent"), &p, &conv, &st, &conv_ref, &s_ref, tol_s);
+    check(&format!("{what} chunk states vs recurrent"), &cs.to_f32_vec().expect("cs"), &cs_ref, tol_s);
+    if hd == 128 {
+        let (o_chk, conv_chk, s_chk, _) = cpu_reference(&p, true);
+        check(&format!("{what} out vs chunked"), &o_gpu, &o_chk, TOL_OUT);
+        check_pools(&format!("{what} vs chunked"), &p, &conv, &st, &conv_chk, &s_chk, TOL_STATE);
+    }
+}
+
 #[test]
 fn prefill_parity() {
     const T: &str = "kda prefill_parity";
@@ -203,27 +281,24 @@ fn prefill_parity() {
     let mut r = rng(T);
     // Includes a long sequence (chunks far from the sequence start) and sequences shorter than
     // the conv width.
-    let cases: [(usize, &[usize]); 8] = [(2, &[1]), (2, &[64]), (3, &[100]), (2, &[2, 64, 130, 7]), (4, &[200]), (1, &[1, 1, 3]), (8, &[129, 300, 65]), (2, &[1000, 3])];
+    let cases: [(usize, &[usize]); 9] = [(2, &[1]), (2, &[64]), (3, &[100]), (2, &[2, 64, 130, 7]), (4, &[200]), (1, &[1, 1, 3]), (8, &[129, 300, 65]), (2, &[1000, 3]), (3, &[5, 70, 1])];
     for (h, lens) in cases {
-        let p = Problem::new(&mut r, h, lens);
-        let (d, b, n) = (h * HD, lens.len(), lens.iter().sum::<usize>());
-        let x = Gpu::new(&dev, &p, 0..n);
-        let conv = up(&dev, DType::BF16, vec![b, 3, 3, d], &p.conv0);
-        let st = up(&dev, DType::F32, vec![b, h, HD, HD], &p.s0);
-        let out = poisoned(&dev, DType::BF16, vec![n, d]);
-        let nc = kda::num_chunks(lens);
-        let cs = poisoned(&dev, DType::F32, vec![nc, h, HD, HD]);
-        kda::kda_prefill(&x.inputs(), &x.weights(), lens, &conv, &st, &out, Some(&cs)).expect("kda_prefill");
-        let (o_ref, conv_ref, s_ref, cs_ref) = cpu_reference(&p, false);
-        let what = format!("H={h} lens={lens:?}");
-        check(&format!("{what} out vs recurrent"), &out.to_f32_vec().expect("out"), &o_ref, TOL_OUT);
-        check(&format!("{what} state vs recurrent"), &st.to_f32_vec().expect("state"), &s_ref, TOL_STATE);
-        check(&format!("{what} chunk states vs recurrent"), &cs.to_f32_vec().expect("cs"), &cs_ref, TOL_STATE);
-        assert_eq!(conv.to_f32_vec().expect("conv"), conv_ref, "{what}: conv state differs");
-        let (o_chk, _, s_chk, _) = cpu_reference(&p, true);
-        check(&format!("{what} out vs chunked"), &out.to_f32_vec().expect("out"), &o_chk, TOL_OUT);
-        check(&format!("{what} state vs chunked"), &st.to_f32_vec().expect("state"), &s_chk, TOL_STATE);
+        prefill_case(&dev, &mut r, h, 128, lens);
     }
+}
+
+#[test]
+fn prefill_parity_general_head_dims() {
+    const T: &str = "kda prefill_parity_general_head_dims";
+    let Some(dev) = device(T) else { return };
+    let mut r = rng(T);
+    for hd in [32usize, 64] {
+        let cases: [(usize, &[usize]); 7] = [(2, &[1]), (3, &[5]), (2, &[64]), (4, &[130]), (3, &[1, 5, 64, 130]), (2, &[2, 1, 3]), (5, &[70, 200])];
+        for (h, lens) in cases {
+            prefill_case(&dev, &mut r, h, hd, lens);
+        }
+    }
+    prefill_case(&dev, &mut r, 2, 96, &[1, 66, 5]);
 }
 
 #[test]
@@ -231,17 +306,46 @@ fn prefill_without_chunk_states_matches() {
     const T: &str = "kda prefill_without_chunk_states";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    let (h, lens) = (3usize, [70usize, 5]);
-    let p = Problem::new(&mut r, h, &lens);
-    let (d, n) = (h * HD, 75);
-    let x = Gpu::new(&dev, &p, 0..n);
-    let conv = up(&dev, DType::BF16, vec![2, 3, 3, d], &p.conv0);
-    let st = up(&dev, DType::F32, vec![2, h, HD, HD], &p.s0);
-    let out = poisoned(&dev, DType::BF16, vec![n, d]);
-    kda::kda_prefill(&x.inputs(), &x.weights(), &lens, &conv, &st, &out, None).expect("kda_prefill");
-    let (o_ref, _, s_ref, _) = cpu_reference(&p, false);
-    check("H=3 lens=[70, 5] out, no chunk states", &out.to_f32_vec().expect("out"), &o_ref, TOL_OUT);
-    check("H=3 lens=[70, 5] state, no chunk states", &st.to_f32_vec().expect("state"), &s_ref, TOL_STATE);
+    for hd in [128usize, 64] {
+        let (h, lens) = (3usize, [70usize, 5]);
+        let p = Problem::new(&mut r, h, hd, &lens, &[1, 0], 3);
+        let (d, n) = (p.d(), 75);
+        let x = Gpu::new(&dev, &p, 0..n);
+        let (conv, st) = p.pools(&dev);
+        let out = poisoned(&dev, DType::BF16, vec![n, d]);
+        kda::kda_prefill(&x.inputs(), &x.weights(), &lens, &[1, 0], &conv, &st, &out, None).expect("kda_prefill");
+        let (o_ref, conv_ref, s_ref, _) = cpu_reference(&p, false);
+        check(&format!("hd={hd} H=3 lens=[70, 5] out, no chunk states"), &out.to_f32_vec().expect("out"), &o_ref, TOL_OUT);
+        check_pools(&format!("hd={hd} H=3 lens=[70, 5] no chunk states"), &p, &conv, &st, &conv_ref, &s_ref, if hd == 128 { TOL_STATE } else { TOL_F32_STATE });
+    }
+}
+
+/// `steps` decode steps of `b` sequences; token s of sequence i is row s·b + i of `p`.
+fn decode_reference(p: &Problem, b: usize, steps: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (h, d) = (p.h, p.d());
+    // Reorder the problem into b sequences of `steps` tokens for the CPU.
+    let reorder = |v: &Vec<f32>, w: usize| -> Vec<f32> { (0..b).flat_map(|i| (0..steps).flat_map(move |s| v[(s * b + i) * w..(s * b + i + 1) * w].to_vec())).collect() };
+    let q = Problem {
+        h,
+        hd: p.hd,
+        lens: vec![steps; b],
+        slots: p.slots.clone(),
+        npool: p.npool,
+        raw: [reorder(&p.raw[0], d), reorder(&p.raw[1], d), reorder(&p.raw[2], d)],
+        g: reorder(&p.g, d),
+        beta: reorder(&p.beta, h),
+        gate: reorder(&p.gate, d),
+        conv_w: p.conv_w.clone(),
+        a_log: p.a_log.clone(),
+        dt_bias: p.dt_bias.clone(),
+        o_norm: p.o_norm.clone(),
+        conv0: p.conv0.clone(),
+        s0: p.s0.clone(),
+    };
+    let (o_ref, conv_ref, s_ref, _) = cpu_reference(&q, false);
+    // Back to step-major order: row s·b + i.
+    let o_step: Vec<f32> = (0..steps).flat_map(|s| (0..b).map(move |i| (s, i))).flat_map(|(s, i)| o_ref[(i * steps + s) * d..(i * steps + s + 1) * d].to_vec()).collect();
+    (o_step, conv_ref, s_ref)
 }
 
 #[test]
@@ -249,43 +353,65 @@ fn decode_parity() {
     const T: &str = "kda decode_parity";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    for (h, b, kernel) in [(2usize, 1usize, DecodeKernel::Fused), (3, 5, DecodeKernel::Fused), (4, 64, DecodeKernel::Fused), (2, 1, DecodeKernel::Split), (3, 5, DecodeKernel::Split), (4, 64, DecodeKernel::Split)] {
+    let (f, s) = (Some(DecodeKernel::Fused), Some(DecodeKernel::Split));
+    let cases = [(128usize, 2usize, 1usize, f), (128, 3, 5, f), (128, 4, 64, f), (128, 2, 1, s), (128, 3, 5, s), (128, 4, 64, s), (128, 3, 3, None), (32, 2, 1, None), (32, 3, 5, None), (64, 2, 1, None), (64, 4, 5, None), (64, 2, 3, None), (96, 2, 5, None)];
+    for (hd, h, b, kernel) in cases {
         let steps = 3;
-        // Token s of sequence i is row s*b + i; the CPU runs each sequence as lens = [steps].
-        let p = Problem::new(&mut r, h, &vec![1; b * steps]);
-        let d = h * HD;
-        let conv = up(&dev, DType::BF16, vec![b, 3, 3, d], &p.conv0[..b * 9 * d]);
-        let st = up(&dev, DType::F32, vec![b, h, HD, HD], &p.s0[..b * h * HD * HD]);
-        let mut outs = Vec::new();
+        let (slots, npool) = slots_for(b);
+        let p = Problem::new(&mut r, h, hd, &vec![1; b * steps], &slots, npool);
+        let d = p.d();
+        let (conv, st) = p.pools(&dev);
+        let sl = slot_tensor(&dev, &slots);
+        let mut got = Vec::new();
         for s in 0..steps {
             let x = Gpu::new(&dev, &p, s * b..(s + 1) * b);
             let out = poisoned(&dev, DType::BF16, vec![b, d]);
-            kda::kda_decode_with(&x.inputs(), &x.weights(), &conv, &st, &out, kernel).expect("kda_decode");
-            outs.push(out.to_f32_vec().expect("out"));
+            match kernel {
+                Some(k) => kda::kda_decode_with(&x.inputs(), &x.weights(), &sl, &conv, &st, &out, k),
+                None => kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv, &st, &out),
+            }
+            .expect("kda_decode");
+            got.extend(out.to_f32_vec().expect("out"));
         }
-        // Reorder the problem into b sequences of `steps` tokens for the CPU.
-        let reorder = |v: &Vec<f32>, w: usize| -> Vec<f32> {
-            (0..b).flat_map(|i| (0..steps).flat_map(move |s| v[(s * b + i) * w..(s * b + i + 1) * w].to_vec())).collect()
-        };
-        let q = Problem {
-            h,
-            lens: vec![steps; b],
-            raw: [reorder(&p.raw[0], d), reorder(&p.raw[1], d), reorder(&p.raw[2], d)],
-            g: reorder(&p.g, d),
-            beta: reorder(&p.beta, h),
-            gate: reorder(&p.gate, d),
-            conv_w: p.conv_w.clone(),
-            a_log: p.a_log.clone(),
-            dt_bias: p.dt_bias.clone(),
-            o_norm: p.o_norm.clone(),
-            conv0: p.conv0[..b * 9 * d].to_vec(),
-            s0: p.s0[..b * h * HD * HD].to_vec(),
-        };
-        let (o_ref, conv_ref, s_ref, _) = cpu_reference(&q, false);
-        let got: Vec<f32> = (0..b).flat_map(|i| (0..steps).flat_map(|s| outs[s][i * d..(i + 1) * d].to_vec()).collect::<Vec<_>>()).collect();
-        check(&format!("decode {kernel:?} H={h} B={b} {steps} steps out"), &got, &o_ref, TOL_OUT);
-        check(&format!("decode {kernel:?} H={h} B={b} state"), &st.to_f32_vec().expect("state"), &s_ref, TOL_DECODE_STATE);
-        assert_eq!(conv.to_f32_vec().expect("conv"), conv_ref, "decode {kernel:?} H={h} B={b}: conv state differs");
+        let (o_ref, conv_ref, s_ref) = decode_reference(&p, b, steps);
+        let what = format!("decode {kernel:?} hd={hd} H={h} B={b}");
+        check(&format!("{what} {steps} steps out"), &got, &o_ref, TOL_OUT);
+        check_pools(&what, &p, &conv, &st, &conv_ref, &s_ref, TOL_F32_STATE);
+    }
+}
+
+/// A decode step captured once in a CUDA graph follows the slot table written before each replay.
+#[test]
+fn decode_graph_follows_slots() {
+    const T: &str = "kda decode_graph_follows_slots";
+    let Some(dev) = device(T) else { return };
+    let mut r = rng(T);
+    for hd in [128usize, 64] {
+        let (h, b) = (2usize, 2usize);
+        // Two replays on the same inputs: slots [2, 0], then [1, 3] = four one-token sequences.
+        let p1 = Problem::new(&mut r, h, hd, &[1, 1], &[2, 0, 1, 3], 4);
+        let d = p1.d();
+        let dup = |v: &Vec<f32>| [v.clone(), v.clone()].concat();
+        let p = Problem { lens: vec![1; 4], raw: [dup(&p1.raw[0]), dup(&p1.raw[1]), dup(&p1.raw[2])], g: dup(&p1.g), beta: dup(&p1.beta), gate: dup(&p1.gate), ..p1 };
+        let x = Gpu::new(&dev, &p, 0..b);
+        let (conv, st) = p.pools(&dev);
+        let sl = slot_tensor(&dev, &[2, 0]);
+        let out = poisoned(&dev, DType::BF16, vec![b, d]);
+        // Warm-up (compiles and loads the module) on a scratch pool.
+        let (conv_w, st_w) = p.pools(&dev);
+        kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv_w, &st_w, &out).expect("warm-up");
+        let graph = kda::capture(&dev, || kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv, &st, &out)).expect("capture");
+        let mut got = Vec::new();
+        for slots in [[2i32, 0], [1, 3]] {
+            sl.write_bytes(bytemuck::cast_slice(&slots)).expect("slots");
+            out.fill_bytes(0xFF).expect("poison");
+            graph.launch().expect("replay");
+            dev.synchronize().expect("sync");
+            got.extend(out.to_f32_vec().expect("out"));
+        }
+        let (o_ref, conv_ref, s_ref, _) = cpu_reference(&p, false);
+        check(&format!("graph decode hd={hd} out, slots [2, 0] then [1, 3]"), &got, &o_ref, TOL_OUT);
+        check_pools(&format!("graph decode hd={hd}"), &p, &conv, &st, &conv_ref, &s_ref, TOL_F32_STATE);
     }
 }
 
@@ -294,16 +420,42 @@ fn kda_rejects_bad_shapes() {
     const T: &str = "kda rejects_bad_shapes";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    let p = Problem::new(&mut r, 2, &[10]);
-    let x = Gpu::new(&dev, &p, 0..10);
-    let conv = up(&dev, DType::BF16, vec![1, 3, 3, 256], &p.conv0);
-    let st = up(&dev, DType::F32, vec![1, 2, HD, HD], &p.s0);
-    let out = poisoned(&dev, DType::BF16, vec![10, 256]);
-    // Lengths that do not add up to the rows, a state of the wrong batch, an f32 output.
-    assert!(kda::kda_prefill(&x.inputs(), &x.weights(), &[9], &conv, &st, &out, None).is_err());
-    assert!(kda::kda_prefill(&x.inputs(), &x.weights(), &[5, 5], &conv, &st, &out, None).is_err());
-    let out32 = poisoned(&dev, DType::F32, vec![10, 256]);
-    assert!(kda::kda_prefill(&x.inputs(), &x.weights(), &[10], &conv, &st, &out32, None).is_err());
-    assert!(kda::kda_decode(&x.inputs(), &x.weights(), &conv, &st, &out).is_err());
-    kda::kda_prefill(&x.inputs(), &x.weights(), &[10], &conv, &st, &out, None).expect("a valid call still works");
+    for hd in [128usize, 64] {
+        let p = Problem::new(&mut r, 2, hd, &[10], &[1], 2);
+        let d = p.d();
+        let x = Gpu::new(&dev, &p, 0..10);
+        let (conv, st) = p.pools(&dev);
+        let out = poisoned(&dev, DType::BF16, vec![10, d]);
+        let pf = |lens: &[usize], slots: &[u32], out: &CudaTensor| kda::kda_prefill(&x.inputs(), &x.weights(), lens, slots, &conv, &st, out, None);
+        // Lengths that do not add up to the rows, more sequences than slots, an f32 output.
+        assert!(pf(&[9], &[1], &out).is_err());
+        assert!(pf(&[5, 6], &[0, 1], &out).is_err());
+        assert!(pf(&[4, 3, 3], &[0, 1, 1], &out).is_err());
+        pf(&[5, 5], &[0, 1], &out).expect("two sequences in a pool of two");
+        let out32 = poisoned(&dev, DType::F32, vec![10, d]);
+        assert!(pf(&[10], &[1], &out32).is_err());
+        // Slots: out of the pool, repeated, not one per sequence.
+        assert!(pf(&[10], &[2], &out).is_err());
+        assert!(pf(&[5, 5], &[1, 1], &out).is_err());
+        assert!(pf(&[10], &[0, 1], &out).is_err());
+        // o_norm of the wrong head dim; a state pool with another slot count than conv_state.
+        let bad_norm = up(&dev, DType::F32, vec![2 * hd], &vec![1.0; 2 * hd]);
+        let w = KdaWeights { o_norm: &bad_norm, ..x.weights() };
+        let e = kda::kda_prefill(&x.inputs(), &w, &[10], &[1], &conv, &st, &out, None).expect_err("o_norm");
+        assert!(e.to_string().contains("o_norm"), "{e}");
+        let st3 = poisoned(&dev, DType::F32, vec![3, 2, hd, hd]);
+        assert!(kda::kda_prefill(&x.inputs(), &x.weights(), &[10], &[1], &conv, &st3, &out, None).is_err());
+        // Decode of one row: a 2-entry slot table, an f32 slot table, 10 rows for a 2-slot pool.
+        let x1 = Gpu::new(&dev, &p, 0..1);
+        let out1 = poisoned(&dev, DType::BF16, vec![1, d]);
+        let sl1 = slot_tensor(&dev, &[1]);
+        let e = kda::kda_decode(&x1.inputs(), &x1.weights(), &slot_tensor(&dev, &[1, 0]), &conv, &st, &out1).expect_err("slots [2]");
+        assert!(e.to_string().contains("slots"), "{e}");
+        let slf = up(&dev, DType::F32, vec![1], &[1.0]);
+        assert!(kda::kda_decode(&x1.inputs(), &x1.weights(), &slf, &conv, &st, &out1).is_err());
+        let sl10 = slot_tensor(&dev, &[0; 10]);
+        assert!(kda::kda_decode(&x.inputs(), &x.weights(), &sl10, &conv, &st, &out).is_err());
+        kda::kda_decode(&x1.inputs(), &x1.weights(), &sl1, &conv, &st, &out1).expect("a valid decode still works");
+        pf(&[10], &[1], &out).expect("a valid call still works");
+    }
 }

@@ -1,28 +1,32 @@
-//! Launchers for the CUDA KDA kernels (`kernels/cuda/kda.cu`, text-backbone §3.2–3.8):
-//! [`kda_prefill`] (chunked form, chunk 64, variable-length packed sequences, fused from the
-//! raw projections to the gated, normed output) and [`kda_decode`] (one token per sequence,
-//! state updated in place). Head dim 128 (K3's), any number of heads.
+//! Launchers for the CUDA KDA kernels (text-backbone §3.2–3.8): [`kda_prefill`] (variable-length
+//! packed sequences, fused from the raw projections to the gated, normed output) and
+//! [`kda_decode`] (one token per sequence, state updated in place). Any number of heads; head
+//! dim `hd = D / H` one of 32, 64, 96, 128, taken from the shapes. Head dim 128 (K3's) runs the
+//! fast kernels (`kernels/cuda/kda.cu`: chunked prefill, chunk 64; `kda_decode.cu`); the other
+//! head dims run `kda_general.cu`, the recurrent form token by token, one block per
+//! (sequence, head). The caller never chooses.
 //!
-//! Tensors (all on one device; `N` packed tokens, `B` sequences, `D = H·128`):
+//! Tensors (all on one device; `N` packed tokens, `B` sequences, `S ≥ B` pool slots, `D = H·hd`):
 //! raw projections `q, k, v, g` (f_b output) and `gate` (g_proj output) BF16 `[N, D]`, beta
 //! logits BF16 `[N, H]`; weights F32: conv `[3, D, 4]` (q, k, v; tap 3 multiplies the current
-//! token), `A_log` `[H]`, `dt_bias` `[D]`, `o_norm` `[128]`; per-sequence state: conv tails
-//! BF16 `[B, 3, 3, D]` (q/k/v, 3 raw pre-conv inputs oldest first) and the recurrent state F32
-//! `[B, H, 128, 128]` (`S[k, v]`), both read and updated in place; output BF16 `[N, D]`.
+//! token), `A_log` `[H]`, `dt_bias` `[D]`, `o_norm` `[hd]`; the state POOL: conv tails BF16
+//! `[S, 3, 3, D]` (q/k/v, 3 raw pre-conv inputs oldest first) and the recurrent state F32
+//! `[S, H, hd, hd]` (`S[k, v]`); sequence `b` reads and updates slot `slots[b]` in place, every
+//! other slot is left untouched; output BF16 `[N, D]`.
 //!
-//! Prefill runs two kernels: `kda_chunk_prep` over every (chunk, head) in parallel, writing a
-//! 74 240-byte record per (chunk, head) to a workspace from the caching allocator, then
+//! Prefill at hd 128 runs two kernels: `kda_chunk_prep` over every (chunk, head) in parallel,
+//! writing a 74 240-byte record per (chunk, head) to a workspace from the caching allocator, then
 //! `kda_chunk_scan` over every (sequence, head), passing the state from chunk to chunk.
-//! `chunk_states`, when given (F32 `[num_chunks(lens), H, 128, 128]`), receives the state
-//! after each chunk (chunks numbered sequence by sequence), for prefix caching.
+//! `chunk_states`, when given (F32 `[num_chunks(lens), H, hd, hd]`), receives the state after
+//! each 64-token chunk (chunks numbered sequence by sequence), for prefix caching.
 
 use super::{derr, kargs, CudaDevice, CudaTensor, Event};
-use crate::kernels::cuda::{KDA, KDA_DECODE};
+use crate::kernels::cuda::{Source, KDA, KDA_DECODE, KDA_GENERAL};
 use crate::{CoreError, DType, Result};
 
-/// Head dimension the kernels are built for.
+/// Head dimension the fast kernels are built for; other head dims run the general kernel.
 pub const HEAD_DIM: usize = 128;
-/// Chunk length of the prefill kernels.
+/// Chunk length of the prefill kernels (and of `chunk_states`).
 pub const CHUNK: usize = 64;
 const REC_BYTES: usize = 74_240;
 const PREP_SMEM: u32 = 202_496;
@@ -37,7 +41,7 @@ pub struct KdaWeights<'a> {
     pub a_log: &'a CudaTensor,
     /// F32 `[D]`.
     pub dt_bias: &'a CudaTensor,
-    /// F32 `[128]`, shared by all heads.
+    /// F32 `[hd]`, shared by all heads.
     pub o_norm: &'a CudaTensor,
     /// K3: −5.
     pub lower_bound: f32,
@@ -77,14 +81,33 @@ fn expect(t: &CudaTensor, dev: &CudaDevice, dtype: DType, shape: &[usize], what:
     Ok(())
 }
 
-/// Checks the shared operands; returns (H, D).
-fn check(inp: &KdaInputs, w: &KdaWeights, n: usize, b: usize, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<(usize, usize)> {
+/// Shapes of one call, from the operands.
+#[derive(Clone, Copy)]
+struct Dims {
+    h: usize,
+    hd: usize,
+    /// Pool slots `S`.
+    nslots: usize,
+}
+
+/// Checks the shared operands (`n` token rows, `b` sequences).
+fn check(inp: &KdaInputs, w: &KdaWeights, n: usize, b: usize, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<Dims> {
     let dev = inp.q.cuda_device();
-    let h = inp.beta.shape().get(1).copied().ok_or_else(|| bad(format!("beta {:?} must be [N, H]", inp.beta)))?;
+    let h = match inp.beta.shape() {
+        [_, h] => *h,
+        _ => return Err(bad(format!("beta {:?} must be [N, H]", inp.beta))),
+    };
     if h == 0 || h > 65_535 {
-        return Err(bad(format!("{h} heads")));
+        return Err(bad(format!("beta: {h} heads (1..=65535)")));
     }
-    let d = h * HEAD_DIM;
+    let d = match inp.q.shape() {
+        [_, d] => *d,
+        _ => return Err(bad(format!("q {:?} must be [N, D]", inp.q))),
+    };
+    let hd = d / h;
+    if d % h != 0 || hd % 32 != 0 || !(32..=128).contains(&hd) {
+        return Err(bad(format!("q: D = {d} over H = {h} heads (from beta) must give a head dim of 32, 64, 96 or 128")));
+    }
     for (t, name) in [(inp.q, "q"), (inp.k, "k"), (inp.v, "v"), (inp.g, "g"), (inp.gate, "gate"), (out, "out")] {
         expect(t, dev, DType::BF16, &[n, d], name)?;
     }
@@ -92,13 +115,35 @@ fn check(inp: &KdaInputs, w: &KdaWeights, n: usize, b: usize, conv_state: &CudaT
     expect(w.conv, dev, DType::F32, &[3, d, 4], "conv weights")?;
     expect(w.a_log, dev, DType::F32, &[h], "A_log")?;
     expect(w.dt_bias, dev, DType::F32, &[d], "dt_bias")?;
-    expect(w.o_norm, dev, DType::F32, &[HEAD_DIM], "o_norm")?;
-    expect(conv_state, dev, DType::BF16, &[b, 3, 3, d], "conv_state")?;
-    expect(state, dev, DType::F32, &[b, h, HEAD_DIM, HEAD_DIM], "state")?;
+    expect(w.o_norm, dev, DType::F32, &[hd], "o_norm")?;
+    let nslots = conv_state.shape().first().copied().unwrap_or(0);
+    if nslots < b || nslots > i32::MAX as usize {
+        return Err(bad(format!("conv_state {conv_state:?}: the pool needs at least B = {b} slots [S, 3, 3, {d}]")));
+    }
+    expect(conv_state, dev, DType::BF16, &[nslots, 3, 3, d], "conv_state")?;
+    expect(state, dev, DType::F32, &[nslots, h, hd, hd], "state (same slot count as conv_state)")?;
     if n.checked_mul(d).is_none_or(|x| x > i32::MAX as usize / 2) {
         return Err(bad(format!("{n} tokens × {d} channels is too large")));
     }
-    Ok((h, d))
+    Ok(Dims { h, hd, nslots })
+}
+
+/// Host slots: one per sequence, below `nslots`, pairwise distinct.
+fn check_slots(slots: &[u32], b: usize, nslots: usize) -> Result<()> {
+    if slots.len() != b {
+        return Err(bad(format!("slots: {} entries for {b} sequences", slots.len())));
+    }
+    let mut used = vec![false; nslots];
+    for &s in slots {
+        let Some(u) = used.get_mut(s as usize) else {
+            return Err(bad(format!("slots: slot {s} outside the pool of {nslots}")));
+        };
+        if *u {
+            return Err(bad(format!("slots: slot {s} given to two sequences")));
+        }
+        *u = true;
+    }
+    Ok(())
 }
 
 /// Uploads `[i32; 4]` records as raw bytes.
@@ -111,32 +156,38 @@ fn i32_of(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| bad(format!("{what} = {x} exceeds i32")))
 }
 
-/// Chunked prefill over the packed sequences of lengths `lens` (Σ lens = N rows of every
-/// input). Updates `conv_state` and `state` in place, writes `out`, and, when given, the
-/// state after every chunk into `chunk_states`.
-pub fn kda_prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<()> {
-    prefill(inp, w, lens, conv_state, state, out, chunk_states, None)
+/// Prefill over the packed sequences of lengths `lens` (Σ lens = N rows of every input);
+/// sequence `b` uses pool slot `slots[b]` (host values: checked to be below `S` and distinct).
+/// Updates those slots of `conv_state` and `state` in place, writes `out`, and, when given, the
+/// state after every 64-token chunk into `chunk_states`. Not capturable (uploads the sequence
+/// tables from the host).
+#[allow(clippy::too_many_arguments)]
+pub fn kda_prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<()> {
+    prefill(inp, w, lens, slots, conv_state, state, out, chunk_states, None)
 }
 
-/// [`kda_prefill`] with events around its two kernels; returns (prep ms, scan ms). For tuning.
+/// [`kda_prefill`] with events around its kernels; returns (prep ms, scan ms) at head dim 128,
+/// (general kernel ms, 0) otherwise. For tuning.
 #[allow(clippy::too_many_arguments)]
-pub fn kda_prefill_profiled(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<(f32, f32)> {
+pub fn kda_prefill_profiled(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<(f32, f32)> {
     let dev = inp.q.cuda_device();
     let ev = [dev.new_event(true)?, dev.new_event(true)?, dev.new_event(true)?];
-    prefill(inp, w, lens, conv_state, state, out, chunk_states, Some(&ev))?;
+    prefill(inp, w, lens, slots, conv_state, state, out, chunk_states, Some(&ev))?;
     ev[2].synchronize()?;
     Ok((ev[0].elapsed_ms(&ev[1])?, ev[1].elapsed_ms(&ev[2])?))
 }
 
 #[allow(clippy::too_many_arguments)]
-fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>, marks: Option<&[Event; 3]>) -> Result<()> {
+fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>, marks: Option<&[Event; 3]>) -> Result<()> {
     let n: usize = lens.iter().sum();
     let nb = lens.len();
-    let (h, _d) = check(inp, w, n, nb, conv_state, state, out)?;
+    let dm = check(inp, w, n, nb, conv_state, state, out)?;
+    check_slots(slots, nb, dm.nslots)?;
+    let (h, hd) = (dm.h, dm.hd);
     let dev = inp.q.cuda_device().clone();
     let nc = num_chunks(lens);
     if let Some(cs) = chunk_states {
-        expect(cs, &dev, DType::F32, &[nc, h, HEAD_DIM, HEAD_DIM], "chunk_states")?;
+        expect(cs, &dev, DType::F32, &[nc, h, hd, hd], "chunk_states")?;
     }
     if nb == 0 {
         return Ok(());
@@ -144,29 +195,42 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTen
     if nc > i32::MAX as usize || nb > 65_535 * 1024 {
         return Err(bad(format!("{nc} chunks / {nb} sequences exceed the grid")));
     }
-    let mut chunks = Vec::with_capacity(nc);
+    let mut chunks = Vec::with_capacity(if hd == HEAD_DIM { nc } else { 0 });
     let mut seqs = Vec::with_capacity(nb);
-    let mut tok = 0usize;
-    for (s, &l) in lens.iter().enumerate() {
-        seqs.push([i32_of(tok, "token offset")?, i32_of(l, "length")?, i32_of(chunks.len(), "chunk")?, i32_of(l.div_ceil(CHUNK), "chunks")?]);
-        for c in 0..l.div_ceil(CHUNK) {
-            chunks.push([i32_of(tok + c * CHUNK, "token")?, i32_of((l - c * CHUNK).min(CHUNK), "n")?, i32_of(s, "seq")?, i32_of(c * CHUNK, "pos")?]);
+    let (mut tok, mut chunk0) = (0usize, 0usize);
+    for (&l, &slot) in lens.iter().zip(slots) {
+        let slot = slot as i32; // < S ≤ i32::MAX (checked)
+        // {tok0, len, first chunk, slot}; the fast kernels' chunk table only at head dim 128.
+        seqs.push([i32_of(tok, "token offset")?, i32_of(l, "length")?, i32_of(chunk0, "chunk")?, slot]);
+        if hd == HEAD_DIM {
+            for c in 0..l.div_ceil(CHUNK) {
+                chunks.push([i32_of(tok + c * CHUNK, "token")?, i32_of((l - c * CHUNK).min(CHUNK), "n")?, slot, i32_of(c * CHUNK, "pos")?]);
+            }
         }
+        chunk0 += l.div_ceil(CHUNK);
         tok += l;
     }
-    let chunk_t = upload_table(&dev, &chunks)?;
     let seq_t = upload_table(&dev, &seqs)?;
-    let h32 = h as i32;
     let (lb, eps) = (w.lower_bound, w.eps);
     let cs_ptr: u64 = chunk_states.map_or(0, |t| t.ptr());
+    let mark = |i: usize| marks.map_or(Ok(()), |m| m[i].record(&dev.stream()));
+    if hd != HEAD_DIM {
+        mark(0)?;
+        general(&dev, inp, w, dm, conv_state, state, cs_ptr, seq_t.ptr(), 0, out, nb)?;
+        mark(1)?;
+        mark(2)?;
+        drop(seq_t);
+        return Ok(());
+    }
+    let chunk_t = upload_table(&dev, &chunks)?;
+    let h32 = h as i32;
     if nc > 0 {
         let work = dev.alloc(nc * h * REC_BYTES)?;
         let (q, k, v, g, b, gate) = (inp.q.ptr(), inp.k.ptr(), inp.v.ptr(), inp.g.ptr(), inp.beta.ptr(), inp.gate.ptr());
         let (cw, al, dtb, onw) = (w.conv.ptr(), w.a_log.ptr(), w.dt_bias.ptr(), w.o_norm.ptr());
         let (cst, st, o, ct, sqt, wk) = (conv_state.ptr(), state.ptr(), out.ptr(), chunk_t.ptr(), seq_t.ptr(), work.ptr());
-        big_smem(&dev, "kda_chunk_prep", PREP_SMEM)?;
-        big_smem(&dev, "kda_chunk_scan", SCAN_SMEM)?;
-        let mark = |i: usize| marks.map_or(Ok(()), |m| m[i].record(&dev.stream()));
+        big_smem(&dev, KDA, "kda_chunk_prep", PREP_SMEM)?;
+        big_smem(&dev, KDA, "kda_chunk_scan", SCAN_SMEM)?;
         mark(0)?;
         dev.launch(KDA, "kda_chunk_prep", (nc as u32, h as u32, 1), (512, 1, 1), PREP_SMEM, &mut kargs![q, k, v, g, b, cw, al, dtb, cst, ct, wk, h32, lb])?;
         mark(1)?;
@@ -180,14 +244,35 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], conv_state: &CudaTen
     Ok(())
 }
 
+/// Launches `kda_general` over `nb` sequences: from the `seqs` table (prefill) or, with
+/// `seqs == 0`, one token per sequence with slots from the device table `slots` (decode).
+#[allow(clippy::too_many_arguments)]
+fn general(dev: &CudaDevice, inp: &KdaInputs, w: &KdaWeights, dm: Dims, conv_state: &CudaTensor, state: &CudaTensor, cs_ptr: u64, seqs: u64, slots: u64, out: &CudaTensor, nb: usize) -> Result<()> {
+    let Dims { h, hd, nslots } = dm;
+    let threads = (256 / hd) * hd;
+    let smem = ((hd * hd + 5 * hd + 256 + 16) * 4) as u32;
+    if smem > 48 * 1024 {
+        big_smem(dev, KDA_GENERAL, "kda_general", smem)?;
+    }
+    if nb > i32::MAX as usize {
+        return Err(bad(format!("{nb} sequences exceed the grid")));
+    }
+    let (q, k, v, g, b, gate) = (inp.q.ptr(), inp.k.ptr(), inp.v.ptr(), inp.g.ptr(), inp.beta.ptr(), inp.gate.ptr());
+    let (cw, al, dtb, onw) = (w.conv.ptr(), w.a_log.ptr(), w.dt_bias.ptr(), w.o_norm.ptr());
+    let (cst, st, o) = (conv_state.ptr(), state.ptr(), out.ptr());
+    let (h32, hd32, ns32, lb, eps) = (h as i32, hd as i32, nslots as i32, w.lower_bound, w.eps);
+    let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, cs_ptr, seqs, slots, o, h32, hd32, ns32, lb, eps];
+    dev.launch(KDA_GENERAL, "kda_general", (nb as u32, h as u32, 1), (threads as u32, 1, 1), smem, &mut args)
+}
+
 /// Raises the dynamic shared-memory limit of `func` (once per device is enough; cheap).
-fn big_smem(dev: &CudaDevice, func: &'static str, bytes: u32) -> Result<()> {
-    let f = dev.function(KDA, func)?;
+fn big_smem(dev: &CudaDevice, src: Source, func: &'static str, bytes: u32) -> Result<()> {
+    let f = dev.function(src, func)?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).map_err(derr("raising the shared-memory limit of the KDA kernels"))
 }
 
-/// Which decode kernel runs (both compute the same step; see `kernels/cuda/kda.cu`).
+/// Which head-dim-128 decode kernel runs (both compute the same step; see `kernels/cuda/kda_decode.cu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeKernel {
     /// One block per (head, sequence), the whole 128×128 state in registers.
@@ -198,34 +283,46 @@ pub enum DecodeKernel {
 }
 
 /// One decode step for `B` sequences (each input has `B` rows): conv-state shift, gates, one
-/// step of the recurrence on `state` in place, output norm and gate into `out` `[B, D]`.
-/// Picks the kernel measured faster on the H200 (run 4, docs/kernels/kda.md): `Fused` at
-/// batch 1 (6.54 vs 7.17 µs), `Split` from batch 2 on where sm_90 clusters exist (251 vs 275 µs
-/// at batch 64).
-pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<()> {
+/// step of the recurrence on pool slot `slots[b]` of `state` / `conv_state` in place, output
+/// norm and gate into `out` `[B, D]`. `slots` is a device I32 `[B]` tensor the caller fills
+/// before the call (or before a graph replay); only its dtype and shape are checked here — the
+/// slots must be distinct, and a slot outside `[0, S)` makes the kernel skip that sequence
+/// (its output rows are left unwritten). CUDA-graph capturable.
+/// At head dim 128 it picks the kernel measured faster on the H200 (run 4, docs/kernels/kda.md):
+/// `Fused` at batch 1 (6.54 vs 7.17 µs), `Split` from batch 2 on where sm_90 clusters exist
+/// (251 vs 275 µs at batch 64); other head dims run the general kernel.
+pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<()> {
     let nb = inp.q.shape().first().copied().unwrap_or(0);
     let split_ok = inp.q.cuda_device().info().compute_capability.0 >= 9;
     let kernel = if nb >= 2 && split_ok { DecodeKernel::Split } else { DecodeKernel::Fused };
-    kda_decode_with(inp, w, conv_state, state, out, kernel)
+    kda_decode_with(inp, w, slots, conv_state, state, out, kernel)
 }
 
-/// [`kda_decode`] with an explicit kernel choice ([`DecodeKernel::Split`] needs compute
-/// capability ≥ 9.0 and is refused below).
-pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, kernel: DecodeKernel) -> Result<()> {
+/// [`kda_decode`] with an explicit head-dim-128 kernel choice ([`DecodeKernel::Split`] needs
+/// compute capability ≥ 9.0 and is refused below). At other head dims the choice is ignored
+/// (the general kernel runs).
+pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, kernel: DecodeKernel) -> Result<()> {
     let nb = inp.q.shape().first().copied().unwrap_or(0);
-    let (h, _d) = check(inp, w, nb, nb, conv_state, state, out)?;
+    let dm = check(inp, w, nb, nb, conv_state, state, out)?;
+    let dev = inp.q.cuda_device();
+    if slots.dtype() != DType::I32 || slots.shape() != [nb] || !slots.cuda_device().same(dev) || !slots.ptr().is_multiple_of(4) {
+        return Err(bad(format!("slots: expected a device I32 [{nb}] tensor (one pool slot per sequence) on {:?}, got {slots:?}", dev.device())));
+    }
     if nb == 0 {
         return Ok(());
     }
     if nb > 65_535 {
         return Err(bad(format!("{nb} sequences exceed the grid")));
     }
-    let dev = inp.q.cuda_device();
+    if dm.hd != HEAD_DIM {
+        return general(dev, inp, w, dm, conv_state, state, 0, 0, slots.ptr(), out, nb);
+    }
+    let h = dm.h;
     let (q, k, v, g, b, gate) = (inp.q.ptr(), inp.k.ptr(), inp.v.ptr(), inp.g.ptr(), inp.beta.ptr(), inp.gate.ptr());
     let (cw, al, dtb, onw) = (w.conv.ptr(), w.a_log.ptr(), w.dt_bias.ptr(), w.o_norm.ptr());
-    let (cst, st, o) = (conv_state.ptr(), state.ptr(), out.ptr());
-    let (h32, lb, eps) = (h as i32, w.lower_bound, w.eps);
-    let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, o, h32, lb, eps];
+    let (cst, st, sl, o) = (conv_state.ptr(), state.ptr(), slots.ptr(), out.ptr());
+    let (h32, ns32, lb, eps) = (h as i32, dm.nslots as i32, w.lower_bound, w.eps);
+    let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, sl, o, h32, ns32, lb, eps];
     match kernel {
         DecodeKernel::Fused => dev.launch(KDA_DECODE, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args),
         DecodeKernel::Split => {

@@ -15,6 +15,8 @@
 //    S = e^G_last S + (k e^(G_last-G))^T v', then RMSNorm x sigmoid(gate) and the bf16 output.
 //    Records stream in through cp.async, double-buffered. It also writes the final state, the
 //    new conv state and (optionally) the state after every chunk.
+// Conv and recurrent states live in a pool of slots ([S, 3, 3, D] bf16, [S, H, 128, 128] f32);
+// the tables carry each sequence's slot, so the kernels only index the pool by it.
 // Decode is in kda_decode.cu.
 
 #define KD 128
@@ -65,8 +67,8 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // ------------------------------------------------------------------------------------------
-// Prefill, stage 1: one block (PT = 512 threads) per (chunk, head); chunks[i] = {tok0, n, seq,
-// pos0}. One block fills an SM's shared memory, so 16 warps hide the latencies of each phase.
+// Prefill, stage 1: one block (PT = 512 threads) per (chunk, head); chunks[i] = {tok0, n, slot,
+// pos0} (slot: the sequence's pool slot of the conv state). One block fills an SM's shared memory, so 16 warps hide the latencies of each phase.
 #define PT 512
 extern "C" __global__ void __launch_bounds__(PT, 1)
 kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
@@ -93,7 +95,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int4 ch = chunks[blockIdx.x];
-    const int tok0 = ch.x, n = ch.y, seq = ch.z, pos0 = ch.w;
+    const int tok0 = ch.x, n = ch.y, slot = ch.z, pos0 = ch.w;
     const int h = blockIdx.y, D = H * KD;
     unsigned char* rec = work + ((long long)blockIdx.x * H + h) * REC_BYTES;
     bf16_t* rb = reinterpret_cast<bf16_t*>(rec);
@@ -115,7 +117,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
         for (int i = 0; i < 3; i++) {
             const int r = r0 - 3 + i;
             const bf16_t a = X[(long long)max(tok0 + min(r, n - 1), 0) * D + col];
-            const bf16_t b = conv_state[((long long)(seq * 3 + which) * 3 + min(max(3 + pos0 + r, 0), 2)) * D + col];
+            const bf16_t b = conv_state[(((long long)slot * 3 + which) * 3 + min(max(3 + pos0 + r, 0), 2)) * D + col];
             xr[i] = pos0 + r >= 0 ? a : b;
         }
     };
@@ -342,7 +344,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 
 // ------------------------------------------------------------------------------------------
 // Prefill, stage 2: one block (256 threads) per (sequence, head); seqs[b] = {tok0, len, chunk0,
-// nchunks}. Warp wp owns S rows (k index) 16wp..16wp+15 in accS, and for the output the row
+// slot} (the sequence's pool slot of both states; its chunk count is ceil(len / 64)). Warp wp owns S rows (k index) 16wp..16wp+15 in accS, and for the output the row
 // tile wp&3 and the column half wp>>2.
 // Stores the pair (c0, c1) = C-fragment elements (row, col), (row, col + 1), row = base + g,
 // transposed as bf16 into dst[col][row]: lanes g and g^1 swap one value so that each stores
@@ -372,11 +374,11 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
     float* sW = sNorm + 2 * KC;                                        // o_norm weight [128]
 
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int b = blockIdx.x, h = blockIdx.y, D = H * KD;
-    const int4 sq = seqs[b];
-    const int tok0 = sq.x, len = sq.y, chunk0 = sq.z, nch = sq.w;
+    const int h = blockIdx.y, D = H * KD;
+    const int4 sq = seqs[blockIdx.x];
+    const int tok0 = sq.x, len = sq.y, chunk0 = sq.z, slot = sq.w, nch = (len + KC - 1) / KC;
     const int mt = wp & 3, nh = wp >> 2;
-    float* Sg = state + ((long long)b * H + h) * (KD * KD);
+    float* Sg = state + ((long long)slot * H + h) * (KD * KD);
     if (tid < KD) sW[tid] = onorm_w[tid];
 
     auto prefetch = [&](int cidx) {
@@ -533,7 +535,7 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
         const int col = h * KD + tid;
         for (int which = 0; which < 3; which++) {
             const bf16_t* X = which == 0 ? qr : which == 1 ? kr : vr;
-            bf16_t* cs = conv_state + (long long)(b * 3 + which) * 3 * D + col;
+            bf16_t* cs = conv_state + ((long long)slot * 3 + which) * 3 * D + col;
             for (int k = 0; k < 3; k++) {
                 const int p = len - 3 + k;
                 cs[(long long)k * D] = p >= 0 ? X[(long long)(tok0 + p) * D + col] : cs[(long long)(k + len) * D];

@@ -3,6 +3,9 @@
 // CPU oracle: kernels/cpu/kda.rs `kda_recurrent` plus k3-model layers/kda.rs.
 // Two kernels compute the same step: kda_decode (one block per head and sequence) and
 // kda_decode_split (a 2-block cluster per head and sequence, 64 value columns each).
+// States live in a pool of S slots: sequence b (input / output row b) uses slot slots[b]
+// (device i32 [B], filled before a graph replay); a slot outside [0, S) makes its blocks
+// return without writing anything.
 
 #define KD 128
 
@@ -16,18 +19,20 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 
 // ------------------------------------------------------------------------------------------
 // Decode: one token per sequence; block (256 threads) per (head, sequence). Thread = (row
-// group rg of 16 state rows, 4 consecutive columns). State f32 [B][H][128][128] in place,
-// conv state bf16 [B][3][3][D] in place.
+// group rg of 16 state rows, 4 consecutive columns). State f32 [S][H][128][128] in place,
+// conv state bf16 [S][3][3][D] in place, both indexed by slot.
 extern "C" __global__ void __launch_bounds__(256)
 kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
            const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw, const bf16_t* __restrict__ gate,
            const float* __restrict__ convw, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
            const float* __restrict__ onorm_w, bf16_t* __restrict__ conv_state, float* __restrict__ state,
-           bf16_t* __restrict__ out, int H, float lower_bound, float eps) {
+           const int* __restrict__ slots, bf16_t* __restrict__ out, int H, int nslots, float lower_bound, float eps) {
     __shared__ float sq[KD], sk[KD], sv[KD], se[KD], su[KD], red[8][KD], misc[16];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, cg = tid & 31, rg = tid >> 5;
     const int h = blockIdx.x, b = blockIdx.y, D = H * KD;
-    float4* S = reinterpret_cast<float4*>(state + ((long long)b * H + h) * (KD * KD));
+    const int sl = slots[b];
+    if (sl < 0 || sl >= nslots) return;
+    float4* S = reinterpret_cast<float4*>(state + ((long long)sl * H + h) * (KD * KD));
     float4 s[16];
 #pragma unroll
     for (int r = 0; r < 16; r++) s[r] = S[(rg * 16 + r) * 32 + cg];
@@ -38,7 +43,7 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
         float qq = 0.0f, kk = 0.0f;
         for (int which = 0; which < 3; which++) {
             const bf16_t* X = which == 0 ? qr : which == 1 ? kr : vr;
-            bf16_t* cs = conv_state + (long long)(b * 3 + which) * 3 * D + col;
+            bf16_t* cs = conv_state + ((long long)sl * 3 + which) * 3 * D + col;
             const float* w = convw + ((long long)which * D + col) * 4;
             const bf16_t x0 = cs[0], x1 = cs[D], x2 = cs[2 * (long long)D], x3 = X[row];
             const float y = w[0] * bf16_to_f32(x0) + w[1] * bf16_to_f32(x1) + w[2] * bf16_to_f32(x2) + w[3] * bf16_to_f32(x3);
@@ -128,12 +133,14 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
                  const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw, const bf16_t* __restrict__ gate,
                  const float* __restrict__ convw, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                  const float* __restrict__ onorm_w, bf16_t* __restrict__ conv_state, float* __restrict__ state,
-                 bf16_t* __restrict__ out, int H, float lower_bound, float eps) {
+                 const int* __restrict__ slots, bf16_t* __restrict__ out, int H, int nslots, float lower_bound, float eps) {
     __shared__ float sq[KD], sk[KD], sv[64], se[KD], su[64], red[16][64], misc[16];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, cg = tid & 15, rg = tid >> 4;
     const int h = blockIdx.x >> 1, half = blockIdx.x & 1, b = blockIdx.y, D = H * KD;
+    const int sl = slots[b];
+    if (sl < 0 || sl >= nslots) return;  // both blocks of the cluster read the same slot
     const unsigned peer = cluster_rank() ^ 1u;
-    float4* S = reinterpret_cast<float4*>(state + ((long long)b * H + h) * (KD * KD)) + half * 16;
+    float4* S = reinterpret_cast<float4*>(state + ((long long)sl * H + h) * (KD * KD)) + half * 16;
     float4 s[8];
 #pragma unroll
     for (int r = 0; r < 8; r++) s[r] = S[(rg * 8 + r) * 32 + cg];
@@ -150,7 +157,7 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
         for (int which = 0; which < 3; which++) {
             const bf16_t* X = which == 0 ? qr : which == 1 ? kr : vr;
             const int cc = which == 2 ? h * KD + vc : col;
-            const bf16_t* cs = conv_state + (long long)(b * 3 + which) * 3 * D + cc;
+            const bf16_t* cs = conv_state + ((long long)sl * 3 + which) * 3 * D + cc;
             const float* w = convw + ((long long)which * D + cc) * 4;
             const bf16_t x0 = cs[0], x1 = cs[D], x2 = cs[2 * (long long)D], x3 = X[(long long)b * D + cc];
             const float y = w[0] * bf16_to_f32(x0) + w[1] * bf16_to_f32(x1) + w[2] * bf16_to_f32(x2) + w[3] * bf16_to_f32(x3);
@@ -215,7 +222,7 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
     }
     if (tid < KD) {
         // q, k taps: block `half` writes channels 64·half..64·half+63; v taps: its own 64.
-        bf16_t* base = conv_state + (long long)b * 9 * D + h * KD;
+        bf16_t* base = conv_state + (long long)sl * 9 * D + h * KD;
         if ((tid >> 6) == half)
 #pragma unroll
             for (int which = 0; which < 2; which++) {

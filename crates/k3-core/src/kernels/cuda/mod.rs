@@ -30,6 +30,8 @@ pub const SOFTMAX: Source = Source { name: "softmax", code: include_str!("softma
 pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
 /// KDA decode step (`kda_decode`, `kda_decode_split`).
 pub const KDA_DECODE: Source = Source { name: "kda_decode", code: include_str!("kda_decode.cu") };
+/// KDA for head dims 32..=128 other than the fast kernels' 128: recurrent form (`kda_general`).
+pub const KDA_GENERAL: Source = Source { name: "kda_general", code: include_str!("kda_general.cu") };
 
 /// Block Attention Residuals mix fused with the following RMSNorm (`attn_res_norm_{bf16,f32}`).
 pub const ATTN_RES: Source = Source { name: "attn_res", code: include_str!("attn_res.cu") };
@@ -37,7 +39,7 @@ pub const ATTN_RES: Source = Source { name: "attn_res", code: include_str!("attn
 pub const COPY: Source = Source { name: "copy", code: include_str!("copy.cu") };
 
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 7] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, ATTN_RES, COPY];
+pub const ALL: [Source; 8] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
