@@ -334,32 +334,5 @@ pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv
     }
 }
 
-/// A CUDA graph captured from the device's compute stream (e.g. one decode step), replayed
-/// with [`Graph::launch`]. The captured kernels keep their device addresses: the tensors they
-/// use must outlive the graph.
-pub struct Graph {
-    g: cudarc::driver::CudaGraph,
-}
-
-impl Graph {
-    /// Enqueues one replay on the compute stream.
-    pub fn launch(&self) -> Result<()> {
-        self.g.launch().map_err(derr("cuGraphLaunch"))
-    }
-}
-
-/// Captures the work `f` enqueues on `dev`'s compute stream into a [`Graph`] (nothing runs
-/// during capture). `f` must not allocate, copy to or from the host, or synchronise.
-pub fn capture(dev: &CudaDevice, f: impl FnOnce() -> Result<()>) -> Result<Graph> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    dev.synchronize()?;
-    let stream = dev.inner().stream.clone();
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(derr("cuStreamBeginCapture"))?;
-    let r = f();
-    let g = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(derr("cuStreamEndCapture"));
-    r?;
-    match g? {
-        Some(g) => Ok(Graph { g }),
-        None => Err(CoreError::Device("stream capture produced an empty graph".into())),
-    }
-}
+// CUDA graphs live in `cuda/graph.rs`; re-exported here for the KDA decode callers.
+pub use super::graph::{capture, Graph};
