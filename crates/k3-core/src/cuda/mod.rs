@@ -21,6 +21,7 @@ pub mod bench;
 pub mod blas;
 mod compile;
 pub mod kda;
+pub mod moe;
 pub mod ops;
 mod tensor;
 

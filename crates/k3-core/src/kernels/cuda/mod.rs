@@ -31,8 +31,11 @@ pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
 /// KDA decode step (`kda_decode`, `kda_decode_split`).
 pub const KDA_DECODE: Source = Source { name: "kda_decode", code: include_str!("kda_decode.cu") };
 
+/// Routed MoE experts: router top-k, grouping, grouped MXFP4/BF16 GEMV, prefill helpers (`moe_*`).
+pub const MOE: Source = Source { name: "moe", code: include_str!("moe.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 5] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE];
+pub const ALL: [Source; 6] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, MOE];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
