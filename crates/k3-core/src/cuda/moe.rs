@@ -11,10 +11,12 @@
 //! (token, slot) pairs per expert on the device and writes the active experts (ascending id),
 //! their group starts/sizes and the pairs sorted by expert (stable by token); the grouped GEMV
 //! kernels run on a grid sized for the worst case min(E, T·k) active experts (blocks of
-//! inactive slots exit at once), each block a tile of weight rows of one expert, dotted with
-//! every token of that expert — each chosen expert's weights are streamed from HBM once.
-//! `w1`/`w3` rows of one output row share a warp, so SiTU-GLU is fused; the intermediate is
-//! kept in f32. Then `w2` the same way, and a combine kernel sums the k slots of each token in
+//! inactive slots exit at once), each block a tile of weight rows of one expert (4 rows per
+//! warp, 16-byte loads, the next chunk prefetched), dotted with every token of that expert,
+//! up to 4 tokens per pass staged in shared memory as f32 — each chosen expert's weights are
+//! streamed from HBM once (a group of more than 4 tokens re-reads the block's rows from L1/L2
+//! on each further pass). `w1`/`w3` rows of one output row share a warp, so SiTU-GLU is
+//! fused; the intermediate is kept in f32. Then `w2` the same way, and a combine kernel sums the k slots of each token in
 //! slot order (no atomics: deterministic) and applies `routed_scaling_factor`.
 //!
 //! Prefill path (T > [`DECODE_MAX_TOKENS`], NOT capturable: it reads the routing on the host):
