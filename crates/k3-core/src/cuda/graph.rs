@@ -8,6 +8,8 @@
 //! outlive the graph; their owner keeps them. Capture runs in relaxed mode so a first-time
 //! `cuMemAlloc` inside it is legal (it is not recorded; only stream work is).
 
+use std::sync::atomic::Ordering;
+
 use cudarc::driver::sys::{CUdeviceptr, CUgraphInstantiate_flags, CUstreamCaptureMode};
 
 use super::{derr, lock, CudaDevice};
@@ -49,7 +51,9 @@ pub fn capture(dev: &CudaDevice, f: impl FnOnce() -> Result<()>) -> Result<Graph
         lock(&dev.inner().pool).end_capture();
         return Err(derr("cuStreamBeginCapture")(e));
     }
+    dev.inner().capturing.store(true, Ordering::Relaxed);
     let r = f();
+    dev.inner().capturing.store(false, Ordering::Relaxed);
     let g = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(derr("cuStreamEndCapture"));
     let held = lock(&dev.inner().pool).end_capture();
     let mut graph = Graph { g: None, dev: dev.clone(), held };

@@ -22,6 +22,7 @@ pub mod blas;
 mod graph;
 mod compile;
 pub mod kda;
+pub mod moe;
 pub mod ops;
 mod tensor;
 
@@ -157,6 +158,9 @@ pub(crate) struct Inner {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     pub(crate) blas: Mutex<Option<blas::Blas>>,
     sync_each_launch: bool,
+    /// Set while a graph capture is under way: launches are recorded, not run, so the debug
+    /// per-launch synchronisation must be skipped (it is illegal during capture).
+    pub(crate) capturing: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Inner {
@@ -245,6 +249,7 @@ impl CudaDevice {
                 modules: Mutex::new(HashMap::new()),
                 blas: Mutex::new(None),
                 sync_each_launch,
+                capturing: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -355,7 +360,7 @@ impl CudaDevice {
         // SAFETY: the caller passes parameters matching the kernel's signature and device
         // pointers that stay allocated until the stream reaches this launch.
         unsafe { dres::launch_kernel(f.cu_function(), grid, block, smem, self.cu_stream(), params) }.map_err(derr(&format!("launching {func}")))?;
-        if self.inner.sync_each_launch {
+        if self.inner.sync_each_launch && !self.inner.capturing.load(std::sync::atomic::Ordering::Relaxed) {
             self.inner.stream.synchronize().map_err(derr(&format!("kernel {func} failed")))?;
         }
         Ok(())

@@ -38,8 +38,11 @@ pub const ATTN_RES: Source = Source { name: "attn_res", code: include_str!("attn
 /// Row gathers (embedding, last rows) and strided copies (`gather_rows_*`, `copy_strided_bf16`).
 pub const COPY: Source = Source { name: "copy", code: include_str!("copy.cu") };
 
+/// Routed MoE experts: router top-k, grouping, grouped MXFP4/BF16 GEMV, prefill helpers (`moe_*`).
+pub const MOE: Source = Source { name: "moe", code: include_str!("moe.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 8] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY];
+pub const ALL: [Source; 9] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.

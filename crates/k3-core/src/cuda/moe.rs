@@ -1,0 +1,346 @@
+//! Stable LatentMoE routed experts on the GPU (text-backbone §7.2–7.5; MXFP4 per
+//! around-backbone §2): the router's top-k ([`route`]) and the routed experts
+//! ([`experts_forward`]). Kernels are in `kernels/cuda/moe.cu`; the CPU oracle is k3-model's
+//! `layers/moe.rs` (`route`, `expert_forward`, `forward`) with `kernels::cpu::mxfp4` and
+//! `kernels::cpu::act::situ_glu`.
+//!
+//! Shapes: T tokens, E experts, k = top-k, L = latent width (`routed_expert_hidden_size`),
+//! F = expert width (`moe_intermediate_size`); L and F multiples of 32.
+//!
+//! Decode path (T ≤ [`DECODE_MAX_TOKENS`], capturable): `moe_group` (one block) counts the
+//! (token, slot) pairs per expert on the device and writes the active experts (ascending id),
+//! their group starts/sizes and the pairs sorted by expert (stable by token); the grouped GEMV
+//! kernels run on a grid sized for the worst case min(E, T·k) active experts (blocks of
+//! inactive slots exit at once), each block a tile of weight rows of one expert (4 rows per
+//! warp, 16-byte loads, the next chunk prefetched), dotted with every token of that expert,
+//! up to 4 tokens per pass staged in shared memory as f32 — each chosen expert's weights are
+//! streamed from HBM once (a group of more than 4 tokens re-reads the block's rows from L1/L2
+//! on each further pass). `w1`/`w3` rows of one output row share a warp, so SiTU-GLU is
+//! fused; the intermediate is kept in f32. Then `w2` the same way, and a combine kernel sums the k slots of each token in
+//! slot order (no atomics: deterministic) and applies `routed_scaling_factor`.
+//!
+//! Prefill path (T > [`DECODE_MAX_TOKENS`], NOT capturable: it reads the routing on the host):
+//! per active expert, gather its tokens, dequantize its MXFP4 weights to a BF16 scratch (or
+//! copy its BF16 weights), two cuBLAS GEMMs with f32 output, SiTU-GLU rounded to BF16 between
+//! them (the GEMM operand), then scatter to the pair rows and the same combine.
+
+use cudarc::driver::result as dres;
+
+use super::{blas, derr, kargs, CudaTensor};
+use crate::kernels::cuda::MOE;
+use crate::{CoreError, DType, Result};
+
+/// Largest T served by the capturable grouped-GEMV path.
+pub const DECODE_MAX_TOKENS: usize = 64;
+/// Most tokens of one expert staged in shared memory per pass (kernels `*_nt{1,2,4}`).
+const NT_MAX: usize = 4;
+/// Dynamic shared-memory cap of the grouped GEMV kernels (two blocks fit one SM).
+const GEMV_SMEM: usize = 100 * 1024;
+/// Warps per block of the grouped GEMV kernels (`MOE_WARPS` in moe.cu).
+const WARPS: usize = 8;
+/// Shared memory a kernel may use without raising its limit.
+const SMEM: usize = 48 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertFormat {
+    Bf16,
+    Mxfp4,
+}
+
+/// One layer's routed experts, stored contiguously by expert.
+#[derive(Clone, Debug)]
+pub struct ExpertWeights {
+    pub format: ExpertFormat,
+    pub num_experts: usize,
+    pub latent: usize,
+    pub inter: usize,
+    /// Bf16: BF16 `[E, 2F, L]`; Mxfp4: U8 `[E, 2F, L/2]`. Rows 0..F are w1 (gate), F..2F w3 (up).
+    pub w13: CudaTensor,
+    /// Mxfp4: U8 `[E, 2F, L/32]`.
+    pub w13_scale: Option<CudaTensor>,
+    /// Bf16: BF16 `[E, L, F]`; Mxfp4: U8 `[E, L, F/2]`.
+    pub w2: CudaTensor,
+    /// Mxfp4: U8 `[E, L, F/32]`.
+    pub w2_scale: Option<CudaTensor>,
+}
+
+fn shape_err(op: &'static str, detail: String) -> CoreError {
+    CoreError::Shape { op, detail }
+}
+
+fn expect(op: &'static str, name: &str, t: &CudaTensor, dtype: DType, shape: &[usize], like: &CudaTensor) -> Result<()> {
+    if t.dtype() != dtype || t.shape() != shape || !t.cuda_device().same(like.cuda_device()) {
+        return Err(shape_err(op, format!("{name} is {t:?}; it must be {dtype} {shape:?} on the same device as the other operands")));
+    }
+    if t.ptr() % 16 != 0 {
+        return Err(shape_err(op, format!("{name} must be 16-byte aligned (allocate it as its own tensor)")));
+    }
+    Ok(())
+}
+
+fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| shape_err(op, format!("{what} = {v} exceeds i32")))
+}
+
+/// Router top-k: `s = sigmoid(logits)` (f32); choose the k experts with the largest `s + bias`
+/// (ties → lower expert id), in descending order of that key; weight = `s / Σ_selected s` when
+/// `renormalize`, else `s`. `logits` F32 `[T, E]`, `bias` F32 `[E]`, `ids` I32 `[T, k]`,
+/// `weights` F32 `[T, k]`; 1 ≤ k ≤ min(E, 64). Capturable.
+pub fn route(logits: &CudaTensor, bias: &CudaTensor, k: usize, renormalize: bool, ids: &CudaTensor, weights: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda moe::route";
+    if logits.dtype() != DType::F32 || logits.shape().len() != 2 {
+        return Err(shape_err(OP, format!("logits must be F32 [T, E], got {logits:?}")));
+    }
+    let (t, e) = (logits.shape()[0], logits.shape()[1]);
+    if k == 0 || k > e || k > 64 {
+        return Err(shape_err(OP, format!("k = {k} must be in 1..=min(E = {e}, 64)")));
+    }
+    if 12 * e > SMEM {
+        return Err(shape_err(OP, format!("E = {e} experts exceed the router kernel's shared memory (at most {})", SMEM / 12)));
+    }
+    expect(OP, "bias", bias, DType::F32, &[e], logits)?;
+    expect(OP, "ids", ids, DType::I32, &[t, k], logits)?;
+    expect(OP, "weights", weights, DType::F32, &[t, k], logits)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let dev = logits.cuda_device();
+    let grid = u32::try_from(t).map_err(|_| shape_err(OP, format!("T = {t} exceeds the grid")))?;
+    let (lp, bp, ip, wp) = (logits.ptr(), bias.ptr(), ids.ptr(), weights.ptr());
+    let (e32, k32, rn) = (i32_of(OP, "E", e)?, k as i32, renormalize as i32);
+    dev.launch(MOE, "moe_route", (grid, 1, 1), (256, 1, 1), (12 * e) as u32, &mut kargs![lp, bp, e32, k32, rn, ip, wp])
+}
+
+impl ExpertWeights {
+    /// Checks every tensor against the declared format and dims.
+    fn validate(&self, op: &'static str, like: &CudaTensor) -> Result<()> {
+        let (e, l, f) = (self.num_experts, self.latent, self.inter);
+        if e == 0 || l == 0 || f == 0 || l % 32 != 0 || f % 32 != 0 {
+            return Err(shape_err(op, format!("experts need E > 0 and L, F positive multiples of 32; got E = {e}, L = {l}, F = {f}")));
+        }
+        match self.format {
+            ExpertFormat::Bf16 => {
+                expect(op, "w13", &self.w13, DType::BF16, &[e, 2 * f, l], like)?;
+                expect(op, "w2", &self.w2, DType::BF16, &[e, l, f], like)?;
+            }
+            ExpertFormat::Mxfp4 => {
+                let missing = |n: &str| shape_err(op, format!("MXFP4 experts need {n} (U8 E8M0 scales)"));
+                expect(op, "w13", &self.w13, DType::U8, &[e, 2 * f, l / 2], like)?;
+                expect(op, "w13_scale", self.w13_scale.as_ref().ok_or_else(|| missing("w13_scale"))?, DType::U8, &[e, 2 * f, l / 32], like)?;
+                expect(op, "w2", &self.w2, DType::U8, &[e, l, f / 2], like)?;
+                expect(op, "w2_scale", self.w2_scale.as_ref().ok_or_else(|| missing("w2_scale"))?, DType::U8, &[e, l, f / 32], like)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn scale_ptrs(&self) -> (u64, u64) {
+        (self.w13_scale.as_ref().map_or(0, |s| s.ptr()), self.w2_scale.as_ref().map_or(0, |s| s.ptr()))
+    }
+}
+
+/// `out[t] = scaling · Σ_j weights[t,j] · w2_e · SiTU-GLU(w1_e z[t], w3_e z[t])`, `e = ids[t,j]`,
+/// f32 accumulation. `z` BF16 `[T, L]`, `ids` I32 `[T, k]`, `weights` F32 `[T, k]`, `out` F32
+/// `[T, L]`. A slot whose id is outside 0..E contributes nothing. Deterministic (fixed
+/// summation order, no float atomics); each chosen expert's weights are read once per call.
+/// T ≤ [`DECODE_MAX_TOKENS`]: capturable (SiTU-GLU intermediate kept in f32). T larger: the
+/// prefill path, NOT capturable (reads the routing on the host; intermediate rounded to BF16).
+pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, beta: f32, linear_beta: f32, scaling: f32, out: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda moe::experts_forward";
+    if z.dtype() != DType::BF16 || z.shape().len() != 2 || z.shape()[1] != w.latent {
+        return Err(shape_err(OP, format!("z must be BF16 [T, L = {}], got {z:?}", w.latent)));
+    }
+    let t = z.shape()[0];
+    w.validate(OP, z)?;
+    if ids.shape().len() != 2 || ids.shape()[0] != t {
+        return Err(shape_err(OP, format!("ids must be I32 [T = {t}, k], got {ids:?}")));
+    }
+    let k = ids.shape()[1];
+    expect(OP, "ids", ids, DType::I32, &[t, k], z)?;
+    expect(OP, "weights", weights, DType::F32, &[t, k], z)?;
+    expect(OP, "out", out, DType::F32, &[t, w.latent], z)?;
+    if t == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        return out.fill_bytes(0);
+    }
+    let pairs = if t <= DECODE_MAX_TOKENS { decode(z, ids, w, t, k, beta, linear_beta)? } else { prefill(z, ids, w, t, k, beta, linear_beta)? };
+    pairs.combine(ids, weights, w, t, k, scaling, out)
+}
+
+/// The per-pair expert outputs `y` F32 `[T·k, L]` (row p = t·k + j), ready for [`Pairs::combine`].
+struct Pairs {
+    y: CudaTensor,
+}
+
+impl Pairs {
+    fn combine(&self, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, scaling: f32, out: &CudaTensor) -> Result<()> {
+        let dev = out.cuda_device();
+        let grid = dev.elementwise_grid(t * w.latent, 256);
+        let (yp, ip, wp, op) = (self.y.ptr(), ids.ptr(), weights.ptr(), out.ptr());
+        let (t32, k32, e32, l32) = (t as i32, k as i32, w.num_experts as i32, w.latent as i32);
+        dev.launch(MOE, "moe_combine", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![yp, ip, wp, t32, k32, e32, l32, scaling, op])
+    }
+}
+
+/// Tokens per shared-memory pass for inputs of width `cols` (f32 staging): 1, 2 or 4, the
+/// fewest covering min(T, 4), halved while the staging would exceed [`GEMV_SMEM`].
+fn tokens_per_pass(op: &'static str, t: usize, cols: usize) -> Result<usize> {
+    let mut n = t.min(NT_MAX).next_power_of_two();
+    while n > 1 && n * cols * 4 > GEMV_SMEM {
+        n /= 2;
+    }
+    if cols * 4 > GEMV_SMEM {
+        return Err(shape_err(op, format!("width {cols} is too wide for the decode kernels (at most {})", GEMV_SMEM / 4)));
+    }
+    Ok(n)
+}
+
+/// The grouped-GEMV kernel for (format, stage, tokens per pass).
+fn gemv_kernel(format: ExpertFormat, w13: bool, nt: usize) -> &'static str {
+    match (format, w13, nt) {
+        (ExpertFormat::Mxfp4, true, 1) => "moe_w13_mxfp4_nt1",
+        (ExpertFormat::Mxfp4, true, 2) => "moe_w13_mxfp4_nt2",
+        (ExpertFormat::Mxfp4, true, _) => "moe_w13_mxfp4_nt4",
+        (ExpertFormat::Bf16, true, 1) => "moe_w13_bf16_nt1",
+        (ExpertFormat::Bf16, true, 2) => "moe_w13_bf16_nt2",
+        (ExpertFormat::Bf16, true, _) => "moe_w13_bf16_nt4",
+        (ExpertFormat::Mxfp4, false, 1) => "moe_w2_mxfp4_nt1",
+        (ExpertFormat::Mxfp4, false, 2) => "moe_w2_mxfp4_nt2",
+        (ExpertFormat::Mxfp4, false, _) => "moe_w2_mxfp4_nt4",
+        (ExpertFormat::Bf16, false, 1) => "moe_w2_bf16_nt1",
+        (ExpertFormat::Bf16, false, 2) => "moe_w2_bf16_nt2",
+        (ExpertFormat::Bf16, false, _) => "moe_w2_bf16_nt4",
+    }
+}
+
+/// Lets `name` use `smem` bytes of dynamic shared memory (needed above 48 KiB).
+fn allow_smem(dev: &super::CudaDevice, name: &'static str, smem: usize) -> Result<()> {
+    if smem > SMEM {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        dev.function(MOE, name)?.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(derr("raising the dynamic shared-memory limit"))?;
+    }
+    Ok(())
+}
+
+fn decode(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, beta: f32, lbeta: f32) -> Result<Pairs> {
+    const OP: &str = "cuda moe::experts_forward (decode)";
+    let dev = z.cuda_device();
+    let (e, l, f) = (w.num_experts, w.latent, w.inter);
+    let n_pairs = t * k;
+    let amax = e.min(n_pairs);
+    let group_smem = 4 * (3 * e + n_pairs);
+    if group_smem > SMEM {
+        return Err(shape_err(OP, format!("E = {e} with T·k = {n_pairs} pairs exceeds the grouping kernel's shared memory")));
+    }
+    let (nt13, nt2) = (tokens_per_pass(OP, t, l)?, tokens_per_pass(OP, t, f)?);
+    let (k13, k2) = (gemv_kernel(w.format, true, nt13), gemv_kernel(w.format, false, nt2));
+    let (sm13, sm2) = (nt13 * l * 4, nt2 * f * 4);
+    allow_smem(dev, k13, sm13)?;
+    allow_smem(dev, k2, sm2)?;
+    let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
+    let act = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, f])?;
+    let y = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, l])?;
+    let (ip, mp) = (ids.ptr(), meta.ptr());
+    let (np32, e32, am32, k32) = (n_pairs as i32, e as i32, amax as i32, k as i32);
+    dev.launch(MOE, "moe_group", (1, 1, 1), (1024, 1, 1), group_smem as u32, &mut kargs![ip, np32, e32, am32, mp])?;
+    let (s13, s2) = w.scale_ptrs();
+    let (zp, ap, yp, w13p, w2p) = (z.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
+    let (f2, l32, f32_) = (2 * f as i32, l as i32, f as i32);
+    let block = (32 * WARPS as u32, 1, 1);
+    // W13: 2 output rows (4 weight rows) per warp; W2: 4 rows per warp.
+    let g13 = (f.div_ceil(2 * WARPS) as u32, amax as u32, 1);
+    dev.launch(MOE, k13, g13, block, sm13 as u32, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
+    let g2 = (l.div_ceil(4 * WARPS) as u32, amax as u32, 1);
+    dev.launch(MOE, k2, g2, block, sm2 as u32, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
+    Ok(Pairs { y })
+}
+
+/// Groups the valid pairs by expert on the host: (expert, start, count) ascending by expert,
+/// and the pair list sorted by expert, stable by pair index.
+fn group_host(ids: &[i32], e: usize) -> (Vec<(usize, usize, usize)>, Vec<i32>) {
+    let mut count = vec![0usize; e];
+    for &id in ids {
+        if id >= 0 && (id as usize) < e {
+            count[id as usize] += 1;
+        }
+    }
+    let mut start = vec![0usize; e];
+    let mut acc = 0;
+    for x in 0..e {
+        start[x] = acc;
+        acc += count[x];
+    }
+    let mut fill = start.clone();
+    let mut pairs = vec![0i32; acc];
+    for (p, &id) in ids.iter().enumerate() {
+        if id >= 0 && (id as usize) < e {
+            pairs[fill[id as usize]] = p as i32;
+            fill[id as usize] += 1;
+        }
+    }
+    let groups = (0..e).filter(|&x| count[x] > 0).map(|x| (x, start[x], count[x])).collect();
+    (groups, pairs)
+}
+
+fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, beta: f32, lbeta: f32) -> Result<Pairs> {
+    let dev = z.cuda_device();
+    let (e, l, f) = (w.num_experts, w.latent, w.inter);
+    let host_ids: Vec<i32> = bytemuck::pod_collect_to_vec(&ids.to_bytes()?);
+    let (groups, pairs) = group_host(&host_ids, e);
+    let y = CudaTensor::uninit(dev, DType::F32, vec![t * k, l])?;
+    if pairs.is_empty() {
+        return Ok(Pairs { y });
+    }
+    let pairs_d = CudaTensor::from_pod(dev, DType::I32, vec![pairs.len()], &pairs)?;
+    let w13e = CudaTensor::uninit(dev, DType::BF16, vec![2 * f, l])?;
+    let w2e = CudaTensor::uninit(dev, DType::BF16, vec![l, f])?;
+    let (s13, s2) = w.scale_ptrs();
+    let (k32, l32, f32_) = (k as i32, l as i32, f as i32);
+    for &(ex, start, n) in &groups {
+        let pp = pairs_d.ptr() + 4 * start as u64;
+        let n32 = n as i32;
+        // This expert's weights as BF16 [2F, L] and [L, F].
+        for (dst, src, scale, rows, cols) in [(&w13e, w.w13.ptr(), s13, 2 * f, l), (&w2e, w.w2.ptr(), s2, l, f)] {
+            let elems = (rows * cols) as u64;
+            match w.format {
+                ExpertFormat::Mxfp4 => {
+                    let (pk, sc, groups32, dp) = (src + ex as u64 * elems / 2, scale + ex as u64 * elems / 32, (elems / 32) as i64, dst.ptr());
+                    let grid = dev.elementwise_grid(groups32 as usize, 256);
+                    dev.launch(MOE, "moe_dequant", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![pk, sc, groups32, dp])?;
+                }
+                ExpertFormat::Bf16 => {
+                    dev.bind()?;
+                    // SAFETY: both ranges lie inside their tensors (validated shapes); stream-ordered.
+                    unsafe { dres::memcpy_dtod_async(dst.ptr(), src + ex as u64 * elems * 2, (elems * 2) as usize, dev.cu_stream()) }.map_err(derr("copying an expert's BF16 weights"))?;
+                }
+            }
+        }
+        let zg = CudaTensor::uninit(dev, DType::BF16, vec![n, l])?;
+        let (zp, zgp) = (z.ptr(), zg.ptr());
+        dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
+        let h = CudaTensor::uninit(dev, DType::F32, vec![n, 2 * f])?;
+        blas::linear(&zg, &w13e, &h)?; // [n, 2F]
+        let act = CudaTensor::uninit(dev, DType::BF16, vec![n, f])?;
+        let (hp, ap) = (h.ptr(), act.ptr());
+        let grid = dev.elementwise_grid(n * f, 256);
+        dev.launch(MOE, "moe_situ_split", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
+        let yg = CudaTensor::uninit(dev, DType::F32, vec![n, l])?;
+        blas::linear(&act, &w2e, &yg)?; // [n, L]
+        let (ygp, yp) = (yg.ptr(), y.ptr());
+        dev.launch(MOE, "moe_scatter", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![ygp, pp, n32, l32, yp])?;
+    }
+    Ok(Pairs { y })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::group_host;
+    #[test]
+    fn host_grouping_is_stable_and_skips_invalid_ids() {
+        let (g, p) = group_host(&[2, 0, 2, -1, 0, 9], 3);
+        assert_eq!(g, vec![(0, 0, 2), (2, 2, 2)]);
+        assert_eq!(p, vec![1, 4, 0, 2]);
+    }
+}

@@ -1,0 +1,390 @@
+// moe.cu: Stable LatentMoE routed experts (text-backbone §7.2–7.5; MXFP4 per around-backbone §2).
+// Launchers and the API contract are in cuda/moe.rs; the CPU oracle is k3-model layers/moe.rs.
+// Shapes: T tokens, E experts, k = top-k, L = latent width, F = expert intermediate width,
+// n_pairs = T·k (pair p = t·k + j). Expert weights are contiguous by expert:
+//   w13 [E, 2F, L] (rows 0..F gate w1, F..2F up w3), w2 [E, L, F]; BF16 or MXFP4 (packed
+//   U8 [.., cols/2], low nibble = even column, e2m1; scale U8 [.., cols/32], E8M0 2^(s-127)).
+// `meta` (I32) is the grouping table built by moe_group (decode) or the host (prefill):
+//   [0] n_active | active_expert[amax] | group_start[amax] | group_count[amax] | pair_list[n_pairs]
+// pair_list holds the valid pairs sorted by expert, stable by pair index (= token order).
+
+#define MOE_WARPS 8    // warps per block of the grouped GEMV kernels
+
+// e2m1 nibble -> f32 bits of value·2^-126 (exact; 0.5·2^-126 is an f32 subnormal).
+__device__ __forceinline__ float e2m1_scaled(unsigned int w, int i) {
+    unsigned int x = w >> (4 * i);
+    return __uint_as_float(((x & 7u) << 22) | ((x & 8u) << 28));
+}
+
+// 2^(s-127) exactly (s = 0 is subnormal).
+__device__ __forceinline__ float e8m0(unsigned int s) {
+    return __uint_as_float(s == 0 ? 0x00400000u : (s << 23));
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float situ(float g, float u, float beta, float lbeta) {
+    return beta * tanhf(g / beta) * sigmoidf_(g) * (lbeta * tanhf(u / lbeta));
+}
+
+// ---- router: one block per token --------------------------------------------------------
+// smem: s[E], key[E], taken[E] (int).
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+                                     int E, int k, int renorm, int* __restrict__ ids, float* __restrict__ wts) {
+    extern __shared__ float sm[];
+    float* s = sm;
+    float* key = sm + E;
+    int* taken = (int*)(sm + 2 * E);
+    __shared__ float rk[32];
+    __shared__ int ri[32];
+    __shared__ int chosen[64];
+    const int t = blockIdx.x;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = sigmoidf_(logits[(long long)t * E + e]);
+        s[e] = v;
+        float kk = v + bias[e];
+        key[e] = (kk != kk) ? -K3_INF : kk;
+        taken[e] = 0;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = 0; j < k; j++) {
+        float bk = -K3_INF;
+        int bi = 0x7fffffff;
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            if (taken[e]) continue;
+            float kk = key[e];
+            if (kk > bk || (kk == bk && e < bi)) { bk = kk; bi = e; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ok = __shfl_xor_sync(0xffffffffu, bk, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ok > bk || (ok == bk && oi < bi)) { bk = ok; bi = oi; }
+        }
+        if (lane == 0) { rk[warp] = bk; ri[warp] = bi; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int q = 1; q < nw; q++)
+                if (rk[q] > bk || (rk[q] == bk && ri[q] < bi)) { bk = rk[q]; bi = ri[q]; }
+            taken[bi] = 1;
+            chosen[j] = bi;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += s[chosen[j]];
+        for (int j = 0; j < k; j++) {
+            float v = s[chosen[j]];
+            ids[(long long)t * k + j] = chosen[j];
+            wts[(long long)t * k + j] = renorm ? v / sum : v;
+        }
+    }
+}
+
+// ---- grouping (decode path; one block of 1024 threads) ------------------------------------
+// smem: cnt[E], start[E], arank[E], pid[n_pairs] (ints).
+extern "C" __global__ void moe_group(const int* __restrict__ ids, int n_pairs, int E, int amax, int* __restrict__ meta) {
+    extern __shared__ int gs[];
+    int* cnt = gs;
+    int* start = gs + E;
+    int* arank = gs + 2 * E;
+    int* pid = gs + 3 * E;
+    __shared__ int wsum[2][32];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        int e = ids[p];
+        pid[p] = e;
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    // Exclusive scans of cnt and (cnt > 0) over E: each thread a contiguous chunk.
+    const int nt = blockDim.x, per = (E + nt - 1) / nt, lo = threadIdx.x * per;
+    int hi = lo + per; if (hi > E) hi = E;
+    int a = 0, b = 0;
+    for (int e = lo; e < hi; e++) { a += cnt[e]; b += cnt[e] > 0; }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int ia = a, ib = b;
+    for (int o = 1; o < 32; o <<= 1) {
+        int xa = __shfl_up_sync(0xffffffffu, ia, o), xb = __shfl_up_sync(0xffffffffu, ib, o);
+        if (lane >= o) { ia += xa; ib += xb; }
+    }
+    if (lane == 31) { wsum[0][warp] = ia; wsum[1][warp] = ib; }
+    __syncthreads();
+    if (warp == 0) {
+        int va = lane < (nt >> 5) ? wsum[0][lane] : 0, vb = lane < (nt >> 5) ? wsum[1][lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            int xa = __shfl_up_sync(0xffffffffu, va, o), xb = __shfl_up_sync(0xffffffffu, vb, o);
+            if (lane >= o) { va += xa; vb += xb; }
+        }
+        wsum[0][lane] = va; wsum[1][lane] = vb;  // inclusive per warp
+    }
+    __syncthreads();
+    int ea = ia - a + (warp > 0 ? wsum[0][warp - 1] : 0);
+    int eb = ib - b + (warp > 0 ? wsum[1][warp - 1] : 0);
+    for (int e = lo; e < hi; e++) { start[e] = ea; arank[e] = eb; ea += cnt[e]; eb += cnt[e] > 0; }
+    __syncthreads();
+    int* act_e = meta + 1;
+    int* g_start = meta + 1 + amax;
+    int* g_count = meta + 1 + 2 * amax;
+    int* pairs = meta + 1 + 3 * amax;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        if (cnt[e] > 0) {
+            int r = arank[e];
+            act_e[r] = e; g_start[r] = start[e]; g_count[r] = cnt[e];
+        }
+    }
+    if (threadIdx.x == nt - 1) meta[0] = wsum[1][(nt >> 5) - 1];
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        int e = pid[p];
+        if (e < 0 || e >= E) continue;
+        int r = 0;
+        for (int q = 0; q < p; q++) r += pid[q] == e;
+        pairs[start[e] + r] = p;
+    }
+}
+
+// ---- grouped GEMV ------------------------------------------------------------------------
+// Block (row tile, active slot). Each warp owns 4 weight rows of the slot's expert and dots
+// them with every token of the group, NT tokens per pass (inputs staged in shared memory as
+// f32, chunk-major so lanes read consecutive 16-byte words); the next weight chunk is loaded
+// while the current one is used. MXFP4 inputs are staged ×2^64 and the 2^-126-scaled e2m1
+// values used as is; results are rescaled by 2^62 at the end.
+// W13: rows {f, f+1, F+f, F+f+1}, epilogue SiTU-GLU -> act[p, F] (f32). W2: rows l..l+3 -> y[p, L].
+template <bool MX, bool W13, int NT, typename In>
+__device__ __forceinline__ void grouped_gemv(const In* __restrict__ x, const int* __restrict__ meta, int amax, int k,
+                                             const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
+                                             int rows, int cols, float beta, float lbeta, float* __restrict__ out) {
+    extern __shared__ float xs[];  // [NT][cols], chunk-major per token
+    const int slot = blockIdx.y;
+    if (slot >= meta[0]) return;
+    const int e = meta[1 + slot], gstart = meta[1 + amax + slot], gcount = meta[1 + 2 * amax + slot];
+    const int* pairs = meta + 1 + 3 * amax;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gw = blockIdx.x * MOE_WARPS + warp;
+    int ob, rr[4];
+    bool live;
+    if (W13) {
+        const int fh = rows / 2;
+        ob = 2 * gw; live = ob < fh;
+        if (!live) ob = 0;
+        rr[0] = ob; rr[1] = ob + 1; rr[2] = fh + ob; rr[3] = fh + ob + 1;
+    } else {
+        ob = 4 * gw; live = ob < rows;
+        if (!live) ob = 0;
+        rr[0] = ob; rr[1] = ob + 1; rr[2] = ob + 2; rr[3] = ob + 3;
+    }
+    const int G = cols / 32;   // MXFP4 groups per row
+    const int C8 = cols / 8;   // 16-byte chunks of a BF16 row
+    const int nchunk = cols / 4;
+    const float in_scale = MX ? 18446744073709551616.0f : 1.0f;  // 2^64
+    const long long wrow = MX ? cols / 2 : (long long)cols * 2;  // bytes per weight row
+    const uint4* wr[4];
+    const unsigned char* sr[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        wr[r] = reinterpret_cast<const uint4*>(w + ((long long)e * rows + rr[r]) * wrow);
+        sr[r] = MX ? ws + ((long long)e * rows + rr[r]) * G : nullptr;
+    }
+    for (int c0 = 0; c0 < gcount; c0 += NT) {
+        const int nt = gcount - c0 < NT ? gcount - c0 : NT;
+        __syncthreads();
+        for (int i = threadIdx.x; i < nt * nchunk; i += blockDim.x) {
+            int t = i / nchunk, q4 = i - t * nchunk;
+            int p = pairs[gstart + c0 + t];
+            long long src = W13 ? (long long)(p / k) * cols : (long long)p * cols;
+            float v[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) v[r] = ld(x, src + 4 * q4 + r) * in_scale;
+            int dst;
+            if (MX) { int g = q4 >> 3, q = q4 & 7; dst = q * G + g; }
+            else { int c = q4 >> 1, h = q4 & 1; dst = h * C8 + c; }
+            *reinterpret_cast<float4*>(xs + (long long)t * cols + 4 * dst) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        __syncthreads();
+        if (!live) continue;
+        float acc[4][NT];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
+        const int nit = MX ? G : C8;
+        uint4 cur[4];
+        unsigned int cs[4] = {0, 0, 0, 0};
+        if (lane < nit) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) { cur[r] = __ldg(wr[r] + lane); if (MX) cs[r] = sr[r][lane]; }
+        }
+        for (int g = lane; g < nit; g += 32) {
+            uint4 nxt[4];
+            unsigned int ns[4] = {0, 0, 0, 0};
+            if (g + 32 < nit) {
+#pragma unroll
+                for (int r = 0; r < 4; r++) { nxt[r] = __ldg(wr[r] + g + 32); if (MX) ns[r] = sr[r][g + 32]; }
+            }
+            if (MX) {
+                float part[4][NT];
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+#pragma unroll
+                    for (int t = 0; t < NT; t++) part[r][t] = 0.0f;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    float v[4][8];
+#pragma unroll
+                    for (int r = 0; r < 4; r++) {
+                        unsigned int wq = q == 0 ? cur[r].x : q == 1 ? cur[r].y : q == 2 ? cur[r].z : cur[r].w;
+#pragma unroll
+                        for (int i = 0; i < 8; i++) v[r][i] = e2m1_scaled(wq, i);
+                    }
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        if (t < nt) {
+                            const float* xt = xs + (long long)t * cols;
+                            float4 z0 = *reinterpret_cast<const float4*>(xt + 4 * ((2 * q) * G + g));
+                            float4 z1 = *reinterpret_cast<const float4*>(xt + 4 * ((2 * q + 1) * G + g));
+                            float zz[8] = {z0.x, z0.y, z0.z, z0.w, z1.x, z1.y, z1.z, z1.w};
+#pragma unroll
+                            for (int r = 0; r < 4; r++) {
+                                float s = part[r][t];
+#pragma unroll
+                                for (int i = 0; i < 8; i++) s = fmaf(v[r][i], zz[i], s);
+                                part[r][t] = s;
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    float f = e8m0(cs[r]);
+#pragma unroll
+                    for (int t = 0; t < NT; t++) acc[r][t] = fmaf(part[r][t], f, acc[r][t]);
+                }
+            } else {
+                float v[4][8];
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    unsigned int u[4] = {cur[r].x, cur[r].y, cur[r].z, cur[r].w};
+#pragma unroll
+                    for (int i = 0; i < 4; i++) { v[r][2 * i] = __uint_as_float(u[i] << 16); v[r][2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u); }
+                }
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (t < nt) {
+                        const float* xt = xs + (long long)t * cols;
+                        float4 z0 = *reinterpret_cast<const float4*>(xt + 4 * g);
+                        float4 z1 = *reinterpret_cast<const float4*>(xt + 4 * (C8 + g));
+                        float zz[8] = {z0.x, z0.y, z0.z, z0.w, z1.x, z1.y, z1.z, z1.w};
+#pragma unroll
+                        for (int r = 0; r < 4; r++) {
+                            float s = acc[r][t];
+#pragma unroll
+                            for (int i = 0; i < 8; i++) s = fmaf(v[r][i], zz[i], s);
+                            acc[r][t] = s;
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 4; r++) { cur[r] = nxt[r]; cs[r] = ns[r]; }
+        }
+        const float rescale = MX ? 4611686018427387904.0f : 1.0f;  // 2^62
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                float o[4];
+#pragma unroll
+                for (int r = 0; r < 4; r++) o[r] = warp_sum(acc[r][t]) * rescale;
+                if (lane == 0) {
+                    int p = pairs[gstart + c0 + t];
+                    if (W13) {
+                        float* dst = out + (long long)p * (rows / 2) + ob;
+                        dst[0] = situ(o[0], o[2], beta, lbeta);
+                        dst[1] = situ(o[1], o[3], beta, lbeta);
+                    } else {
+                        float* dst = out + (long long)p * rows + ob;
+#pragma unroll
+                        for (int r = 0; r < 4; r++) dst[r] = o[r];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define MOE_GEMV(NAME, MX, W13, NT, IN)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(const IN* x, const int* meta, int amax, int k,             \
+            const unsigned char* w, const unsigned char* ws, int rows, int cols, float beta, float lbeta, float* out) { \
+        grouped_gemv<MX, W13, NT>(x, meta, amax, k, w, ws, rows, cols, beta, lbeta, out);                               \
+    }
+MOE_GEMV(moe_w13_mxfp4_nt1, true, true, 1, bf16_t)
+MOE_GEMV(moe_w13_mxfp4_nt2, true, true, 2, bf16_t)
+MOE_GEMV(moe_w13_mxfp4_nt4, true, true, 4, bf16_t)
+MOE_GEMV(moe_w13_bf16_nt1, false, true, 1, bf16_t)
+MOE_GEMV(moe_w13_bf16_nt2, false, true, 2, bf16_t)
+MOE_GEMV(moe_w13_bf16_nt4, false, true, 4, bf16_t)
+MOE_GEMV(moe_w2_mxfp4_nt1, true, false, 1, float)
+MOE_GEMV(moe_w2_mxfp4_nt2, true, false, 2, float)
+MOE_GEMV(moe_w2_mxfp4_nt4, true, false, 4, float)
+MOE_GEMV(moe_w2_bf16_nt1, false, false, 1, float)
+MOE_GEMV(moe_w2_bf16_nt2, false, false, 2, float)
+MOE_GEMV(moe_w2_bf16_nt4, false, false, 4, float)
+
+// out[t, l] = scaling · Σ_j w[t, j] · y[t·k + j, l], j ascending; pairs with an invalid id add nothing.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ wts,
+                                       int T, int k, int E, int L, float scaling, float* __restrict__ out) {
+    long long n = (long long)T * L;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / L, l = i - t * L;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int e = ids[t * k + j];
+            if (e >= 0 && e < E) acc = fmaf(wts[t * k + j], y[(t * k + j) * L + l], acc);
+        }
+        out[i] = acc * scaling;
+    }
+}
+
+// ---- prefill helpers ---------------------------------------------------------------------
+// MXFP4 [rows, cols] -> BF16 [rows, cols] (one thread per 32-column group).
+extern "C" __global__ void moe_dequant(const unsigned char* __restrict__ packed, const unsigned char* __restrict__ scale,
+                                       long long groups, bf16_t* __restrict__ out) {
+    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
+        uint4 p = *reinterpret_cast<const uint4*>(packed + 16 * g);
+        float f = e8m0(scale[g]) * 85070591730234615865843651857942052864.0f;  // 2^126
+        unsigned int w4[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = e2m1_scaled(w4[q], i) * f;
+            st_vec(out + 32 * g + 8 * q, v);
+        }
+    }
+}
+
+// zg[i, :] = z[pairs[i] / k, :] (BF16 rows of width L).
+extern "C" __global__ void moe_gather(const bf16_t* __restrict__ z, const int* __restrict__ pairs, int n, int k, int L, bf16_t* __restrict__ zg) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    long long src = (long long)(pairs[i] / k) * L;
+    for (int c = threadIdx.x; c < L; c += blockDim.x) zg[(long long)i * L + c] = z[src + c];
+}
+
+// act[i, f] = SiTU-GLU(h[i, f], h[i, F + f]) rounded to BF16 (the GEMM operand).
+extern "C" __global__ void moe_situ_split(const float* __restrict__ h, int n, int F, float beta, float lbeta, bf16_t* __restrict__ act) {
+    long long total = (long long)n * F;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / F, f = i - r * F;
+        act[i] = f32_to_bf16(situ(h[r * 2 * F + f], h[r * 2 * F + F + f], beta, lbeta));
+    }
+}
+
+// y[pairs[i], :] = yg[i, :].
+extern "C" __global__ void moe_scatter(const float* __restrict__ yg, const int* __restrict__ pairs, int n, int L, float* __restrict__ y) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    long long dst = (long long)pairs[i] * L;
+    for (int c = threadIdx.x; c < L; c += blockDim.x) y[dst + c] = yg[(long long)i * L + c];
+}
