@@ -20,7 +20,9 @@ mod alloc;
 pub mod bench;
 pub mod blas;
 mod compile;
+pub mod dsa;
 pub mod kda;
+pub mod mla;
 pub mod ops;
 mod tensor;
 

@@ -31,8 +31,13 @@ pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
 /// KDA decode step (`kda_decode`, `kda_decode_split`).
 pub const KDA_DECODE: Source = Source { name: "kda_decode", code: include_str!("kda_decode.cu") };
 
+/// Absorbed MLA over a paged latent cache (`mla_cache_append_*`, `mla_attend_p*`, `mla_combine`).
+pub const MLA: Source = Source { name: "mla", code: include_str!("mla.cu") };
+/// DSA lightning indexer and radix top-k (`index_key_append_*`, `dsa_index_scores`, `dsa_topk_*`).
+pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 5] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE];
+pub const ALL: [Source; 7] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, MLA, DSA];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
