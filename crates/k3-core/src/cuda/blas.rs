@@ -77,6 +77,53 @@ pub fn matmul(a: &CudaTensor, b: &CudaTensor, out: &CudaTensor) -> Result<()> {
     gemm(a, b, out, Layout::B, GemmOptions::default())
 }
 
+/// One operand of [`gemm_strided_batched`]: a row-major matrix view at raw device address
+/// `ptr` with leading dimension `ld` (elements between rows) and `stride` (elements between
+/// consecutive batch entries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    pub ptr: u64,
+    pub ld: usize,
+    pub stride: usize,
+}
+
+/// Per batch entry `b`: `C_b[M,N] = A_b[M,K] · op(B_b)` (`op(B) = Bᵀ` for [`Layout::BT`], `B[N,K]`;
+/// `B` for [`Layout::B`], `B[K,N]`), row-major views with explicit leading dims and batch
+/// strides (in elements), f32 accumulation, via cuBLAS `cublasGemmStridedBatchedEx`. Inputs
+/// BF16 (or F16 / F32), output BF16/F16 like the input or F32. Raw addresses let a caller
+/// address per-head slices inside bigger tensors (e.g. the `q_nope` part of `q [N, nh, dn+dr]`
+/// with `ld = nh·(dn+dr)`, `stride = dn+dr`); the caller guarantees every view lies inside
+/// live allocations of `dev` (only `ld`/dims are checked here). Capturable (cuBLAS uses the
+/// preallocated workspace).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_batched(dev: &CudaDevice, m: usize, n: usize, k: usize, batch: usize, a: Strided, b: Strided, layout: Layout, c: Strided, input: DType, output: DType) -> Result<()> {
+    const OP: &str = "cuda gemm_strided_batched";
+    let ok_types = matches!((input, output), (DType::BF16, DType::BF16 | DType::F32) | (DType::F16, DType::F16 | DType::F32) | (DType::F32, DType::F32));
+    if !ok_types {
+        return Err(CoreError::DType { op: OP, dtype: format!("{input} -> {output}") });
+    }
+    let b_cols = if layout == Layout::BT { k } else { n };
+    if a.ld < k || b.ld < b_cols || c.ld < n {
+        return Err(CoreError::Shape { op: OP, detail: format!("leading dims too small: a.ld {} (>= K={k}), b.ld {} (>= {b_cols}), c.ld {} (>= N={n})", a.ld, b.ld, c.ld) });
+    }
+    if [m, n, k, batch, a.ld, b.ld, c.ld].iter().any(|&v| v > i32::MAX as usize) || [a.stride, b.stride, c.stride].iter().any(|&v| v > i64::MAX as usize) {
+        return Err(CoreError::Shape { op: OP, detail: format!("M={m} N={n} K={k} batch={batch} or a leading dim exceeds i32") });
+    }
+    if m == 0 || n == 0 || batch == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        return Err(CoreError::Shape { op: OP, detail: "K = 0 (an empty product) is not supported: zero C instead".into() });
+    }
+    dev.bind()?;
+    let mut guard = lock(&dev.inner().blas);
+    if guard.is_none() {
+        *guard = Some(Blas::new()?);
+    }
+    let blas = guard.as_mut().ok_or_else(|| CoreError::Device("cuBLAS state missing".into()))?;
+    blas.strided_batched(dev, Problem { m, n, k, layout, input, output }, batch, a, b, c)
+}
+
 /// The problem after validation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Problem {
@@ -254,16 +301,23 @@ impl Blas {
         Ok(best)
     }
 
+    /// The cuBLAS handle, created on first use. It is given the cuBLASLt workspace (both run
+    /// on the one compute stream, so they never use it at the same time), which keeps cuBLAS
+    /// from allocating during CUDA-graph capture.
+    fn cublas_handle(&mut self) -> Result<bsys::cublasHandle_t> {
+        if let Some(h) = self.cublas {
+            return Ok(h);
+        }
+        require(library_report().cublas, "libcublas.so (cuBLAS)")?;
+        let h = bres::create_handle().map_err(derr("cublasCreate"))?;
+        self.cublas = Some(h);
+        // SAFETY: live handle; the workspace holds WORKSPACE_BYTES and outlives the handle.
+        unsafe { bsys::cublasSetWorkspace_v2(h, self.workspace as *mut c_void, WORKSPACE_BYTES) }.result().map_err(derr("cublasSetWorkspace"))?;
+        Ok(h)
+    }
+
     fn cublas_gemm(&mut self, dev: &CudaDevice, p: Problem, a: u64, b: u64, c: u64) -> Result<()> {
-        let h = match self.cublas {
-            Some(h) => h,
-            None => {
-                require(library_report().cublas, "libcublas.so (cuBLAS)")?;
-                let h = bres::create_handle().map_err(derr("cublasCreate"))?;
-                self.cublas = Some(h);
-                h
-            }
-        };
+        let h = self.cublas_handle()?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (ta, lda) = match p.layout {
             Layout::BT => (bsys::cublasOperation_t::CUBLAS_OP_T, p.k),
@@ -295,6 +349,46 @@ impl Blas {
             )
         }
         .map_err(derr("cublasGemmEx"))
+    }
+
+    fn strided_batched(&mut self, dev: &CudaDevice, p: Problem, batch: usize, a: Strided, b: Strided, c: Strided) -> Result<()> {
+        let h = self.cublas_handle()?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let ta = match p.layout {
+            Layout::BT => bsys::cublasOperation_t::CUBLAS_OP_T,
+            Layout::B => bsys::cublasOperation_t::CUBLAS_OP_N,
+        };
+        // Row-major C = A · op(B) is column-major Cᵀ = op(B)ᵀ · Aᵀ: cuBLAS's A is our b, m = N, n = M.
+        // SAFETY: live handle; the caller validated that every view lies in its buffers' extents.
+        unsafe {
+            bres::set_stream(h, dev.cu_stream() as bsys::cudaStream_t).map_err(derr("cublasSetStream"))?;
+            bres::gemm_strided_batched_ex(
+                h,
+                ta,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                p.n as i32,
+                p.m as i32,
+                p.k as i32,
+                &alpha as *const f32 as *const c_void,
+                b.ptr as *const c_void,
+                data_type_b(p.input),
+                b.ld as i32,
+                b.stride as i64,
+                a.ptr as *const c_void,
+                data_type_b(p.input),
+                a.ld as i32,
+                a.stride as i64,
+                &beta as *const f32 as *const c_void,
+                c.ptr as *mut c_void,
+                data_type_b(p.output),
+                c.ld as i32,
+                c.stride as i64,
+                batch as i32,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(derr("cublasGemmStridedBatchedEx"))
     }
 }
 

@@ -41,8 +41,13 @@ pub const COPY: Source = Source { name: "copy", code: include_str!("copy.cu") };
 /// Routed MoE experts: router top-k, grouping, grouped MXFP4/BF16 GEMV, prefill helpers (`moe_*`).
 pub const MOE: Source = Source { name: "moe", code: include_str!("moe.cu") };
 
+/// Absorbed MLA over a paged latent cache (`mla_cache_append_*`, `mla_attend_p*`, `mla_combine`).
+pub const MLA: Source = Source { name: "mla", code: include_str!("mla.cu") };
+/// DSA lightning indexer and radix top-k (`index_key_append_*`, `dsa_index_scores`, `dsa_topk_*`).
+pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 9] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE];
+pub const ALL: [Source; 11] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MLA, DSA];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.

@@ -1,0 +1,222 @@
+//! Launchers for gated MLA in the absorbed form over a paged latent cache (text-backbone §4;
+//! kernels in `kernels/cuda/mla.cu`, CPU oracle k3-model `layers/mla.rs`, absorbed branch of
+//! `attend`).
+//!
+//! Shape legend: `N` packed rows (tokens of possibly several sequences), `B` sequences, `nh`
+//! heads, `r` latent width (`kv_lora_rank`), `dr` rope width, `W = r + dr`; the cache of one
+//! layer is BF16 `[num_pages, PAGE, W]` (normed `c_kv` then raw `k_pe` per token), addressed
+//! through a block table of page ids. `r` and `dr` must be multiples of 8 (16-byte rows), and
+//! `r <= 2048`.
+//!
+//! Both functions are CUDA-graph capturable: no host sync, no device reads on the host; the
+//! split partials of [`mla_attend`] come from [`CudaTensor::uninit`].
+
+use super::{derr, kargs, CudaDevice, CudaTensor};
+use crate::kernels::cuda::MLA;
+use crate::{CoreError, DType, Result};
+
+/// Tokens per cache page.
+pub const PAGE: usize = 64;
+const OP_APPEND: &str = "cuda mla_cache_append";
+const OP_ATTEND: &str = "cuda mla_attend";
+/// Keys per tile of the CUDA-core and tensor-core attend kernels, and their block size.
+const TILE: usize = 32;
+const TC_TILE: usize = 64;
+const THREADS: u32 = 256;
+/// A split covers at least this many keys.
+const MIN_SPLIT_KEYS: usize = 128;
+
+/// Describes one packed step over paged caches (all I32 device tensors, prepared by the caller
+/// before the step).
+pub struct PagedBatch<'a> {
+    /// I32 `[B, max_pages]`: page ids of each sequence, in order.
+    pub block_table: &'a CudaTensor,
+    /// I32 `[N]`: which sequence (row of `block_table`) each packed row belongs to.
+    pub row_seq: &'a CudaTensor,
+    /// I32 `[N]`: absolute position of each packed row's token in its sequence.
+    pub row_pos: &'a CudaTensor,
+}
+
+impl PagedBatch<'_> {
+    /// Validates dtypes, ranks and devices; returns (N, max_pages).
+    pub(crate) fn check(&self, op: &'static str, dev: &CudaDevice) -> Result<(usize, usize)> {
+        for (name, t) in [("block_table", self.block_table), ("row_seq", self.row_seq), ("row_pos", self.row_pos)] {
+            if t.dtype() != DType::I32 {
+                return Err(CoreError::DType { op, dtype: format!("{name} is {} (I32 needed)", t.dtype()) });
+            }
+            if !t.cuda_device().same(dev) {
+                return Err(CoreError::Shape { op, detail: format!("{name} {t:?} is on another device") });
+            }
+        }
+        if self.block_table.shape().len() != 2 {
+            return Err(CoreError::Shape { op, detail: format!("block_table {:?} must be [B, max_pages]", self.block_table) });
+        }
+        let n = self.row_seq.numel();
+        if self.row_seq.shape().len() != 1 || self.row_pos.shape() != [n] {
+            return Err(CoreError::Shape { op, detail: format!("row_seq {:?} and row_pos {:?} must both be [N]", self.row_seq, self.row_pos) });
+        }
+        Ok((n, self.block_table.shape()[1]))
+    }
+}
+
+pub(crate) fn same_dev(op: &'static str, dev: &CudaDevice, ts: &[(&str, &CudaTensor)]) -> Result<()> {
+    for (name, t) in ts {
+        if !t.cuda_device().same(dev) {
+            return Err(CoreError::Shape { op, detail: format!("{name} {t:?} is on another device") });
+        }
+    }
+    Ok(())
+}
+
+fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CoreError::Shape { op, detail: format!("{what} = {v} exceeds i32") })
+}
+
+fn aligned16(op: &'static str, ts: &[(&str, &CudaTensor)]) -> Result<()> {
+    for (name, t) in ts {
+        if t.ptr() % 16 != 0 {
+            return Err(CoreError::Shape { op, detail: format!("{name} must start on a 16-byte boundary (pass a whole tensor, not an offset view)") });
+        }
+    }
+    Ok(())
+}
+
+/// Cache geometry: (num_pages, W) after checking `cache` is BF16 `[num_pages, PAGE, W]`.
+fn cache_dims(op: &'static str, cache: &CudaTensor) -> Result<(usize, usize)> {
+    if cache.dtype() != DType::BF16 || cache.shape().len() != 3 || cache.shape()[1] != PAGE {
+        return Err(CoreError::Shape { op, detail: format!("cache {cache:?} must be BF16 [num_pages, {PAGE}, r+dr]") });
+    }
+    Ok((cache.shape()[0], cache.shape()[2]))
+}
+
+/// Appends N rows to a layer's latent cache: `cache[page(row_seq,row_pos)][row_pos % PAGE] =
+/// [ RMSNorm(ckv[i, :r]) * kv_norm (eps), ckv[i, r:] (raw k_pe) ]` stored BF16 (f32 statistics).
+/// `ckv` F32 or BF16 `[N, r+dr]`, `kv_norm` F32 `[r]`, cache BF16 `[num_pages, PAGE, r+dr]`.
+/// Rows whose page entry or position is out of range are the caller's error (not checked on the device).
+pub fn mla_cache_append(ckv: &CudaTensor, kv_norm: &CudaTensor, eps: f32, batch: &PagedBatch, cache: &CudaTensor) -> Result<()> {
+    const OP: &str = OP_APPEND;
+    let dev = ckv.cuda_device();
+    let (n, max_pages) = batch.check(OP, dev)?;
+    same_dev(OP, dev, &[("kv_norm", kv_norm), ("cache", cache)])?;
+    let (_, w) = cache_dims(OP, cache)?;
+    let r = kv_norm.numel();
+    if kv_norm.dtype() != DType::F32 || kv_norm.shape().len() != 1 || r == 0 || r >= w {
+        return Err(CoreError::Shape { op: OP, detail: format!("kv_norm {kv_norm:?} must be F32 [r] with 0 < r < cache width {w}") });
+    }
+    let dr = w - r;
+    if r % 8 != 0 || dr % 8 != 0 {
+        return Err(CoreError::Shape { op: OP, detail: format!("r = {r} and dr = {dr} must be multiples of 8") });
+    }
+    if ckv.shape() != [n, w] {
+        return Err(CoreError::Shape { op: OP, detail: format!("ckv {ckv:?} must be [N={n}, r+dr={w}]") });
+    }
+    let name = match ckv.dtype() {
+        DType::F32 => "mla_cache_append_f32",
+        DType::BF16 => "mla_cache_append_bf16",
+        d => return Err(CoreError::DType { op: OP, dtype: format!("ckv {d} (F32 or BF16 needed)") }),
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    let rows = u32::try_from(n).map_err(|_| CoreError::Shape { op: OP, detail: format!("{n} rows exceed the grid") })?;
+    let (mp, r32, dr32) = (i32_of(OP, "max_pages", max_pages)?, r as i32, dr as i32);
+    let (cp, kp, bt, rs, rp, cc) = (ckv.ptr(), kv_norm.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), cache.ptr());
+    dev.launch(MLA, name, (rows, 1, 1), (128, 1, 1), 0, &mut kargs![cp, kp, eps, bt, mp, rs, rp, cc, r32, dr32])
+}
+
+/// Kernel variant for latent width `r`: (name, heads per block).
+fn variant(r: usize) -> Option<(&'static str, usize)> {
+    match r {
+        0..=512 => Some(("mla_attend_tc", 16)),
+        513..=1024 => Some(("mla_attend_p2", 8)),
+        1025..=2048 => Some(("mla_attend_p4", 4)),
+        _ => None,
+    }
+}
+
+/// Dynamic shared memory of the attend kernels (layouts in `mla.cu`).
+fn attend_smem(name: &str, w: usize, hgm: usize) -> usize {
+    if name == "mla_attend_tc" {
+        let kst = w.div_ceil(16) * 16 + 8;
+        (16 + TC_TILE) * kst * 2 + 16 * 68 * 4 + 16 * 72 * 2 + 48 * 4 + TC_TILE * 8
+    } else {
+        hgm * w * 4 + TILE * (w + 8) * 2 + (35 * hgm + 2) * 4 + TILE * 8
+    }
+}
+
+/// Number of key splits: enough blocks to fill the GPU ~4 times, each split >= MIN_SPLIT_KEYS keys.
+fn num_splits(dev: &CudaDevice, base_blocks: usize, max_keys: usize) -> usize {
+    let target = 4 * dev.info().multiprocessors.max(1) as usize;
+    let want = target.div_ceil(base_blocks.max(1));
+    want.min(max_keys.div_ceil(MIN_SPLIT_KEYS)).clamp(1, 1024)
+}
+
+/// Absorbed attention core. `q` BF16 `[N, nh, r+dr]` is the absorbed query per head
+/// `[q_lat (r) | q_pe (dr)]`. Row i, head h attends to positions `0..=row_pos[i]` of sequence
+/// `row_seq[i]` (the cache already holds them), or, when `sel` = (`sel_idx` I32 `[N, K]`,
+/// `sel_count` I32 `[N]`) is given, to the positions `sel_idx[i, 0..sel_count[i]]`.
+/// `score = (q_lat·c_kv[s] + q_pe·k_pe[s]) * scale`; softmax in f32;
+/// `out[i,h,:] = Σ p_s c_kv[s]` BF16 `[N, nh, r]` (the caller multiplies by `W_uv`).
+/// Flash-decoding: keys are split across blocks when rows × head groups do not fill the GPU.
+/// For `r <= 512` scores and `P·V` run on tensor cores (bf16 operands, P rounded to bf16, f32
+/// accumulation); larger `r` uses a CUDA-core kernel (f32 P).
+pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
+    const OP: &str = OP_ATTEND;
+    let dev = q.cuda_device();
+    let (n, max_pages) = batch.check(OP, dev)?;
+    same_dev(OP, dev, &[("cache", cache), ("out", out)])?;
+    let (_, w) = cache_dims(OP, cache)?;
+    if r == 0 || r >= w || r % 8 != 0 || (w - r) % 8 != 0 {
+        return Err(CoreError::Shape { op: OP, detail: format!("r = {r} with cache width {w}: r and dr = width - r must be positive multiples of 8") });
+    }
+    let (name, hgm) = variant(r).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("r = {r} > 2048 is not supported by the attend kernel") })?;
+    if q.dtype() != DType::BF16 || q.shape().len() != 3 || q.shape()[0] != n || q.shape()[2] != w {
+        return Err(CoreError::Shape { op: OP, detail: format!("q {q:?} must be BF16 [N={n}, nh, r+dr={w}]") });
+    }
+    let nh = q.shape()[1];
+    if out.dtype() != DType::BF16 || out.shape() != [n, nh, r] {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be BF16 [N={n}, nh={nh}, r={r}]") });
+    }
+    let (sel_idx, sel_count, sel_k) = match sel {
+        Some((si, sc)) => {
+            same_dev(OP, dev, &[("sel_idx", si), ("sel_count", sc)])?;
+            if si.dtype() != DType::I32 || sc.dtype() != DType::I32 || si.shape().len() != 2 || si.shape()[0] != n || sc.shape() != [n] {
+                return Err(CoreError::Shape { op: OP, detail: format!("selection {si:?}, {sc:?} must be I32 [N={n}, K] and I32 [N]") });
+            }
+            (si.ptr(), sc.ptr(), si.shape()[1])
+        }
+        None => (0u64, 0u64, 0usize),
+    };
+    aligned16(OP, &[("q", q), ("cache", cache)])?;
+    if n == 0 || nh == 0 {
+        return Ok(());
+    }
+    let max_keys = if sel.is_some() { sel_k } else { max_pages * PAGE };
+    if max_keys == 0 {
+        return out.fill_bytes(0);
+    }
+    let groups = nh.div_ceil(hgm);
+    let rows = u32::try_from(n).ok().filter(|&v| v < (1 << 31)).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("{n} rows exceed the grid") })?;
+    let splits = num_splits(dev, n * groups, max_keys);
+    let smem = attend_smem(name, w, hgm);
+    if smem > 227 * 1024 {
+        return Err(CoreError::Shape { op: OP, detail: format!("cache width {w} needs {smem} bytes of shared memory (> 227 KiB)") });
+    }
+    let f = dev.function(MLA, name)?;
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(derr("raising the shared-memory limit of mla_attend"))?;
+    let (part_acc, part_ml) = if splits > 1 {
+        (Some(CudaTensor::uninit(dev, DType::F32, vec![n, splits, nh, r])?), Some(CudaTensor::uninit(dev, DType::F32, vec![n, splits, nh, 2])?))
+    } else {
+        (None, None)
+    };
+    let pa = part_acc.as_ref().map_or(0, |t| t.ptr());
+    let pm = part_ml.as_ref().map_or(0, |t| t.ptr());
+    let (mp, sk, nh32, r32, dr32, sp32) = (i32_of(OP, "max_pages", max_pages)?, i32_of(OP, "K", sel_k)?, i32_of(OP, "nh", nh)?, r as i32, (w - r) as i32, splits as i32);
+    let (qp, cp, bt, rs, rp, op) = (q.ptr(), cache.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), out.ptr());
+    dev.launch(MLA, name, (rows, groups as u32, splits as u32), (THREADS, 1, 1), smem as u32, &mut kargs![qp, cp, bt, mp, rs, rp, sel_idx, sel_count, sk, nh32, r32, dr32, scale, sp32, op, pa, pm])?;
+    if splits > 1 {
+        dev.launch(MLA, "mla_combine", (rows, nh as u32, 1), (128, 1, 1), 0, &mut kargs![pa, pm, sp32, nh32, r32, op])?;
+    }
+    Ok(())
+}

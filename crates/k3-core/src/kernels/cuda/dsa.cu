@@ -1,0 +1,266 @@
+// dsa.cu: K3.1's lightning indexer and top-k selection (text-backbone §5.3–5.6; CPU oracle:
+// k3-model layers/dsa.rs `index_scores`, `select_topk`). Shapes: N packed rows, ih index
+// heads, id index dim; key cache F32 [num_pages, PAGE=64, id]; q F32 [N, ih, id]; a F32
+// [N, ih] (already scaled); scores F32 [N, L]; block_table I32 [B, max_pages]; row_seq /
+// row_pos I32 [N]; idx I32 [N, k]; count I32 [N].
+//
+// Top-k is a multi-block radix select over the unique key (ordered score << pb | pos, pb = bits(L-1)):
+// per 11-bit digit, `dsa_topk_hist` (many blocks per row, shared-memory histogram, global
+// atomics) then `dsa_topk_select` (one block per row: finds the digit holding the k-th largest
+// key). The exact k-th key T is known after all 32 + pb bits; then
+// `dsa_topk_count` counts keys >= T per block and `dsa_topk_write` writes their positions in
+// increasing order (block offsets from the counts, ballot scan inside a block).
+
+#define DSA_PAGE 64
+#define DSA_KEYS 128
+#define DSA_BINS 2048
+
+extern "C" __global__ void dsa_zero_i32(int* p, long long n) {
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (long long)gridDim.x * blockDim.x) p[j] = 0;
+}
+
+template <typename T>
+__device__ __forceinline__ void index_key_append_row(const T* __restrict__ k, const float* __restrict__ lw, const float* __restrict__ lb,
+                                                     float eps, const int* __restrict__ bt, int mp, const int* __restrict__ rs,
+                                                     const int* __restrict__ rp, float* __restrict__ kc, int id) {
+    __shared__ float scratch[32];
+    const int i = blockIdx.x;
+    const T* x = k + (long long)i * id;
+    float s = 0.0f;
+    for (int d = threadIdx.x; d < id; d += blockDim.x) s += ld(x, d);
+    const float mu = block_sum(s, scratch) / (float)id;
+    float v2 = 0.0f;
+    for (int d = threadIdx.x; d < id; d += blockDim.x) {
+        float c = ld(x, d) - mu;
+        v2 += c * c;
+    }
+    const float var = block_sum(v2, scratch) / (float)id;
+    const float inv = 1.0f / sqrtf(var + eps);
+    const int pos = rp[i];
+    const int page = bt[(long long)rs[i] * mp + pos / DSA_PAGE];
+    float* dst = kc + ((long long)page * DSA_PAGE + pos % DSA_PAGE) * id;
+    for (int d = threadIdx.x; d < id; d += blockDim.x) dst[d] = (ld(x, d) - mu) * inv * lw[d] + lb[d];
+}
+
+extern "C" __global__ void index_key_append_f32(const float* k, const float* lw, const float* lb, float eps, const int* bt, int mp,
+                                                const int* rs, const int* rp, float* kc, int id) {
+    index_key_append_row<float>(k, lw, lb, eps, bt, mp, rs, rp, kc, id);
+}
+extern "C" __global__ void index_key_append_bf16(const bf16_t* k, const float* lw, const float* lb, float eps, const int* bt, int mp,
+                                                 const int* rs, const int* rp, float* kc, int id) {
+    index_key_append_row<bf16_t>(k, lw, lb, eps, bt, mp, rs, rp, kc, id);
+}
+
+// Grid (ceil(L / 128), N), 128 threads, one key per thread. Dynamic smem: keys f32
+// [128][id+4] | q f32 [ih][id] | a f32 [ih].
+extern "C" __global__ void __launch_bounds__(DSA_KEYS) dsa_index_scores(
+    const float* __restrict__ q, const float* __restrict__ a, const float* __restrict__ kc, const int* __restrict__ bt, int mp,
+    const int* __restrict__ rs, const int* __restrict__ rp, float* __restrict__ scores, long long L, int ih, int id) {
+    extern __shared__ __align__(16) float dsm[];
+    const int i = blockIdx.y, tid = threadIdx.x, idp = id + 4;
+    const int n = rp[i] + 1;
+    const int s0 = blockIdx.x * DSA_KEYS;
+    if (s0 >= n) return;
+    float* ks = dsm;
+    float* qs = ks + DSA_KEYS * idp;
+    float* as = qs + ih * id;
+    const long long seq_base = (long long)rs[i] * mp;
+    for (int v = tid; v < ih * id / 4; v += DSA_KEYS)
+        *reinterpret_cast<float4*>(qs + v * 4) = *reinterpret_cast<const float4*>(q + (long long)i * ih * id + v * 4);
+    for (int h = tid; h < ih; h += DSA_KEYS) as[h] = a[(long long)i * ih + h];
+    const int iv = id / 4;
+    for (int v = tid; v < DSA_KEYS * iv; v += DSA_KEYS) {
+        const int t = v / iv, c = (v % iv) * 4, s = s0 + t;
+        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (s < n) {
+            const int page = bt[seq_base + s / DSA_PAGE];
+            val = *reinterpret_cast<const float4*>(kc + ((long long)page * DSA_PAGE + s % DSA_PAGE) * id + c);
+        }
+        *reinterpret_cast<float4*>(ks + t * idp + c) = val;
+    }
+    __syncthreads();
+    const int s = s0 + tid;
+    if (s >= n) return;
+    const float* kr = ks + tid * idp;
+    float total = 0.0f;
+    for (int hb = 0; hb < ih; hb += 32) {
+        const int hn = min(32, ih - hb);
+        float acc[32];
+#pragma unroll
+        for (int h = 0; h < 32; h++) acc[h] = 0.0f;
+        for (int c = 0; c < id; c += 4) {
+            const float4 k4 = *reinterpret_cast<const float4*>(kr + c);
+#pragma unroll
+            for (int h = 0; h < 32; h++) {
+                if (h < hn) {
+                    const float4 q4 = *reinterpret_cast<const float4*>(qs + (hb + h) * id + c);
+                    acc[h] = fmaf(q4.x, k4.x, fmaf(q4.y, k4.y, fmaf(q4.z, k4.z, fmaf(q4.w, k4.w, acc[h]))));
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 32; h++)
+            if (h < hn) total += as[hb + h] * fmaxf(acc[h], 0.0f);
+    }
+    scores[(long long)i * L + s] = total;
+}
+
+// ---- top-k ----
+
+__device__ __forceinline__ unsigned long long dsa_key(float s, int pos, int pb) {
+    unsigned int u = __float_as_uint(s);
+    if ((u & 0x7fffffffu) == 0u) u = 0u;  // -0.0 ties with +0.0
+    const unsigned int o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)o << pb) | (unsigned int)pos;
+}
+
+// state per row (u64 x2): [prefix, remaining rank]
+extern "C" __global__ void dsa_topk_init(int* hist, unsigned long long* state, int k, int n_rows) {
+    const int i = blockIdx.x;
+    for (int b = threadIdx.x; b < DSA_BINS; b += blockDim.x) hist[(long long)i * DSA_BINS + b] = 0;
+    if (threadIdx.x == 0) {
+        state[2 * i] = 0ull;
+        state[2 * i + 1] = (unsigned long long)k;
+    }
+}
+
+extern "C" __global__ void dsa_topk_hist(const float* __restrict__ scores, long long L, const int* __restrict__ rp, int k,
+                                         int* __restrict__ hist, const unsigned long long* __restrict__ state, int shift, int width,
+                                         int chunk, int pb) {
+    __shared__ int sh[DSA_BINS];
+    const int i = blockIdx.y;
+    const int n = rp[i] + 1;
+    const long long b0 = (long long)blockIdx.x * chunk;
+    if (n <= k || b0 >= n) return;
+    const int nb = 1 << width;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) sh[b] = 0;
+    __syncthreads();
+    const int top = shift + width;
+    const unsigned long long mask = top >= 64 ? 0ull : (~0ull << top);
+    const unsigned long long want = state[2 * i] & mask;
+    const long long e = min((long long)n, b0 + chunk);
+    const float* row = scores + (long long)i * L;
+    for (long long p = b0 + threadIdx.x; p < e; p += blockDim.x) {
+        const unsigned long long key = dsa_key(row[p], (int)p, pb);
+        if ((key & mask) == want) atomicAdd(&sh[(int)((key >> shift) & (unsigned long long)(nb - 1))], 1);
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+        if (sh[b]) atomicAdd(&hist[(long long)i * DSA_BINS + b], sh[b]);
+}
+
+// One block of 1024 threads per row; thread t owns bins nb-1-2t and nb-2-2t (descending order).
+extern "C" __global__ void __launch_bounds__(1024) dsa_topk_select(int* __restrict__ hist, unsigned long long* __restrict__ state,
+                                                                   const int* __restrict__ rp, int k, int shift, int width) {
+    __shared__ int wsum[32];
+    const int i = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int n = rp[i] + 1;
+    if (n <= k) return;
+    const int nb = 1 << width;
+    int* hr = hist + (long long)i * DSA_BINS;
+    const int hi = nb - 1 - 2 * t, lo = hi - 1;
+    const int c_hi = hi >= 0 ? hr[hi] : 0, c_lo = lo >= 0 ? hr[lo] : 0;
+    const int local = c_hi + c_lo;
+    int inc = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+    }
+    if (lane == 31) wsum[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int v = wsum[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int u = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += u;
+        }
+        wsum[lane] = v;
+    }
+    __syncthreads();
+    inc += warp > 0 ? wsum[warp - 1] : 0;
+    const int excl = inc - local;
+    const long long kk = (long long)state[2 * i + 1];
+    if (local > 0 && excl < kk && kk <= inc) {
+        int digit, above;
+        if (excl + c_hi >= kk) { digit = hi; above = excl; }
+        else { digit = lo; above = excl + c_hi; }
+        state[2 * i] |= (unsigned long long)digit << shift;
+        state[2 * i + 1] = (unsigned long long)(kk - above);
+    }
+    __syncthreads();
+    if (hi >= 0) hr[hi] = 0;
+    if (lo >= 0) hr[lo] = 0;
+}
+
+__device__ __forceinline__ int dsa_block_count(int c, int* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    if (lane == 0) scratch[warp] = c;
+    __syncthreads();
+    c = lane < nw ? scratch[lane] : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    __syncthreads();
+    return c;
+}
+
+extern "C" __global__ void dsa_topk_count(const float* __restrict__ scores, long long L, const int* __restrict__ rp, int k,
+                                          const unsigned long long* __restrict__ state, int* __restrict__ counts, int nblk, int chunk, int pb) {
+    __shared__ int scratch[32];
+    const int i = blockIdx.y;
+    const int n = rp[i] + 1;
+    const long long b0 = (long long)blockIdx.x * chunk;
+    if (n <= k) return;
+    const unsigned long long T = state[2 * i];
+    const long long e = min((long long)n, b0 + chunk);
+    const float* row = scores + (long long)i * L;
+    int c = 0;
+    for (long long p = b0 + threadIdx.x; p < e; p += blockDim.x) c += dsa_key(row[p], (int)p, pb) >= T;
+    c = dsa_block_count(c, scratch);
+    if (threadIdx.x == 0) counts[(long long)i * nblk + blockIdx.x] = c;
+}
+
+// 256 threads per block.
+extern "C" __global__ void dsa_topk_write(const float* __restrict__ scores, long long L, const int* __restrict__ rp, int k,
+                                          const unsigned long long* __restrict__ state, const int* __restrict__ counts, int nblk,
+                                          int chunk, int* __restrict__ idx, int* __restrict__ count, int pb) {
+    __shared__ int scratch[32];
+    __shared__ int wtot[8];
+    const int i = blockIdx.y, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int n = rp[i] + 1;
+    const long long b0 = (long long)blockIdx.x * chunk;
+    const long long e = min((long long)n, b0 + chunk);
+    int* out = idx + (long long)i * k;
+    if (n <= k) {
+        for (long long p = b0 + t; p < e; p += blockDim.x) out[p] = (int)p;
+        if (blockIdx.x == 0 && t == 0) count[i] = n;
+        return;
+    }
+    if (blockIdx.x == 0 && t == 0) count[i] = k;
+    if (b0 >= n) return;
+    int off = 0;
+    for (int b = t; b < blockIdx.x; b += blockDim.x) off += counts[(long long)i * nblk + b];
+    off = dsa_block_count(off, scratch);
+    const unsigned long long T = state[2 * i];
+    const float* row = scores + (long long)i * L;
+    for (long long base = b0; base < e; base += blockDim.x) {
+        const long long p = base + t;
+        const bool f = p < e && dsa_key(row[p], (int)p, pb) >= T;
+        const unsigned int bal = __ballot_sync(0xffffffffu, f);
+        const int before = __popc(bal & ((1u << lane) - 1u));
+        if (lane == 0) wtot[warp] = __popc(bal);
+        __syncthreads();
+        int wo = 0, tot = 0;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            wo += w < warp ? wtot[w] : 0;
+            tot += wtot[w];
+        }
+        if (f) out[off + wo + before] = (int)p;
+        off += tot;
+        __syncthreads();
+    }
+}

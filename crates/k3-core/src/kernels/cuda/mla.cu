@@ -1,0 +1,435 @@
+// mla.cu: gated MLA in the absorbed form over a paged latent cache (text-backbone §4; CPU
+// oracle: k3-model layers/mla.rs `attend`, absorbed branch). Shapes: N packed rows, nh heads,
+// latent width r, rope width dr, W = r + dr; cache BF16 [num_pages, PAGE=64, W] (normed c_kv
+// then raw k_pe); block_table I32 [B, max_pages]; row_seq / row_pos I32 [N]; q BF16
+// [N, nh, W] (absorbed: q_lat | q_pe); out BF16 [N, nh, r]; optional selection sel_idx I32
+// [N, K] with sel_count I32 [N].
+//
+// `mla_cache_append_*`: one block per row, RMSNorm of the latent in f32, stored as BF16.
+// `mla_attend_tc` (r <= 512, the K3 case): flash-decoding on tensor cores, described at the
+// kernel. `mla_attend_p*` (any r <= 2048, CUDA cores): block (row, head group of <= HGM heads,
+// key split); each 32-key tile is gathered from the pages into shared memory once and used by every head of
+// the group; scores in f32 (q pre-scaled by scale*log2 e, exp2), online softmax, the latent
+// accumulator (2P dims per thread) in registers. With one split the block writes `out`
+// directly; otherwise it writes (m, l, acc) partials and `mla_combine` merges them.
+
+#define MLA_PAGE 64
+#define MLA_TILE 32
+#define MLA_THREADS 256
+#define MLA_LOG2E 1.4426950408889634f
+
+template <typename T>
+__device__ __forceinline__ void mla_cache_append_row(const T* __restrict__ ckv, const float* __restrict__ kv_norm, float eps,
+                                                     const int* __restrict__ block_table, int max_pages,
+                                                     const int* __restrict__ row_seq, const int* __restrict__ row_pos,
+                                                     bf16_t* __restrict__ cache, int r, int dr) {
+    __shared__ float scratch[32];
+    const int i = blockIdx.x, w = r + dr;
+    const T* x = ckv + (long long)i * w;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < r; d += blockDim.x) {
+        float v = ld(x, d);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)r + eps);
+    const int pos = row_pos[i];
+    const int page = block_table[(long long)row_seq[i] * max_pages + pos / MLA_PAGE];
+    bf16_t* dst = cache + ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
+    for (int d = threadIdx.x; d < w; d += blockDim.x) {
+        float v = ld(x, d);
+        dst[d] = f32_to_bf16(d < r ? v * inv * kv_norm[d] : v);
+    }
+}
+
+extern "C" __global__ void mla_cache_append_f32(const float* ckv, const float* kv_norm, float eps, const int* bt, int mp,
+                                                const int* rs, const int* rp, bf16_t* cache, int r, int dr) {
+    mla_cache_append_row<float>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
+}
+extern "C" __global__ void mla_cache_append_bf16(const bf16_t* ckv, const float* kv_norm, float eps, const int* bt, int mp,
+                                                 const int* rs, const int* rp, bf16_t* cache, int r, int dr) {
+    mla_cache_append_row<bf16_t>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
+}
+
+// Dynamic shared memory: qs f32 [HGM][W] | ks bf16 [TILE][W+8] | ps f32 [TILE][HGM] |
+// m, l, alpha f32 [HGM] | rowoff i64 [TILE].
+template <int P, int HGM>
+__device__ __forceinline__ void mla_attend_block(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache,
+                                                 const int* __restrict__ block_table, int max_pages,
+                                                 const int* __restrict__ row_seq, const int* __restrict__ row_pos,
+                                                 const int* __restrict__ sel_idx, const int* __restrict__ sel_count, int sel_k,
+                                                 int nh, int r, int dr, float scale, int splits,
+                                                 bf16_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int w = r + dr, wp = w + 8, wv = w / 8;
+    float* qs = reinterpret_cast<float*>(smem);
+    bf16_t* ks = reinterpret_cast<bf16_t*>(qs + HGM * w);
+    float* ps = reinterpret_cast<float*>(ks + MLA_TILE * wp);
+    float* m_s = ps + MLA_TILE * HGM;
+    float* l_s = m_s + HGM;
+    float* a_s = l_s + HGM;
+    long long* rowoff = reinterpret_cast<long long*>(a_s + HGM + (HGM & 1 ? 1 : 0) + 2);
+
+    const int i = blockIdx.x, h0 = blockIdx.y * HGM, split = blockIdx.z;
+    const int hg = min(HGM, nh - h0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n = sel_idx ? sel_count[i] : row_pos[i] + 1;
+    int chunk = (n + splits - 1) / splits;
+    chunk = (chunk + MLA_TILE - 1) / MLA_TILE * MLA_TILE;
+    const int start = split * chunk, end = min(n, start + chunk);
+    const long long seq_base = (long long)row_seq[i] * max_pages;
+
+    // q of this head group, pre-scaled, f32.
+    const float qscale = scale * MLA_LOG2E;
+    for (int v = tid; v < hg * wv; v += MLA_THREADS) {
+        int h = v / wv, c = (v % wv) * 8;
+        float f[8];
+        ld_vec(q + ((long long)i * nh + h0 + h) * w + c, f);
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] *= qscale;
+        st_vec(qs + h * w + c, f);
+        st_vec(qs + h * w + c + 4, f + 4);
+    }
+    if (tid < HGM) {
+        m_s[tid] = -K3_INF;
+        l_s[tid] = 0.0f;
+    }
+    float acc[HGM][2 * P];
+#pragma unroll
+    for (int h = 0; h < HGM; h++)
+#pragma unroll
+        for (int j = 0; j < 2 * P; j++) acc[h][j] = 0.0f;
+
+    for (int t0 = start; t0 < end; t0 += MLA_TILE) {
+        __syncthreads();  // previous tile fully consumed (and q / m / l initialised)
+        if (tid < MLA_TILE) {
+            int j = t0 + tid;
+            long long off = -1;
+            if (j < end) {
+                int pos = sel_idx ? sel_idx[(long long)i * sel_k + j] : j;
+                int page = block_table[seq_base + pos / MLA_PAGE];
+                off = ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
+            }
+            rowoff[tid] = off;
+        }
+        __syncthreads();
+        for (int v = tid; v < MLA_TILE * wv; v += MLA_THREADS) {
+            int t = v / wv, c = (v % wv) * 8;
+            long long off = rowoff[t];
+            uint4 val = make_uint4(0u, 0u, 0u, 0u);
+            if (off >= 0) val = *reinterpret_cast<const uint4*>(cache + off + c);
+            *reinterpret_cast<uint4*>(ks + t * wp + c) = val;
+        }
+        __syncthreads();
+        // Scores: lane = key, heads warp, warp+8, ...
+        {
+            const bool valid = t0 + lane < end;
+            const bf16_t* kr = ks + lane * wp;
+#pragma unroll
+            for (int hh = 0; hh < (HGM + 7) / 8; hh++) {
+                const int h = warp + 8 * hh;
+                if (h < hg) {  // warp-uniform
+                    const float* qr = qs + h * w;
+                    float s = 0.0f;
+                    for (int c = 0; c < w; c += 8) {
+                        float kf[8], qf[8];
+                        ld_vec(kr + c, kf);
+                        ld_vec(qr + c, qf);
+                        ld_vec(qr + c + 4, qf + 4);
+#pragma unroll
+                        for (int j = 0; j < 8; j++) s = fmaf(qf[j], kf[j], s);
+                    }
+                    if (!valid) s = -K3_INF;
+                    const float m_old = m_s[h];
+                    const float m_new = fmaxf(m_old, warp_max(s));
+                    const float p = valid ? exp2f(s - m_new) : 0.0f;
+                    const float psum = warp_sum(p);
+                    ps[lane * HGM + h] = p;
+                    __syncwarp();
+                    if (lane == 0) {
+                        const float alpha = exp2f(m_old - m_new);
+                        a_s[h] = alpha;
+                        m_s[h] = m_new;
+                        l_s[h] = l_s[h] * alpha + psum;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        // Rescale and accumulate: dims 2*tid + 512*p (+0, +1).
+        float al[HGM];
+#pragma unroll
+        for (int h = 0; h < HGM; h++) al[h] = h < hg ? a_s[h] : 0.0f;
+#pragma unroll
+        for (int h = 0; h < HGM; h++)
+#pragma unroll
+            for (int j = 0; j < 2 * P; j++) acc[h][j] *= al[h];
+        const int tcount = min(MLA_TILE, end - t0);
+        for (int t = 0; t < tcount; t++) {
+            float pr[HGM];
+#pragma unroll
+            for (int h = 0; h < HGM; h += 4) {
+                float4 v4 = *reinterpret_cast<const float4*>(ps + t * HGM + h);
+                pr[h] = v4.x; pr[h + 1] = v4.y; pr[h + 2] = v4.z; pr[h + 3] = v4.w;
+            }
+#pragma unroll
+            for (int pp = 0; pp < P; pp++) {
+                const int d = 2 * tid + 2 * MLA_THREADS * pp;
+                if (d < r) {
+                    unsigned int kv = *reinterpret_cast<const unsigned int*>(ks + t * wp + d);
+                    const float k0 = __uint_as_float(kv << 16), k1 = __uint_as_float(kv & 0xffff0000u);
+#pragma unroll
+                    for (int h = 0; h < HGM; h++) {
+                        acc[h][2 * pp] = fmaf(pr[h], k0, acc[h][2 * pp]);
+                        acc[h][2 * pp + 1] = fmaf(pr[h], k1, acc[h][2 * pp + 1]);
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (splits == 1) {
+#pragma unroll
+        for (int h = 0; h < HGM; h++) {
+            if (h >= hg) break;
+            const float l = l_s[h];
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+            for (int pp = 0; pp < P; pp++) {
+                const int d = 2 * tid + 2 * MLA_THREADS * pp;
+                if (d < r) {
+                    unsigned int o = (unsigned int)f32_to_bf16(acc[h][2 * pp] * inv) | ((unsigned int)f32_to_bf16(acc[h][2 * pp + 1] * inv) << 16);
+                    *reinterpret_cast<unsigned int*>(out + ((long long)i * nh + h0 + h) * r + d) = o;
+                }
+            }
+        }
+    } else {
+        const long long base = ((long long)i * splits + split) * nh + h0;
+#pragma unroll
+        for (int h = 0; h < HGM; h++) {
+            if (h >= hg) break;
+#pragma unroll
+            for (int pp = 0; pp < P; pp++) {
+                const int d = 2 * tid + 2 * MLA_THREADS * pp;
+                if (d < r) *reinterpret_cast<float2*>(part_acc + (base + h) * r + d) = make_float2(acc[h][2 * pp], acc[h][2 * pp + 1]);
+            }
+        }
+        if (tid < hg) *reinterpret_cast<float2*>(part_ml + (base + tid) * 2) = make_float2(m_s[tid], l_s[tid]);
+    }
+}
+
+#define MLA_ATTEND_KERNEL(NAME, P, HGM)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MLA_THREADS) NAME(                                                         \
+        const bf16_t* q, const bf16_t* cache, const int* bt, int mp, const int* rs, const int* rp, const int* si,           \
+        const int* sc, int sk, int nh, int r, int dr, float scale, int splits, bf16_t* out, float* pa, float* pm) {         \
+        mla_attend_block<P, HGM>(q, cache, bt, mp, rs, rp, si, sc, sk, nh, r, dr, scale, splits, out, pa, pm);             \
+    }
+MLA_ATTEND_KERNEL(mla_attend_p1, 1, 16)
+MLA_ATTEND_KERNEL(mla_attend_p2, 2, 8)
+MLA_ATTEND_KERNEL(mla_attend_p4, 4, 4)
+
+// Merges the split partials: grid (N, nh), out = Σ e^(m_s-M) acc_s / Σ e^(m_s-M) l_s.
+extern "C" __global__ void mla_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int splits,
+                                       int nh, int r, bf16_t* __restrict__ out) {
+    const int i = blockIdx.x, h = blockIdx.y;
+    float mx = -K3_INF;
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_ml[(((long long)i * splits + s) * nh + h) * 2]);
+    float lsum = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        const float* ml = part_ml + (((long long)i * splits + s) * nh + h) * 2;
+        if (ml[1] > 0.0f) lsum += exp2f(ml[0] - mx) * ml[1];
+    }
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    for (int d = threadIdx.x; d < r; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const long long b = ((long long)i * splits + s) * nh + h;
+            const float* ml = part_ml + b * 2;
+            if (ml[1] > 0.0f) a += exp2f(ml[0] - mx) * part_acc[b * r + d];
+        }
+        out[((long long)i * nh + h) * r + d] = f32_to_bf16(a * inv);
+    }
+}
+
+// ---- tensor-core variant (r <= 512): mma.sync m16n8k16 bf16, f32 accumulate ----
+// Block (row, 16-head group, key split), 8 warps, 64-key tiles. Widths are padded to WK =
+// round_up(W, 16) with zeros. Scores S[16 heads, 64 keys] = Q K^T: warp w owns keys 8w..8w+7.
+// Softmax per head over the tile in f32 (P stored as bf16; l sums the rounded P). Output
+// O[16, r] += P V with V = the c_kv part of the key tile: warp w owns dims 8(w + 8j).
+// Dynamic smem: qs bf16 [16][WK+8] | ks bf16 [64][WK+8] | ss f32 [16][68] | pb bf16 [16][72] |
+// m, l, alpha f32 [16] | rowoff i64 [64].
+#define TC_TILE 64
+#define TC_SS 68
+#define TC_PS 72
+
+__device__ __forceinline__ void mma_bf16_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned& r0, unsigned& r1, const void* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(a));
+}
+
+__device__ __forceinline__ unsigned ld_u32(const bf16_t* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache, const int* __restrict__ block_table, int max_pages,
+    const int* __restrict__ row_seq, const int* __restrict__ row_pos, const int* __restrict__ sel_idx,
+    const int* __restrict__ sel_count, int sel_k, int nh, int r, int dr, float scale, int splits, bf16_t* __restrict__ out,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    extern __shared__ __align__(16) unsigned char smem_tc[];
+    const int w = r + dr, wk = (w + 15) / 16 * 16, kst = wk + 8;
+    bf16_t* qs = reinterpret_cast<bf16_t*>(smem_tc);
+    bf16_t* ks = qs + 16 * kst;
+    float* ss = reinterpret_cast<float*>(ks + TC_TILE * kst);
+    bf16_t* pb = reinterpret_cast<bf16_t*>(ss + 16 * TC_SS);
+    float* m_s = reinterpret_cast<float*>(pb + 16 * TC_PS);
+    float* l_s = m_s + 16;
+    float* a_s = l_s + 16;
+    long long* rowoff = reinterpret_cast<long long*>(a_s + 16);
+
+    const int i = blockIdx.x, h0 = blockIdx.y * 16, split = blockIdx.z;
+    const int hg = min(16, nh - h0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int n = sel_idx ? sel_count[i] : row_pos[i] + 1;
+    int chunk = (n + splits - 1) / splits;
+    chunk = (chunk + TC_TILE - 1) / TC_TILE * TC_TILE;
+    const int start = split * chunk, end = min(n, start + chunk);
+    const long long seq_base = (long long)row_seq[i] * max_pages;
+    const float qscale = scale * MLA_LOG2E;
+    const int wv = wk / 8;
+
+    for (int v = tid; v < 16 * wv; v += MLA_THREADS) {
+        const int h = v / wv, c = (v % wv) * 8;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (h < hg && c < w) val = *reinterpret_cast<const uint4*>(q + ((long long)i * nh + h0 + h) * w + c);
+        *reinterpret_cast<uint4*>(qs + h * kst + c) = val;
+    }
+    if (tid < 16) {
+        m_s[tid] = -K3_INF;
+        l_s[tid] = 0.0f;
+    }
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+    for (int t0 = start; t0 < end; t0 += TC_TILE) {
+        __syncthreads();
+        if (tid < TC_TILE) {
+            const int j = t0 + tid;
+            long long off = -1;
+            if (j < end) {
+                const int pos = sel_idx ? sel_idx[(long long)i * sel_k + j] : j;
+                const int page = block_table[seq_base + pos / MLA_PAGE];
+                off = ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
+            }
+            rowoff[tid] = off;
+        }
+        __syncthreads();
+        for (int v = tid; v < TC_TILE * wv; v += MLA_THREADS) {
+            const int t = v / wv, c = (v % wv) * 8;
+            const long long off = rowoff[t];
+            uint4 val = make_uint4(0u, 0u, 0u, 0u);
+            if (off >= 0 && c < w) val = *reinterpret_cast<const uint4*>(cache + off + c);
+            *reinterpret_cast<uint4*>(ks + t * kst + c) = val;
+        }
+        __syncthreads();
+        // Scores for keys 8*warp .. 8*warp+7.
+        {
+            float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const bf16_t* qa = qs + g * kst + 2 * t4;
+            const bf16_t* qb = qs + (g + 8) * kst + 2 * t4;
+            const bf16_t* kb = ks + (8 * warp + g) * kst + 2 * t4;
+            for (int k0 = 0; k0 < wk; k0 += 16)
+                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
+            const int col = 8 * warp + 2 * t4;
+            const bool v0 = t0 + col < end, v1 = t0 + col + 1 < end;
+            ss[g * TC_SS + col] = v0 ? c4[0] * qscale : -K3_INF;
+            ss[g * TC_SS + col + 1] = v1 ? c4[1] * qscale : -K3_INF;
+            ss[(g + 8) * TC_SS + col] = v0 ? c4[2] * qscale : -K3_INF;
+            ss[(g + 8) * TC_SS + col + 1] = v1 ? c4[3] * qscale : -K3_INF;
+        }
+        __syncthreads();
+        // Online softmax: warp w owns heads 2w, 2w+1; lane owns keys lane, lane+32.
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = 2 * warp + hh;
+            const float s0 = ss[h * TC_SS + lane], s1 = ss[h * TC_SS + lane + 32];
+            const float m_old = m_s[h];
+            const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+            const bf16_t p0 = f32_to_bf16(exp2f(s0 - m_new)), p1 = f32_to_bf16(exp2f(s1 - m_new));
+            const float psum = warp_sum(bf16_to_f32(p0) + bf16_to_f32(p1));
+            pb[h * TC_PS + lane] = p0;
+            pb[h * TC_PS + lane + 32] = p1;
+            __syncwarp();
+            if (lane == 0) {
+                const float alpha = exp2f(m_old - m_new);
+                a_s[h] = alpha;
+                m_s[h] = m_new;
+                l_s[h] = l_s[h] * alpha + psum;
+            }
+        }
+        __syncthreads();
+        // O += P V: warp owns n-blocks warp + 8j (dims 8*(warp + 8j) ..+7).
+        {
+            const float al0 = a_s[g], al1 = a_s[g + 8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                acc[j][0] *= al0; acc[j][1] *= al0;
+                acc[j][2] *= al1; acc[j][3] *= al1;
+            }
+            const int kmax = min(TC_TILE, end - t0);
+            for (int k0 = 0; k0 < kmax; k0 += 16) {
+                const unsigned a0 = ld_u32(pb + g * TC_PS + k0 + 2 * t4), a1 = ld_u32(pb + (g + 8) * TC_PS + k0 + 2 * t4);
+                const unsigned a2 = ld_u32(pb + g * TC_PS + k0 + 8 + 2 * t4), a3 = ld_u32(pb + (g + 8) * TC_PS + k0 + 8 + 2 * t4);
+                const bf16_t* vrow = ks + (k0 + (lane & 15)) * kst;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int d0 = 8 * (warp + 8 * j);
+                    if (d0 < r) {
+                        unsigned b0, b1;
+                        ldmatrix_x2_trans(b0, b1, vrow + d0);
+                        mma_bf16_16816(acc[j], a0, a1, a2, a3, b0, b1);
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    const int rows2[2] = {g, g + 8};
+    if (splits == 1) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = rows2[hh];
+            if (h < hg) {
+                const float l = l_s[h];
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int d = 8 * (warp + 8 * j) + 2 * t4;
+                    if (d < r) {
+                        const unsigned o = (unsigned)f32_to_bf16(acc[j][2 * hh] * inv) | ((unsigned)f32_to_bf16(acc[j][2 * hh + 1] * inv) << 16);
+                        *reinterpret_cast<unsigned*>(out + ((long long)i * nh + h0 + h) * r + d) = o;
+                    }
+                }
+            }
+        }
+    } else {
+        const long long base = ((long long)i * splits + split) * nh + h0;
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = rows2[hh];
+            if (h < hg) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int d = 8 * (warp + 8 * j) + 2 * t4;
+                    if (d < r) *reinterpret_cast<float2*>(part_acc + (base + h) * r + d) = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+                }
+            }
+        }
+        if (tid < hg) *reinterpret_cast<float2*>(part_ml + (base + tid) * 2) = make_float2(m_s[tid], l_s[tid]);
+    }
+}

@@ -1,0 +1,358 @@
+//! Parity suite for the CUDA MLA kernels (`cuda::mla`, text-backbone §4) and the strided
+//! batched GEMM (`cuda::blas::gemm_strided_batched`) in its MLA absorb / un-absorb use,
+//! against f32 CPU references written here (the absorbed branch of k3-model `layers/mla.rs`).
+//!
+//! Shapes: N packed rows, nh heads, r latent, dr rope, W = r + dr; paged BF16 cache
+//! `[pages, 64, W]` with non-contiguous page ids. Inputs are random bf16-representable values
+//! (seed printed; `K3_TEST_SEED=N` replays); outputs are poisoned with NaN first.
+//! Tolerances: cache append — k_pe bit-exact, latent within 1 bf16 ulp of the bf16-rounded
+//! f32 reference and at least 99 % bit-exact (summation order may move the f32 value across a
+//! rounding boundary); attend — relative L2 5e-3 (bf16 output rounding, f32 everywhere else);
+//! batched GEMM — relative L2 5e-3 for BF16 output, 1e-5 for F32 output.
+//! Timings (printed, never asserted): decode at real dims, batch 1, contexts 4096 and 131072.
+//! Without a GPU every test prints `skipped` and passes (fails with `K3_REQUIRE_CUDA=1`).
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+use cuda_common::{device, rng, say};
+
+use half::bf16;
+use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
+use k3_core::cuda::mla::{mla_attend, mla_cache_append, PagedBatch, PAGE};
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::DType;
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+const TOL_ATTEND: f64 = 5e-3;
+
+fn rvec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| bf16::from_f32(r.random_range(lo..hi) * if r.random::<bool>() { 1.0 } else { -1.0 }).to_f32()).collect()
+}
+
+fn up(dev: &CudaDevice, dtype: DType, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
+    let t = match dtype {
+        DType::F32 => CudaTensor::from_f32(dev, shape, v),
+        _ => CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
+    };
+    t.expect("upload")
+}
+
+fn up_i32(dev: &CudaDevice, shape: Vec<usize>, v: &[i32]) -> CudaTensor {
+    CudaTensor::from_pod(dev, DType::I32, shape, v).expect("upload i32")
+}
+
+fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
+    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
+    t.fill_bytes(0xFF).expect("poison");
+    t
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("non-finite value at element {i} of {} (unwritten or invalid output)", got.len());
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        num += (g as f64 - w as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let e = rel_l2(got, want);
+    say(&format!("  {what:<60} rel L2 {e:.2e} (tol {tol:.0e})"));
+    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
+}
+
+/// Sequences of the given context lengths in a shuffled page pool: (block table [B, max_pages], pages).
+fn paging(r: &mut impl Rng, lens: &[usize]) -> (Vec<i32>, usize, usize) {
+    let max_pages = lens.iter().map(|l| l.div_ceil(PAGE)).max().unwrap_or(1).max(1);
+    let total: usize = lens.iter().map(|l| l.div_ceil(PAGE)).sum::<usize>() + 3;
+    let mut ids: Vec<i32> = (0..total as i32).collect();
+    ids.shuffle(r);
+    let mut bt = vec![0i32; lens.len() * max_pages];
+    let mut next = 0;
+    for (b, &l) in lens.iter().enumerate() {
+        for p in 0..l.div_ceil(PAGE) {
+            bt[b * max_pages + p] = ids[next];
+            next += 1;
+        }
+    }
+    (bt, max_pages, total)
+}
+
+fn slot(bt: &[i32], max_pages: usize, seq: usize, pos: usize) -> usize {
+    bt[seq * max_pages + pos / PAGE] as usize * PAGE + pos % PAGE
+}
+
+#[test]
+fn cache_append_matches_rms_norm() {
+    let Some(dev) = device("cache_append_matches_rms_norm") else { return };
+    let mut r = rng("cache_append_matches_rms_norm");
+    for &(rr, dr) in &[(32usize, 8usize), (512, 64)] {
+        let w = rr + dr;
+        let lens = [1usize, 64, 65, 130];
+        let (bt, mp, pages) = paging(&mut r, &lens);
+        // Rows: every position of each sequence (a packed prefill).
+        let (mut rs, mut rp) = (Vec::new(), Vec::new());
+        for (b, &l) in lens.iter().enumerate() {
+            for p in 0..l {
+                rs.push(b as i32);
+                rp.push(p as i32);
+            }
+        }
+        let n = rs.len();
+        let ckv = rvec(&mut r, n * w, 0.01, 2.0);
+        let kv_norm: Vec<f32> = (0..rr).map(|_| r.random_range(0.5f32..1.5)).collect();
+        let eps = 1e-6f32;
+        for dt in [DType::F32, DType::BF16] {
+            let (btt, rst, rpt) = (up_i32(&dev, vec![lens.len(), mp], &bt), up_i32(&dev, vec![n], &rs), up_i32(&dev, vec![n], &rp));
+            let batch = PagedBatch { block_table: &btt, row_seq: &rst, row_pos: &rpt };
+            let cache = poisoned(&dev, DType::BF16, vec![pages, PAGE, w]);
+            mla_cache_append(&up(&dev, dt, vec![n, w], &ckv), &up(&dev, DType::F32, vec![rr], &kv_norm), eps, &batch, &cache).expect("append");
+            let got = cache.to_f32_vec().expect("read");
+            let (mut exact, mut total) = (0usize, 0usize);
+            for i in 0..n {
+                let x = &ckv[i * w..(i + 1) * w];
+                let ms = x[..rr].iter().map(|v| v * v).sum::<f32>() / rr as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                let row = &got[slot(&bt, mp, rs[i] as usize, rp[i] as usize) * w..][..w];
+                for d in 0..w {
+                    let want = bf16::from_f32(if d < rr { x[d] * inv * kv_norm[d] } else { x[d] });
+                    let g = bf16::from_f32(row[d]);
+                    if d >= rr {
+                        assert_eq!(g.to_bits(), want.to_bits(), "k_pe row {i} dim {d}");
+                    } else {
+                        let ulps = (g.to_bits() as i32 - want.to_bits() as i32).abs();
+                        assert!(ulps <= 1, "latent row {i} dim {d}: got {g} want {want}");
+                        exact += (ulps == 0) as usize;
+                        total += 1;
+                    }
+                }
+            }
+            let frac = exact as f64 / total as f64;
+            say(&format!("  append r={rr} dr={dr} {dt}: latent bit-exact {:.4} of {total}", frac));
+            assert!(frac >= 0.99, "too many 1-ulp differences: {frac}");
+        }
+    }
+}
+
+/// One attend problem: rows (seq, pos, optional selection) over a random paged cache.
+struct Attend {
+    nh: usize,
+    r: usize,
+    w: usize,
+    bt: Vec<i32>,
+    mp: usize,
+    cache: Vec<f32>, // [pages, PAGE, w]
+    rows: Vec<(usize, usize, Option<Vec<i32>>)>,
+    q: Vec<f32>, // [N, nh, w]
+}
+
+fn reference(p: &Attend, scale: f32) -> Vec<f32> {
+    let (nh, r, w) = (p.nh, p.r, p.w);
+    let mut out = vec![0f32; p.rows.len() * nh * r];
+    for (i, (seq, pos, sel)) in p.rows.iter().enumerate() {
+        let keys: Vec<usize> = match sel {
+            Some(s) => s.iter().map(|&v| v as usize).collect(),
+            None => (0..=*pos).collect(),
+        };
+        for h in 0..nh {
+            let qh = &p.q[(i * nh + h) * w..][..w];
+            let sc: Vec<f32> = keys.iter().map(|&s| {
+                let row = &p.cache[slot(&p.bt, p.mp, *seq, s) * w..][..w];
+                qh.iter().zip(row).map(|(a, b)| a * b).sum::<f32>() * scale
+            }).collect();
+            let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = sc.iter().map(|s| (s - m).exp()).collect();
+            let z: f32 = e.iter().sum();
+            let o = &mut out[(i * nh + h) * r..][..r];
+            for (&s, &pe) in keys.iter().zip(&e) {
+                let row = &p.cache[slot(&p.bt, p.mp, *seq, s) * w..][..r];
+                o.iter_mut().zip(row).for_each(|(a, &b)| *a += pe / z * b);
+            }
+        }
+    }
+    out
+}
+
+fn run_attend(dev: &CudaDevice, p: &Attend, scale: f32, what: &str) {
+    let n = p.rows.len();
+    let pages = p.cache.len() / (PAGE * p.w);
+    let rs: Vec<i32> = p.rows.iter().map(|x| x.0 as i32).collect();
+    let rp: Vec<i32> = p.rows.iter().map(|x| x.1 as i32).collect();
+    let b = p.bt.len() / p.mp;
+    let (btt, rst, rpt) = (up_i32(dev, vec![b, p.mp], &p.bt), up_i32(dev, vec![n], &rs), up_i32(dev, vec![n], &rp));
+    let batch = PagedBatch { block_table: &btt, row_seq: &rst, row_pos: &rpt };
+    let cache = up(dev, DType::BF16, vec![pages, PAGE, p.w], &p.cache);
+    let q = up(dev, DType::BF16, vec![n, p.nh, p.w], &p.q);
+    let out = poisoned(dev, DType::BF16, vec![n, p.nh, p.r]);
+    let has_sel = p.rows.iter().any(|x| x.2.is_some());
+    let sel_t = has_sel.then(|| {
+        let k = p.rows.iter().map(|x| x.2.as_ref().map_or(0, Vec::len)).max().unwrap_or(0).max(1) + 2;
+        // Entries past the count hold an out-of-range sentinel: reading one would fault or be wrong.
+        let mut idx = vec![i32::MAX; n * k];
+        let mut cnt = vec![0i32; n];
+        for (i, x) in p.rows.iter().enumerate() {
+            let s = x.2.as_ref().expect("all rows selected");
+            idx[i * k..i * k + s.len()].copy_from_slice(s);
+            cnt[i] = s.len() as i32;
+        }
+        (up_i32(dev, vec![n, k], &idx), up_i32(dev, vec![n], &cnt))
+    });
+    let sel = sel_t.as_ref().map(|(a, b)| (a, b));
+    mla_attend(&q, &cache, &batch, sel, p.r, scale, &out).expect("attend");
+    check(what, &out.to_f32_vec().expect("read"), &reference(p, scale), TOL_ATTEND);
+}
+
+fn problem(r: &mut impl Rng, nh: usize, rr: usize, dr: usize, lens: &[usize], rows_per_seq: usize, select: bool) -> Attend {
+    let w = rr + dr;
+    let (bt, mp, pages) = paging(r, lens);
+    let cache = rvec(r, pages * PAGE * w, 0.05, 1.0);
+    let mut rows = Vec::new();
+    for (b, &l) in lens.iter().enumerate() {
+        for pos in l.saturating_sub(rows_per_seq)..l {
+            let sel = select.then(|| {
+                let mut all: Vec<i32> = (0..=pos as i32).collect();
+                all.shuffle(r);
+                let c = r.random_range(1..=all.len().min(40));
+                let mut s = all[..c].to_vec();
+                s.sort_unstable();
+                s
+            });
+            rows.push((b, pos, sel));
+        }
+    }
+    let q = rvec(r, rows.len() * nh * w, 0.05, 1.0);
+    Attend { nh, r: rr, w, bt, mp, cache, rows, q }
+}
+
+#[test]
+fn attend_dense_and_selected_tiny_and_wide() {
+    let Some(dev) = device("attend_dense_and_selected_tiny_and_wide") else { return };
+    let mut r = rng("attend_dense_and_selected_tiny_and_wide");
+    let lens = [1usize, 64, 65, 200, 130];
+    for &(nh, rr, dr) in &[(3usize, 32usize, 8usize), (5, 520, 16), (2, 1040, 8)] {
+        let scale = 1.0 / ((rr / 4 + dr) as f32).sqrt();
+        for rows_per_seq in [1usize, 7] {
+            for select in [false, true] {
+                let p = problem(&mut r, nh, rr, dr, &lens, rows_per_seq, select);
+                run_attend(&dev, &p, scale, &format!("nh={nh} r={rr} dr={dr} rows/seq={rows_per_seq} sel={select}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn attend_real_dims() {
+    let Some(dev) = device("attend_real_dims") else { return };
+    let mut r = rng("attend_real_dims");
+    let (nh, rr, dr) = (96usize, 512usize, 64usize);
+    let scale = 1.0 / 192f32.sqrt();
+    // Decode: one row per sequence (splits + combine), lengths crossing pages.
+    let p = problem(&mut r, nh, rr, dr, &[1, 100, 4099], 1, false);
+    run_attend(&dev, &p, scale, "real decode lens [1,100,4099]");
+    let p = problem(&mut r, nh, rr, dr, &[1, 3000], 1, true);
+    run_attend(&dev, &p, scale, "real decode selected");
+    // Prefill of one sequence: 96 rows x 6 head groups fill the GPU (one split, direct write).
+    let p = problem(&mut r, nh, rr, dr, &[96], 96, false);
+    run_attend(&dev, &p, scale, "real prefill 96 rows");
+}
+
+#[test]
+fn attend_decode_timing() {
+    let Some(dev) = device("attend_decode_timing") else { return };
+    let mut r = rng("attend_decode_timing");
+    let (nh, rr, dr) = (96usize, 512usize, 64usize);
+    let w = rr + dr;
+    for ctx in [4096usize, 131072] {
+        let pages = ctx / PAGE;
+        let pattern = rvec(&mut r, 4099 * w, 0.05, 1.0);
+        let cache_v: Vec<bf16> = (0..pages * PAGE * w).map(|i| bf16::from_f32(pattern[i % pattern.len()])).collect();
+        let cache = CudaTensor::from_bf16(&dev, vec![pages, PAGE, w], &cache_v).expect("cache");
+        let bt: Vec<i32> = (0..pages as i32).rev().collect();
+        let (btt, rst, rpt) = (up_i32(&dev, vec![1, pages], &bt), up_i32(&dev, vec![1], &[0]), up_i32(&dev, vec![1], &[ctx as i32 - 1]));
+        let batch = PagedBatch { block_table: &btt, row_seq: &rst, row_pos: &rpt };
+        let q = up(&dev, DType::BF16, vec![1, nh, w], &rvec(&mut r, nh * w, 0.05, 1.0));
+        let out = poisoned(&dev, DType::BF16, vec![1, nh, rr]);
+        mla_attend(&q, &cache, &batch, None, rr, 0.07, &out).expect("warm-up");
+        let (e0, e1) = (dev.new_event(true).expect("event"), dev.new_event(true).expect("event"));
+        let iters = 20;
+        e0.record(&dev.stream()).expect("record");
+        for _ in 0..iters {
+            mla_attend(&q, &cache, &batch, None, rr, 0.07, &out).expect("attend");
+        }
+        e1.record(&dev.stream()).expect("record");
+        let ms = e0.elapsed_ms(&e1).expect("elapsed") / iters as f32;
+        let gbs = (ctx * w * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
+        say(&format!("  TIMING mla_attend decode nh=96 r=512 dr=64 batch 1 ctx {ctx}: {:.1} us ({gbs:.0} GB/s of cache)", ms * 1e3));
+        assert!(out.to_f32_vec().expect("read").iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn strided_batched_gemm_absorb_and_unabsorb() {
+    let Some(dev) = device("strided_batched_gemm_absorb_and_unabsorb") else { return };
+    let mut r = rng("strided_batched_gemm_absorb_and_unabsorb");
+    for &(n, nh, dn, dv, rr, dr) in &[(5usize, 3usize, 16usize, 16usize, 32usize, 8usize), (37, 8, 128, 128, 512, 64)] {
+        let q = rvec(&mut r, n * nh * (dn + dr), 0.05, 1.0); // [N, nh, dn+dr]
+        let kvb = rvec(&mut r, nh * (dn + dv) * rr, 0.01, 0.2); // [nh*(dn+dv), r]
+        let o_lat = rvec(&mut r, n * nh * rr, 0.05, 1.0); // [N, nh, r]
+        let (qt, kt, ot) = (up(&dev, DType::BF16, vec![n, nh, dn + dr], &q), up(&dev, DType::BF16, vec![nh * (dn + dv), rr], &kvb), up(&dev, DType::BF16, vec![n, nh, rr], &o_lat));
+        // Absorb: q_abs[:, h, :r] = q_nope_h [N, dn] · W_uk_h [dn, r].
+        let mut want = vec![0f32; n * nh * rr];
+        for i in 0..n {
+            for h in 0..nh {
+                for j in 0..dn {
+                    let qv = q[(i * nh + h) * (dn + dr) + j];
+                    let wr = &kvb[(h * (dn + dv) + j) * rr..][..rr];
+                    want[(i * nh + h) * rr..][..rr].iter_mut().zip(wr).for_each(|(a, &b)| *a += qv * b);
+                }
+            }
+        }
+        for out_dt in [DType::BF16, DType::F32] {
+            let c = poisoned(&dev, out_dt, vec![n, nh, rr + dr]);
+            gemm_strided_batched(
+                &dev, n, rr, dn, nh,
+                Strided { ptr: qt.ptr(), ld: nh * (dn + dr), stride: dn + dr },
+                Strided { ptr: kt.ptr(), ld: rr, stride: (dn + dv) * rr },
+                Layout::B,
+                Strided { ptr: c.ptr(), ld: nh * (rr + dr), stride: rr + dr },
+                DType::BF16, out_dt,
+            ).expect("absorb gemm");
+            let got_all = c.to_f32_vec().expect("read");
+            let got: Vec<f32> = (0..n * nh).flat_map(|ih| got_all[ih * (rr + dr)..][..rr].to_vec()).collect();
+            let tol = if out_dt == DType::F32 { 1e-5 } else { 5e-3 };
+            check(&format!("absorb N={n} nh={nh} dn={dn} r={rr} -> {out_dt}"), &got, &want, tol);
+            // The q_pe columns were not touched (still NaN).
+            assert!((0..n * nh).all(|ih| got_all[ih * (rr + dr) + rr].is_nan()), "absorb wrote outside its view");
+        }
+        // Un-absorb: o[:, h, :] = o_lat_h [N, r] · W_uv_hᵀ (W_uv_h [dv, r]).
+        let mut want = vec![0f32; n * nh * dv];
+        for i in 0..n {
+            for h in 0..nh {
+                let ol = &o_lat[(i * nh + h) * rr..][..rr];
+                for j in 0..dv {
+                    let wr = &kvb[(h * (dn + dv) + dn + j) * rr..][..rr];
+                    want[(i * nh + h) * dv + j] = ol.iter().zip(wr).map(|(a, b)| a * b).sum();
+                }
+            }
+        }
+        for out_dt in [DType::BF16, DType::F32] {
+            let c = poisoned(&dev, out_dt, vec![n, nh, dv]);
+            gemm_strided_batched(
+                &dev, n, dv, rr, nh,
+                Strided { ptr: ot.ptr(), ld: nh * rr, stride: rr },
+                Strided { ptr: kt.ptr() + (dn * rr * 2) as u64, ld: rr, stride: (dn + dv) * rr },
+                Layout::BT,
+                Strided { ptr: c.ptr(), ld: nh * dv, stride: dv },
+                DType::BF16, out_dt,
+            ).expect("unabsorb gemm");
+            let tol = if out_dt == DType::F32 { 1e-5 } else { 5e-3 };
+            check(&format!("un-absorb N={n} nh={nh} r={rr} dv={dv} -> {out_dt}"), &c.to_f32_vec().expect("read"), &want, tol);
+        }
+    }
+}
