@@ -11,7 +11,6 @@
 //! distinct experts for uniform routing above), KDA states read and written, latent and
 //! indexer-key caches read — divided by the device-to-device copy bandwidth measured here.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};

@@ -22,9 +22,14 @@ pub struct Graph {
     held: Vec<(CUdeviceptr, usize)>,
 }
 
+// SAFETY: a graph and its executable are driver handles of one context, valid on any thread
+// that has that context current; `launch` binds it first, and `Drop` synchronises the device.
+unsafe impl Send for Graph {}
+
 impl Graph {
     /// Enqueues one replay on the compute stream.
     pub fn launch(&self) -> Result<()> {
+        self.dev.bind()?;
         match &self.g {
             Some(g) => g.launch().map_err(derr("cuGraphLaunch")),
             None => Err(CoreError::Device("graph already destroyed".into())),

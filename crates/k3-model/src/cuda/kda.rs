@@ -83,7 +83,7 @@ impl Kda {
     }
 
     /// `x` BF16 `[N, H]` → F32 `[N, H]`, advancing the step's sequences' states.
-    pub fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
+    pub(crate) fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
         let bf = DType::BF16;
         let (q, k, v) = (lin(x, &self.q_proj, bf)?, lin(x, &self.k_proj, bf)?, lin(x, &self.v_proj, bf)?); // [N, D]
         let beta = lin(x, &self.b_proj, bf)?; // [N, nh]

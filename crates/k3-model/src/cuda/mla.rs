@@ -111,7 +111,7 @@ impl Mla {
     }
 
     /// `x` BF16 `[N, H]` → F32 `[N, H]`; appends the step's rows to the cache, then attends.
-    pub fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
+    pub(crate) fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
         let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
         let (n, dev, bf) = (step.n, x.cuda_device(), DType::BF16);
         let batch = PagedBatch { block_table: &step.block_table, row_seq: &step.row_seq, row_pos: &step.row_pos };

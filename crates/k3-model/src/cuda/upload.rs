@@ -39,24 +39,6 @@ pub(crate) fn matrix(dev: &CudaDevice, ck: &Checkpoint, name: &str, rows: usize,
     Ok(out)
 }
 
-/// Several float matrices with the same column count stacked by rows into one BF16 `[Σ rows, cols]`
-/// (one GEMM reads them all: e.g. a dense MLP's gate and up projections).
-pub(crate) fn stacked(dev: &CudaDevice, ck: &Checkpoint, names: &[(&str, usize)], cols: usize) -> Result<CudaTensor> {
-    let rows: usize = names.iter().map(|n| n.1).sum();
-    let out = CudaTensor::uninit(dev, DType::BF16, vec![rows, cols]).map_err(terr(names[0].0))?;
-    let mut off = 0;
-    for &(name, r) in names {
-        let t = ck.tensor(name)?;
-        if t.shape() != [r, cols] {
-            return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{r}, {cols}]", t.shape()) });
-        }
-        let b = bf16_bytes(&t, name)?;
-        out.write_at(off, &b).map_err(terr(name))?;
-        off += b.len();
-    }
-    Ok(out)
-}
-
 /// A host f32 vector as an F32 device tensor of shape `shape`.
 pub(crate) fn f32s(dev: &CudaDevice, v: &[f32], shape: Vec<usize>, name: &str) -> Result<CudaTensor> {
     CudaTensor::from_f32(dev, shape, v).map_err(terr(name))
