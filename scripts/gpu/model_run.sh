@@ -1,0 +1,17 @@
+#!/bin/bash
+# k3rs issue 13: the GPU model's parity suites on the device machine. Staging (docs/gpu.md):
+# .dev/model/{cuda_model_ops,cuda_model,k3} (stripped release test executables and binary) and
+# .dev/model/golden/ (the three model fixtures + manifest.json), carried with the run tool.
+# Usage: bash scripts/gpu/model_run.sh [parity|nano]
+set -o pipefail
+D=.dev/model
+export K3_REQUIRE_CUDA=1 K3_GOLDEN_DIR=$D/golden
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noheader
+case "${1:-parity}" in
+parity)
+  echo "=== cuda_model_ops ==="; K3_CUDA_SYNC=1 timeout 120 $D/cuda_model_ops --test-threads=1 2>&1 | grep -vE "^\s*$" | tail -25
+  echo "=== cuda_model ==="; timeout 300 $D/cuda_model --test-threads=1 2>&1 | grep -vE "^\s*$" | tail -60 ;;
+nano)
+  echo "=== k3 run on k3-nano, GPU ==="; timeout 60 $D/k3 run --model models/k3-nano --device cuda --temperature 0 -n 48 "ROMEO." 2>&1 | tail -5
+  echo "=== k3 run on k3-nano, CPU ==="; timeout 60 $D/k3 run --model models/k3-nano --temperature 0 -n 48 "ROMEO." 2>&1 | tail -5 ;;
+esac
