@@ -234,7 +234,8 @@ fn problem(r: &mut impl Rng, nh: usize, rr: usize, dr: usize, lens: &[usize], ro
 fn attend_dense_and_selected_tiny_and_wide() {
     let Some(dev) = device("attend_dense_and_selected_tiny_and_wide") else { return };
     let mut r = rng("attend_dense_and_selected_tiny_and_wide");
-    let lens = [1usize, 64, 65, 200, 130];
+    // The 1000-long sequence makes the launcher split the keys (combine path) at tiny dims too.
+    let lens = [1usize, 64, 65, 200, 130, 1000];
     for &(nh, rr, dr) in &[(3usize, 32usize, 8usize), (5, 520, 16), (2, 1040, 8)] {
         let scale = 1.0 / ((rr / 4 + dr) as f32).sqrt();
         for rows_per_seq in [1usize, 7] {
@@ -262,34 +263,45 @@ fn attend_real_dims() {
     run_attend(&dev, &p, scale, "real prefill 96 rows");
 }
 
+/// Times `iters` calls of `mla_attend` with CUDA events; returns microseconds per call.
+fn time_attend(dev: &CudaDevice, q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, rr: usize, out: &CudaTensor, iters: usize) -> f64 {
+    mla_attend(q, cache, batch, None, rr, 0.07, out).expect("warm-up");
+    let (e0, e1) = (dev.new_event(true).expect("event"), dev.new_event(true).expect("event"));
+    e0.record(&dev.stream()).expect("record");
+    for _ in 0..iters {
+        mla_attend(q, cache, batch, None, rr, 0.07, out).expect("attend");
+    }
+    e1.record(&dev.stream()).expect("record");
+    let ms = e0.elapsed_ms(&e1).expect("elapsed") / iters as f32;
+    assert!(out.to_f32_vec().expect("read").iter().all(|v| v.is_finite()));
+    ms as f64 * 1e3
+}
+
 #[test]
 fn attend_decode_timing() {
     let Some(dev) = device("attend_decode_timing") else { return };
     let mut r = rng("attend_decode_timing");
     let (nh, rr, dr) = (96usize, 512usize, 64usize);
     let w = rr + dr;
-    for ctx in [4096usize, 131072] {
-        let pages = ctx / PAGE;
-        let pattern = rvec(&mut r, 4099 * w, 0.05, 1.0);
+    let pattern = rvec(&mut r, 4099 * w, 0.05, 1.0);
+    // (sequences, context, rows per sequence): decode at batch 1 and 64, and a 4096-row prefill.
+    for (b, ctx, rows) in [(1usize, 4096usize, 1usize), (1, 131072, 1), (64, 4096, 1), (1, 4096, 4096)] {
+        let pages_per = ctx / PAGE;
+        let pages = b * pages_per;
         let cache_v: Vec<bf16> = (0..pages * PAGE * w).map(|i| bf16::from_f32(pattern[i % pattern.len()])).collect();
         let cache = CudaTensor::from_bf16(&dev, vec![pages, PAGE, w], &cache_v).expect("cache");
         let bt: Vec<i32> = (0..pages as i32).rev().collect();
-        let (btt, rst, rpt) = (up_i32(&dev, vec![1, pages], &bt), up_i32(&dev, vec![1], &[0]), up_i32(&dev, vec![1], &[ctx as i32 - 1]));
+        let n = b * rows;
+        let rs: Vec<i32> = (0..n).map(|i| (i / rows) as i32).collect();
+        let rp: Vec<i32> = (0..n).map(|i| (ctx - rows + i % rows) as i32).collect();
+        let (btt, rst, rpt) = (up_i32(&dev, vec![b, pages_per], &bt), up_i32(&dev, vec![n], &rs), up_i32(&dev, vec![n], &rp));
         let batch = PagedBatch { block_table: &btt, row_seq: &rst, row_pos: &rpt };
-        let q = up(&dev, DType::BF16, vec![1, nh, w], &rvec(&mut r, nh * w, 0.05, 1.0));
-        let out = poisoned(&dev, DType::BF16, vec![1, nh, rr]);
-        mla_attend(&q, &cache, &batch, None, rr, 0.07, &out).expect("warm-up");
-        let (e0, e1) = (dev.new_event(true).expect("event"), dev.new_event(true).expect("event"));
-        let iters = 20;
-        e0.record(&dev.stream()).expect("record");
-        for _ in 0..iters {
-            mla_attend(&q, &cache, &batch, None, rr, 0.07, &out).expect("attend");
-        }
-        e1.record(&dev.stream()).expect("record");
-        let ms = e0.elapsed_ms(&e1).expect("elapsed") / iters as f32;
-        let gbs = (ctx * w * 2) as f64 / (ms as f64 * 1e-3) / 1e9;
-        say(&format!("  TIMING mla_attend decode nh=96 r=512 dr=64 batch 1 ctx {ctx}: {:.1} us ({gbs:.0} GB/s of cache)", ms * 1e3));
-        assert!(out.to_f32_vec().expect("read").iter().all(|v| v.is_finite()));
+        let qv: Vec<f32> = (0..n * nh * w).map(|i| pattern[(i * 7 + 3) % pattern.len()]).collect();
+        let q = up(&dev, DType::BF16, vec![n, nh, w], &qv);
+        let out = poisoned(&dev, DType::BF16, vec![n, nh, rr]);
+        let us = time_attend(&dev, &q, &cache, &batch, rr, &out, if rows > 1 { 3 } else { 20 });
+        let gbs = (pages * PAGE * w * 2) as f64 / (us * 1e-6) / 1e9;
+        say(&format!("  TIMING mla_attend nh=96 r=512 dr=64: {b} seq x {rows} rows, ctx {ctx}: {us:.1} us ({gbs:.0} GB/s of cache)"));
     }
 }
 

@@ -16,6 +16,8 @@ const KEYS_PER_BLOCK: usize = 128;
 const TOPK_CHUNK: usize = 4096;
 const BINS: usize = 2048;
 const DIGIT: usize = 11;
+/// One launch per radix pass (histogram + digit choice by the row's last block) instead of two.
+const FUSED_PASS: bool = true;
 
 fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CoreError::Shape { op, detail: format!("{what} = {v} exceeds i32") })
@@ -26,7 +28,7 @@ fn key_cache_dims(op: &'static str, kc: &CudaTensor) -> Result<usize> {
         return Err(CoreError::Shape { op, detail: format!("key_cache {kc:?} must be F32 [num_pages, {PAGE}, id]") });
     }
     let id = kc.shape()[2];
-    if id == 0 || id % 8 != 0 {
+    if id == 0 || !id.is_multiple_of(8) {
         return Err(CoreError::Shape { op, detail: format!("index dim id = {id} must be a positive multiple of 8") });
     }
     Ok(id)
@@ -82,7 +84,7 @@ pub fn index_scores(q: &CudaTensor, a: &CudaTensor, key_cache: &CudaTensor, batc
     if scores.dtype() != DType::F32 || scores.shape().len() != 2 || scores.shape()[0] != n {
         return Err(CoreError::Shape { op: OP, detail: format!("scores {scores:?} must be F32 [N={n}, L]") });
     }
-    if q.ptr() % 16 != 0 || key_cache.ptr() % 16 != 0 {
+    if !q.ptr().is_multiple_of(16) || !key_cache.ptr().is_multiple_of(16) {
         return Err(CoreError::Shape { op: OP, detail: "q and key_cache must start on 16-byte boundaries".into() });
     }
     let l = scores.shape()[1];
@@ -108,7 +110,7 @@ pub fn index_scores(q: &CudaTensor, a: &CudaTensor, key_cache: &CudaTensor, batc
 /// score, ties going to the LARGER position (+0.0 and −0.0 tie; exactly `select_topk` of
 /// `layers/dsa.rs`), written in increasing position order, `count[i] = k`. Deterministic.
 /// `scores` F32 `[N, L]`, `idx` I32 `[N, k]`, `count` I32 `[N]`. Multi-block radix select
-/// over `(score, position)` keys: `2·passes + 3` launches, passes = ⌈(32 + bits(L−1)) / 11⌉
+/// over `(score, position)` keys: `passes + 3` launches, passes = ⌈(32 + bits(L−1)) / 11⌉
 /// (5 for L up to 2^23).
 pub fn topk(scores: &CudaTensor, batch: &PagedBatch, k: usize, idx: &CudaTensor, count: &CudaTensor) -> Result<()> {
     const OP: &str = "cuda topk";
@@ -135,17 +137,22 @@ pub fn topk(scores: &CudaTensor, batch: &PagedBatch, k: usize, idx: &CudaTensor,
     let hist = CudaTensor::uninit(dev, DType::I32, vec![n, BINS])?;
     let state = CudaTensor::uninit(dev, DType::I32, vec![n, 4])?; // u64 [N, 2]: prefix, remaining rank
     let counts = CudaTensor::uninit(dev, DType::I32, vec![n, nblk])?;
-    let (sp, rp, hp, stp, cp, ip, cnt) = (scores.ptr(), batch.row_pos.ptr(), hist.ptr(), state.ptr(), counts.ptr(), idx.ptr(), count.ptr());
-    let (l64, n32, nb32, ch32) = (l as i64, n as i32, nblk as i32, TOPK_CHUNK as i32);
-    dev.launch(DSA, "dsa_topk_init", (rows, 1, 1), (256, 1, 1), 0, &mut kargs![hp, stp, k32, n32])?;
+    let done = CudaTensor::uninit(dev, DType::I32, vec![n])?;
+    let (sp, rp, hp, stp, cp, ip, cnt, dp) = (scores.ptr(), batch.row_pos.ptr(), hist.ptr(), state.ptr(), counts.ptr(), idx.ptr(), count.ptr(), done.ptr());
+    let (l64, nb32, ch32) = (l as i64, nblk as i32, TOPK_CHUNK as i32);
+    dev.launch(DSA, "dsa_topk_init", (rows, 1, 1), (256, 1, 1), 0, &mut kargs![hp, stp, k32, dp])?;
     // Key = ordered score << pb | position: 32 + pb bits, resolved 11 at a time from the top.
     let pb = ((usize::BITS - (l - 1).leading_zeros()) as i32).max(1);
     let mut hi = 32 + pb;
     while hi > 0 {
         let lo = (hi - DIGIT as i32).max(0);
         let (shift, width) = (lo, hi - lo);
-        dev.launch(DSA, "dsa_topk_hist", (nblk as u32, rows, 1), (256, 1, 1), 0, &mut kargs![sp, l64, rp, k32, hp, stp, shift, width, ch32, pb])?;
-        dev.launch(DSA, "dsa_topk_select", (rows, 1, 1), (1024, 1, 1), 0, &mut kargs![hp, stp, rp, k32, shift, width])?;
+        if FUSED_PASS {
+            dev.launch(DSA, "dsa_topk_pass", (nblk as u32, rows, 1), (256, 1, 1), 0, &mut kargs![sp, l64, rp, k32, hp, stp, dp, shift, width, ch32, pb])?;
+        } else {
+            dev.launch(DSA, "dsa_topk_hist", (nblk as u32, rows, 1), (256, 1, 1), 0, &mut kargs![sp, l64, rp, k32, hp, stp, shift, width, ch32, pb])?;
+            dev.launch(DSA, "dsa_topk_select", (rows, 1, 1), (1024, 1, 1), 0, &mut kargs![hp, stp, rp, k32, shift, width])?;
+        }
         hi = lo;
     }
     dev.launch(DSA, "dsa_topk_count", (nblk as u32, rows, 1), (256, 1, 1), 0, &mut kargs![sp, l64, rp, k32, stp, cp, nb32, ch32, pb])?;

@@ -24,7 +24,7 @@ const TILE: usize = 32;
 const TC_TILE: usize = 64;
 const THREADS: u32 = 256;
 /// A split covers at least this many keys.
-const MIN_SPLIT_KEYS: usize = 128;
+const MIN_SPLIT_KEYS: usize = 256;
 
 /// Describes one packed step over paged caches (all I32 device tensors, prepared by the caller
 /// before the step).
@@ -74,7 +74,7 @@ fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
 
 fn aligned16(op: &'static str, ts: &[(&str, &CudaTensor)]) -> Result<()> {
     for (name, t) in ts {
-        if t.ptr() % 16 != 0 {
+        if !t.ptr().is_multiple_of(16) {
             return Err(CoreError::Shape { op, detail: format!("{name} must start on a 16-byte boundary (pass a whole tensor, not an offset view)") });
         }
     }
@@ -104,7 +104,7 @@ pub fn mla_cache_append(ckv: &CudaTensor, kv_norm: &CudaTensor, eps: f32, batch:
         return Err(CoreError::Shape { op: OP, detail: format!("kv_norm {kv_norm:?} must be F32 [r] with 0 < r < cache width {w}") });
     }
     let dr = w - r;
-    if r % 8 != 0 || dr % 8 != 0 {
+    if !r.is_multiple_of(8) || !dr.is_multiple_of(8) {
         return Err(CoreError::Shape { op: OP, detail: format!("r = {r} and dr = {dr} must be multiples of 8") });
     }
     if ckv.shape() != [n, w] {
@@ -144,9 +144,10 @@ fn attend_smem(name: &str, w: usize, hgm: usize) -> usize {
     }
 }
 
-/// Number of key splits: enough blocks to fill the GPU ~4 times, each split >= MIN_SPLIT_KEYS keys.
+/// Number of key splits: about one wave of blocks (two per SM), each split >= MIN_SPLIT_KEYS
+/// keys (more splits cost partial-accumulator traffic: splits·nh·r·8 bytes per row).
 fn num_splits(dev: &CudaDevice, base_blocks: usize, max_keys: usize) -> usize {
-    let target = 4 * dev.info().multiprocessors.max(1) as usize;
+    let target = 2 * dev.info().multiprocessors.max(1) as usize;
     let want = target.div_ceil(base_blocks.max(1));
     want.min(max_keys.div_ceil(MIN_SPLIT_KEYS)).clamp(1, 1024)
 }
@@ -166,7 +167,7 @@ pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: O
     let (n, max_pages) = batch.check(OP, dev)?;
     same_dev(OP, dev, &[("cache", cache), ("out", out)])?;
     let (_, w) = cache_dims(OP, cache)?;
-    if r == 0 || r >= w || r % 8 != 0 || (w - r) % 8 != 0 {
+    if r == 0 || r >= w || !r.is_multiple_of(8) || !(w - r).is_multiple_of(8) {
         return Err(CoreError::Shape { op: OP, detail: format!("r = {r} with cache width {w}: r and dr = width - r must be positive multiples of 8") });
     }
     let (name, hgm) = variant(r).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("r = {r} > 2048 is not supported by the attend kernel") })?;

@@ -5,9 +5,9 @@
 // row_pos I32 [N]; idx I32 [N, k]; count I32 [N].
 //
 // Top-k is a multi-block radix select over the unique key (ordered score << pb | pos, pb = bits(L-1)):
-// per 11-bit digit, `dsa_topk_hist` (many blocks per row, shared-memory histogram, global
-// atomics) then `dsa_topk_select` (one block per row: finds the digit holding the k-th largest
-// key). The exact k-th key T is known after all 32 + pb bits; then
+// per 11-bit digit, `dsa_topk_pass` (many blocks per row, shared-memory histogram, global
+// atomics; the last block to finish finds the digit holding the k-th largest key).
+// (`dsa_topk_hist` + `dsa_topk_select` are the same pass as two launches.) The exact k-th key T is known after all 32 + pb bits; then
 // `dsa_topk_count` counts keys >= T per block and `dsa_topk_write` writes their positions in
 // increasing order (block offsets from the counts, ballot scan inside a block).
 
@@ -115,8 +115,9 @@ __device__ __forceinline__ unsigned long long dsa_key(float s, int pos, int pb) 
 }
 
 // state per row (u64 x2): [prefix, remaining rank]
-extern "C" __global__ void dsa_topk_init(int* hist, unsigned long long* state, int k, int n_rows) {
+extern "C" __global__ void dsa_topk_init(int* hist, unsigned long long* state, int k, int* done) {
     const int i = blockIdx.x;
+    if (threadIdx.x == 0) done[i] = 0;
     for (int b = threadIdx.x; b < DSA_BINS; b += blockDim.x) hist[(long long)i * DSA_BINS + b] = 0;
     if (threadIdx.x == 0) {
         state[2 * i] = 0ull;
@@ -192,6 +193,78 @@ extern "C" __global__ void __launch_bounds__(1024) dsa_topk_select(int* __restri
     __syncthreads();
     if (hi >= 0) hr[hi] = 0;
     if (lo >= 0) hr[lo] = 0;
+}
+
+// One radix pass fused with its digit selection: the histogram as in dsa_topk_hist, then the
+// last block of the row to finish (threadfence + counter `done[i]`) scans the global
+// histogram (256 threads x 8 bins, descending), updates the state, clears the bins and the
+// counter for the next pass. Grid (blocks, N), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) dsa_topk_pass(const float* __restrict__ scores, long long L, const int* __restrict__ rp,
+                                                                int k, int* __restrict__ hist, unsigned long long* __restrict__ state,
+                                                                int* __restrict__ done, int shift, int width, int chunk, int pb) {
+    __shared__ int sh[DSA_BINS];
+    __shared__ int wsum[8];
+    __shared__ int last;
+    const int i = blockIdx.y, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int n = rp[i] + 1;
+    const int nparts = (n + chunk - 1) / chunk;
+    if (n <= k || (int)blockIdx.x >= nparts) return;
+    const int nb = 1 << width;
+    for (int b = t; b < nb; b += blockDim.x) sh[b] = 0;
+    __syncthreads();
+    const int top = shift + width;
+    const unsigned long long mask = top >= 64 ? 0ull : (~0ull << top);
+    const unsigned long long want = state[2 * i] & mask;
+    const long long b0 = (long long)blockIdx.x * chunk;
+    const long long e = min((long long)n, b0 + chunk);
+    const float* row = scores + (long long)i * L;
+    for (long long p = b0 + t; p < e; p += blockDim.x) {
+        const unsigned long long key = dsa_key(row[p], (int)p, pb);
+        if ((key & mask) == want) atomicAdd(&sh[(int)((key >> shift) & (unsigned long long)(nb - 1))], 1);
+    }
+    __syncthreads();
+    int* hr = hist + (long long)i * DSA_BINS;
+    for (int b = t; b < nb; b += blockDim.x)
+        if (sh[b]) atomicAdd(&hr[b], sh[b]);
+    __threadfence();
+    __syncthreads();
+    if (t == 0) last = atomicAdd(&done[i], 1) == nparts - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int hi = nb - 1 - 8 * t;
+    int c[8], local = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        c[j] = hi - j >= 0 ? __ldcg(&hr[hi - j]) : 0;
+        local += c[j];
+    }
+    int inc = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+    }
+    if (lane == 31) wsum[warp] = inc;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < 8; w++) inc += w < warp ? wsum[w] : 0;
+    const int excl = inc - local;
+    const long long kk = (long long)state[2 * i + 1];
+    if (local > 0 && excl < kk && kk <= inc) {
+        int cum = excl, digit = hi, above = excl;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (cum + c[j] >= kk) { digit = hi - j; above = cum; break; }
+            cum += c[j];
+        }
+        state[2 * i] |= (unsigned long long)digit << shift;
+        state[2 * i + 1] = (unsigned long long)(kk - above);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        if (hi - j >= 0) hr[hi - j] = 0;
+    if (t == 0) done[i] = 0;
 }
 
 __device__ __forceinline__ int dsa_block_count(int c, int* scratch) {

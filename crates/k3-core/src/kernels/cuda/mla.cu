@@ -7,11 +7,12 @@
 //
 // `mla_cache_append_*`: one block per row, RMSNorm of the latent in f32, stored as BF16.
 // `mla_attend_tc` (r <= 512, the K3 case): flash-decoding on tensor cores, described at the
-// kernel. `mla_attend_p*` (any r <= 2048, CUDA cores): block (row, head group of <= HGM heads,
-// key split); each 32-key tile is gathered from the pages into shared memory once and used by every head of
-// the group; scores in f32 (q pre-scaled by scale*log2 e, exp2), online softmax, the latent
-// accumulator (2P dims per thread) in registers. With one split the block writes `out`
-// directly; otherwise it writes (m, l, acc) partials and `mla_combine` merges them.
+// kernel. `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P): block (row,
+// head group of <= HGM heads, key split); each 32-key tile is gathered from the pages into
+// shared memory once and used by every head of the group; scores in f32 (q pre-scaled by
+// scale*log2 e, exp2), online softmax, the latent accumulator (2P dims per thread) in
+// registers. With one split a block writes `out` directly; otherwise it writes (m, l, acc)
+// partials and `mla_combine` merges them.
 
 #define MLA_PAGE 64
 #define MLA_TILE 32
@@ -68,7 +69,7 @@ __device__ __forceinline__ void mla_attend_block(const bf16_t* __restrict__ q, c
     float* m_s = ps + MLA_TILE * HGM;
     float* l_s = m_s + HGM;
     float* a_s = l_s + HGM;
-    long long* rowoff = reinterpret_cast<long long*>(a_s + HGM + (HGM & 1 ? 1 : 0) + 2);
+    long long* rowoff = reinterpret_cast<long long*>(a_s + HGM + 2);  // 8-byte aligned (HGM even)
 
     const int i = blockIdx.x, h0 = blockIdx.y * HGM, split = blockIdx.z;
     const int hg = min(HGM, nh - h0);
@@ -224,30 +225,43 @@ __device__ __forceinline__ void mla_attend_block(const bf16_t* __restrict__ q, c
         const int* sc, int sk, int nh, int r, int dr, float scale, int splits, bf16_t* out, float* pa, float* pm) {         \
         mla_attend_block<P, HGM>(q, cache, bt, mp, rs, rp, si, sc, sk, nh, r, dr, scale, splits, out, pa, pm);             \
     }
-MLA_ATTEND_KERNEL(mla_attend_p1, 1, 16)
 MLA_ATTEND_KERNEL(mla_attend_p2, 2, 8)
 MLA_ATTEND_KERNEL(mla_attend_p4, 4, 4)
 
-// Merges the split partials: grid (N, nh), out = Σ e^(m_s-M) acc_s / Σ e^(m_s-M) l_s.
-extern "C" __global__ void mla_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int splits,
-                                       int nh, int r, bf16_t* __restrict__ out) {
+// Merges the split partials: grid (N, nh), 128 threads, splits <= 1024.
+// out = Σ_s e^(m_s-M) acc_s / Σ_s e^(m_s-M) l_s; the per-split weights are computed once.
+extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                                              int splits, int nh, int r, bf16_t* __restrict__ out) {
+    __shared__ float wt[1024];
+    __shared__ float scratch[32];
     const int i = blockIdx.x, h = blockIdx.y;
     float mx = -K3_INF;
-    for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_ml[(((long long)i * splits + s) * nh + h) * 2]);
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, part_ml[(((long long)i * splits + s) * nh + h) * 2]);
+    mx = block_max(mx, scratch);
     float lsum = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        const float* ml = part_ml + (((long long)i * splits + s) * nh + h) * 2;
-        if (ml[1] > 0.0f) lsum += exp2f(ml[0] - mx) * ml[1];
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float2 ml = *reinterpret_cast<const float2*>(part_ml + (((long long)i * splits + s) * nh + h) * 2);
+        const float e = ml.y > 0.0f ? exp2f(ml.x - mx) : 0.0f;
+        wt[s] = e;
+        lsum += e * ml.y;
     }
+    lsum = block_sum(lsum, scratch);  // also orders the wt writes before the reads below
     const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-    for (int d = threadIdx.x; d < r; d += blockDim.x) {
-        float a = 0.0f;
+    const long long stride = (long long)nh * r;  // between consecutive splits
+    for (int d = threadIdx.x * 4; d < r; d += blockDim.x * 4) {
+        const float* p = part_acc + ((long long)i * splits * nh + h) * r + d;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
         for (int s = 0; s < splits; s++) {
-            const long long b = ((long long)i * splits + s) * nh + h;
-            const float* ml = part_ml + b * 2;
-            if (ml[1] > 0.0f) a += exp2f(ml[0] - mx) * part_acc[b * r + d];
+            const float e = wt[s];
+            if (e > 0.0f) {
+                const float4 v = *reinterpret_cast<const float4*>(p + s * stride);
+                a.x = fmaf(e, v.x, a.x); a.y = fmaf(e, v.y, a.y); a.z = fmaf(e, v.z, a.z); a.w = fmaf(e, v.w, a.w);
+            }
         }
-        out[((long long)i * nh + h) * r + d] = f32_to_bf16(a * inv);
+        const unsigned lo = (unsigned)f32_to_bf16(a.x * inv) | ((unsigned)f32_to_bf16(a.y * inv) << 16);
+        const unsigned hi = (unsigned)f32_to_bf16(a.z * inv) | ((unsigned)f32_to_bf16(a.w * inv) << 16);
+        *reinterpret_cast<uint2*>(out + ((long long)i * nh + h) * r + d) = make_uint2(lo, hi);
     }
 }
 
@@ -329,22 +343,42 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
             rowoff[tid] = off;
         }
         __syncthreads();
-        for (int v = tid; v < TC_TILE * wv; v += MLA_THREADS) {
-            const int t = v / wv, c = (v % wv) * 8;
-            const long long off = rowoff[t];
-            uint4 val = make_uint4(0u, 0u, 0u, 0u);
-            if (off >= 0 && c < w) val = *reinterpret_cast<const uint4*>(cache + off + c);
-            *reinterpret_cast<uint4*>(ks + t * kst + c) = val;
+        // Gather: 4 independent 16-byte loads in flight per thread before the stores.
+        for (int v0 = tid; v0 < TC_TILE * wv; v0 += 4 * MLA_THREADS) {
+            uint4 val[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int v = v0 + u * MLA_THREADS;
+                val[u] = make_uint4(0u, 0u, 0u, 0u);
+                if (v < TC_TILE * wv) {
+                    const int t = v / wv, c = (v % wv) * 8;
+                    const long long off = rowoff[t];
+                    if (off >= 0 && c < w) val[u] = __ldg(reinterpret_cast<const uint4*>(cache + off + c));
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int v = v0 + u * MLA_THREADS;
+                if (v < TC_TILE * wv) *reinterpret_cast<uint4*>(ks + (v / wv) * kst + (v % wv) * 8) = val[u];
+            }
         }
         __syncthreads();
         // Scores for keys 8*warp .. 8*warp+7.
         {
-            float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // Two accumulators (even / odd k-steps) halve the dependent mma chain.
+            float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c5[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const bf16_t* qa = qs + g * kst + 2 * t4;
             const bf16_t* qb = qs + (g + 8) * kst + 2 * t4;
             const bf16_t* kb = ks + (8 * warp + g) * kst + 2 * t4;
-            for (int k0 = 0; k0 < wk; k0 += 16)
+            int k0 = 0;
+            for (; k0 + 32 <= wk; k0 += 32) {
                 mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
+                mma_bf16_16816(c5, ld_u32(qa + k0 + 16), ld_u32(qb + k0 + 16), ld_u32(qa + k0 + 24), ld_u32(qb + k0 + 24), ld_u32(kb + k0 + 16), ld_u32(kb + k0 + 24));
+            }
+            if (k0 < wk)
+                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
+#pragma unroll
+            for (int j = 0; j < 4; j++) c4[j] += c5[j];
             const int col = 8 * warp + 2 * t4;
             const bool v0 = t0 + col < end, v1 = t0 + col + 1 < end;
             ss[g * TC_SS + col] = v0 ? c4[0] * qscale : -K3_INF;
