@@ -169,3 +169,53 @@ fn random_models_gpu_equals_cpu() {
     let ck = random_model(&d.path().join("dsa"), "tiny_dsa", &[("linear_attn_config.head_dim", json!(32))], ExpertFormat::Float(FloatDType::BF16));
     gpu_vs_cpu(&ck, &dev, 90, "tiny_dsa, KDA hd 32, top-8");
 }
+
+/// Every named intermediate of one GPU prefill against the CPU model's (relative L2 per tensor
+/// ≤ 1e-2: bf16 activations compound over layers), so a mismatch names the first layer and
+/// sublayer that differs.
+fn traces_match(ck: &Checkpoint, dev: &CudaDevice, n: usize, what: &str) {
+    use std::collections::HashMap;
+    let cpu = Model::load(ck).unwrap();
+    let vocab = cpu.config.text.vocab_size;
+    let toks: Vec<u32> = (0..n).map(|i| ((i * 131 + 17) % vocab) as u32).collect();
+    let mut want: HashMap<String, Vec<f32>> = HashMap::new();
+    let mut st = cpu.new_state();
+    let mut rec = |name: &str, x: &[f32], _t: usize| {
+        want.insert(name.to_string(), x.to_vec());
+    };
+    cpu.forward(&toks, &mut st, ForwardOpts::default(), Some(&mut rec)).unwrap();
+    let mut m = gpu(ck, dev, 1, n + 64);
+    let mut s = m.new_sequence().unwrap();
+    let mut got: Vec<(String, Vec<f32>)> = Vec::new();
+    let mut rec = |name: &str, t: &k3_core::cuda::CudaTensor| -> k3_model::Result<()> {
+        got.push((name.to_string(), t.to_f32_vec()?));
+        Ok(())
+    };
+    m.forward_traced(Input::Tokens(&toks), &[n], &mut [&mut s], false, Some(&mut rec)).unwrap();
+    let mut worst: Option<(String, f64)> = None;
+    for (name, g) in &got {
+        let w = want.get(name).unwrap_or_else(|| panic!("{what}: the CPU trace has no {name}"));
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in g.iter().zip(w) {
+            num += ((a - b) as f64).powi(2);
+            den += (*b as f64).powi(2);
+        }
+        let e = (num / den.max(1e-30)).sqrt();
+        eprintln!("{what}: {name:<20} rel L2 {e:.2e}");
+        if e > 1e-2 && worst.is_none() {
+            worst = Some((name.clone(), e));
+        }
+    }
+    assert!(worst.is_none(), "{what}: first intermediate beyond 1e-2: {worst:?}");
+}
+
+#[test]
+fn gpu_intermediates_match_cpu() {
+    let Some(dev) = device("gpu_intermediates_match_cpu") else { return };
+    for name in ["k3_small_f32", "k31_small_dsa_f32", "k3_small_mxfp4"] {
+        traces_match(&Checkpoint::open(&fixture(name)).unwrap(), &dev, 40, name);
+    }
+    let d = tempfile::tempdir().unwrap();
+    let ck = random_model(&d.path().join("hd128"), "tiny", &[("linear_attn_config.head_dim", json!(128)), ("linear_attn_config.num_heads", json!(2)), ("routed_expert_hidden_size", json!(64)), ("moe_intermediate_size", json!(64))], ExpertFormat::Mxfp4);
+    traces_match(&ck, &dev, 40, "tiny hd128 mxfp4");
+}

@@ -156,8 +156,15 @@ impl CudaModel {
     /// The packed forward: sequence i consumes `lens[i]` rows of `input`. Returns logits for every
     /// row, or each sequence's last row with `last_only`, as F32 on the host.
     pub fn forward_varlen(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], last_only: bool) -> Result<Vec<f32>> {
+        self.forward_traced(input, lens, seqs, last_only, None)
+    }
+
+    /// [`CudaModel::forward_varlen`] that also hands named intermediates to `trace` (the CPU
+    /// model's names: `embed`, `blk.L.attn_in`, `blk.L.kda.out` / `blk.L.mla.out`, `blk.L.ffn_in`,
+    /// `blk.L.ffn.out`, `output_norm`) as device tensors `[N, width]`.
+    pub fn forward_traced(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], last_only: bool, trace: GpuTrace<'_>) -> Result<Vec<f32>> {
         let step = self.prepare(&input, lens, seqs, None)?;
-        let logits = self.run(&step, &input, last_only)?;
+        let logits = self.run_traced(&step, &input, last_only, trace)?;
         for (s, &n) in seqs.iter_mut().zip(lens) {
             s.pos += n;
         }
@@ -207,6 +214,16 @@ impl CudaModel {
     /// Every layer on the step; returns the logits tensor F32 `[N or B, vocab]` on the device.
     /// Enqueues work only (no host synchronisation) when the input is token ids.
     pub(crate) fn run(&self, step: &Step, input: &Input<'_>, last_only: bool) -> Result<CudaTensor> {
+        self.run_traced(step, input, last_only, None)
+    }
+
+    fn run_traced(&self, step: &Step, input: &Input<'_>, last_only: bool, mut trace: GpuTrace<'_>) -> Result<CudaTensor> {
+        let mut emit = |name: &dyn Fn() -> String, t: &CudaTensor| -> Result<()> {
+            if let Some(f) = trace.as_mut() {
+                f(&name(), t)?;
+            }
+            Ok(())
+        };
         let (h, n) = (self.config.text.hidden_size, step.n);
         let b = self.config.text.attn_res_block_size;
         let eps = self.config.text.rms_norm_eps;
@@ -218,6 +235,7 @@ impl CudaModel {
             (Input::Embeds(e), _) => p.write_bytes(bytemuck::cast_slice(e))?,
             _ => return Err(ModelError::Input("token ids missing from the step".into())),
         }
+        emit(&|| "embed".into(), &p)?;
         let mut blocks: Vec<CudaTensor> = Vec::new();
         let mut d: Option<CudaTensor> = None;
         let x = CudaTensor::uninit(dev, DType::BF16, vec![n, h])?; // normed mix, GEMM input
@@ -231,24 +249,30 @@ impl CudaModel {
             let ar = &layer.self_attention_res;
             attn_res_norm(&srcs, &p, upd, d.as_ref(), snap.as_ref(), &ar.c, ar.eps, &layer.input_layernorm, eps, &x)?;
             blocks.extend(snap);
+            emit(&|| format!("blk.{l}.attn_in"), &x)?;
             let a = match &layer.mixer {
                 Mixer::Kda(m) => m.forward(&x, step)?,
                 Mixer::Mla(m) => m.forward(&x, step)?,
             };
+            emit(&|| format!("blk.{l}.{}.out", if matches!(layer.mixer, Mixer::Kda(_)) { "kda" } else { "mla" }), &a)?;
             let nb2 = nb + usize::from(starts);
             let srcs: Vec<&CudaTensor> = blocks[..nb2].iter().collect();
             let upd = if starts { ResUpdate::Assign } else { ResUpdate::Add };
             let mr = &layer.mlp_res;
             attn_res_norm(&srcs, &p, upd, Some(&a), None, &mr.c, mr.eps, &layer.post_attention_layernorm, eps, &x)?;
-            d = Some(match &layer.ffn {
+            emit(&|| format!("blk.{l}.ffn_in"), &x)?;
+            let out = match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&x)?,
                 Ffn::Moe(m) => m.forward(&x)?,
-            });
+            };
+            emit(&|| format!("blk.{l}.ffn.out"), &out)?;
+            d = Some(out);
         }
         let srcs: Vec<&CudaTensor> = blocks.iter().collect();
         let upd = if d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
         let o = &self.output_attn_res;
         attn_res_norm(&srcs, &p, upd, d.as_ref(), None, &o.c, o.eps, &self.norm, eps, &x)?;
+        emit(&|| "output_norm".into(), &x)?;
         if last_only {
             let nb = step.lens.len();
             let last = CudaTensor::uninit(dev, DType::BF16, vec![nb, h])?; // [B, H]
@@ -276,6 +300,9 @@ impl CudaModel {
         total
     }
 }
+
+/// Receives named intermediates as device tensors (see [`CudaModel::forward_traced`]).
+pub type GpuTrace<'a> = Option<&'a mut dyn FnMut(&str, &CudaTensor) -> Result<()>>;
 
 /// What a forward consumes: token ids, or input rows F32 `[N, H]` (embeddings with image
 /// features spliced in).
