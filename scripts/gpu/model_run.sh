@@ -14,4 +14,9 @@ parity)
 nano)
   echo "=== k3 run on k3-nano, GPU ==="; timeout 60 $D/k3 run --model models/k3-nano --device cuda --temperature 0 -n 48 "ROMEO." 2>&1 | tail -5
   echo "=== k3 run on k3-nano, CPU ==="; timeout 60 $D/k3 run --model models/k3-nano --temperature 0 -n 48 "ROMEO." 2>&1 | tail -5 ;;
+bench)
+  # Real widths, 4 layers (KDA, KDA, KDA, MLA), every layer MoE with 64 experts, MXFP4 experts.
+  M=/tmp/k3r4mx
+  [ -d $M ] || /usr/bin/time -f "init %e s" $D/k3 init --config k3 --num-hidden-layers 4 --num-experts 64 --set vocab_size=32768 --set first_k_dense_replace=0 --experts mxfp4 --out $M 2>&1 | tail -2
+  timeout 300 $D/k3 bench --device cuda --model $M --prompt-len 4096 --batches 1,16,64 --context 512 --warmup 5 --repeats 30 2>&1 | tail -12 ;;
 esac
