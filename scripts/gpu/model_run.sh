@@ -19,4 +19,14 @@ bench)
   M=/tmp/k3r4mx
   [ -d $M ] || /usr/bin/time -f "init %e s" $D/k3 init --config k3 --num-hidden-layers 4 --num-experts 64 --set vocab_size=32768 --set first_k_dense_replace=0 --experts mxfp4 --out $M 2>&1 | tail -2
   timeout 300 $D/k3 bench --device cuda --model $M --prompt-len 4096 --batches 1,16,64 --context 512 --warmup 5 --repeats 30 2>&1 | tail -12 ;;
+bench-bf16)
+  # The same model with BF16 experts: the configuration of Moonshot's official code's figures.
+  M=/tmp/k3r4bf
+  [ -d $M ] || /usr/bin/time -f "init %e s" $D/k3 init --config k3 --num-hidden-layers 4 --num-experts 64 --set vocab_size=32768 --set first_k_dense_replace=0 --experts bf16 --out $M 2>&1 | tail -2
+  timeout 300 $D/k3 bench --device cuda --model $M --prompt-len 4096 --batches 1,16,64 --context 512 --warmup 5 --repeats 30 2>&1 | tail -8 ;;
+dsa)
+  # K3.1 Pro widths, 4 layers (KDA, KDA, KDA, DSA), 64 MXFP4 experts: decode at long contexts.
+  M=/tmp/k31r4mx
+  [ -d $M ] || /usr/bin/time -f "init %e s" $D/k3 init --config k3_1_pro --num-hidden-layers 4 --num-experts 64 --set vocab_size=32768 --set first_k_dense_replace=0 --experts mxfp4 --out $M 2>&1 | tail -2
+  timeout 300 $D/k3 bench --device cuda --model $M --op dsa 16384 131072 524288 --warmup 5 --repeats 30 2>&1 | tail -8 ;;
 esac

@@ -321,13 +321,16 @@ fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usi
         let (zp, zgp) = (z.ptr(), zg.ptr());
         dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
         let h = CudaTensor::uninit(dev, DType::F32, vec![n, 2 * f])?;
-        blas::linear(&zg, &w13e, &h)?; // [n, 2F]
+        // Heuristic algorithm: the row count changes with every routing, and tuning each new
+        // shape would time several candidates per expert per call.
+        let heur = blas::GemmOptions { algo: blas::Algo::Heuristic, ..Default::default() };
+        blas::gemm(&zg, &w13e, &h, blas::Layout::BT, heur)?; // [n, 2F]
         let act = CudaTensor::uninit(dev, DType::BF16, vec![n, f])?;
         let (hp, ap) = (h.ptr(), act.ptr());
         let grid = dev.elementwise_grid(n * f, 256);
         dev.launch(MOE, "moe_situ_split", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
         let yg = CudaTensor::uninit(dev, DType::F32, vec![n, l])?;
-        blas::linear(&act, &w2e, &yg)?; // [n, L]
+        blas::gemm(&act, &w2e, &yg, blas::Layout::BT, heur)?; // [n, L]
         let (ygp, yp) = (yg.ptr(), y.ptr());
         dev.launch(MOE, "moe_scatter", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![ygp, pp, n32, l32, yp])?;
     }

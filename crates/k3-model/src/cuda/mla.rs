@@ -115,8 +115,9 @@ impl Mla {
         let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
         let (n, dev, bf) = (step.n, x.cuda_device(), DType::BF16);
         let batch = PagedBatch { block_table: &step.block_table, row_seq: &step.row_seq, row_pos: &step.row_pos };
-        let c_q = lin(x, &self.q_a_proj, bf)?; // [N, q_lora]
-        rms_norm_cols(&c_q, c_q.last_dim(), &self.q_a_layernorm, LATENT_EPS, &c_q)?;
+        let c_q_raw = lin(x, &self.q_a_proj, DType::F32)?; // [N, q_lora], normed from f32
+        let c_q = CudaTensor::uninit(dev, bf, c_q_raw.shape().to_vec())?;
+        rms_norm_cols(&c_q_raw, c_q.last_dim(), &self.q_a_layernorm, LATENT_EPS, &c_q)?;
         let q = lin(&c_q, &self.q_b_proj, bf)?; // [N, nh, dn+dr]
         let ckv = lin(x, &self.kv_a_proj_with_mqa, DType::F32)?; // [N, r+dr]
         mla_cache_append(&ckv, &self.kv_a_layernorm, LATENT_EPS, &batch, &self.cache)?;

@@ -17,7 +17,7 @@ mod moe;
 mod state;
 mod upload;
 
-use k3_core::cuda::blas::linear;
+use k3_core::cuda::blas::{gemm, Algo, GemmOptions, Layout};
 use k3_core::cuda::ops::{attn_res_norm, gather_rows, ResUpdate};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
@@ -31,11 +31,13 @@ use crate::error::{ModelError, Result};
 use crate::weights::{layer_prefix, LM_HEAD, TEXT};
 use state::{Free, Step, StepHost};
 
-/// `out[N, rows(w)] = x[N, K] · wᵀ` as `dtype` (BF16 weights, f32 accumulation).
+/// `out[N, rows(w)] = x[N, K] · wᵀ` as `dtype` (BF16 weights, f32 accumulation). cuBLASLt's
+/// heuristic picks the algorithm: N changes from call to call (prefill chunks, batch sizes), and
+/// timing candidates for every new N would cost more than it saves.
 pub(crate) fn lin(x: &CudaTensor, w: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
     let rows = x.numel() / x.last_dim().max(1);
     let out = CudaTensor::uninit(x.cuda_device(), dtype, vec![rows, w.shape()[0]])?;
-    linear(x, w, &out)?;
+    gemm(x, w, &out, Layout::BT, GemmOptions { algo: Algo::Heuristic, ..Default::default() })?;
     Ok(out)
 }
 
