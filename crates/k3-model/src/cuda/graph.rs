@@ -54,14 +54,22 @@ impl CudaModel {
         let zeros = vec![0u32; batch];
         let step = host.upload(&self.dev, &lens, Some(&zeros))?;
         let input = Input::Tokens(&zeros);
-        // Warm-up: compiles kernels and picks GEMM algorithms (writes only scratch state).
-        drop(self.run(&step, &input, true)?);
-        self.dev.synchronize()?;
+        // Warm-up: compiles kernels and times the GEMM algorithms of these shapes (writes only
+        // scratch state); the capture then reuses the chosen plans.
+        super::TUNE_GEMMS.with(|t| t.set(true));
+        let warm = self.run(&step, &input, true).and_then(|o| {
+            drop(o);
+            Ok(self.dev.synchronize()?)
+        });
         let mut out = None;
-        let graph = capture(&self.dev, || {
-            out = Some(self.run(&step, &input, true).map_err(|e| k3_core::CoreError::Device(e.to_string()))?);
-            Ok(())
-        })?;
+        let graph = warm.and_then(|_| {
+            Ok(capture(&self.dev, || {
+                out = Some(self.run(&step, &input, true).map_err(|e| k3_core::CoreError::Device(e.to_string()))?);
+                Ok(())
+            })?)
+        });
+        super::TUNE_GEMMS.with(|t| t.set(false));
+        let graph = graph?;
         let logits = out.ok_or_else(|| ModelError::Input("graph capture produced no logits".into()))?;
         Ok(DecodeGraph { batch, width, step, logits, graph })
     }

@@ -31,13 +31,20 @@ use crate::error::{ModelError, Result};
 use crate::weights::{layer_prefix, LM_HEAD, TEXT};
 use state::{Free, Step, StepHost};
 
-/// `out[N, rows(w)] = x[N, K] · wᵀ` as `dtype` (BF16 weights, f32 accumulation). cuBLASLt's
-/// heuristic picks the algorithm: N changes from call to call (prefill chunks, batch sizes), and
-/// timing candidates for every new N would cost more than it saves.
+thread_local! {
+    /// Set while a decode graph is warmed up and captured: its GEMM shapes recur on every replay,
+    /// so their cuBLASLt algorithms are chosen by timing (see `graph.rs`).
+    pub(crate) static TUNE_GEMMS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `out[N, rows(w)] = x[N, K] · wᵀ` as `dtype` (BF16 weights, f32 accumulation). Eager calls use
+/// cuBLASLt's heuristic choice: N changes from call to call (prefill chunks, batch sizes), and
+/// timing candidates for every new N would cost more than it saves. Decode graphs time them once.
 pub(crate) fn lin(x: &CudaTensor, w: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
     let rows = x.numel() / x.last_dim().max(1);
     let out = CudaTensor::uninit(x.cuda_device(), dtype, vec![rows, w.shape()[0]])?;
-    gemm(x, w, &out, Layout::BT, GemmOptions { algo: Algo::Heuristic, ..Default::default() })?;
+    let algo = if TUNE_GEMMS.with(|t| t.get()) { Algo::Tuned } else { Algo::Heuristic };
+    gemm(x, w, &out, Layout::BT, GemmOptions { algo, ..Default::default() })?;
     Ok(out)
 }
 
