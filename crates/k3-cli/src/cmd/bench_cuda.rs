@@ -2,7 +2,7 @@
 //! one process beside this GPU's own copy bandwidth so every figure reads as a ratio.
 //!
 //! Prefill: one sequence of `--prompt-len` tokens in one forward (after a warm-up forward that
-//! compiles kernels and picks GEMM algorithms), tokens/s by wall clock (includes the last-row
+//! compiles kernels), tokens/s by wall clock of the median of three (includes the last-row
 //! logits copy). Decode, for each batch in `--batches`: B sequences prefilled with `--context`
 //! tokens, one decode step captured as a CUDA graph, replayed `--repeats` times between CUDA
 //! events (median); the same step end to end through `decode_step` (table upload + replay +
@@ -89,16 +89,20 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     let copy_bw = copy_bandwidth(&dev)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
-    // Prefill: warm-up on one sequence, then the timed one.
+    // Prefill: a warm-up on one sequence, then the median of three timed ones.
     let p = prompt(a.prompt_len);
-    let mut warm = m.new_sequence()?;
-    m.forward(&p, &mut warm, true)?;
-    m.release(warm);
-    let mut s = m.new_sequence()?;
-    let t = Instant::now();
-    m.forward(&p, &mut s, true)?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    m.release(s);
+    let mut times = Vec::new();
+    for i in 0..4 {
+        let mut s = m.new_sequence()?;
+        let t = Instant::now();
+        m.forward(&p, &mut s, true)?;
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+        m.release(s);
+    }
+    times.sort_by(f64::total_cmp);
+    let prefill_s = median(&times);
     println!("model      {}  ({layers} layers, loaded to GPU in {load_s:.1} s; weight bytes per decode token {:.1} MB)", dir.display(), m.weight_bytes_per_token() as f64 / 1e6);
     println!("copy bw    {:.0} GB/s (device-to-device, read + write)", copy_bw / 1e9);
     println!("prefill    T={}: {:.1} ms, {:.0} tokens/s", a.prompt_len, prefill_s * 1e3, a.prompt_len as f64 / prefill_s);
