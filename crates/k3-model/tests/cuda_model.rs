@@ -15,7 +15,7 @@
 //! also rounds every activation, lands at 1–3× that baseline's median (measured 2.8e-2–5.8e-2,
 //! top-1 down to 0.6 on 5 positions). No bf16 engine can meet the manifest tolerance on these
 //! fixtures; the test prints both and asserts only what separates rounding from a wrong
-//! computation (median ≤ 0.15; a wrong layer gives 0.5–1.4). The f32 CPU model is the one that
+//! computation (median ≤ max(0.15, 3× the baseline's); a wrong layer gives 0.5–1.4). The f32 CPU model is the one that
 //! meets the manifest (tests/golden.rs).
 //!
 //! - the three golden fixtures (KDA head dim 32: the general KDA kernel), full prefill;
@@ -150,7 +150,8 @@ fn golden_fixtures_on_gpu() {
             eprintln!("{name} L{l}: GPU median rel L2 {gm:.2e} top-1 {gt:.3} | CPU with bf16 weights {bm:.2e} top-1 {bt:.3}");
             // A wrong layer, weight layout or cache position moves every position by O(1)
             // (median 0.5–1.4); bf16 rounding on these fixtures gives ≤ 6e-2 (measured).
-            assert!(gm <= GOLDEN_GROSS, "{name} L{l}: GPU median per-position relative L2 {gm:.3e} > {GOLDEN_GROSS} (bf16 baseline {bm:.3e}): not rounding, a wrong computation");
+            let bound = (3.0 * bm).max(GOLDEN_GROSS);
+            assert!(gm <= bound, "{name} L{l}: GPU median per-position relative L2 {gm:.3e} > {bound:.2} (bf16 baseline {bm:.3e}): not rounding, a wrong computation");
         }
     }
 }
