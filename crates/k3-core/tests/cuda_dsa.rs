@@ -12,7 +12,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, rng, say};
+use cuda_common::{device, poisoned, rng, rvec, say, up_i32};
 
 use half::bf16;
 use k3_core::cuda::dsa::{index_key_append, index_scores, topk};
@@ -22,23 +22,12 @@ use k3_core::DType;
 use rand::seq::SliceRandom;
 use rand::Rng;
 
-fn rvec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16::from_f32(r.random_range(lo..hi) * if r.random::<bool>() { 1.0 } else { -1.0 }).to_f32()).collect()
-}
 
 fn up_f32(dev: &CudaDevice, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
     CudaTensor::from_f32(dev, shape, v).expect("upload")
 }
 
-fn up_i32(dev: &CudaDevice, shape: Vec<usize>, v: &[i32]) -> CudaTensor {
-    CudaTensor::from_pod(dev, DType::I32, shape, v).expect("upload i32")
-}
 
-fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
-    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
-    t.fill_bytes(0xFF).expect("poison");
-    t
-}
 
 fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len());

@@ -18,9 +18,8 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, rng, say};
+use cuda_common::{device, poisoned, rel_l2, rng, rvec, say, up};
 
-use half::bf16;
 use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
@@ -31,37 +30,9 @@ const TOL_OUT: f64 = 5e-3;
 const TOL_STATE: f64 = 5e-3;
 const TOL_F32_STATE: f64 = 1e-4;
 
-/// Uniform in ±[lo, hi), bf16-representable.
-fn rvec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16::from_f32(r.random_range(lo..hi) * if r.random::<bool>() { 1.0 } else { -1.0 }).to_f32()).collect()
-}
 
-fn up(dev: &CudaDevice, dtype: DType, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
-    let t = match dtype {
-        DType::F32 => CudaTensor::from_f32(dev, shape, v),
-        _ => CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
-    };
-    t.expect("upload")
-}
 
-fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
-    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
-    t.fill_bytes(0xFF).expect("poison");
-    t
-}
 
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length mismatch");
-    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
-        panic!("non-finite value at element {i} of {} (unwritten or invalid output)", got.len());
-    }
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        num += (g as f64 - w as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
-}
 
 fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = rel_l2(got, want);

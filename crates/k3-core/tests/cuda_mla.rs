@@ -14,7 +14,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, rng, say};
+use cuda_common::{check, device, poisoned, rng, rvec, say, up, up_i32};
 
 use half::bf16;
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
@@ -26,46 +26,11 @@ use rand::Rng;
 
 const TOL_ATTEND: f64 = 5e-3;
 
-fn rvec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16::from_f32(r.random_range(lo..hi) * if r.random::<bool>() { 1.0 } else { -1.0 }).to_f32()).collect()
-}
 
-fn up(dev: &CudaDevice, dtype: DType, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
-    let t = match dtype {
-        DType::F32 => CudaTensor::from_f32(dev, shape, v),
-        _ => CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
-    };
-    t.expect("upload")
-}
 
-fn up_i32(dev: &CudaDevice, shape: Vec<usize>, v: &[i32]) -> CudaTensor {
-    CudaTensor::from_pod(dev, DType::I32, shape, v).expect("upload i32")
-}
 
-fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
-    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
-    t.fill_bytes(0xFF).expect("poison");
-    t
-}
 
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length mismatch");
-    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
-        panic!("non-finite value at element {i} of {} (unwritten or invalid output)", got.len());
-    }
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        num += (g as f64 - w as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
-}
 
-fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
-    let e = rel_l2(got, want);
-    say(&format!("  {what:<60} rel L2 {e:.2e} (tol {tol:.0e})"));
-    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
-}
 
 /// Sequences of the given context lengths in a shuffled page pool: (block table [B, max_pages], pages).
 fn paging(r: &mut impl Rng, lens: &[usize]) -> (Vec<i32>, usize, usize) {

@@ -15,7 +15,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, rng, say};
+use cuda_common::{check, device, poisoned, rng, say};
 
 use half::bf16;
 use k3_core::cuda::moe::{self, ExpertFormat, ExpertWeights};
@@ -30,30 +30,8 @@ const TOL_PREFILL: f64 = 5e-3;
 const BETA: f32 = 4.0;
 const LBETA: f32 = 25.0;
 
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length mismatch");
-    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
-        panic!("non-finite value at element {i} of {} (unwritten or invalid output)", got.len());
-    }
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        num += (g as f64 - w as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
-}
 
-fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
-    let e = rel_l2(got, want);
-    say(&format!("  {what:<60} rel L2 {e:.2e} (tol {tol:.0e})"));
-    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
-}
 
-fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
-    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
-    t.fill_bytes(0xFF).expect("poison");
-    t
-}
 
 /// CPU copy of `Moe::route` for one token row.
 fn route_ref(row: &[f32], bias: &[f32], k: usize, renorm: bool) -> Vec<(usize, f32)> {

@@ -1,12 +1,14 @@
-//! Shared by the CUDA parity suites (`cuda_ops.rs`, `cuda_kda.rs`): the device-or-skip rule,
-//! the printed (replayable) seed, and messages that bypass the harness's output capture.
+//! Shared by the CUDA parity suites (`cuda_*.rs`): the device-or-skip rule, the printed
+//! (replayable) seed, messages that bypass the harness's output capture, and the upload /
+//! poison / relative-L2 helpers every suite uses.
 #![allow(dead_code)]
 
 use std::io::Write;
 
-use k3_core::cuda::CudaDevice;
-use k3_core::CoreError;
-use rand::SeedableRng;
+use half::bf16;
+use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::{CoreError, DType};
+use rand::{Rng, SeedableRng};
 
 /// Straight to stderr, past the test harness's capture, so a skip is always visible.
 pub fn say(msg: &str) {
@@ -36,4 +38,47 @@ pub fn rng(test: &str) -> rand::rngs::StdRng {
     });
     say(&format!("{test}: seed {seed}"));
     rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+// ---- helpers shared by the parity suites ----
+
+pub fn rvec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| bf16::from_f32(r.random_range(lo..hi) * if r.random::<bool>() { 1.0 } else { -1.0 }).to_f32()).collect()
+}
+
+pub fn up(dev: &CudaDevice, dtype: DType, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
+    let t = match dtype {
+        DType::F32 => CudaTensor::from_f32(dev, shape, v),
+        _ => CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
+    };
+    t.expect("upload")
+}
+
+pub fn up_i32(dev: &CudaDevice, shape: Vec<usize>, v: &[i32]) -> CudaTensor {
+    CudaTensor::from_pod(dev, DType::I32, shape, v).expect("upload i32")
+}
+
+pub fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
+    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
+    t.fill_bytes(0xFF).expect("poison");
+    t
+}
+
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("non-finite value at element {i} of {} (unwritten or invalid output)", got.len());
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        num += (g as f64 - w as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
+}
+
+pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    let e = rel_l2(got, want);
+    say(&format!("  {what:<60} rel L2 {e:.2e} (tol {tol:.0e})"));
+    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
 }
