@@ -134,6 +134,11 @@ impl Engine {
         Engine { gpu: Some(Box::new(gpu)), ..Self::new(model, tokenizer, config) }
     }
 
+    /// Tokens a sequence can reach: its prompt plus `max_tokens`, capped at the context limit.
+    fn worst_case(s: &Sequence, limit: usize) -> usize {
+        (s.req.prompt.len() + s.req.max_tokens).min(limit)
+    }
+
     /// Frees a sequence's GPU state (if it has one).
     fn free(&mut self, s: Sequence) {
         if let (Some(g), Some(gs)) = (self.gpu.as_mut(), s.gpu) {
@@ -162,6 +167,12 @@ impl Engine {
             let h = self.model.config.text.hidden_size;
             if e.len() != req.prompt.len() * h {
                 return Err(param("prompt_embeds", format!("holds {} values; the prompt needs {} × hidden_size {h}", e.len(), req.prompt.len())));
+            }
+        }
+        if let Some(g) = &self.gpu {
+            let need = (req.prompt.len() + req.max_tokens).min(limit);
+            if let Err(cap) = g.fits(need) {
+                return Err(param("max_tokens", format!("prompt ({}) + max_tokens ({}) = {need} tokens exceed the GPU cache of {cap} tokens; lower max_tokens or start the server with a larger --max-cache-tokens", req.prompt.len(), req.max_tokens)));
             }
         }
         if !req.stop.is_empty() && self.tokenizer.is_none() {
@@ -226,7 +237,14 @@ impl Engine {
             match self.waiting.pop_front() {
                 Some(mut s) => {
                     if let Some(g) = self.gpu.as_mut() {
-                        s.gpu = Some(g.new_seq()?);
+                        match g.new_seq(Self::worst_case(&s, self.model.config.max_context()))? {
+                            Some(gs) => s.gpu = Some(gs),
+                            None => {
+                                // The GPU cache is promised to running sequences: wait, in order.
+                                self.waiting.push_front(s);
+                                break;
+                            }
+                        }
                     }
                     self.running.push(s)
                 }
