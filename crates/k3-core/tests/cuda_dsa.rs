@@ -12,14 +12,13 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, poisoned, rng, rvec, say, up_i32};
+use cuda_common::{device, paging, poisoned, rng, rvec, say, slot, up_i32};
 
 use half::bf16;
 use k3_core::cuda::dsa::{index_key_append, index_scores, topk};
 use k3_core::cuda::mla::{PagedBatch, PAGE};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
-use rand::seq::SliceRandom;
 use rand::Rng;
 
 
@@ -42,25 +41,7 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
 }
 
-fn paging(r: &mut impl Rng, lens: &[usize]) -> (Vec<i32>, usize, usize) {
-    let max_pages = lens.iter().map(|l| l.div_ceil(PAGE)).max().unwrap_or(1).max(1);
-    let total: usize = lens.iter().map(|l| l.div_ceil(PAGE)).sum::<usize>() + 2;
-    let mut ids: Vec<i32> = (0..total as i32).collect();
-    ids.shuffle(r);
-    let mut bt = vec![0i32; lens.len() * max_pages];
-    let mut next = 0;
-    for (b, &l) in lens.iter().enumerate() {
-        for p in 0..l.div_ceil(PAGE) {
-            bt[b * max_pages + p] = ids[next];
-            next += 1;
-        }
-    }
-    (bt, max_pages, total)
-}
 
-fn slot(bt: &[i32], mp: usize, seq: usize, pos: usize) -> usize {
-    bt[seq * mp + pos / PAGE] as usize * PAGE + pos % PAGE
-}
 
 #[test]
 fn key_append_and_index_scores() {

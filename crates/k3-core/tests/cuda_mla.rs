@@ -14,7 +14,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{check, device, poisoned, rng, rvec, say, up, up_i32};
+use cuda_common::{check, device, paging, poisoned, rng, rvec, say, slot, up, up_i32};
 
 use half::bf16;
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
@@ -32,26 +32,7 @@ const TOL_ATTEND: f64 = 5e-3;
 
 
 
-/// Sequences of the given context lengths in a shuffled page pool: (block table [B, max_pages], pages).
-fn paging(r: &mut impl Rng, lens: &[usize]) -> (Vec<i32>, usize, usize) {
-    let max_pages = lens.iter().map(|l| l.div_ceil(PAGE)).max().unwrap_or(1).max(1);
-    let total: usize = lens.iter().map(|l| l.div_ceil(PAGE)).sum::<usize>() + 3;
-    let mut ids: Vec<i32> = (0..total as i32).collect();
-    ids.shuffle(r);
-    let mut bt = vec![0i32; lens.len() * max_pages];
-    let mut next = 0;
-    for (b, &l) in lens.iter().enumerate() {
-        for p in 0..l.div_ceil(PAGE) {
-            bt[b * max_pages + p] = ids[next];
-            next += 1;
-        }
-    }
-    (bt, max_pages, total)
-}
 
-fn slot(bt: &[i32], max_pages: usize, seq: usize, pos: usize) -> usize {
-    bt[seq * max_pages + pos / PAGE] as usize * PAGE + pos % PAGE
-}
 
 #[test]
 fn cache_append_matches_rms_norm() {

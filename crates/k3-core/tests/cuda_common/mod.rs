@@ -6,8 +6,10 @@
 use std::io::Write;
 
 use half::bf16;
+use k3_core::cuda::mla::PAGE;
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::{CoreError, DType};
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 /// Straight to stderr, past the test harness's capture, so a skip is always visible.
@@ -81,4 +83,25 @@ pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = rel_l2(got, want);
     say(&format!("  {what:<60} rel L2 {e:.2e} (tol {tol:.0e})"));
     assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
+}
+
+/// Sequences of the given context lengths in a shuffled page pool: (block table [B, max_pages], pages).
+pub fn paging(r: &mut impl Rng, lens: &[usize]) -> (Vec<i32>, usize, usize) {
+    let max_pages = lens.iter().map(|l| l.div_ceil(PAGE)).max().unwrap_or(1).max(1);
+    let total: usize = lens.iter().map(|l| l.div_ceil(PAGE)).sum::<usize>() + 3;
+    let mut ids: Vec<i32> = (0..total as i32).collect();
+    ids.shuffle(r);
+    let mut bt = vec![0i32; lens.len() * max_pages];
+    let mut next = 0;
+    for (b, &l) in lens.iter().enumerate() {
+        for p in 0..l.div_ceil(PAGE) {
+            bt[b * max_pages + p] = ids[next];
+            next += 1;
+        }
+    }
+    (bt, max_pages, total)
+}
+
+pub fn slot(bt: &[i32], max_pages: usize, seq: usize, pos: usize) -> usize {
+    bt[seq * max_pages + pos / PAGE] as usize * PAGE + pos % PAGE
 }
