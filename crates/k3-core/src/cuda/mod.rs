@@ -75,6 +75,13 @@ pub fn library_report() -> Libraries {
     })
 }
 
+/// Compiles one kernel source with NVRTC to a cubin for compute capability `cc`, without a GPU
+/// (NVRTC needs no driver): how CI checks that every `.cu` file still compiles. Returns the
+/// cubin's size in bytes.
+pub fn compile_check(src: crate::kernels::cuda::Source, cc: (i32, i32)) -> Result<usize> {
+    Ok(compile::cubin(src, cc)?.len())
+}
+
 /// Errors unless `lib` is present; `what` names it in the message.
 pub(crate) fn require(present: bool, what: &str) -> Result<()> {
     if present {
