@@ -172,3 +172,46 @@ impl StepHost {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_are_taken_by_whole_pages_and_returned() {
+        let mut f = Free::new(&CacheConfig { max_seqs: 2, max_tokens: 3 * PAGE });
+        assert_eq!((f.pool_slots(), f.pool_pages()), (3, 4), "one scratch slot and page beyond the configured ones");
+        let mut a = CudaSeqState { slot: f.take_slot().unwrap(), pages: vec![], pos: 0 };
+        f.cover(&mut a, 1).unwrap();
+        f.cover(&mut a, PAGE).unwrap();
+        assert_eq!(a.pages.len(), 1);
+        f.cover(&mut a, PAGE + 1).unwrap();
+        assert_eq!(a.pages.len(), 2);
+        let mut b = CudaSeqState { slot: f.take_slot().unwrap(), pages: vec![], pos: 0 };
+        assert_ne!(a.slot, b.slot);
+        f.cover(&mut b, PAGE).unwrap();
+        let err = f.cover(&mut b, PAGE + 1).unwrap_err().to_string();
+        assert!(err.contains("cache is full") && err.contains("max_tokens"), "{err}");
+        assert!(f.take_slot().unwrap_err().to_string().contains("max_seqs"));
+        let scratch = f.scratch();
+        assert_eq!((scratch.slot, scratch.pages[0]), (2, 3), "scratch is the extra slot and page");
+        assert!(!a.pages.contains(&3) && !b.pages.contains(&3));
+        f.release(a);
+        let mut c = CudaSeqState { slot: f.take_slot().unwrap(), pages: vec![], pos: 0 };
+        f.cover(&mut c, 2 * PAGE).unwrap();
+        assert_eq!(c.pages.len(), 2);
+    }
+
+    #[test]
+    fn step_tables_place_every_row() {
+        let a = CudaSeqState { slot: 4, pages: vec![7, 2], pos: 63 };
+        let b = CudaSeqState { slot: 1, pages: vec![5], pos: 0 };
+        let h = StepHost::build(&[&a, &b], &[2, 3], 3);
+        assert_eq!(h.row_seq, vec![0, 0, 1, 1, 1]);
+        assert_eq!(h.row_pos, vec![63, 64, 0, 1, 2]);
+        assert_eq!(h.block_table, vec![7, 2, 0, 5, 0, 0]);
+        assert_eq!(h.slots, vec![4, 1]);
+        assert_eq!(h.last_rows, vec![1, 4]);
+        assert_eq!(h.max_len, 65);
+    }
+}
