@@ -139,6 +139,19 @@ fn bad_flags_name_the_parameter() {
     assert!(e.contains("context"), "{e}");
     let e = err(&["run", "--model", "/nonexistent/model", "hi"]);
     assert!(e.contains("/nonexistent/model"), "{e}");
+    // --device: a bad name, and cuda where this build or machine has none, are errors that say
+    // what to do (CI builds without the `cuda` feature and has no GPU).
+    let e = err(&["run", "--model", nano, "--device", "gpu", "hi"]);
+    assert!(e.contains("--device `gpu`") && e.contains("cuda:N"), "{e}");
+    for args in [
+        vec!["run", "--model", nano, "--device", "cuda", "hi"],
+        vec!["logits", "--model", nano, "--ids", "1,2", "--out", "/tmp/never.npy", "--device", "cuda"],
+        vec!["bench", "--model", nano, "--device", "cuda"],
+    ] {
+        let e = err(&args);
+        assert!(e.contains("--features cuda") || e.contains("CUDA unavailable"), "{args:?}: {e}");
+        assert!(!e.contains("panicked"), "{args:?}: {e}");
+    }
 }
 
 /// `k3 run` on the embedded model: greedy generation is deterministic and prints timings.
