@@ -63,6 +63,9 @@ pub struct Args {
     /// GPU model mode: tokens already in each sequence's cache when decode is timed.
     #[arg(long, default_value_t = 512)]
     pub context: usize,
+    /// GPU model mode: also time each sublayer of one eager batch-1 decode step (CUDA events).
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// Peak and current resident memory in bytes (VmHWM, VmRSS), Linux only.

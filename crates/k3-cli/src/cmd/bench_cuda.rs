@@ -10,6 +10,8 @@
 //! non-expert weights, the routed experts it touches (exact at batch 1; the expected number of
 //! distinct experts for uniform routing above), KDA states read and written, latent and
 //! indexer-key caches read — divided by the device-to-device copy bandwidth measured here.
+//! `--profile` adds one eager batch-1 decode step timed sublayer by sublayer (CUDA events at the
+//! named intermediates; the `embed` mark includes the step-table upload).
 
 use std::time::Instant;
 
@@ -144,10 +146,52 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
             m.release(s);
         }
     }
+    if a.profile {
+        profile_decode(&mut m, &dev, a.context)?;
+    }
     if a.json {
         let r = serde_json::json!({"model": dir.display().to_string(), "layers": layers, "copy_gb_s": copy_bw / 1e9, "prefill_tokens": a.prompt_len, "prefill_tokens_per_s": a.prompt_len as f64 / prefill_s, "decode": rows});
         println!("{}", serde_json::to_string(&r)?);
     }
+    Ok(())
+}
+
+/// One eager decode step of one sequence at `ctx` tokens with a CUDA event at every named
+/// intermediate (`forward_traced`): the GPU time of each AttnRes+norm, mixer and FFN, and of the
+/// output norm + lm_head. Eager launches may add gaps a graph would not have; the sum is printed
+/// beside the graph figure above.
+fn profile_decode(m: &mut CudaModel, dev: &CudaDevice, ctx: usize) -> Result<()> {
+    use k3_core::cuda::Event;
+    let vocab = m.config.text.vocab_size as u32;
+    let mut s = m.new_sequence()?;
+    let p: Vec<u32> = (0..ctx as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    m.forward(&p, &mut s, true)?;
+    m.forward(&[1], &mut s, true)?; // warm-up of the one-row shapes
+    let start = dev.new_event(true)?;
+    let mut marks: Vec<(String, Event)> = Vec::new();
+    start.record(&dev.stream())?;
+    let mut rec = |name: &str, _t: &CudaTensor| -> k3_model::Result<()> {
+        let e = dev.new_event(true)?;
+        e.record(&dev.stream())?;
+        marks.push((name.to_string(), e));
+        Ok(())
+    };
+    m.forward_traced(Input::Tokens(&[2]), &[1], &mut [&mut s], true, Some(&mut rec))?;
+    let end = dev.new_event(true)?;
+    end.record(&dev.stream())?;
+    end.synchronize()?;
+    m.release(s);
+    println!("profile    one eager decode step, batch 1, ctx {ctx} (ms from the previous mark):");
+    let mut prev = &start;
+    let mut total = 0.0;
+    for (name, e) in &marks {
+        let ms = prev.elapsed_ms(e)? as f64;
+        total += ms;
+        println!("  {name:<20} {ms:8.4}");
+        prev = e;
+    }
+    let tail = prev.elapsed_ms(&end)? as f64;
+    println!("  {:<20} {tail:8.4}\n  {:<20} {:8.4}", "lm_head", "total", total + tail);
     Ok(())
 }
 
