@@ -12,7 +12,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, paging, poisoned, rng, rvec, say, slot, up_i32};
+use cuda_common::{device, paging, poisoned, prefill_rows, rel_l2, rng, rvec, say, slot, up_i32};
 
 use half::bf16;
 use k3_core::cuda::dsa::{index_key_append, index_scores, topk};
@@ -21,27 +21,9 @@ use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 use rand::Rng;
 
-
 fn up_f32(dev: &CudaDevice, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
     CudaTensor::from_f32(dev, shape, v).expect("upload")
 }
-
-
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
-        panic!("non-finite value at element {i} of {}", got.len());
-    }
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        num += (g as f64 - w as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
-}
-
-
 
 #[test]
 fn key_append_and_index_scores() {
@@ -51,13 +33,7 @@ fn key_append_and_index_scores() {
         let lens = [1usize, 64, 65, 300];
         let (bt, mp, pages) = paging(&mut r, &lens);
         // Append every position of every sequence (a packed prefill), then score the last 3 rows of each.
-        let (mut rs, mut rp) = (Vec::new(), Vec::new());
-        for (b, &l) in lens.iter().enumerate() {
-            for p in 0..l {
-                rs.push(b as i32);
-                rp.push(p as i32);
-            }
-        }
+        let (rs, rp) = prefill_rows(&lens);
         let n = rs.len();
         let k = rvec(&mut r, n * id, 0.01, 2.0);
         let lw = rvec(&mut r, id, 0.5, 1.5);

@@ -30,10 +30,6 @@ const TOL_OUT: f64 = 5e-3;
 const TOL_STATE: f64 = 5e-3;
 const TOL_F32_STATE: f64 = 1e-4;
 
-
-
-
-
 fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = rel_l2(got, want);
     say(&format!("  {what:<58} rel L2 {e:.2e} (tol {tol:.0e})"));

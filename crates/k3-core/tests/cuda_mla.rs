@@ -14,7 +14,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{check, device, paging, poisoned, rng, rvec, say, slot, up, up_i32};
+use cuda_common::{check, device, paging, poisoned, prefill_rows, rng, rvec, say, slot, up, up_i32};
 
 use half::bf16;
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
@@ -26,14 +26,6 @@ use rand::Rng;
 
 const TOL_ATTEND: f64 = 5e-3;
 
-
-
-
-
-
-
-
-
 #[test]
 fn cache_append_matches_rms_norm() {
     let Some(dev) = device("cache_append_matches_rms_norm") else { return };
@@ -43,13 +35,7 @@ fn cache_append_matches_rms_norm() {
         let lens = [1usize, 64, 65, 130];
         let (bt, mp, pages) = paging(&mut r, &lens);
         // Rows: every position of each sequence (a packed prefill).
-        let (mut rs, mut rp) = (Vec::new(), Vec::new());
-        for (b, &l) in lens.iter().enumerate() {
-            for p in 0..l {
-                rs.push(b as i32);
-                rp.push(p as i32);
-            }
-        }
+        let (rs, rp) = prefill_rows(&lens);
         let n = rs.len();
         let ckv = rvec(&mut r, n * w, 0.01, 2.0);
         let kv_norm: Vec<f32> = (0..rr).map(|_| r.random_range(0.5f32..1.5)).collect();

@@ -30,9 +30,6 @@ const TOL_PREFILL: f64 = 5e-3;
 const BETA: f32 = 4.0;
 const LBETA: f32 = 25.0;
 
-
-
-
 /// CPU copy of `Moe::route` for one token row.
 fn route_ref(row: &[f32], bias: &[f32], k: usize, renorm: bool) -> Vec<(usize, f32)> {
     let s: Vec<f32> = row.iter().map(|&v| sigmoid(v)).collect();

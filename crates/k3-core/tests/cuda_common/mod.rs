@@ -105,3 +105,9 @@ pub fn paging(r: &mut impl Rng, lens: &[usize]) -> (Vec<i32>, usize, usize) {
 pub fn slot(bt: &[i32], max_pages: usize, seq: usize, pos: usize) -> usize {
     bt[seq * max_pages + pos / PAGE] as usize * PAGE + pos % PAGE
 }
+
+/// Rows of a packed prefill of sequences of `lens` tokens: every position of every sequence, as
+/// (row_seq, row_pos).
+pub fn prefill_rows(lens: &[usize]) -> (Vec<i32>, Vec<i32>) {
+    lens.iter().enumerate().flat_map(|(b, &l)| (0..l).map(move |p| (b as i32, p as i32))).unzip()
+}
