@@ -99,18 +99,23 @@ pub fn run(a: Args) -> Result<()> {
         bail!("no token ids given");
     }
     let chunk = parse_mode(&a.mode)?;
+    let device = k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)?;
+    if device.is_some() && a.trace.is_some() {
+        bail!("--trace is CPU-only: drop --device or --trace");
+    }
     let ck = Checkpoint::open(&a.model)?;
-    let model = Model::load(&ck)?;
-    let vocab = model.config.text.vocab_size;
-    let hidden = model.config.text.hidden_size;
-    let emb = if a.images.is_empty() {
-        None
-    } else {
-        let vm = k3_vision::VisionModel::load(&ck)?;
-        let paths: Vec<&std::path::Path> = a.images.iter().map(PathBuf::as_path).collect();
-        Some(k3_vision::embed_with_images(&model, &vm, &ids, &paths)?)
+    let (vocab, hidden) = (ck.config.text.vocab_size, ck.config.text.hidden_size);
+    // The CPU model computes the CPU logits and, with --image, the token embeddings the image
+    // features are spliced into; a GPU run without images does not load it.
+    let cpu = if device.is_none() || !a.images.is_empty() { Some(Model::load(&ck)?) } else { None };
+    let emb = match (&cpu, a.images.is_empty()) {
+        (Some(model), false) => {
+            let vm = k3_vision::VisionModel::load(&ck)?;
+            let paths: Vec<&std::path::Path> = a.images.iter().map(PathBuf::as_path).collect();
+            Some(k3_vision::embed_with_images(model, &vm, &ids, &paths)?)
+        }
+        _ => None,
     };
-    let mut state = model.new_state();
     let mut logits = Vec::with_capacity(ids.len() * vocab);
     if let Some(dir) = &a.trace {
         std::fs::create_dir_all(dir).with_context(|| format!("creating --trace dir {}", dir.display()))?;
@@ -125,14 +130,10 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     let step = chunk.unwrap_or(ids.len());
-    match k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)? {
-        Some(ord) => {
-            if a.trace.is_some() {
-                bail!("--trace is CPU-only: drop --device or --trace");
-            }
-            logits = gpu_logits(&ck, ord, &ids, emb.as_deref(), step, !a.no_cuda_graphs)?;
-        }
-        None => {
+    match (device, &cpu) {
+        (Some(ord), _) => logits = gpu_logits(&ck, ord, &ids, emb.as_deref(), step, !a.no_cuda_graphs)?,
+        (None, Some(model)) => {
+            let mut state = model.new_state();
             for (ci, piece) in ids.chunks(step).enumerate() {
                 let tr: k3_model::model::Trace = if a.trace.is_some() && chunk.is_none() { Some(&mut tracer) } else { None };
                 let out = match &emb {
@@ -142,6 +143,7 @@ pub fn run(a: Args) -> Result<()> {
                 logits.extend(out);
             }
         }
+        (None, None) => bail!("internal: the CPU model was not loaded for a CPU run"),
     }
     if let Some(e) = trace_err {
         return Err(e.context("writing --trace output"));
