@@ -76,21 +76,14 @@ impl CudaModel {
 
     /// One decode token for each of `seqs` through `g`; returns logits `[B, vocab]` on the host.
     pub fn decode_step(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<f32>> {
-        let v = self.config.text.vocab_size;
         if tokens.len() != g.batch || seqs.len() != g.batch {
             return Err(ModelError::Input(format!("decode graph for batch {} got {} tokens and {} sequences", g.batch, tokens.len(), seqs.len())));
         }
-        if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= v) {
-            return Err(ModelError::Input(format!("token id {t} of sequence {i} is outside the vocabulary (vocab_size {v})")));
-        }
-        for (i, s) in seqs.iter_mut().enumerate() {
-            if s.pos + 1 > g.max_context() {
-                return Err(ModelError::Input(format!("sequence {i} would reach {} tokens, beyond the {} this decode graph was captured for", s.pos + 1, g.max_context())));
-            }
-            self.free.cover(s, s.pos + 1)?;
-        }
+        self.check_tokens(tokens)?;
+        let ones = vec![1; g.batch];
+        self.grow(seqs, &ones, g.max_context(), &format!("the {} tokens this decode graph was captured for", g.max_context()))?;
         let refs: Vec<&CudaSeqState> = seqs.iter().map(|s| &**s).collect();
-        let host = StepHost::build(&refs, &vec![1; g.batch], g.width);
+        let host = StepHost::build(&refs, &ones, g.width);
         let st = &g.step;
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         if let Some(t) = &st.tokens {

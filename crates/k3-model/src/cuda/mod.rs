@@ -172,7 +172,7 @@ impl CudaModel {
     /// model's names: `embed`, `blk.L.attn_in`, `blk.L.kda.out` / `blk.L.mla.out`, `blk.L.ffn_in`,
     /// `blk.L.ffn.out`, `output_norm`) as device tensors `[N, width]`.
     pub fn forward_traced(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], last_only: bool, trace: GpuTrace<'_>) -> Result<Vec<f32>> {
-        let step = self.prepare(&input, lens, seqs, None)?;
+        let step = self.prepare(&input, lens, seqs)?;
         let logits = self.run_traced(&step, &input, last_only, trace)?;
         for (s, &n) in seqs.iter_mut().zip(lens) {
             s.pos += n;
@@ -180,10 +180,31 @@ impl CudaModel {
         Ok(logits.to_f32_vec()?)
     }
 
-    /// Validates the inputs, grows the sequences' pages, and uploads the step tables. The block
-    /// table is `width` pages wide (default: the widest sequence).
-    pub(crate) fn prepare(&mut self, input: &Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], width: Option<usize>) -> Result<Step> {
-        let (h, v) = (self.config.text.hidden_size, self.config.text.vocab_size);
+    /// Errors on the first token id outside the vocabulary.
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let v = self.config.text.vocab_size;
+        match tokens.iter().enumerate().find(|(_, &x)| x as usize >= v) {
+            Some((i, &tok)) => Err(ModelError::Input(format!("token id {tok} at row {i} is outside the vocabulary (vocab_size {v})"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks that sequence i stays within `limit` tokens after `lens[i]` more (`what` names the
+    /// limit in the error), then grows its pages to cover them.
+    pub(crate) fn grow(&mut self, seqs: &mut [&mut CudaSeqState], lens: &[usize], limit: usize, what: &str) -> Result<()> {
+        for (i, (s, &l)) in seqs.iter_mut().zip(lens).enumerate() {
+            if s.pos + l > limit {
+                return Err(ModelError::Input(format!("sequence {i}: {} tokens exceed {what}", s.pos + l)));
+            }
+            self.free.cover(s, s.pos + l)?;
+        }
+        Ok(())
+    }
+
+    /// Validates the inputs, grows the sequences' pages, and uploads the step tables (the block
+    /// table as wide as the widest sequence).
+    pub(crate) fn prepare(&mut self, input: &Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState]) -> Result<Step> {
+        let h = self.config.text.hidden_size;
         let n: usize = lens.iter().sum();
         if n == 0 || lens.len() != seqs.len() || lens.contains(&0) {
             return Err(ModelError::Input(format!("{} sequences with lengths {lens:?}: every sequence needs at least one row", seqs.len())));
@@ -193,9 +214,7 @@ impl CudaModel {
                 if t.len() != n {
                     return Err(ModelError::Input(format!("{} tokens for {n} rows", t.len())));
                 }
-                if let Some((i, &tok)) = t.iter().enumerate().find(|(_, &x)| x as usize >= v) {
-                    return Err(ModelError::Input(format!("token id {tok} at position {i} is outside the vocabulary (vocab_size {v})")));
-                }
+                self.check_tokens(t)?;
             }
             Input::Embeds(e) => {
                 if e.len() != n * h {
@@ -204,14 +223,9 @@ impl CudaModel {
             }
         }
         let max = self.config.max_context();
-        for (i, (s, &l)) in seqs.iter_mut().zip(lens).enumerate() {
-            if s.pos + l > max {
-                return Err(ModelError::Input(format!("sequence {i}: {} tokens exceed the context limit of {max} (max_position_embeddings)", s.pos + l)));
-            }
-            self.free.cover(s, s.pos + l)?;
-        }
+        self.grow(seqs, lens, max, &format!("the context limit of {max} (max_position_embeddings)"))?;
         let refs: Vec<&CudaSeqState> = seqs.iter().map(|s| &**s).collect();
-        let w = width.unwrap_or_else(|| refs.iter().map(|s| s.pages.len()).max().unwrap_or(1)).max(1);
+        let w = refs.iter().map(|s| s.pages.len()).max().unwrap_or(1).max(1);
         let host = StepHost::build(&refs, lens, w);
         let tokens = match input {
             Input::Tokens(t) => Some(*t),
