@@ -165,7 +165,13 @@ pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w
     if k == 0 {
         return out.fill_bytes(0);
     }
-    let pairs = if t <= DECODE_MAX_TOKENS { decode(z, ids, w, t, k, beta, linear_beta)? } else { prefill(z, ids, w, t, k, beta, linear_beta)? };
+    let pairs = if t > DECODE_MAX_TOKENS {
+        prefill(z, ids, w, t, k, beta, linear_beta)?
+    } else if decode_kind() == DecodeKind::Gemv {
+        decode(z, ids, w, t, k, beta, linear_beta)?
+    } else {
+        decode_mma(z, ids, w, t, k, beta, linear_beta)?
+    };
     pairs.combine(ids, weights, w, t, k, scaling, out)
 }
 
@@ -254,6 +260,72 @@ fn decode(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usiz
     dev.launch(MOE, k13, g13, block, sm13 as u32, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
     let g2 = (l.div_ceil(4 * WARPS) as u32, amax as u32, 1);
     dev.launch(MOE, k2, g2, block, sm2 as u32, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
+    Ok(Pairs { y })
+}
+
+/// Which decode kernels serve T ≤ [`DECODE_MAX_TOKENS`]: the tensor-core grouped GEMM (default)
+/// or the CUDA-core grouped GEMV (`K3_MOE_DECODE=gemv`, read once; for A/B timing).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum DecodeKind {
+    Mma,
+    Gemv,
+}
+
+fn decode_kind() -> DecodeKind {
+    static KIND: std::sync::OnceLock<DecodeKind> = std::sync::OnceLock::new();
+    *KIND.get_or_init(|| if std::env::var("K3_MOE_DECODE").is_ok_and(|v| v == "gemv") { DecodeKind::Gemv } else { DecodeKind::Mma })
+}
+
+/// Warps per block of the tensor-core kernels (`MMA_WARPS` in moe.cu).
+const MMA_WARPS: usize = 4;
+
+/// The tensor-core kernel for (format, stage, n-tiles of 8 tokens per pass).
+fn mma_kernel(format: ExpertFormat, w13: bool, nt: usize) -> &'static str {
+    const NAMES: [[[&str; 4]; 2]; 2] = [
+        [["moe_mma_w2_bf16_n1", "moe_mma_w2_bf16_n2", "moe_mma_w2_bf16_n4", "moe_mma_w2_bf16_n8"], ["moe_mma_w13_bf16_n1", "moe_mma_w13_bf16_n2", "moe_mma_w13_bf16_n4", "moe_mma_w13_bf16_n8"]],
+        [["moe_mma_w2_mxfp4_n1", "moe_mma_w2_mxfp4_n2", "moe_mma_w2_mxfp4_n4", "moe_mma_w2_mxfp4_n8"], ["moe_mma_w13_mxfp4_n1", "moe_mma_w13_mxfp4_n2", "moe_mma_w13_mxfp4_n4", "moe_mma_w13_mxfp4_n8"]],
+    ];
+    let i = match nt {
+        1 => 0,
+        2 => 1,
+        4 => 2,
+        _ => 3,
+    };
+    NAMES[(format == ExpertFormat::Mxfp4) as usize][w13 as usize][i]
+}
+
+/// Tensor-core decode: `moe_group`, then the W13 grouped GEMM with SiTU-GLU (intermediate
+/// `act` BF16 `[T·k, F]`, column-permuted within each 8 for MXFP4), then the W2 grouped GEMM.
+/// Grids depend on shapes only (worst case min(E, T·k) active experts); capturable.
+fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, beta: f32, lbeta: f32) -> Result<Pairs> {
+    const OP: &str = "cuda moe::experts_forward (decode)";
+    let dev = z.cuda_device();
+    let (e, l, f) = (w.num_experts, w.latent, w.inter);
+    let n_pairs = t * k;
+    let amax = e.min(n_pairs);
+    let group_smem = 4 * (3 * e + n_pairs);
+    if group_smem > SMEM {
+        return Err(shape_err(OP, format!("E = {e} with T·k = {n_pairs} pairs exceeds the grouping kernel's shared memory")));
+    }
+    // n-tiles of 8 tokens per pass: covers min(T, 64) tokens (an expert has at most T tokens
+    // when each token's ids are distinct; larger groups take further passes).
+    let nt = t.min(DECODE_MAX_TOKENS).div_ceil(8).next_power_of_two();
+    let (k13, k2) = (mma_kernel(w.format, true, nt), mma_kernel(w.format, false, nt));
+    let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
+    let act = CudaTensor::uninit(dev, DType::BF16, vec![n_pairs, f])?;
+    let y = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, l])?;
+    let (ip, mp) = (ids.ptr(), meta.ptr());
+    let (np32, e32, am32, k32) = (n_pairs as i32, e as i32, amax as i32, k as i32);
+    dev.launch(MOE, "moe_group", (1, 1, 1), (1024, 1, 1), group_smem as u32, &mut kargs![ip, np32, e32, am32, mp])?;
+    let (s13, s2) = w.scale_ptrs();
+    let (zp, ap, yp, w13p, w2p) = (z.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
+    let (f2, l32, f32_) = (2 * f as i32, l as i32, f as i32);
+    let block = (32 * MMA_WARPS as u32, 1, 1);
+    // W13: 16 output features (gate + up tiles) per warp; W2: 32 output rows per warp.
+    let g13 = (f.div_ceil(16 * MMA_WARPS) as u32, amax as u32, 1);
+    dev.launch(MOE, k13, g13, block, 0, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
+    let g2 = (l.div_ceil(32 * MMA_WARPS) as u32, amax as u32, 1);
+    dev.launch(MOE, k2, g2, block, 0, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
     Ok(Pairs { y })
 }
 

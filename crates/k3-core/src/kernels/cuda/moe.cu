@@ -331,6 +331,228 @@ MOE_GEMV(moe_w2_bf16_nt1, false, false, 1, float)
 MOE_GEMV(moe_w2_bf16_nt2, false, false, 2, float)
 MOE_GEMV(moe_w2_bf16_nt4, false, false, 4, float)
 
+// ---- tensor-core grouped GEMM (decode) ----------------------------------------------------
+// Block (row tile, active slot), MMA_WARPS warps. Each warp owns two 16-row A tiles of the
+// slot's expert (W13: gate rows f0..f0+15 and up rows F+f0..; W2: rows r0..r0+31) and runs
+// mma.m16n8k16 (bf16 in, f32 accumulate) over K = cols in 32-column groups (2 k-steps each),
+// the tokens of the group as B, 8 per n-tile, up to NT n-tiles per pass (a group of more than
+// 8·NT tokens makes further passes, re-reading the rows from L2). Lane (g = lane/4, t = lane%4)
+// holds weight rows g and g+8 of each tile; within a 32-column group it owns columns
+// 8t..8t+7 (K is permuted consistently in A and B; the reduction does not care):
+//   BF16: one 16-byte load per row = both k-steps' A registers; B = the 16 bytes of the token
+//         row at the same columns.
+//   MXFP4: one u32 per row (8 nibbles n0..n7 = columns 8t+0..7) decoded to bf16 pairs
+//         (n0,n4) (n1,n5) (n2,n6) (n3,n7) by shifts/masks as value·2^-126 then one bf16x2
+//         multiply by 2^126 (exact: e2m1 values are exact in bf16); B is permuted the same way
+//         with byte-permutes (W13 from z) or stored permuted by the W13 epilogue (W2 from act).
+//         The E8M0 scale is applied in f32 to each group's MMA partial sum (exact power of 2).
+// The next D groups' weights are in flight while a group is computed. W13 epilogue: SiTU-GLU
+// -> act[p, F] rounded to bf16 (the W2 B operand); W2: y[p, L] (f32).
+#define MMA_WARPS 4
+
+__device__ __forceinline__ void mma16816(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
+                                         float c0, float c1, float c2, float c3) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2), "f"(c3));
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+    return d;
+}
+
+// bf16x2 x·2^126 (exact for the e2m1·2^-126 inputs, subnormal 0.5·2^-126 included).
+__device__ __forceinline__ unsigned bf16x2_times_2p126(unsigned x) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(0x7E807E80u), "r"(0x80008000u));
+    return d;
+}
+
+// 8 e2m1 nibbles (column i = nibble i) -> bf16 pairs r[j] = (col j, col j+4), exact.
+__device__ __forceinline__ void e2m1x8_to_bf16(unsigned w, unsigned* r) {
+    const unsigned M = 0x01C001C0u, S = 0x80008000u;
+    r[0] = bf16x2_times_2p126(((w << 6) & M) | ((w << 12) & S));
+    r[1] = bf16x2_times_2p126(((w << 2) & M) | ((w << 8) & S));
+    r[2] = bf16x2_times_2p126(((w >> 2) & M) | ((w << 4) & S));
+    r[3] = bf16x2_times_2p126(((w >> 6) & M) | (w & S));
+}
+
+template <bool MX> struct WBuf;
+template <> struct WBuf<true> { unsigned w[2][2]; unsigned s[2][2]; };
+template <> struct WBuf<false> { uint4 w[2][2]; };
+
+template <bool MX, bool W13, int NT, int D>
+__device__ __forceinline__ void grouped_mma(const bf16_t* __restrict__ x, const int* __restrict__ meta, int amax, int k,
+                                            const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
+                                            int rows, int cols, float beta, float lbeta, void* __restrict__ outp) {
+    const int slot = blockIdx.y;
+    if (slot >= meta[0]) return;
+    const int e = meta[1 + slot], gstart = meta[1 + amax + slot], gcount = meta[1 + 2 * amax + slot];
+    const int* pairs = meta + 1 + 3 * amax;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wt = blockIdx.x * MMA_WARPS + warp;
+    int rb[2];
+    if (W13) {
+        const int f0 = 16 * wt;
+        if (f0 >= rows / 2) return;
+        rb[0] = f0; rb[1] = rows / 2 + f0;
+    } else {
+        const int r0 = 32 * wt;
+        if (r0 >= rows) return;
+        rb[0] = r0; rb[1] = r0 + 16;
+    }
+    const int G = cols / 32;
+    const unsigned* wq[2][2];     // MX: u32 (8 nibbles) of group c at [4c]
+    const uint4* wv[2][2];        // BF16: 16 bytes of group c at [4c]
+    const unsigned char* sq[2][2];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const long long row = (long long)e * rows + rb[a] + g + 8 * h;
+            if (MX) {
+                wq[a][h] = reinterpret_cast<const unsigned*>(w + row * (cols / 2)) + t;
+                sq[a][h] = ws + row * G;
+            } else {
+                wv[a][h] = reinterpret_cast<const uint4*>(w + row * cols * 2) + t;
+            }
+        }
+    for (int tc = 0; tc < gcount; tc += 8 * NT) {
+        const int ntl = gcount - tc < 8 * NT ? gcount - tc : 8 * NT;
+        const uint4* xr[NT];
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            int j = tc + n * 8 + g;
+            if (j >= gcount) j = tc;  // padding column: any valid row, result discarded
+            const int p = pairs[gstart + j];
+            xr[n] = reinterpret_cast<const uint4*>(x + (long long)(W13 ? p / k : p) * cols) + t;
+        }
+        float acc[2][NT][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[a][n][i] = 0.0f;
+        WBuf<MX> buf[D];
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            if (d < G) {
+#pragma unroll
+                for (int a = 0; a < 2; a++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        if constexpr (MX) { buf[d].w[a][h] = __ldg(wq[a][h] + 4 * d); buf[d].s[a][h] = __ldg(sq[a][h] + d); }
+                        else buf[d].w[a][h] = __ldg(wv[a][h] + 4 * d);
+                    }
+            }
+        }
+        for (int c0 = 0; c0 < G; c0 += D) {
+#pragma unroll
+            for (int d = 0; d < D; d++) {
+                const int c = c0 + d;
+                if (c >= G) break;
+                unsigned A[2][2][4];
+                float sc[2][2];
+#pragma unroll
+                for (int a = 0; a < 2; a++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        if constexpr (MX) {
+                            e2m1x8_to_bf16(buf[d].w[a][h], A[a][h]);
+                            sc[a][h] = e8m0(buf[d].s[a][h]);
+                        } else {
+                            A[a][h][0] = buf[d].w[a][h].x; A[a][h][1] = buf[d].w[a][h].y;
+                            A[a][h][2] = buf[d].w[a][h].z; A[a][h][3] = buf[d].w[a][h].w;
+                        }
+                    }
+                if (c + D < G) {
+#pragma unroll
+                    for (int a = 0; a < 2; a++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            if constexpr (MX) { buf[d].w[a][h] = __ldg(wq[a][h] + 4 * (c + D)); buf[d].s[a][h] = __ldg(sq[a][h] + c + D); }
+                            else buf[d].w[a][h] = __ldg(wv[a][h] + 4 * (c + D));
+                        }
+                }
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    if (n * 8 >= ntl) break;
+                    const uint4 v = __ldg(xr[n] + 4 * c);
+                    unsigned b0 = v.x, b1 = v.y, b2 = v.z, b3 = v.w;
+                    if (MX && W13) {
+                        b0 = prmt(v.x, v.z, 0x5410u); b1 = prmt(v.x, v.z, 0x7632u);
+                        b2 = prmt(v.y, v.w, 0x5410u); b3 = prmt(v.y, v.w, 0x7632u);
+                    }
+#pragma unroll
+                    for (int a = 0; a < 2; a++) {
+                        if (MX) {
+                            float p[4];
+                            mma16816(p, A[a][0][0], A[a][1][0], A[a][0][1], A[a][1][1], b0, b1, 0.0f, 0.0f, 0.0f, 0.0f);
+                            mma16816(p, A[a][0][2], A[a][1][2], A[a][0][3], A[a][1][3], b2, b3, p[0], p[1], p[2], p[3]);
+                            acc[a][n][0] = fmaf(p[0], sc[a][0], acc[a][n][0]);
+                            acc[a][n][1] = fmaf(p[1], sc[a][0], acc[a][n][1]);
+                            acc[a][n][2] = fmaf(p[2], sc[a][1], acc[a][n][2]);
+                            acc[a][n][3] = fmaf(p[3], sc[a][1], acc[a][n][3]);
+                        } else {
+                            float* q = acc[a][n];
+                            mma16816(q, A[a][0][0], A[a][1][0], A[a][0][1], A[a][1][1], b0, b1, q[0], q[1], q[2], q[3]);
+                            mma16816(q, A[a][0][2], A[a][1][2], A[a][0][3], A[a][1][3], b2, b3, q[0], q[1], q[2], q[3]);
+                        }
+                    }
+                }
+            }
+        }
+        // Epilogue: acc[a][n][2h+i] = (row rb[a]+g+8h, token tc+8n+2t+i).
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int j = tc + n * 8 + 2 * t + i;
+                if (j >= gcount) continue;
+                const long long p = pairs[gstart + j];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (W13) {
+                        const int F = rows / 2, f = rb[0] + g + 8 * h;
+                        const int pos = MX ? (f & ~7) | ((f & 3) << 1) | ((f >> 2) & 1) : f;
+                        const float v = situ(acc[0][n][2 * h + i], acc[1][n][2 * h + i], beta, lbeta);
+                        reinterpret_cast<bf16_t*>(outp)[p * F + pos] = f32_to_bf16(v);
+                    } else {
+                        float* y = reinterpret_cast<float*>(outp) + p * rows;
+#pragma unroll
+                        for (int a = 0; a < 2; a++) y[rb[a] + g + 8 * h] = acc[a][n][2 * h + i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define MOE_MMA(NAME, MX, W13, NT, D)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS) NAME(const bf16_t* x, const int* meta, int amax, int k, \
+            const unsigned char* w, const unsigned char* ws, int rows, int cols, float beta, float lbeta, void* out) {  \
+        grouped_mma<MX, W13, NT, D>(x, meta, amax, k, w, ws, rows, cols, beta, lbeta, out);                            \
+    }
+MOE_MMA(moe_mma_w13_mxfp4_n1, true, true, 1, 8)
+MOE_MMA(moe_mma_w13_mxfp4_n2, true, true, 2, 8)
+MOE_MMA(moe_mma_w13_mxfp4_n4, true, true, 4, 4)
+MOE_MMA(moe_mma_w13_mxfp4_n8, true, true, 8, 4)
+MOE_MMA(moe_mma_w2_mxfp4_n1, true, false, 1, 8)
+MOE_MMA(moe_mma_w2_mxfp4_n2, true, false, 2, 8)
+MOE_MMA(moe_mma_w2_mxfp4_n4, true, false, 4, 4)
+MOE_MMA(moe_mma_w2_mxfp4_n8, true, false, 8, 4)
+MOE_MMA(moe_mma_w13_bf16_n1, false, true, 1, 4)
+MOE_MMA(moe_mma_w13_bf16_n2, false, true, 2, 4)
+MOE_MMA(moe_mma_w13_bf16_n4, false, true, 4, 2)
+MOE_MMA(moe_mma_w13_bf16_n8, false, true, 8, 2)
+MOE_MMA(moe_mma_w2_bf16_n1, false, false, 1, 4)
+MOE_MMA(moe_mma_w2_bf16_n2, false, false, 2, 4)
+MOE_MMA(moe_mma_w2_bf16_n4, false, false, 4, 2)
+MOE_MMA(moe_mma_w2_bf16_n8, false, false, 8, 2)
+
 // out[t, l] = scaling · Σ_j w[t, j] · y[t·k + j, l], j ascending; pairs with an invalid id add nothing.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ wts,
                                        int T, int k, int E, int L, float scaling, float* __restrict__ out) {
