@@ -278,6 +278,14 @@ fn decode_kind() -> DecodeKind {
 
 /// Warps per block of the tensor-core kernels (`MMA_WARPS` in moe.cu).
 const MMA_WARPS: usize = 4;
+/// cp.async ring stages per warp of the tensor-core kernels (`MMA_STAGES` in moe.cu).
+const MMA_STAGES: usize = 6;
+
+/// Dynamic shared memory of a tensor-core kernel: per warp and stage 4 rows × 32 lanes × 16
+/// bytes of weights, plus (MXFP4) 4 × 32 u32 of scales.
+fn mma_smem(format: ExpertFormat) -> usize {
+    MMA_WARPS * MMA_STAGES * 128 * (16 + if format == ExpertFormat::Mxfp4 { 4 } else { 0 })
+}
 
 /// The tensor-core kernel for (format, stage, n-tiles of 8 tokens per pass).
 fn mma_kernel(format: ExpertFormat, w13: bool, nt: usize) -> &'static str {
@@ -311,6 +319,9 @@ fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: 
     // when each token's ids are distinct; larger groups take further passes).
     let nt = t.min(DECODE_MAX_TOKENS).div_ceil(8).next_power_of_two();
     let (k13, k2) = (mma_kernel(w.format, true, nt), mma_kernel(w.format, false, nt));
+    let smem = mma_smem(w.format);
+    allow_smem(dev, k13, smem)?;
+    allow_smem(dev, k2, smem)?;
     let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
     let act = CudaTensor::uninit(dev, DType::BF16, vec![n_pairs, f])?;
     let y = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, l])?;
@@ -321,11 +332,12 @@ fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: 
     let (zp, ap, yp, w13p, w2p) = (z.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
     let (f2, l32, f32_) = (2 * f as i32, l as i32, f as i32);
     let block = (32 * MMA_WARPS as u32, 1, 1);
-    // W13: 16 output features (gate + up tiles) per warp; W2: 32 output rows per warp.
-    let g13 = (f.div_ceil(16 * MMA_WARPS) as u32, amax as u32, 1);
-    dev.launch(MOE, k13, g13, block, 0, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
-    let g2 = (l.div_ceil(32 * MMA_WARPS) as u32, amax as u32, 1);
-    dev.launch(MOE, k2, g2, block, 0, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
+    // One block per (row tile, active slot), its warps splitting K: W13 16 output features
+    // (gate + up tiles), W2 32 output rows.
+    let g13 = (f.div_ceil(16) as u32, amax as u32, 1);
+    dev.launch(MOE, k13, g13, block, smem as u32, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
+    let g2 = (l.div_ceil(32) as u32, amax as u32, 1);
+    dev.launch(MOE, k2, g2, block, smem as u32, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
     Ok(Pairs { y })
 }
 

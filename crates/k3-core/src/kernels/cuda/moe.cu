@@ -379,33 +379,64 @@ __device__ __forceinline__ void e2m1x8_to_bf16(unsigned w, unsigned* r) {
     r[3] = bf16x2_times_2p126(((w >> 6) & M) | (w & S));
 }
 
-template <bool MX> struct WBuf;
-template <> struct WBuf<true> { unsigned w[2][2]; unsigned s[2][2]; };
-template <> struct WBuf<false> { uint4 w[2][2]; };
+// 4×4 transpose of u32 words across the lanes of a quad: in, x[j] = word j of lane t's
+// 16 bytes; out, x[j] = word t of lane j's 16 bytes (two butterfly stages).
+__device__ __forceinline__ void quad_transpose(unsigned* x, int t) {
+    const bool o1 = t & 1, o2 = t & 2;
+    unsigned sa = o1 ? x[0] : x[1], sb = o1 ? x[2] : x[3];
+    unsigned ra = __shfl_xor_sync(0xffffffffu, sa, 1), rb = __shfl_xor_sync(0xffffffffu, sb, 1);
+    if (o1) { x[0] = ra; x[2] = rb; } else { x[1] = ra; x[3] = rb; }
+    sa = o2 ? x[0] : x[2]; sb = o2 ? x[1] : x[3];
+    ra = __shfl_xor_sync(0xffffffffu, sa, 2); rb = __shfl_xor_sync(0xffffffffu, sb, 2);
+    if (o2) { x[0] = ra; x[1] = rb; } else { x[2] = ra; x[3] = rb; }
+}
 
-template <bool MX, bool W13, int NT, int D>
+// Stage unit: MXFP4 = 4 groups (128 columns; lane t loads group c0+t of each of its 4 rows,
+// 16 bytes, and the u32 of the row's 4 scale bytes; after the copy the quad transposes so lane t
+// holds word t of the 4 groups); BF16 = 1 group (lane t loads its 16 bytes of each row). The
+// units stream through a per-warp ring of S stages in shared memory by cp.async; every lane
+// reads back only the bytes it copied itself, so cp.async.wait_group alone orders them.
+#define MMA_STAGES 6
+
+__device__ __forceinline__ unsigned moe_smem_u32(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void moe_cp16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(moe_smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void moe_cp4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(moe_smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void moe_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void moe_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+template <bool MX, bool W13, int NT, int S>
 __device__ __forceinline__ void grouped_mma(const bf16_t* __restrict__ x, const int* __restrict__ meta, int amax, int k,
                                             const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
                                             int rows, int cols, float beta, float lbeta, void* __restrict__ outp) {
+    __shared__ float red[MMA_WARPS - 1][2 * NT * 4][32];
     const int slot = blockIdx.y;
     if (slot >= meta[0]) return;
     const int e = meta[1 + slot], gstart = meta[1 + amax + slot], gcount = meta[1 + 2 * amax + slot];
     const int* pairs = meta + 1 + 3 * amax;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int wt = blockIdx.x * MMA_WARPS + warp;
     int rb[2];
     if (W13) {
-        const int f0 = 16 * wt;
+        const int f0 = 16 * blockIdx.x;
         if (f0 >= rows / 2) return;
         rb[0] = f0; rb[1] = rows / 2 + f0;
     } else {
-        const int r0 = 32 * wt;
+        const int r0 = 32 * blockIdx.x;
         if (r0 >= rows) return;
         rb[0] = r0; rb[1] = r0 + 16;
     }
     const int G = cols / 32;
-    const unsigned* wq[2][2];     // MX: u32 (8 nibbles) of group c at [4c]
-    const uint4* wv[2][2];        // BF16: 16 bytes of group c at [4c]
+    const int U = MX ? 4 : 1;            // groups per stage unit
+    const int NU = (G + U - 1) / U;      // units; warp w takes units w, w + MMA_WARPS, ...
+    const bool s_aligned = (G & 3) == 0;
+    const uint4* wv[2][2];
     const unsigned char* sq[2][2];
 #pragma unroll
     for (int a = 0; a < 2; a++)
@@ -413,12 +444,32 @@ __device__ __forceinline__ void grouped_mma(const bf16_t* __restrict__ x, const 
         for (int h = 0; h < 2; h++) {
             const long long row = (long long)e * rows + rb[a] + g + 8 * h;
             if (MX) {
-                wq[a][h] = reinterpret_cast<const unsigned*>(w + row * (cols / 2)) + t;
+                wv[a][h] = reinterpret_cast<const uint4*>(w + row * (cols / 2)) + t;  // group c at [c]
                 sq[a][h] = ws + row * G;
             } else {
-                wv[a][h] = reinterpret_cast<const uint4*>(w + row * cols * 2) + t;
+                wv[a][h] = reinterpret_cast<const uint4*>(w + row * cols * 2) + t;    // group c at [4c]
+                sq[a][h] = nullptr;
             }
         }
+    extern __shared__ uint4 ring[];  // [MMA_WARPS][S][4][32] uint4, then MX: [MMA_WARPS][S][4][32] u32
+    uint4* wring = ring + warp * S * 128;
+    unsigned* sring = reinterpret_cast<unsigned*>(ring + MMA_WARPS * S * 128) + warp * S * 128;
+    auto issue = [&](int u, int st) {
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int ah = 2 * a + h;
+                if constexpr (MX) {
+                    const bool ok = 4 * u + t < G;
+                    moe_cp16(wring + (st * 4 + ah) * 32 + lane, ok ? wv[a][h] + 4 * u : wv[a][h], ok ? 16 : 0);
+                    if (s_aligned) moe_cp4(sring + (st * 4 + ah) * 32 + lane, sq[a][h] + 4 * u);
+                } else {
+                    moe_cp16(wring + (st * 4 + ah) * 32 + lane, wv[a][h] + 4 * u, 16);
+                }
+            }
+    };
+    const int nmine = warp < NU ? (NU - warp + MMA_WARPS - 1) / MMA_WARPS : 0;  // units of this warp
     for (int tc = 0; tc < gcount; tc += 8 * NT) {
         const int ntl = gcount - tc < 8 * NT ? gcount - tc : 8 * NT;
         const uint4* xr[NT];
@@ -436,122 +487,161 @@ __device__ __forceinline__ void grouped_mma(const bf16_t* __restrict__ x, const 
             for (int n = 0; n < NT; n++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[a][n][i] = 0.0f;
-        WBuf<MX> buf[D];
 #pragma unroll
-        for (int d = 0; d < D; d++) {
-            if (d < G) {
-#pragma unroll
-                for (int a = 0; a < 2; a++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        if constexpr (MX) { buf[d].w[a][h] = __ldg(wq[a][h] + 4 * d); buf[d].s[a][h] = __ldg(sq[a][h] + d); }
-                        else buf[d].w[a][h] = __ldg(wv[a][h] + 4 * d);
-                    }
-            }
+        for (int i = 0; i < S - 1; i++) {
+            if (i < nmine) issue(warp + i * MMA_WARPS, i);
+            moe_commit();
         }
-        for (int c0 = 0; c0 < G; c0 += D) {
+        for (int i = 0; i < nmine; i++) {
+            const int u = warp + i * MMA_WARPS, st = i % S;
+            moe_wait<S - 2>();
+            uint4 cw[2][2];
+            unsigned cs[2][2];
 #pragma unroll
-            for (int d = 0; d < D; d++) {
-                const int c = c0 + d;
-                if (c >= G) break;
-                unsigned A[2][2][4];
-                float sc[2][2];
+            for (int a = 0; a < 2; a++)
 #pragma unroll
-                for (int a = 0; a < 2; a++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        if constexpr (MX) {
-                            e2m1x8_to_bf16(buf[d].w[a][h], A[a][h]);
-                            sc[a][h] = e8m0(buf[d].s[a][h]);
-                        } else {
-                            A[a][h][0] = buf[d].w[a][h].x; A[a][h][1] = buf[d].w[a][h].y;
-                            A[a][h][2] = buf[d].w[a][h].z; A[a][h][3] = buf[d].w[a][h].w;
+                for (int h = 0; h < 2; h++) {
+                    cw[a][h] = wring[(st * 4 + 2 * a + h) * 32 + lane];
+                    if (MX) {
+                        if (s_aligned) cs[a][h] = sring[(st * 4 + 2 * a + h) * 32 + lane];
+                        else {
+                            unsigned v = 0;
+                            for (int j = 0; j < 4; j++) if (4 * u + j < G) v |= (unsigned)__ldg(sq[a][h] + 4 * u + j) << (8 * j);
+                            cs[a][h] = v;
                         }
                     }
-                if (c + D < G) {
+                }
+            if (i + S - 1 < nmine) issue(u + (S - 1) * MMA_WARPS, (i + S - 1) % S);
+            moe_commit();
+            {
+                if constexpr (MX) {
+                    unsigned q[2][2][4];
 #pragma unroll
                     for (int a = 0; a < 2; a++)
 #pragma unroll
                         for (int h = 0; h < 2; h++) {
-                            if constexpr (MX) { buf[d].w[a][h] = __ldg(wq[a][h] + 4 * (c + D)); buf[d].s[a][h] = __ldg(sq[a][h] + c + D); }
-                            else buf[d].w[a][h] = __ldg(wv[a][h] + 4 * (c + D));
+                            q[a][h][0] = cw[a][h].x; q[a][h][1] = cw[a][h].y; q[a][h][2] = cw[a][h].z; q[a][h][3] = cw[a][h].w;
+                            quad_transpose(q[a][h], t);
                         }
-                }
 #pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    if (n * 8 >= ntl) break;
-                    const uint4 v = __ldg(xr[n] + 4 * c);
-                    unsigned b0 = v.x, b1 = v.y, b2 = v.z, b3 = v.w;
-                    if (MX && W13) {
-                        b0 = prmt(v.x, v.z, 0x5410u); b1 = prmt(v.x, v.z, 0x7632u);
-                        b2 = prmt(v.y, v.w, 0x5410u); b3 = prmt(v.y, v.w, 0x7632u);
+                    for (int j = 0; j < 4; j++) {
+                        const int c = 4 * u + j;
+                        if (c >= G) break;
+                        unsigned A[2][2][4];
+                        float sc[2][2];
+#pragma unroll
+                        for (int a = 0; a < 2; a++)
+#pragma unroll
+                            for (int h = 0; h < 2; h++) {
+                                e2m1x8_to_bf16(q[a][h][j], A[a][h]);
+                                sc[a][h] = e8m0((cs[a][h] >> (8 * j)) & 0xFFu);
+                            }
+#pragma unroll
+                        for (int n = 0; n < NT; n++) {
+                            if (n * 8 >= ntl) break;
+                            const uint4 v = __ldg(xr[n] + 4 * c);
+                            unsigned b0 = v.x, b1 = v.y, b2 = v.z, b3 = v.w;
+                            if (W13) {
+                                b0 = prmt(v.x, v.z, 0x5410u); b1 = prmt(v.x, v.z, 0x7632u);
+                                b2 = prmt(v.y, v.w, 0x5410u); b3 = prmt(v.y, v.w, 0x7632u);
+                            }
+#pragma unroll
+                            for (int a = 0; a < 2; a++) {
+                                float p[4];
+                                mma16816(p, A[a][0][0], A[a][1][0], A[a][0][1], A[a][1][1], b0, b1, 0.0f, 0.0f, 0.0f, 0.0f);
+                                mma16816(p, A[a][0][2], A[a][1][2], A[a][0][3], A[a][1][3], b2, b3, p[0], p[1], p[2], p[3]);
+                                acc[a][n][0] = fmaf(p[0], sc[a][0], acc[a][n][0]);
+                                acc[a][n][1] = fmaf(p[1], sc[a][0], acc[a][n][1]);
+                                acc[a][n][2] = fmaf(p[2], sc[a][1], acc[a][n][2]);
+                                acc[a][n][3] = fmaf(p[3], sc[a][1], acc[a][n][3]);
+                            }
+                        }
                     }
+                } else {
+                    const int c = u;
 #pragma unroll
-                    for (int a = 0; a < 2; a++) {
-                        if (MX) {
-                            float p[4];
-                            mma16816(p, A[a][0][0], A[a][1][0], A[a][0][1], A[a][1][1], b0, b1, 0.0f, 0.0f, 0.0f, 0.0f);
-                            mma16816(p, A[a][0][2], A[a][1][2], A[a][0][3], A[a][1][3], b2, b3, p[0], p[1], p[2], p[3]);
-                            acc[a][n][0] = fmaf(p[0], sc[a][0], acc[a][n][0]);
-                            acc[a][n][1] = fmaf(p[1], sc[a][0], acc[a][n][1]);
-                            acc[a][n][2] = fmaf(p[2], sc[a][1], acc[a][n][2]);
-                            acc[a][n][3] = fmaf(p[3], sc[a][1], acc[a][n][3]);
-                        } else {
+                    for (int n = 0; n < NT; n++) {
+                        if (n * 8 >= ntl) break;
+                        const uint4 v = __ldg(xr[n] + 4 * c);
+#pragma unroll
+                        for (int a = 0; a < 2; a++) {
                             float* q = acc[a][n];
-                            mma16816(q, A[a][0][0], A[a][1][0], A[a][0][1], A[a][1][1], b0, b1, q[0], q[1], q[2], q[3]);
-                            mma16816(q, A[a][0][2], A[a][1][2], A[a][0][3], A[a][1][3], b2, b3, q[0], q[1], q[2], q[3]);
+                            mma16816(q, cw[a][0].x, cw[a][1].x, cw[a][0].y, cw[a][1].y, v.x, v.y, q[0], q[1], q[2], q[3]);
+                            mma16816(q, cw[a][0].z, cw[a][1].z, cw[a][0].w, cw[a][1].w, v.z, v.w, q[0], q[1], q[2], q[3]);
                         }
                     }
                 }
             }
         }
-        // Epilogue: acc[a][n][2h+i] = (row rb[a]+g+8h, token tc+8n+2t+i).
+        moe_wait<0>();
+        // Split-K reduction over the warps in a fixed order (deterministic), then the epilogue
+        // by warp 0: acc[a][n][2h+i] = (row rb[a]+g+8h, token tc+8n+2t+i).
+        if (warp > 0) {
 #pragma unroll
-        for (int n = 0; n < NT; n++) {
+            for (int a = 0; a < 2; a++)
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int j = tc + n * 8 + 2 * t + i;
-                if (j >= gcount) continue;
-                const long long p = pairs[gstart + j];
+                for (int n = 0; n < NT; n++)
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (W13) {
-                        const int F = rows / 2, f = rb[0] + g + 8 * h;
-                        const int pos = MX ? (f & ~7) | ((f & 3) << 1) | ((f >> 2) & 1) : f;
-                        const float v = situ(acc[0][n][2 * h + i], acc[1][n][2 * h + i], beta, lbeta);
-                        reinterpret_cast<bf16_t*>(outp)[p * F + pos] = f32_to_bf16(v);
-                    } else {
-                        float* y = reinterpret_cast<float*>(outp) + p * rows;
+                    for (int i = 0; i < 4; i++) red[warp - 1][(a * NT + n) * 4 + i][lane] = acc[a][n][i];
+        }
+        __syncthreads();
+        if (warp == 0) {
 #pragma unroll
-                        for (int a = 0; a < 2; a++) y[rb[a] + g + 8 * h] = acc[a][n][2 * h + i];
+            for (int wq = 0; wq < MMA_WARPS - 1; wq++)
+#pragma unroll
+                for (int a = 0; a < 2; a++)
+#pragma unroll
+                    for (int n = 0; n < NT; n++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++) acc[a][n][i] += red[wq][(a * NT + n) * 4 + i][lane];
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int j = tc + n * 8 + 2 * t + i;
+                    if (j >= gcount) continue;
+                    const long long p = pairs[gstart + j];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        if (W13) {
+                            const int F = rows / 2, f = rb[0] + g + 8 * h;
+                            const int pos = MX ? (f & ~7) | ((f & 3) << 1) | ((f >> 2) & 1) : f;
+                            const float v = situ(acc[0][n][2 * h + i], acc[1][n][2 * h + i], beta, lbeta);
+                            reinterpret_cast<bf16_t*>(outp)[p * F + pos] = f32_to_bf16(v);
+                        } else {
+                            float* y = reinterpret_cast<float*>(outp) + p * rows;
+#pragma unroll
+                            for (int a = 0; a < 2; a++) y[rb[a] + g + 8 * h] = acc[a][n][2 * h + i];
+                        }
                     }
                 }
             }
         }
+        __syncthreads();
     }
 }
 
-#define MOE_MMA(NAME, MX, W13, NT, D)                                                                                    \
+#define MOE_MMA(NAME, MX, W13, NT, S)                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS) NAME(const bf16_t* x, const int* meta, int amax, int k, \
             const unsigned char* w, const unsigned char* ws, int rows, int cols, float beta, float lbeta, void* out) {  \
-        grouped_mma<MX, W13, NT, D>(x, meta, amax, k, w, ws, rows, cols, beta, lbeta, out);                            \
+        grouped_mma<MX, W13, NT, S>(x, meta, amax, k, w, ws, rows, cols, beta, lbeta, out);                            \
     }
-MOE_MMA(moe_mma_w13_mxfp4_n1, true, true, 1, 8)
-MOE_MMA(moe_mma_w13_mxfp4_n2, true, true, 2, 8)
-MOE_MMA(moe_mma_w13_mxfp4_n4, true, true, 4, 4)
-MOE_MMA(moe_mma_w13_mxfp4_n8, true, true, 8, 4)
-MOE_MMA(moe_mma_w2_mxfp4_n1, true, false, 1, 8)
-MOE_MMA(moe_mma_w2_mxfp4_n2, true, false, 2, 8)
-MOE_MMA(moe_mma_w2_mxfp4_n4, true, false, 4, 4)
-MOE_MMA(moe_mma_w2_mxfp4_n8, true, false, 8, 4)
-MOE_MMA(moe_mma_w13_bf16_n1, false, true, 1, 4)
-MOE_MMA(moe_mma_w13_bf16_n2, false, true, 2, 4)
-MOE_MMA(moe_mma_w13_bf16_n4, false, true, 4, 2)
-MOE_MMA(moe_mma_w13_bf16_n8, false, true, 8, 2)
-MOE_MMA(moe_mma_w2_bf16_n1, false, false, 1, 4)
-MOE_MMA(moe_mma_w2_bf16_n2, false, false, 2, 4)
-MOE_MMA(moe_mma_w2_bf16_n4, false, false, 4, 2)
-MOE_MMA(moe_mma_w2_bf16_n8, false, false, 8, 2)
+MOE_MMA(moe_mma_w13_mxfp4_n1, true, true, 1, MMA_STAGES)
+MOE_MMA(moe_mma_w13_mxfp4_n2, true, true, 2, MMA_STAGES)
+MOE_MMA(moe_mma_w13_mxfp4_n4, true, true, 4, MMA_STAGES)
+MOE_MMA(moe_mma_w13_mxfp4_n8, true, true, 8, MMA_STAGES)
+MOE_MMA(moe_mma_w2_mxfp4_n1, true, false, 1, MMA_STAGES)
+MOE_MMA(moe_mma_w2_mxfp4_n2, true, false, 2, MMA_STAGES)
+MOE_MMA(moe_mma_w2_mxfp4_n4, true, false, 4, MMA_STAGES)
+MOE_MMA(moe_mma_w2_mxfp4_n8, true, false, 8, MMA_STAGES)
+MOE_MMA(moe_mma_w13_bf16_n1, false, true, 1, MMA_STAGES)
+MOE_MMA(moe_mma_w13_bf16_n2, false, true, 2, MMA_STAGES)
+MOE_MMA(moe_mma_w13_bf16_n4, false, true, 4, MMA_STAGES)
+MOE_MMA(moe_mma_w13_bf16_n8, false, true, 8, MMA_STAGES)
+MOE_MMA(moe_mma_w2_bf16_n1, false, false, 1, MMA_STAGES)
+MOE_MMA(moe_mma_w2_bf16_n2, false, false, 2, MMA_STAGES)
+MOE_MMA(moe_mma_w2_bf16_n4, false, false, 4, MMA_STAGES)
+MOE_MMA(moe_mma_w2_bf16_n8, false, false, 8, MMA_STAGES)
 
 // out[t, l] = scaling · Σ_j w[t, j] · y[t·k + j, l], j ascending; pairs with an invalid id add nothing.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ wts,
