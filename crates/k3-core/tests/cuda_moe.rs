@@ -7,8 +7,10 @@
 //! Inputs are fresh random values (seed printed; `K3_TEST_SEED=N` replays), z bf16-representable;
 //! routings include an expert chosen by every token and experts chosen by none; outputs are
 //! poisoned with NaN first. Tolerances: router ids exact, weights relative L2 1e-5 (device
-//! `expf`); experts decode path (T ≤ 64, f32 intermediate) relative L2 1e-3; prefill path
-//! (T > 64, cuBLAS with the SiTU-GLU intermediate rounded to bf16) 5e-3. The decode path is
+//! `expf`); experts decode path (T ≤ 64) relative L2 5e-3: the tensor-core path (T ≥ 2)
+//! rounds the SiTU-GLU intermediate to bf16 (the W2 operand; measured 1.2e-3..2.1e-3), T = 1
+//! runs the CUDA-core GEMV (f32 intermediate; `K3_MOE_DECODE=gemv|mma` forces one path for
+//! every T); prefill path (T > 64, cuBLAS with the SiTU-GLU intermediate rounded to bf16) 5e-3. The decode path is
 //! also captured into a CUDA graph and replayed (not under `K3_CUDA_SYNC=1`, whose per-launch
 //! sync cannot be captured). Without a GPU every test prints
 //! `skipped: no CUDA driver (...)` and passes; with `K3_REQUIRE_CUDA=1` that case fails.
@@ -25,7 +27,7 @@ use k3_core::kernels::cpu::mxfp4;
 use k3_core::DType;
 use rand::Rng;
 
-const TOL_DECODE: f64 = 1e-3;
+const TOL_DECODE: f64 = 5e-3;
 const TOL_PREFILL: f64 = 5e-3;
 const BETA: f32 = 4.0;
 const LBETA: f32 = 25.0;

@@ -1,6 +1,6 @@
 //! Stable LatentMoE routed experts on the GPU (text-backbone §7.2–7.5; MXFP4 per
 //! around-backbone §2): the router's top-k ([`route`]) and the routed experts
-//! ([`experts_forward`]). Kernels are in `kernels/cuda/moe.cu`; the CPU oracle is k3-model's
+//! ([`experts_forward`]). Kernels are in `kernels/cuda/moe.cu` and `moe_mma.cu` (tensor-core decode); the CPU oracle is k3-model's
 //! `layers/moe.rs` (`route`, `expert_forward`, `forward`) with `kernels::cpu::mxfp4` and
 //! `kernels::cpu::act::situ_glu`.
 //!
@@ -9,15 +9,16 @@
 //!
 //! Decode path (T ≤ [`DECODE_MAX_TOKENS`], capturable): `moe_group` (one block) counts the
 //! (token, slot) pairs per expert on the device and writes the active experts (ascending id),
-//! their group starts/sizes and the pairs sorted by expert (stable by token); the grouped GEMV
-//! kernels run on a grid sized for the worst case min(E, T·k) active experts (blocks of
-//! inactive slots exit at once), each block a tile of weight rows of one expert (4 rows per
-//! warp, 16-byte loads, the next chunk prefetched), dotted with every token of that expert,
-//! up to 4 tokens per pass staged in shared memory as f32 — each chosen expert's weights are
-//! streamed from HBM once (a group of more than 4 tokens re-reads the block's rows from L1/L2
-//! on each further pass). `w1`/`w3` rows of one output row share a warp, so SiTU-GLU is
-//! fused; the intermediate is kept in f32. Then `w2` the same way, and a combine kernel sums the k slots of each token in
-//! slot order (no atomics: deterministic) and applies `routed_scaling_factor`.
+//! their group starts/sizes and the pairs sorted by expert (stable by token); grids are sized
+//! for the worst case min(E, T·k) active experts (blocks of inactive slots exit at once).
+//! T ≥ 2 (tensor cores, `moe_mma_*`): one block per (row tile, active expert), its 4 warps
+//! splitting K; mma.m16n8k16 bf16 with f32 accumulation, weights as A (MXFP4 decoded to bf16
+//! in registers, E8M0 scale applied exactly to each 32-column group's f32 partial), the
+//! expert's tokens as B (8 per n-tile, up to 64 per pass); `w1`/`w3` tiles share a block so
+//! SiTU-GLU is fused, the intermediate rounded to BF16 (the W2 operand). T = 1 (CUDA cores,
+//! measured faster there): the grouped GEMV, 4 rows per warp, intermediate kept in f32. Each
+//! chosen expert's weights are streamed from HBM once. Then a combine kernel sums the k slots
+//! of each token in slot order (no atomics: deterministic) and applies `routed_scaling_factor`.
 //!
 //! Prefill path (T > [`DECODE_MAX_TOKENS`], NOT capturable: it reads the routing on the host):
 //! per active expert, gather its tokens, dequantize its MXFP4 weights to a BF16 scratch (or
@@ -27,7 +28,7 @@
 use cudarc::driver::result as dres;
 
 use super::{blas, derr, kargs, CudaTensor};
-use crate::kernels::cuda::MOE;
+use crate::kernels::cuda::{MOE, MOE_MMA};
 use crate::{CoreError, DType, Result};
 
 /// Largest T served by the capturable grouped-GEMV path.
@@ -143,8 +144,9 @@ impl ExpertWeights {
 /// f32 accumulation. `z` BF16 `[T, L]`, `ids` I32 `[T, k]`, `weights` F32 `[T, k]`, `out` F32
 /// `[T, L]`. A slot whose id is outside 0..E contributes nothing. Deterministic (fixed
 /// summation order, no float atomics); each chosen expert's weights are read once per call.
-/// T ≤ [`DECODE_MAX_TOKENS`]: capturable (SiTU-GLU intermediate kept in f32). T larger: the
-/// prefill path, NOT capturable (reads the routing on the host; intermediate rounded to BF16).
+/// T ≤ [`DECODE_MAX_TOKENS`]: capturable (SiTU-GLU intermediate rounded to BF16 for T ≥ 2,
+/// f32 at T = 1). T larger: the prefill path, NOT capturable (reads the routing on the host;
+/// intermediate rounded to BF16).
 pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, beta: f32, linear_beta: f32, scaling: f32, out: &CudaTensor) -> Result<()> {
     const OP: &str = "cuda moe::experts_forward";
     if z.dtype() != DType::BF16 || z.shape().len() != 2 || z.shape()[1] != w.latent {
@@ -165,7 +167,13 @@ pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w
     if k == 0 {
         return out.fill_bytes(0);
     }
-    let pairs = if t <= DECODE_MAX_TOKENS { decode(z, ids, w, t, k, beta, linear_beta)? } else { prefill(z, ids, w, t, k, beta, linear_beta)? };
+    let pairs = if t > DECODE_MAX_TOKENS {
+        prefill(z, ids, w, t, k, beta, linear_beta)?
+    } else if decode_kind(t) == DecodeKind::Gemv {
+        decode(z, ids, w, t, k, beta, linear_beta)?
+    } else {
+        decode_mma(z, ids, w, t, k, beta, linear_beta)?
+    };
     pairs.combine(ids, weights, w, t, k, scaling, out)
 }
 
@@ -254,6 +262,79 @@ fn decode(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usiz
     dev.launch(MOE, k13, g13, block, sm13 as u32, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
     let g2 = (l.div_ceil(4 * WARPS) as u32, amax as u32, 1);
     dev.launch(MOE, k2, g2, block, sm2 as u32, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
+    Ok(Pairs { y })
+}
+
+/// Which decode kernels serve T ≤ [`DECODE_MAX_TOKENS`]: the CUDA-core grouped GEMV at T = 1
+/// (measured faster there on the H200: 190 vs 211 µs MXFP4, 288 vs 353 µs BF16 at real dims),
+/// the tensor-core grouped GEMM above. `K3_MOE_DECODE=gemv` or `=mma` forces one (read once;
+/// for A/B timing).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum DecodeKind {
+    Mma,
+    Gemv,
+}
+
+fn decode_kind(t: usize) -> DecodeKind {
+    static FORCED: std::sync::OnceLock<Option<DecodeKind>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("K3_MOE_DECODE").as_deref() {
+        Ok("gemv") => Some(DecodeKind::Gemv),
+        Ok("mma") => Some(DecodeKind::Mma),
+        _ => None,
+    });
+    forced.unwrap_or(if t == 1 { DecodeKind::Gemv } else { DecodeKind::Mma })
+}
+
+/// Warps per block of the tensor-core kernels (`MMA_WARPS` in moe.cu).
+const MMA_WARPS: usize = 4;
+/// The tensor-core kernel for (format, stage, n-tiles of 8 tokens per pass).
+fn mma_kernel(format: ExpertFormat, w13: bool, nt: usize) -> &'static str {
+    const NAMES: [[[&str; 4]; 2]; 2] = [
+        [["moe_mma_w2_bf16_n1", "moe_mma_w2_bf16_n2", "moe_mma_w2_bf16_n4", "moe_mma_w2_bf16_n8"], ["moe_mma_w13_bf16_n1", "moe_mma_w13_bf16_n2", "moe_mma_w13_bf16_n4", "moe_mma_w13_bf16_n8"]],
+        [["moe_mma_w2_mxfp4_n1", "moe_mma_w2_mxfp4_n2", "moe_mma_w2_mxfp4_n4", "moe_mma_w2_mxfp4_n8"], ["moe_mma_w13_mxfp4_n1", "moe_mma_w13_mxfp4_n2", "moe_mma_w13_mxfp4_n4", "moe_mma_w13_mxfp4_n8"]],
+    ];
+    let i = match nt {
+        1 => 0,
+        2 => 1,
+        4 => 2,
+        _ => 3,
+    };
+    NAMES[(format == ExpertFormat::Mxfp4) as usize][w13 as usize][i]
+}
+
+/// Tensor-core decode: `moe_group`, then the W13 grouped GEMM with SiTU-GLU (intermediate
+/// `act` BF16 `[T·k, F]`, column-permuted within each 8 for MXFP4), then the W2 grouped GEMM.
+/// Grids depend on shapes only (worst case min(E, T·k) active experts); capturable.
+fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, beta: f32, lbeta: f32) -> Result<Pairs> {
+    const OP: &str = "cuda moe::experts_forward (decode)";
+    let dev = z.cuda_device();
+    let (e, l, f) = (w.num_experts, w.latent, w.inter);
+    let n_pairs = t * k;
+    let amax = e.min(n_pairs);
+    let group_smem = 4 * (3 * e + n_pairs);
+    if group_smem > SMEM {
+        return Err(shape_err(OP, format!("E = {e} with T·k = {n_pairs} pairs exceeds the grouping kernel's shared memory")));
+    }
+    // n-tiles of 8 tokens per pass: covers min(T, 64) tokens (an expert has at most T tokens
+    // when each token's ids are distinct; larger groups take further passes).
+    let nt = t.min(DECODE_MAX_TOKENS).div_ceil(8).next_power_of_two();
+    let (k13, k2) = (mma_kernel(w.format, true, nt), mma_kernel(w.format, false, nt));
+    let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
+    let act = CudaTensor::uninit(dev, DType::BF16, vec![n_pairs, f])?;
+    let y = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, l])?;
+    let (ip, mp) = (ids.ptr(), meta.ptr());
+    let (np32, e32, am32, k32) = (n_pairs as i32, e as i32, amax as i32, k as i32);
+    dev.launch(MOE, "moe_group", (1, 1, 1), (1024, 1, 1), group_smem as u32, &mut kargs![ip, np32, e32, am32, mp])?;
+    let (s13, s2) = w.scale_ptrs();
+    let (zp, ap, yp, w13p, w2p) = (z.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
+    let (f2, l32, f32_) = (2 * f as i32, l as i32, f as i32);
+    let block = (32 * MMA_WARPS as u32, 1, 1);
+    // One block per (row tile, active slot), its warps splitting K: W13 16 output features
+    // (gate + up tiles), W2 32 output rows.
+    let g13 = (f.div_ceil(16) as u32, amax as u32, 1);
+    dev.launch(MOE_MMA, k13, g13, block, 0, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
+    let g2 = (l.div_ceil(32) as u32, amax as u32, 1);
+    dev.launch(MOE_MMA, k2, g2, block, 0, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
     Ok(Pairs { y })
 }
 

@@ -40,6 +40,8 @@ pub const COPY: Source = Source { name: "copy", code: include_str!("copy.cu") };
 
 /// Routed MoE experts: router top-k, grouping, grouped MXFP4/BF16 GEMV, prefill helpers (`moe_*`).
 pub const MOE: Source = Source { name: "moe", code: include_str!("moe.cu") };
+/// Routed MoE experts, tensor-core decode path (`moe_mma_{w13,w2}_{mxfp4,bf16}_n{1,2,4,8}`).
+pub const MOE_MMA: Source = Source { name: "moe_mma", code: include_str!("moe_mma.cu") };
 
 /// Absorbed MLA over a paged latent cache (`mla_cache_append_*`, `mla_attend_p*`, `mla_combine`).
 pub const MLA: Source = Source { name: "mla", code: include_str!("mla.cu") };
@@ -47,7 +49,7 @@ pub const MLA: Source = Source { name: "mla", code: include_str!("mla.cu") };
 pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
 
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 11] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MLA, DSA];
+pub const ALL: [Source; 12] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, MLA, DSA];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
