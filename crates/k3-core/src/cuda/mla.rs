@@ -124,9 +124,23 @@ pub fn mla_cache_append(ckv: &CudaTensor, kv_norm: &CudaTensor, eps: f32, batch:
     dev.launch(MLA, name, (rows, 1, 1), (128, 1, 1), 0, &mut kargs![cp, kp, eps, bt, mp, rs, rp, cc, r32, dr32])
 }
 
+/// Which attend kernel runs (all compute the same function; see `kernels/cuda/mla.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum AttendKernel {
+    /// [`AttendKernel::Tiled`].
+    #[default]
+    Auto,
+    /// Tensor cores for r <= 512 (64-key tiles, synchronous gather), CUDA cores above.
+    Tiled,
+    /// Tensor cores for r <= 512 with 32-key tiles double-buffered through cp.async (the next
+    /// tile's gather overlaps the current tile's math); CUDA cores above. NOT YET RUN ON A GPU.
+    Pipelined,
+}
+
 /// Kernel variant for latent width `r`: (name, heads per block).
-fn variant(r: usize) -> Option<(&'static str, usize)> {
+fn variant(r: usize, kernel: AttendKernel) -> Option<(&'static str, usize)> {
     match r {
+        0..=512 if kernel == AttendKernel::Pipelined => Some(("mla_attend_tc2", 16)),
         0..=512 => Some(("mla_attend_tc", 16)),
         513..=1024 => Some(("mla_attend_p2", 8)),
         1025..=2048 => Some(("mla_attend_p4", 4)),
@@ -136,7 +150,10 @@ fn variant(r: usize) -> Option<(&'static str, usize)> {
 
 /// Dynamic shared memory of the attend kernels (layouts in `mla.cu`).
 fn attend_smem(name: &str, w: usize, hgm: usize) -> usize {
-    if name == "mla_attend_tc" {
+    if name == "mla_attend_tc2" {
+        let kst = w.div_ceil(16) * 16 + 8;
+        (16 + 2 * 32) * kst * 2 + 2 * 16 * 36 * 4 + 16 * 40 * 2 + 48 * 4 + 64 * 8
+    } else if name == "mla_attend_tc" {
         let kst = w.div_ceil(16) * 16 + 8;
         (16 + TC_TILE) * kst * 2 + 16 * 68 * 4 + 16 * 72 * 2 + 48 * 4 + TC_TILE * 8
     } else {
@@ -162,6 +179,12 @@ fn num_splits(dev: &CudaDevice, base_blocks: usize, max_keys: usize) -> usize {
 /// For `r <= 512` scores and `P·V` run on tensor cores (bf16 operands, P rounded to bf16, f32
 /// accumulation); larger `r` uses a CUDA-core kernel (f32 P).
 pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
+    mla_attend_with(q, cache, batch, sel, r, scale, out, AttendKernel::Auto)
+}
+
+/// [`mla_attend`] with an explicit kernel choice.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attend_with(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor, kernel: AttendKernel) -> Result<()> {
     const OP: &str = OP_ATTEND;
     let dev = q.cuda_device();
     let (n, max_pages) = batch.check(OP, dev)?;
@@ -170,7 +193,7 @@ pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: O
     if r == 0 || r >= w || !r.is_multiple_of(8) || !(w - r).is_multiple_of(8) {
         return Err(CoreError::Shape { op: OP, detail: format!("r = {r} with cache width {w}: r and dr = width - r must be positive multiples of 8") });
     }
-    let (name, hgm) = variant(r).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("r = {r} > 2048 is not supported by the attend kernel") })?;
+    let (name, hgm) = variant(r, kernel).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("r = {r} > 2048 is not supported by the attend kernel") })?;
     if q.dtype() != DType::BF16 || q.shape().len() != 3 || q.shape()[0] != n || q.shape()[2] != w {
         return Err(CoreError::Shape { op: OP, detail: format!("q {q:?} must be BF16 [N={n}, nh, r+dr={w}]") });
     }

@@ -7,7 +7,7 @@
 //
 // `mla_cache_append_*`: one block per row, RMSNorm of the latent in f32, stored as BF16.
 // `mla_attend_tc` (r <= 512, the K3 case): flash-decoding on tensor cores, described at the
-// kernel. `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P): block (row,
+// kernel; `mla_attend_tc2` the same with cp.async double buffering (opt-in, unverified). `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P): block (row,
 // head group of <= HGM heads, key split); each 32-key tile is gathered from the pages into
 // shared memory once and used by every head of the group; scores in f32 (q pre-scaled by
 // scale*log2 e, exp2), online softmax, the latent accumulator (2P dims per thread) in
@@ -433,6 +433,200 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
         }
     }
     __syncthreads();
+    const int rows2[2] = {g, g + 8};
+    if (splits == 1) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = rows2[hh];
+            if (h < hg) {
+                const float l = l_s[h];
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int d = 8 * (warp + 8 * j) + 2 * t4;
+                    if (d < r) {
+                        const unsigned o = (unsigned)f32_to_bf16(acc[j][2 * hh] * inv) | ((unsigned)f32_to_bf16(acc[j][2 * hh + 1] * inv) << 16);
+                        *reinterpret_cast<unsigned*>(out + ((long long)i * nh + h0 + h) * r + d) = o;
+                    }
+                }
+            }
+        }
+    } else {
+        const long long base = ((long long)i * splits + split) * nh + h0;
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = rows2[hh];
+            if (h < hg) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int d = 8 * (warp + 8 * j) + 2 * t4;
+                    if (d < r) *reinterpret_cast<float2*>(part_acc + (base + h) * r + d) = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+                }
+            }
+        }
+        if (tid < hg) *reinterpret_cast<float2*>(part_ml + (base + tid) * 2) = make_float2(m_s[tid], l_s[tid]);
+    }
+}
+
+// ---- pipelined tensor-core variant (r <= 512) ----
+// As mla_attend_tc, with 32-key tiles double-buffered in shared memory: tile t+1 is gathered
+// with cp.async (zero-filled past the keys and the row width) while tile t is computed. Scores:
+// warp w owns keys 8(w&3).. and the k-steps of half w>>2; the two halves are added in the softmax.
+// Dynamic smem: qs bf16 [16][WK+8] | ks bf16 [2][32][WK+8] | ss f32 [2][16][36] | pb bf16 [16][40] |
+// m, l, alpha f32 [16] | rowoff i64 [2][32].
+#define TC2_TILE 32
+#define TC2_SS 36
+#define TC2_PS 40
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache, const int* __restrict__ block_table, int max_pages,
+    const int* __restrict__ row_seq, const int* __restrict__ row_pos, const int* __restrict__ sel_idx,
+    const int* __restrict__ sel_count, int sel_k, int nh, int r, int dr, float scale, int splits, bf16_t* __restrict__ out,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    extern __shared__ __align__(16) unsigned char smem_tc2[];
+    const int w = r + dr, wk = (w + 15) / 16 * 16, kst = wk + 8, wv = wk / 8;
+    bf16_t* qs = reinterpret_cast<bf16_t*>(smem_tc2);
+    bf16_t* ks = qs + 16 * kst;
+    float* ss = reinterpret_cast<float*>(ks + 2 * TC2_TILE * kst);
+    bf16_t* pb = reinterpret_cast<bf16_t*>(ss + 2 * 16 * TC2_SS);
+    float* m_s = reinterpret_cast<float*>(pb + 16 * TC2_PS);
+    float* l_s = m_s + 16;
+    float* a_s = l_s + 16;
+    long long* rowoff = reinterpret_cast<long long*>(a_s + 16);
+
+    const int i = blockIdx.x, h0 = blockIdx.y * 16, split = blockIdx.z;
+    const int hg = min(16, nh - h0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int n = sel_idx ? sel_count[i] : row_pos[i] + 1;
+    int chunk = (n + splits - 1) / splits;
+    chunk = (chunk + 63) / 64 * 64;
+    const int start = split * chunk, end = min(n, start + chunk);
+    const long long seq_base = (long long)row_seq[i] * max_pages;
+    const float qscale = scale * MLA_LOG2E;
+
+    auto key_off = [&](int j) -> long long {
+        if (j >= end) return -1;
+        const int pos = sel_idx ? sel_idx[(long long)i * sel_k + j] : j;
+        const int page = block_table[seq_base + pos / MLA_PAGE];
+        return ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
+    };
+    auto issue = [&](int buf) {
+        bf16_t* kb = ks + buf * TC2_TILE * kst;
+        const long long* ro = rowoff + buf * TC2_TILE;
+        for (int v = tid; v < TC2_TILE * wv; v += MLA_THREADS) {
+            const int t = v / wv, c = (v % wv) * 8;
+            const long long off = ro[t];
+            const bool ok = off >= 0 && c < w;
+            cp_async16(kb + t * kst + c, ok ? (const void*)(cache + off + c) : (const void*)cache, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+
+    for (int v = tid; v < 16 * wv; v += MLA_THREADS) {
+        const int h = v / wv, c = (v % wv) * 8;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (h < hg && c < w) val = *reinterpret_cast<const uint4*>(q + ((long long)i * nh + h0 + h) * w + c);
+        *reinterpret_cast<uint4*>(qs + h * kst + c) = val;
+    }
+    if (tid < 16) {
+        m_s[tid] = -K3_INF;
+        l_s[tid] = 0.0f;
+    }
+    if (tid < TC2_TILE) rowoff[tid] = key_off(start + tid);
+    __syncthreads();
+    if (start < end) issue(0);
+
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    const int ksteps = wk / 16, half = (ksteps + 1) / 2;
+    const int kh = warp >> 2, nbk = warp & 3;
+    const int kbeg = kh * half * 16, kend = min(ksteps, (kh + 1) * half) * 16;
+
+    for (int it = 0, t0 = start; t0 < end; it++, t0 += TC2_TILE) {
+        const int buf = it & 1;
+        if (t0 + TC2_TILE < end) {
+            if (tid < TC2_TILE) rowoff[(buf ^ 1) * TC2_TILE + tid] = key_off(t0 + TC2_TILE + tid);
+            __syncthreads();
+            issue(buf ^ 1);
+            cp_async_wait_1();
+        } else {
+            cp_async_wait_0();
+        }
+        __syncthreads();
+        const bf16_t* kt = ks + buf * TC2_TILE * kst;
+        {
+            float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c5[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const bf16_t* qa = qs + g * kst + 2 * t4;
+            const bf16_t* qb = qs + (g + 8) * kst + 2 * t4;
+            const bf16_t* kb = kt + (8 * nbk + g) * kst + 2 * t4;
+            int k0 = kbeg;
+            for (; k0 + 32 <= kend; k0 += 32) {
+                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
+                mma_bf16_16816(c5, ld_u32(qa + k0 + 16), ld_u32(qb + k0 + 16), ld_u32(qa + k0 + 24), ld_u32(qb + k0 + 24), ld_u32(kb + k0 + 16), ld_u32(kb + k0 + 24));
+            }
+            if (k0 < kend)
+                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
+            float* sh = ss + kh * 16 * TC2_SS;
+            const int col = 8 * nbk + 2 * t4;
+            sh[g * TC2_SS + col] = c4[0] + c5[0];
+            sh[g * TC2_SS + col + 1] = c4[1] + c5[1];
+            sh[(g + 8) * TC2_SS + col] = c4[2] + c5[2];
+            sh[(g + 8) * TC2_SS + col + 1] = c4[3] + c5[3];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int h = 2 * warp + hh;
+            const bool valid = t0 + lane < end;
+            const float s = valid ? (ss[h * TC2_SS + lane] + ss[(16 + h) * TC2_SS + lane]) * qscale : -K3_INF;
+            const float m_old = m_s[h];
+            const float m_new = fmaxf(m_old, warp_max(s));
+            const bf16_t p = f32_to_bf16(exp2f(s - m_new));
+            const float psum = warp_sum(bf16_to_f32(p));
+            pb[h * TC2_PS + lane] = p;
+            __syncwarp();
+            if (lane == 0) {
+                const float alpha = exp2f(m_old - m_new);
+                a_s[h] = alpha;
+                m_s[h] = m_new;
+                l_s[h] = l_s[h] * alpha + psum;
+            }
+        }
+        __syncthreads();
+        {
+            const float al0 = a_s[g], al1 = a_s[g + 8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                acc[j][0] *= al0; acc[j][1] *= al0;
+                acc[j][2] *= al1; acc[j][3] *= al1;
+            }
+            const int kmax = min(TC2_TILE, end - t0);
+            for (int k0 = 0; k0 < kmax; k0 += 16) {
+                const unsigned a0 = ld_u32(pb + g * TC2_PS + k0 + 2 * t4), a1 = ld_u32(pb + (g + 8) * TC2_PS + k0 + 2 * t4);
+                const unsigned a2 = ld_u32(pb + g * TC2_PS + k0 + 8 + 2 * t4), a3 = ld_u32(pb + (g + 8) * TC2_PS + k0 + 8 + 2 * t4);
+                const bf16_t* vrow = kt + (k0 + (lane & 15)) * kst;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int d0 = 8 * (warp + 8 * j);
+                    if (d0 < r) {
+                        unsigned b0, b1;
+                        ldmatrix_x2_trans(b0, b1, vrow + d0);
+                        mma_bf16_16816(acc[j], a0, a1, a2, a3, b0, b1);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
     const int rows2[2] = {g, g + 8};
     if (splits == 1) {
 #pragma unroll
