@@ -5,7 +5,8 @@
 //! cargo build --release -p k3-core --features cuda --example cuda_bench
 //! cuda_bench                                   # the standard suite (issue 10's figures)
 //! cuda_bench gemm-suite                        # only the tuned bf16 GEMMs of the suite
-//! cuda_bench gemm 4096 12288 7168              # one case: gemm M N K | copy BYTES | rmsnorm ROWS DIM
+//! cuda_bench gemv-suite                        # decode GEMV vs cuBLASLt at K3's projection shapes
+//! cuda_bench gemm 4096 12288 7168              # one case: gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM
 //! cuda_bench --warmup 10 --repeats 50 copy 2147483648
 //! ```
 
@@ -15,7 +16,7 @@ use k3_core::cuda::CudaDevice;
 use k3_core::DType;
 
 fn usage() -> ! {
-    eprintln!("usage: cuda_bench [--warmup N] [--repeats N] [gemm-suite | gemm M N K | copy BYTES | rmsnorm ROWS DIM]");
+    eprintln!("usage: cuda_bench [--warmup N] [--repeats N] [gemm-suite | gemv-suite | gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM]");
     std::process::exit(2)
 }
 
@@ -44,6 +45,21 @@ fn suite() -> Vec<BenchOp> {
     v
 }
 
+/// K3's decode projections at batch 1, 2, 4 and 8 (M N K), each as our GEMV beside cuBLASLt's GEMM
+/// (F32 output, the heuristic's algorithm, as the model calls it): KDA q/k/v/gate fused
+/// (4·12288 + 96 + 128 rows), `o_proj`, the LatentMoE input side (router 896 + latent 3584 +
+/// shared gate/up 2·6144), its latent up-projection, and the lm_head.
+fn gemv_suite() -> Vec<BenchOp> {
+    let mut v = Vec::new();
+    for m in [1, 2, 4, 8] {
+        for (n, k) in [(49376, 7168), (7168, 12288), (16768, 7168), (7168, 3584), (163840, 7168)] {
+            v.push(BenchOp::Gemv { m, n, k });
+            v.push(BenchOp::Gemm { m, n, k, dtype: DType::BF16, layout: Layout::BT, opts: GemmOptions { backend: Backend::Lt, algo: Algo::Heuristic } });
+        }
+    }
+    v
+}
+
 fn main() {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let (mut warmup, mut repeats) = (10usize, 50usize);
@@ -64,6 +80,7 @@ fn main() {
             .into_iter()
             .filter(|o| matches!(o, BenchOp::Gemm { dtype: DType::BF16, opts: GemmOptions { backend: Backend::Lt, algo: Algo::Tuned }, .. }))
             .collect(),
+        Some((op, _)) if op == "gemv-suite" => gemv_suite(),
         Some((op, rest)) => {
             let dims: Option<Vec<usize>> = rest.iter().map(|s| s.parse().ok()).collect();
             let Some(dims) = dims else { usage() };

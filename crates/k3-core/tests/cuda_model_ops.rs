@@ -73,7 +73,8 @@ fn attn_res_ref(srcs: &[Vec<f32>], c: &[f32], eps_res: f32, w: &[f32], eps: f32,
 fn attn_res_norm_parity() {
     let Some(dev) = device("attn_res_norm_parity") else { return };
     let mut r = rng("attn_res_norm_parity");
-    for (rows, h, nblocks) in [(1usize, 96usize, 0usize), (5, 96, 2), (3, 7168, 24), (17, 256, 63)] {
+    // Up to 16 rows the split form runs (h % 4 == 0), else one block per row; both are covered.
+    for (rows, h, nblocks) in [(1usize, 96usize, 0usize), (5, 96, 2), (3, 7168, 24), (16, 1000, 5), (1, 98, 1), (17, 256, 63)] {
         let blocks: Vec<Vec<f32>> = (0..nblocks).map(|_| rv(&mut r, rows * h)).collect();
         let (p0, d) = (rv(&mut r, rows * h), rv(&mut r, rows * h));
         let c: Vec<f32> = rv(&mut r, h).iter().map(|x| x * 0.2).collect();
@@ -133,16 +134,20 @@ fn rms_norm_cols_gather_copy_gate_add() {
     let (head, tail): (Vec<f32>, Vec<f32>) = (back.chunks_exact(wide).flat_map(|r| r[..cols].to_vec()).collect(), back.chunks_exact(wide).flat_map(|r| r[cols..].to_vec()).collect());
     check("rms_norm_cols in place, f32", &head, &want, 1e-5);
     assert_eq!(tail, x.chunks_exact(wide).flat_map(|r| r[cols..].to_vec()).collect::<Vec<_>>(), "columns past `cols` must be untouched");
-    // Gather rows of a bf16 table into f32, in the order of the ids (repeats allowed).
-    let (v, h) = (50, 24);
-    let table: Vec<f32> = rv(&mut r, v * h).iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
-    let ids: Vec<i32> = vec![3, 49, 0, 3, 17];
-    let tt = up(&dev, DType::BF16, vec![v, h], &table);
-    let it = CudaTensor::from_pod(&dev, DType::I32, vec![ids.len()], &ids).unwrap();
-    let g = poisoned(&dev, DType::F32, vec![ids.len(), h]);
-    ops::gather_rows(&tt, &it, &g).unwrap();
-    let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
-    assert_eq!(g.to_f32_vec().unwrap(), want, "gather_rows bf16 -> f32");
+    // Gather rows of a bf16 table into f32, in the order of the ids (repeats allowed); widths
+    // below one block's 1024 columns and above it, not a multiple of 8.
+    let mut table = Vec::new();
+    for h in [24usize, 2053] {
+        let v = 50;
+        table = rv(&mut r, v * h).iter().map(|&x| bf16::from_f32(x).to_f32()).collect::<Vec<f32>>();
+        let ids: Vec<i32> = vec![3, 49, 0, 3, 17];
+        let tt = up(&dev, DType::BF16, vec![v, h], &table);
+        let it = CudaTensor::from_pod(&dev, DType::I32, vec![ids.len()], &ids).unwrap();
+        let g = poisoned(&dev, DType::F32, vec![ids.len(), h]);
+        ops::gather_rows(&tt, &it, &g).unwrap();
+        let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
+        assert_eq!(g.to_f32_vec().unwrap(), want, "gather_rows bf16 -> f32, H = {h}");
+    }
     // Strided copy: columns 16..24 of [R, 24] into columns 32..40 of [R, 40].
     let src = up(&dev, DType::BF16, vec![5, 24], &table[..5 * 24]);
     let dst = poisoned(&dev, DType::BF16, vec![5, 40]);

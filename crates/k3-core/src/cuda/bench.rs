@@ -25,11 +25,14 @@ pub enum BenchOp {
     Copy { bytes: usize },
     /// RMSNorm of `[rows, dim]` in `dtype`.
     RmsNorm { rows: usize, dim: usize, dtype: DType },
+    /// The decode GEMV (`cuda::gemv`): BF16 `x [m, k]` · BF16 `w [n, k]`ᵀ → F32 `[m, n]`.
+    Gemv { m: usize, n: usize, k: usize },
 }
 
 impl BenchOp {
     /// From the CLI's words: `gemm [M N K]` (default 8192³, bf16, `a · bᵀ`, cuBLASLt tuned),
-    /// `copy [BYTES]` (default 2 GiB), `rmsnorm [ROWS DIM]` (default 16384 × 7168, bf16).
+    /// `copy [BYTES]` (default 2 GiB), `rmsnorm [ROWS DIM]` (default 16384 × 7168, bf16),
+    /// `gemv M N K` (decode GEMV, M ≤ 8).
     pub fn from_cli(op: &str, dims: &[usize]) -> Result<Self> {
         let bad = |want: &str| CoreError::Msg(format!("bench {op}: expected {want}, got {dims:?}"));
         Ok(match op {
@@ -51,7 +54,11 @@ impl BenchOp {
                 [r, d] => BenchOp::RmsNorm { rows: *r, dim: *d, dtype: DType::BF16 },
                 _ => return Err(bad("ROWS DIM")),
             },
-            _ => return Err(CoreError::Msg(format!("unknown bench op `{op}`: use gemm, copy or rmsnorm"))),
+            "gemv" => match dims {
+                [m, n, k] => BenchOp::Gemv { m: *m, n: *n, k: *k },
+                _ => return Err(bad("M N K")),
+            },
+            _ => return Err(CoreError::Msg(format!("unknown bench op `{op}`: use gemm, gemv, copy or rmsnorm"))),
         })
     }
 
@@ -69,6 +76,7 @@ impl BenchOp {
             }
             BenchOp::Copy { bytes } => ("copy d2d".into(), format!("{:.2} GiB", *bytes as f64 / (1u64 << 30) as f64)),
             BenchOp::RmsNorm { rows, dim, dtype } => (format!("rmsnorm {dtype}"), format!("{rows}x{dim}")),
+            BenchOp::Gemv { m, n, k } => ("gemv bf16 a·bT".into(), format!("M={m} N={n} K={k}")),
         }
     }
 }
@@ -181,6 +189,14 @@ pub fn bench_op(dev: &CudaDevice, op: &BenchOp, warmup: usize, repeats: usize) -
             let y = CudaTensor::uninit(dev, dtype, vec![rows, dim])?;
             let ms = time_calls(dev, warmup, repeats, || ops::rms_norm(&x, &w, 1e-6, &y))?;
             (ms, 0.0, dtype.size_in_bytes() as f64 * (2 * rows * dim + dim) as f64)
+        }
+        BenchOp::Gemv { m, n, k } => {
+            let x = random_tensor(dev, DType::BF16, vec![m, k], 1)?;
+            let w = random_tensor(dev, DType::BF16, vec![n, k], 2)?;
+            let y = CudaTensor::uninit(dev, DType::F32, vec![m, n])?;
+            let ms = time_calls(dev, warmup, repeats, || super::gemv::gemv(&x, &[(&w, &y)]))?;
+            // Reported as bandwidth (the weight dominates): bytes of x, w and y.
+            (ms, 0.0, (2 * (m * k + n * k) + 4 * m * n) as f64)
         }
     };
     let median = if ms.len() % 2 == 1 { ms[ms.len() / 2] } else { 0.5 * (ms[ms.len() / 2 - 1] + ms[ms.len() / 2]) };

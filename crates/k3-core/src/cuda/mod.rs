@@ -22,6 +22,7 @@ pub mod blas;
 mod graph;
 mod compile;
 pub mod dsa;
+pub mod gemv;
 pub mod kda;
 pub mod mla;
 pub mod moe;

@@ -109,7 +109,9 @@ pub fn route(logits: &CudaTensor, bias: &CudaTensor, k: usize, renormalize: bool
     let grid = u32::try_from(t).map_err(|_| shape_err(OP, format!("T = {t} exceeds the grid")))?;
     let (lp, bp, ip, wp) = (logits.ptr(), bias.ptr(), ids.ptr(), weights.ptr());
     let (e32, k32, rn) = (i32_of(OP, "E", e)?, k as i32, renormalize as i32);
-    dev.launch(MOE, "moe_route", (grid, 1, 1), (256, 1, 1), (12 * e) as u32, &mut kargs![lp, bp, e32, k32, rn, ip, wp])
+    // One thread per expert up to 1024 (each ranks its experts against all E).
+    let block = (e.div_ceil(32) * 32).clamp(32, 1024) as u32;
+    dev.launch(MOE, "moe_route", (grid, 1, 1), (block, 1, 1), (12 * e) as u32, &mut kargs![lp, bp, e32, k32, rn, ip, wp])
 }
 
 impl ExpertWeights {

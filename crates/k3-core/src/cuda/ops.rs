@@ -157,6 +157,11 @@ pub enum ResUpdate {
 
 /// Most completed blocks one mix can take (the kernel's source array).
 pub const ATTN_RES_MAX_BLOCKS: usize = 63;
+/// Up to this many rows, [`attn_res_norm`] runs its split form: three kernels over
+/// (column slices × rows) instead of one block per row, so a decode step's few rows use many SMs.
+const ATTN_RES_SPLIT_ROWS: usize = 16;
+/// Columns per block of the split form (`ARES_SL` in attn_res.cu).
+const ATTN_RES_SLICE: usize = 512;
 
 /// Block Attention Residuals (text-backbone §6) fused with the RMSNorm after it, per row of
 /// width `H`: first `P` (F32 `[N, H]`) is updated in place by `update` with `d`, and copied to
@@ -207,11 +212,26 @@ pub fn attn_res_norm(blocks: &[&CudaTensor], p: &CudaTensor, update: ResUpdate, 
     };
     let (pp, dp, sp) = (p.ptr(), d.map_or(0, |t| t.ptr()), snap.map_or(0, |t| t.ptr()));
     let (cp, wp, op) = (c.ptr(), w.ptr(), out.ptr());
+    let dev = p.cuda_device();
+    let aligned = [pp, dp, sp, cp, wp, op].iter().chain(&srcs).all(|a| a % 16 == 0);
+    if rows as usize <= ATTN_RES_SPLIT_ROWS && h % 4 == 0 && aligned {
+        // Few rows (decode): spread each row over S blocks (see attn_res.cu, split form).
+        let (n, slices) = (blocks.len() + 1, (h as usize).div_ceil(ATTN_RES_SLICE));
+        let part = CudaTensor::uninit(dev, DType::F32, vec![rows as usize, slices, 2 * n])?; // [N, S, 2n]
+        let mix = CudaTensor::uninit(dev, DType::F32, vec![rows as usize, h as usize])?; // [N, H]
+        let msq = CudaTensor::uninit(dev, DType::F32, vec![rows as usize, slices])?; // [N, S]
+        let (grid, block) = ((slices as u32, rows, 1), (ATTN_RES_SLICE as u32 / 4, 1, 1));
+        let (part_p, mix_p, msq_p) = (part.ptr(), mix.ptr(), msq.ptr());
+        dev.launch(ATTN_RES, "attn_res_stats", grid, block, 0, &mut kargs![srcs, nsrc, pp, dp, mode, sp, cp, part_p, h])?;
+        dev.launch(ATTN_RES, "attn_res_mix", grid, block, 0, &mut kargs![srcs, nsrc, pp, eps_res, part_p, mix_p, msq_p, h])?;
+        let scale = if name == "attn_res_norm_f32" { "attn_res_scale_f32" } else { "attn_res_scale_bf16" };
+        return dev.launch(ATTN_RES, scale, grid, block, 0, &mut kargs![mix_p, msq_p, wp, eps, op, h]);
+    }
     let smem = ((h as usize + 3 * (ATTN_RES_MAX_BLOCKS + 1) + 32) * 4) as u32;
     if smem > 48 * 1024 {
         return Err(CoreError::Shape { op: OP, detail: format!("hidden size {h} needs {smem} bytes of shared memory (48 KiB max)") });
     }
-    p.cuda_device().launch(ATTN_RES, name, (rows, 1, 1), (512, 1, 1), smem, &mut kargs![srcs, nsrc, pp, dp, mode, sp, cp, eps_res, wp, eps, op, h])
+    dev.launch(ATTN_RES, name, (rows, 1, 1), (512, 1, 1), smem, &mut kargs![srcs, nsrc, pp, dp, mode, sp, cp, eps_res, wp, eps, op, h])
 }
 
 /// RMSNorm of the first `cols` columns of every row of `x` (F32 or BF16, any row width ≥ cols)
@@ -293,8 +313,10 @@ pub fn gather_rows(src: &CudaTensor, ids: &CudaTensor, out: &CudaTensor) -> Resu
         return Ok(());
     }
     let (sp, ip, op, n32, h32) = (src.ptr(), ids.ptr(), out.ptr(), n as i32, h as i32);
-    let grid = n.min(65_535) as u32;
-    src.cuda_device().launch(COPY, name, (grid, 1, 1), (row_block(h).min(256), 1, 1), 0, &mut kargs![sp, ip, op, n32, h32])
+    // Threads move 8 elements each; a row spans h / (8·128) column blocks (7 for H = 7168).
+    let block = 128usize;
+    let grid = (h.div_ceil(8 * block) as u32, n.min(65_535) as u32, 1);
+    src.cuda_device().launch(COPY, name, grid, (block as u32, 1, 1), 0, &mut kargs![sp, ip, op, n32, h32])
 }
 
 /// Copies `rows` rows of `width` BF16 elements from device address `src` (row stride `src_stride`

@@ -8,7 +8,7 @@ use k3_core::cuda::ops::situ_glu;
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
-use super::lin;
+use super::{lin, lin_many};
 use super::upload::matrix;
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
@@ -33,10 +33,16 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &CudaTensor) -> Result<CudaTensor> {
-        let g = lin(x, &self.gate_proj, DType::BF16)?; // [N, I]
-        let u = lin(x, &self.up_proj, DType::BF16)?;
-        situ_glu(&g, &u, self.beta, self.linear_beta, &g)?;
-        lin(&g, &self.down_proj, DType::F32)
+        let [g, u] = lin_many(x, [(&self.gate_proj, DType::BF16), (&self.up_proj, DType::BF16)])?; // [N, I]
+        self.down(&g, &u)
+    }
+
+    /// The second half of [`Mlp::forward`], for callers that computed the gate and up
+    /// projections together with other products of the same input: SiTU-GLU in place in `g`,
+    /// then `down_proj`. `g`, `u` BF16 `[N, I]` → F32 `[N, H]`.
+    pub fn down(&self, g: &CudaTensor, u: &CudaTensor) -> Result<CudaTensor> {
+        situ_glu(g, u, self.beta, self.linear_beta, g)?;
+        lin(g, &self.down_proj, DType::F32)
     }
 
     pub fn weight_bytes(&self) -> u64 {

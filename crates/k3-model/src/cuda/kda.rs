@@ -12,7 +12,7 @@ use k3_core::DType;
 
 use super::state::Step;
 use super::upload::{f32s, matrix, vector};
-use super::lin;
+use super::{lin, lin_many};
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::error::{ModelError, Result};
@@ -85,10 +85,9 @@ impl Kda {
     /// `x` BF16 `[N, H]` → F32 `[N, H]`, advancing the step's sequences' states.
     pub(crate) fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
         let bf = DType::BF16;
-        let (q, k, v) = (lin(x, &self.q_proj, bf)?, lin(x, &self.k_proj, bf)?, lin(x, &self.v_proj, bf)?); // [N, D]
-        let beta = lin(x, &self.b_proj, bf)?; // [N, nh]
-        let g = lin(&lin(x, &self.f_a_proj, bf)?, &self.f_b_proj, bf)?; // [N, D]
-        let gate = lin(x, &self.g_proj, bf)?;
+        let ws = [(&self.q_proj, bf), (&self.k_proj, bf), (&self.v_proj, bf), (&self.b_proj, bf), (&self.f_a_proj, bf), (&self.g_proj, bf)];
+        let [q, k, v, beta, g_low, gate] = lin_many(x, ws)?; // q/k/v/gate [N, D], beta [N, nh], g_low [N, hd]
+        let g = lin(&g_low, &self.f_b_proj, bf)?; // [N, D]
         let o = CudaTensor::uninit(x.cuda_device(), bf, q.shape().to_vec())?;
         let inp = KdaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, gate: &gate };
         let w = KdaWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, o_norm: &self.o_norm, lower_bound: self.lower_bound, eps: self.eps };

@@ -15,7 +15,7 @@ use k3_core::cuda::ops::{copy_strided_bf16, rms_norm_cols, sigmoid_mul};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
-use super::lin;
+use super::{lin, lin_many};
 use super::state::Step;
 use super::upload::{matrix, vector};
 use crate::checkpoint::Checkpoint;
@@ -115,11 +115,11 @@ impl Mla {
         let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
         let (n, dev, bf) = (step.n, x.cuda_device(), DType::BF16);
         let batch = PagedBatch { block_table: &step.block_table, row_seq: &step.row_seq, row_pos: &step.row_pos };
-        let c_q_raw = lin(x, &self.q_a_proj, DType::F32)?; // [N, q_lora], normed from f32
+        // c_q [N, q_lora] and c_kv [N, r+dr] stay F32 for their norms; the output gate [N, nh·dv].
+        let [c_q_raw, ckv, gate] = lin_many(x, [(&self.q_a_proj, DType::F32), (&self.kv_a_proj_with_mqa, DType::F32), (&self.g_proj, bf)])?;
         let c_q = CudaTensor::uninit(dev, bf, c_q_raw.shape().to_vec())?;
         rms_norm_cols(&c_q_raw, c_q.last_dim(), &self.q_a_layernorm, LATENT_EPS, &c_q)?;
         let q = lin(&c_q, &self.q_b_proj, bf)?; // [N, nh, dn+dr]
-        let ckv = lin(x, &self.kv_a_proj_with_mqa, DType::F32)?; // [N, r+dr]
         mla_cache_append(&ckv, &self.kv_a_layernorm, LATENT_EPS, &batch, &self.cache)?;
         // Absorb W_uk: q_lat_h [N, r] = q_nope_h [N, dn] · W_uk_h [dn, r], into the first r
         // columns of each head's absorbed query; q_pe goes to the last dr.
@@ -138,7 +138,6 @@ impl Mla {
         // Un-absorb: o_h [N, dv] = o_lat_h [N, r] · W_uv_hᵀ (W_uv_h [dv, r]).
         let o = CudaTensor::uninit(dev, bf, vec![n, nh * dv])?; // [N, nh·dv]
         gemm_strided_batched(dev, n, dv, r, nh, s(o_lat.ptr(), nh * r, r), s(wkv + 2 * (dn * r) as u64, r, (dn + dv) * r), Layout::BT, s(o.ptr(), nh * dv, dv), bf, bf)?;
-        let gate = lin(x, &self.g_proj, bf)?; // [N, nh·dv]
         sigmoid_mul(&o, &gate)?;
         lin(&o, &self.o_proj, DType::F32)
     }
@@ -156,8 +155,7 @@ impl Indexer {
         let (n, dev) = (step.n, x.cuda_device());
         let qi = lin(c_q, &self.wq_b, DType::F32)?; // [N, ih·id]
         let qi = qi.reshape(vec![n, self.heads, self.head_dim])?; // [N, ih, id]
-        let ki = lin(x, &self.wk, DType::F32)?; // [N, id]
-        let a = lin(x, &self.weights_proj, DType::F32)?; // [N, ih], scaled
+        let [ki, a] = lin_many(x, [(&self.wk, DType::F32), (&self.weights_proj, DType::F32)])?; // [N, id], [N, ih] scaled
         index_key_append(&ki, &self.k_norm_weight, &self.k_norm_bias, self.eps, batch, &self.key_cache)?;
         let width = step.max_len.max(1);
         let scores = CudaTensor::uninit(dev, DType::F32, vec![n, width])?; // [N, L]

@@ -18,6 +18,7 @@ mod state;
 mod upload;
 
 use k3_core::cuda::blas::{gemm, Algo, GemmOptions, Layout};
+use k3_core::cuda::gemv::{gemv, gemv_fits};
 use k3_core::cuda::ops::{attn_res_norm, gather_rows, ResUpdate};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
@@ -37,15 +38,44 @@ thread_local! {
     pub(crate) static TUNE_GEMMS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// `out[N, rows(w)] = x[N, K] · wᵀ` as `dtype` (BF16 weights, f32 accumulation). Eager calls use
-/// cuBLASLt's heuristic choice: N changes from call to call (prefill chunks, batch sizes), and
-/// timing candidates for every new N would cost more than it saves. Decode graphs time them once.
+/// Rows of `x` up to which [`lin_many`] runs k3rs's GEMV rather than cuBLASLt. Measured on the
+/// H200 (`cuda_bench gemv-suite`): at one row the GEMV is faster on every K3 projection shape
+/// (e.g. the fused KDA input projections 0.165 vs 0.183 ms, the lm_head 0.523 vs 0.536 ms); from
+/// two rows cuBLAS's tensor cores win on some shapes (o_proj 0.060 vs 0.051 ms at two rows).
+const GEMV_ROWS: usize = 1;
+
+/// `out[N, rows(w)] = x[N, K] · wᵀ` as `dtype` (BF16 weights, f32 accumulation). One row (a
+/// batch-1 decode step) runs k3rs's GEMV, which streams the weight at HBM speed. More rows run cuBLASLt:
+/// eager calls use its heuristic choice (N changes from call to call — prefill chunks, batch
+/// sizes — and timing candidates for every new N would cost more than it saves), decode graphs
+/// time them once.
 pub(crate) fn lin(x: &CudaTensor, w: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
-    let rows = x.numel() / x.last_dim().max(1);
-    let out = CudaTensor::uninit(x.cuda_device(), dtype, vec![rows, w.shape()[0]])?;
-    let algo = if TUNE_GEMMS.with(|t| t.get()) { Algo::Tuned } else { Algo::Heuristic };
-    gemm(x, w, &out, Layout::BT, GemmOptions { algo, ..Default::default() })?;
+    let [out] = lin_many(x, [(w, dtype)])?;
     Ok(out)
+}
+
+/// Several products of one input, `out_i = x · w_iᵀ` as `dtype_i`: one GEMV launch for one row
+/// (the sibling projections of a layer share it), else one cuBLAS GEMM each.
+pub(crate) fn lin_many<const K: usize>(x: &CudaTensor, ws: [(&CudaTensor, DType); K]) -> Result<[CudaTensor; K]> {
+    let rows = x.numel() / x.last_dim().max(1);
+    let mut outs = Vec::with_capacity(K);
+    for (w, dt) in &ws {
+        outs.push(CudaTensor::uninit(x.cuda_device(), *dt, vec![rows, w.shape()[0]])?);
+    }
+    let weights = ws.map(|(w, _)| w);
+    if rows <= GEMV_ROWS && gemv_fits(x, &weights) {
+        let pairs: Vec<(&CudaTensor, &CudaTensor)> = weights.iter().copied().zip(&outs).collect();
+        gemv(x, &pairs)?;
+    } else {
+        let algo = if TUNE_GEMMS.with(|t| t.get()) { Algo::Tuned } else { Algo::Heuristic };
+        for (w, out) in weights.iter().zip(&outs) {
+            gemm(x, w, out, Layout::BT, GemmOptions { algo, ..Default::default() })?;
+        }
+    }
+    match outs.try_into() {
+        Ok(a) => Ok(a),
+        Err(_) => unreachable!("one output was pushed per weight"),
+    }
 }
 
 /// One AttnRes (norm, proj) pair folded into its pseudo-query `c` (F32 `[H]`).

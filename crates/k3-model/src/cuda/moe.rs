@@ -15,7 +15,7 @@ use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
 use super::ffn::Mlp;
-use super::lin;
+use super::{lin, lin_many};
 use super::upload::{bf16_bytes, matrix, u8_bytes, vector};
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
@@ -109,11 +109,21 @@ impl Moe {
     /// `x` BF16 `[N, H]` → F32 `[N, H]`.
     pub fn forward(&self, x: &CudaTensor) -> Result<CudaTensor> {
         let (n, dev) = (x.shape()[0], x.cuda_device());
-        let logits = lin(x, &self.gate, DType::F32)?; // [N, E]
+        // The router, the latent down-projection and the shared experts' gate/up read the same x.
+        let (bf, f32) = (DType::BF16, DType::F32);
+        let (logits, z, shared) = match &self.shared_experts {
+            Some(sh) => {
+                let [logits, z, g, u] = lin_many(x, [(&self.gate, f32), (&self.routed_expert_down_proj, bf), (&sh.gate_proj, bf), (&sh.up_proj, bf)])?;
+                (logits, z, Some((sh, g, u)))
+            }
+            None => {
+                let [logits, z] = lin_many(x, [(&self.gate, f32), (&self.routed_expert_down_proj, bf)])?;
+                (logits, z, None)
+            }
+        }; // logits F32 [N, E], z BF16 [N, lat], g/u BF16 [N, I·shared]
         let ids = CudaTensor::uninit(dev, DType::I32, vec![n, self.top_k])?;
         let wts = CudaTensor::uninit(dev, DType::F32, vec![n, self.top_k])?;
         route(&logits, &self.e_score_correction_bias, self.top_k, self.renormalize, &ids, &wts)?;
-        let z = lin(x, &self.routed_expert_down_proj, DType::BF16)?; // [N, lat]
         let r = CudaTensor::uninit(dev, DType::F32, z.shape().to_vec())?; // [N, lat]
         experts_forward(&z, &ids, &wts, &self.experts, self.beta, self.linear_beta, self.scaling, &r)?;
         let rn = CudaTensor::uninit(dev, DType::BF16, z.shape().to_vec())?;
@@ -122,8 +132,8 @@ impl Moe {
             None => cast(&r, &rn)?,
         }
         let out = lin(&rn, &self.routed_expert_up_proj, DType::F32)?; // [N, H]
-        if let Some(sh) = &self.shared_experts {
-            add_assign(&out, &sh.forward(x)?)?;
+        if let Some((sh, g, u)) = shared {
+            add_assign(&out, &sh.down(&g, &u)?)?;
         }
         Ok(out)
     }

@@ -4,11 +4,19 @@
 // on the host. copy_strided_bf16: rows of `width` elements from src (row stride `ss`) to dst
 // (row stride `ds`), e.g. q_pe from q [N·nh, dn+dr] into the absorbed query [N·nh, r+dr].
 
+// Grid (column blocks of 8·blockDim, rows): each thread moves 8 consecutive elements, its 8 loads
+// issued together, so a decode step's single row is spread over several blocks.
 template <typename TI, typename TO>
 __device__ __forceinline__ void gather_impl(const TI* __restrict__ src, const int* __restrict__ ids, TO* __restrict__ out, int n, int h) {
-    for (int i = blockIdx.x; i < n; i += gridDim.x) {
-        const long long s = (long long)ids[i] * h, o = (long long)i * h;
-        for (int j = threadIdx.x; j < h; j += blockDim.x) st(out, o + j, ld(src, s + j));
+    const int j0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (j0 >= h) return;
+    for (int i = blockIdx.y; i < n; i += gridDim.y) {
+        const long long s = (long long)ids[i] * h + j0, o = (long long)i * h + j0;
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = (j0 + u < h) ? ld(src, s + u) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; u++) if (j0 + u < h) st(out, o + u, v[u]);
     }
 }
 

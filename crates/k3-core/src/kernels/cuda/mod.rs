@@ -43,13 +43,16 @@ pub const MOE: Source = Source { name: "moe", code: include_str!("moe.cu") };
 /// Routed MoE experts, tensor-core decode path (`moe_mma_{w13,w2}_{mxfp4,bf16}_n{1,2,4,8}`).
 pub const MOE_MMA: Source = Source { name: "moe_mma", code: include_str!("moe_mma.cu") };
 
+/// Decode-sized products of a few rows against up to 8 BF16 weights sharing them (`gemv_m{1..8}`).
+pub const GEMV: Source = Source { name: "gemv", code: include_str!("gemv.cu") };
+
 /// Absorbed MLA over a paged latent cache (`mla_cache_append_*`, `mla_attend_p*`, `mla_combine`).
 pub const MLA: Source = Source { name: "mla", code: include_str!("mla.cu") };
 /// DSA lightning indexer and radix top-k (`index_key_append_*`, `dsa_index_scores`, `dsa_topk_*`).
 pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
 
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 12] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, MLA, DSA];
+pub const ALL: [Source; 13] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, DSA];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.

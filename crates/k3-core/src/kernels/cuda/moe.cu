@@ -28,15 +28,15 @@ __device__ __forceinline__ float situ(float g, float u, float beta, float lbeta)
 }
 
 // ---- router: one block per token --------------------------------------------------------
-// smem: s[E], key[E], taken[E] (int).
+// Selection by rank: expert e is chosen in slot r when exactly r experts order before it
+// (higher key, or equal key and lower id; NaN keys count as -inf), r < k. Every thread ranks its
+// experts against all E keys in shared memory (broadcast reads), so there is no k-round loop of
+// block-wide argmaxes. smem: s[E], key[E] (floats; the launcher sizes 3E).
 extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
                                      int E, int k, int renorm, int* __restrict__ ids, float* __restrict__ wts) {
     extern __shared__ float sm[];
     float* s = sm;
     float* key = sm + E;
-    int* taken = (int*)(sm + 2 * E);
-    __shared__ float rk[32];
-    __shared__ int ri[32];
     __shared__ int chosen[64];
     const int t = blockIdx.x;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -44,33 +44,18 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         s[e] = v;
         float kk = v + bias[e];
         key[e] = (kk != kk) ? -K3_INF : kk;
-        taken[e] = 0;
     }
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = 0; j < k; j++) {
-        float bk = -K3_INF;
-        int bi = 0x7fffffff;
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            if (taken[e]) continue;
-            float kk = key[e];
-            if (kk > bk || (kk == bk && e < bi)) { bk = kk; bi = e; }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float kk = key[e];
+        int rank = 0;
+        for (int q = 0; q < E; q++) {
+            const float o = key[q];
+            rank += (o > kk) | ((o == kk) & (q < e));
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ok = __shfl_xor_sync(0xffffffffu, bk, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ok > bk || (ok == bk && oi < bi)) { bk = ok; bi = oi; }
-        }
-        if (lane == 0) { rk[warp] = bk; ri[warp] = bi; }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int q = 1; q < nw; q++)
-                if (rk[q] > bk || (rk[q] == bk && ri[q] < bi)) { bk = rk[q]; bi = ri[q]; }
-            taken[bi] = 1;
-            chosen[j] = bi;
-        }
-        __syncthreads();
+        if (rank < k) chosen[rank] = e;
     }
+    __syncthreads();
     if (threadIdx.x == 0) {
         float sum = 0.0f;
         for (int j = 0; j < k; j++) sum += s[chosen[j]];
@@ -313,23 +298,25 @@ __device__ __forceinline__ void grouped_gemv(const In* __restrict__ x, const int
     }
 }
 
-#define MOE_GEMV(NAME, MX, W13, NT, IN)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, 2) NAME(const IN* x, const int* meta, int amax, int k,             \
+// MINB: blocks per SM the register budget is sized for (4 at one token, no spills: more
+// 16-byte weight loads in flight per SM at one token).
+#define MOE_GEMV(NAME, MX, W13, NT, IN, MINB)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(const IN* x, const int* meta, int amax, int k,             \
             const unsigned char* w, const unsigned char* ws, int rows, int cols, float beta, float lbeta, float* out) { \
         grouped_gemv<MX, W13, NT>(x, meta, amax, k, w, ws, rows, cols, beta, lbeta, out);                               \
     }
-MOE_GEMV(moe_w13_mxfp4_nt1, true, true, 1, bf16_t)
-MOE_GEMV(moe_w13_mxfp4_nt2, true, true, 2, bf16_t)
-MOE_GEMV(moe_w13_mxfp4_nt4, true, true, 4, bf16_t)
-MOE_GEMV(moe_w13_bf16_nt1, false, true, 1, bf16_t)
-MOE_GEMV(moe_w13_bf16_nt2, false, true, 2, bf16_t)
-MOE_GEMV(moe_w13_bf16_nt4, false, true, 4, bf16_t)
-MOE_GEMV(moe_w2_mxfp4_nt1, true, false, 1, float)
-MOE_GEMV(moe_w2_mxfp4_nt2, true, false, 2, float)
-MOE_GEMV(moe_w2_mxfp4_nt4, true, false, 4, float)
-MOE_GEMV(moe_w2_bf16_nt1, false, false, 1, float)
-MOE_GEMV(moe_w2_bf16_nt2, false, false, 2, float)
-MOE_GEMV(moe_w2_bf16_nt4, false, false, 4, float)
+MOE_GEMV(moe_w13_mxfp4_nt1, true, true, 1, bf16_t, 4)
+MOE_GEMV(moe_w13_mxfp4_nt2, true, true, 2, bf16_t, 2)
+MOE_GEMV(moe_w13_mxfp4_nt4, true, true, 4, bf16_t, 2)
+MOE_GEMV(moe_w13_bf16_nt1, false, true, 1, bf16_t, 4)
+MOE_GEMV(moe_w13_bf16_nt2, false, true, 2, bf16_t, 2)
+MOE_GEMV(moe_w13_bf16_nt4, false, true, 4, bf16_t, 2)
+MOE_GEMV(moe_w2_mxfp4_nt1, true, false, 1, float, 4)
+MOE_GEMV(moe_w2_mxfp4_nt2, true, false, 2, float, 2)
+MOE_GEMV(moe_w2_mxfp4_nt4, true, false, 4, float, 2)
+MOE_GEMV(moe_w2_bf16_nt1, false, false, 1, float, 4)
+MOE_GEMV(moe_w2_bf16_nt2, false, false, 2, float, 2)
+MOE_GEMV(moe_w2_bf16_nt4, false, false, 4, float, 2)
 
 // out[t, l] = scaling · Σ_j w[t, j] · y[t·k + j, l], j ascending; pairs with an invalid id add nothing.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ wts,
