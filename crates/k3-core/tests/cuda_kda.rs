@@ -96,8 +96,12 @@ impl Problem {
         self.h * self.hd
     }
     fn pools(&self, dev: &CudaDevice) -> (CudaTensor, CudaTensor) {
+        self.pools_as(dev, DType::BF16)
+    }
+    /// The pools with the conv tails stored as `io` (F32: the reference precision).
+    fn pools_as(&self, dev: &CudaDevice, io: DType) -> (CudaTensor, CudaTensor) {
         let (h, hd, d, s) = (self.h, self.hd, self.d(), self.npool);
-        (up(dev, DType::BF16, vec![s, 3, 3, d], &self.conv0), up(dev, DType::F32, vec![s, h, hd, hd], &self.s0))
+        (up(dev, io, vec![s, 3, 3, d], &self.conv0), up(dev, DType::F32, vec![s, h, hd, hd], &self.s0))
     }
 }
 
@@ -188,9 +192,13 @@ struct Gpu {
 
 impl Gpu {
     fn new(dev: &CudaDevice, p: &Problem, rows: std::ops::Range<usize>) -> Self {
+        Self::new_as(dev, p, rows, DType::BF16)
+    }
+    /// The raw inputs stored as `io` (F32: the reference precision).
+    fn new_as(dev: &CudaDevice, p: &Problem, rows: std::ops::Range<usize>, io: DType) -> Self {
         let (h, d) = (p.h, p.d());
         let n = rows.len();
-        let bf = |v: &Vec<f32>, w: usize| up(dev, DType::BF16, vec![n, w], &v[rows.start * w..rows.end * w]);
+        let bf = |v: &Vec<f32>, w: usize| up(dev, io, vec![n, w], &v[rows.start * w..rows.end * w]);
         Gpu {
             t: vec![
                 bf(&p.raw[0], d),
@@ -217,24 +225,31 @@ impl Gpu {
 /// One prefill case: output, pools and chunk states vs the recurrence (and, at head dim 128,
 /// vs the CPU chunked form too).
 fn prefill_case(dev: &CudaDevice, r: &mut impl Rng, h: usize, hd: usize, lens: &[usize]) {
+    prefill_case_as(dev, r, h, hd, lens, DType::BF16)
+}
+
+/// [`prefill_case`] with inputs, conv tails and output stored as `io`. F32 (the reference
+/// precision) runs the general kernel at every head dim and is held to f32 tolerances.
+fn prefill_case_as(dev: &CudaDevice, r: &mut impl Rng, h: usize, hd: usize, lens: &[usize], io: DType) {
     let (slots, npool) = slots_for(lens.len());
     let p = Problem::new(r, h, hd, lens, &slots, npool);
     let (d, n) = (p.d(), lens.iter().sum::<usize>());
-    let x = Gpu::new(dev, &p, 0..n);
-    let (conv, st) = p.pools(dev);
-    let out = poisoned(dev, DType::BF16, vec![n, d]);
+    let x = Gpu::new_as(dev, &p, 0..n, io);
+    let (conv, st) = p.pools_as(dev, io);
+    let out = poisoned(dev, io, vec![n, d]);
     let nc = kda::num_chunks(lens);
     let cs = poisoned(dev, DType::F32, vec![nc, h, hd, hd]);
     let su: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
     kda::kda_prefill(&x.inputs(), &x.weights(), lens, &su, &conv, &st, &out, Some(&cs)).expect("kda_prefill");
     let (o_ref, conv_ref, s_ref, cs_ref) = cpu_reference(&p, false);
-    let what = format!("hd={hd} H={h} lens={lens:?}");
-    let tol_s = if hd == 128 { TOL_STATE } else { TOL_F32_STATE };
+    let what = format!("hd={hd} H={h} lens={lens:?} {io}");
+    let f32_io = io == DType::F32;
+    let tol_s = if hd == 128 && !f32_io { TOL_STATE } else { TOL_F32_STATE };
     let o_gpu = out.to_f32_vec().expect("out");
-    check(&format!("{what} out vs recurrent"), &o_gpu, &o_ref, TOL_OUT);
+    check(&format!("{what} out vs recurrent"), &o_gpu, &o_ref, if f32_io { TOL_F32_STATE } else { TOL_OUT });
     check_pools(&format!("{what} vs recurrent"), &p, &conv, &st, &conv_ref, &s_ref, tol_s);
     check(&format!("{what} chunk states vs recurrent"), &cs.to_f32_vec().expect("cs"), &cs_ref, tol_s);
-    if hd == 128 {
+    if hd == 128 && !f32_io {
         let (o_chk, conv_chk, s_chk, _) = cpu_reference(&p, true);
         check(&format!("{what} out vs chunked"), &o_gpu, &o_chk, TOL_OUT);
         check_pools(&format!("{what} vs chunked"), &p, &conv, &st, &conv_chk, &s_chk, TOL_STATE);
@@ -251,6 +266,18 @@ fn prefill_parity() {
     let cases: [(usize, &[usize]); 9] = [(2, &[1]), (2, &[64]), (3, &[100]), (2, &[2, 64, 130, 7]), (4, &[200]), (1, &[1, 1, 3]), (8, &[129, 300, 65]), (2, &[1000, 3]), (3, &[5, 70, 1])];
     for (h, lens) in cases {
         prefill_case(&dev, &mut r, h, 128, lens);
+    }
+}
+
+/// The reference precision (F32 inputs, conv tails and output): the general kernel at head dims
+/// 32 and 128, held to f32 tolerances against the recurrence.
+#[test]
+fn prefill_parity_f32() {
+    const T: &str = "kda prefill_parity_f32";
+    let Some(dev) = device(T) else { return };
+    let mut r = rng(T);
+    for (h, hd, lens) in [(3usize, 32usize, &[5usize, 70][..]), (2, 128, &[1, 130]), (1, 128, &[64])] {
+        prefill_case_as(&dev, &mut r, h, hd, lens, DType::F32);
     }
 }
 

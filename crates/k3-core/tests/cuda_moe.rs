@@ -115,6 +115,13 @@ fn layer(dev: &CudaDevice, r: &mut impl Rng, format: ExpertFormat, e: usize, l: 
                 w2,
             }
         }
+        ExpertFormat::F32 => {
+            let mut rv = |n: usize, a: f32| -> Vec<f32> { (0..n).map(|_| r.random_range(-a..a)).collect() };
+            let w13 = rv(e * 2 * f * l, 2.0 / (l as f32).sqrt());
+            let w2 = rv(e * l * f, 2.0 / (f as f32).sqrt());
+            let b = |shape: Vec<usize>, v: &[f32]| CudaTensor::from_f32(dev, shape, v).unwrap();
+            Layer { w: ExpertWeights { format, num_experts: e, latent: l, inter: f, w13: b(vec![e, 2 * f, l], &w13), w13_scale: None, w2: b(vec![e, l, f], &w2), w2_scale: None }, w13, w2 }
+        }
         ExpertFormat::Bf16 => {
             let mut rv = |n: usize, a: f32| -> Vec<f32> { (0..n).map(|_| bf16::from_f32(r.random_range(-a..a)).to_f32()).collect() };
             let w13 = rv(e * 2 * f * l, 2.0 / (l as f32).sqrt());
@@ -190,6 +197,39 @@ fn run_experts(dev: &CudaDevice, r: &mut impl Rng, format: ExpertFormat, e: usiz
         let again = poisoned(dev, DType::F32, vec![t, l]);
         moe::experts_forward(&zd, &idd, &wd, &ly.w, BETA, LBETA, scaling, &again).unwrap();
         assert_eq!(out.to_bytes().unwrap(), again.to_bytes().unwrap(), "T={t}: not deterministic");
+    }
+}
+
+/// The reference precision: F32 inputs with F32, BF16 or MXFP4 weights, every T (one path for
+/// all), against the f32 CPU reference at 1e-5 (summation order only); deterministic; capturable.
+#[test]
+fn experts_reference_precision_match_cpu() {
+    let Some(dev) = device("experts_reference_precision_match_cpu") else { return };
+    let mut r = rng("experts_reference_precision_match_cpu");
+    let (e, k, l, f) = (12, 4, 96, 64);
+    for format in [ExpertFormat::F32, ExpertFormat::Bf16, ExpertFormat::Mxfp4] {
+        let ly = layer(&dev, &mut r, format, e, l, f);
+        for t in [1usize, 5, 70] {
+            let z: Vec<f32> = (0..t * l).map(|_| r.random_range(-2.0f32..2.0)).collect();
+            let (ids, wts) = routing(&mut r, t, e, k);
+            let zd = CudaTensor::from_f32(&dev, vec![t, l], &z).unwrap();
+            let idd = CudaTensor::from_pod(&dev, DType::I32, vec![t, k], &ids).unwrap();
+            let wd = CudaTensor::from_f32(&dev, vec![t, k], &wts).unwrap();
+            let out = poisoned(&dev, DType::F32, vec![t, l]);
+            moe::experts_forward(&zd, &idd, &wd, &ly.w, BETA, LBETA, 1.5, &out).unwrap();
+            let want = experts_ref(&ly, &z, &ids, &wts, t, k, 1.5);
+            check(&format!("reference precision: experts {format:?} T={t}"), &out.to_f32_vec().unwrap(), &want, 1e-5);
+            let again = poisoned(&dev, DType::F32, vec![t, l]);
+            moe::experts_forward(&zd, &idd, &wd, &ly.w, BETA, LBETA, 1.5, &again).unwrap();
+            assert_eq!(out.to_bytes().unwrap(), again.to_bytes().unwrap(), "T={t}: not deterministic");
+        }
+        // F32 weights refuse BF16 inputs with an error naming the reference precision.
+        if format == ExpertFormat::F32 {
+            let zb = CudaTensor::from_bf16(&dev, vec![1, l], &vec![bf16::from_f32(0.5); l]).unwrap();
+            let (idd, wd) = (CudaTensor::from_pod(&dev, DType::I32, vec![1, k], &[0i32, 1, 2, 3]).unwrap(), CudaTensor::from_f32(&dev, vec![1, k], &[0.25; 4]).unwrap());
+            let e = moe::experts_forward(&zb, &idd, &wd, &ly.w, BETA, LBETA, 1.0, &poisoned(&dev, DType::F32, vec![1, l])).unwrap_err().to_string();
+            assert!(e.contains("reference precision"), "{e}");
+        }
     }
 }
 

@@ -18,7 +18,9 @@
 //! computation (median ≤ max(0.15, 3× the baseline's); a wrong layer gives 0.5–1.4). The f32 CPU model is the one that
 //! meets the manifest (tests/golden.rs).
 //!
-//! - the three golden fixtures (KDA head dim 32: the general KDA kernel), full prefill;
+//! - the three golden fixtures in the reference precision (`Precision::F32`) at the manifest
+//!   tolerances: prefill, stepwise decode (eager and graph) and chunked prefill;
+//! - the three golden fixtures in BF16 (KDA head dim 32: the general KDA kernel), full prefill;
 //! - k3-nano (trained, bf16), GPU = CPU, and every named intermediate within 2e-2;
 //! - random release-format checkpoints (`k3 init`) with top-k = all experts: KDA head dim 128
 //!   (the chunked and fused decode kernels) with MXFP4 experts; a DSA model;
@@ -32,7 +34,7 @@ mod common;
 use common::*;
 use k3_core::cuda::CudaDevice;
 use k3_model::config::builtin_config;
-use k3_model::cuda::{CacheConfig, CudaModel, Input};
+use k3_model::cuda::{CacheConfig, CudaModel, Input, Precision};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::{Checkpoint, ForwardOpts, Model};
 use serde_json::json;
@@ -153,6 +155,37 @@ fn golden_fixtures_on_gpu() {
             let bound = (3.0 * bm).max(GOLDEN_GROSS);
             assert!(gm <= bound, "{name} L{l}: GPU median per-position relative L2 {gm:.3e} > {bound:.2} (bf16 baseline {bm:.3e}): not rounding, a wrong computation");
         }
+    }
+}
+
+/// The golden fixtures on the GPU in the reference precision (`Precision::F32`: F32 weights and
+/// activations, the plain kernels) at the manifest's own tolerances: full prefill at every
+/// length, stepwise decode (eager and CUDA-graph replay) against `decode_logits_L160`, and
+/// chunks of 37 against the full prefill.
+#[test]
+fn golden_fixtures_on_gpu_f32() {
+    let Some(dev) = device("golden_fixtures_on_gpu_f32") else { return };
+    for name in ["k3_small_f32", "k31_small_dsa_f32", "k3_small_mxfp4"] {
+        let ck = Checkpoint::open(&fixture(name)).unwrap();
+        let mut m = CudaModel::load_with(&ck, &dev, CacheConfig { max_seqs: 2, max_tokens: 512 }, Precision::F32).expect("load on GPU (F32)");
+        let r = reference(name);
+        let vocab = m.config.text.vocab_size;
+        for l in [5, 40, 160] {
+            let got = run_pieces(&mut m, &tokens(&r, l), l, false);
+            let c = compare(&got, &ref_f32(&r, &format!("logits_L{l}")), vocab);
+            eprintln!("{name} L{l} (GPU, F32): {c:?}");
+            assert_within(&c, &format!("{name} L{l} on the GPU in F32"));
+        }
+        let toks = tokens(&r, 160);
+        let dec_ref = ref_f32(&r, "decode_logits_L160");
+        for (graph, what) in [(false, "eager"), (true, "graph")] {
+            let c = compare(&run_pieces(&mut m, &toks, 1, graph), &dec_ref, vocab);
+            eprintln!("{name} stepwise decode ({what}, GPU, F32) vs decode_logits_L160: {c:?}");
+            assert_within(&c, &format!("{name} {what} decode on the GPU in F32"));
+        }
+        let c = compare(&run_pieces(&mut m, &toks, 37, false), &ref_f32(&r, "logits_L160"), vocab);
+        eprintln!("{name} chunks of 37 (GPU, F32): {c:?}");
+        assert_within(&c, &format!("{name} chunked prefill on the GPU in F32"));
     }
 }
 

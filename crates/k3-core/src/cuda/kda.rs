@@ -4,7 +4,8 @@
 //! dim `hd = D / H` one of 32, 64, 96, 128, taken from the shapes. Head dim 128 (K3's) runs the
 //! fast kernels (`kernels/cuda/kda.cu`: chunked prefill, chunk 64; `kda_decode.cu`); the other
 //! head dims run `kda_general.cu`, the recurrent form token by token, one block per
-//! (sequence, head). The caller never chooses.
+//! (sequence, head). The caller never chooses. Every BF16 tensor below may instead be F32 (all
+//! of them together: the reference precision); F32 always runs the general kernel.
 //!
 //! Tensors (all on one device; `N` packed tokens, `B` sequences, `S ≥ B` pool slots, `D = H·hd`):
 //! raw projections `q, k, v, g` (f_b output) and `gate` (g_proj output) BF16 `[N, D]`, beta
@@ -88,6 +89,15 @@ struct Dims {
     hd: usize,
     /// Pool slots `S`.
     nslots: usize,
+    /// Storage type of the raw inputs, conv state and output: BF16, or F32 (general kernel only).
+    io: DType,
+}
+
+impl Dims {
+    /// Whether the head-dim-128 fast kernels serve this call.
+    fn fast(&self) -> bool {
+        self.hd == HEAD_DIM && self.io == DType::BF16
+    }
 }
 
 /// Checks the shared operands (`n` token rows, `b` sequences).
@@ -108,10 +118,14 @@ fn check(inp: &KdaInputs, w: &KdaWeights, n: usize, b: usize, conv_state: &CudaT
     if d % h != 0 || hd % 32 != 0 || !(32..=128).contains(&hd) {
         return Err(bad(format!("q: D = {d} over H = {h} heads (from beta) must give a head dim of 32, 64, 96 or 128")));
     }
-    for (t, name) in [(inp.q, "q"), (inp.k, "k"), (inp.v, "v"), (inp.g, "g"), (inp.gate, "gate"), (out, "out")] {
-        expect(t, dev, DType::BF16, &[n, d], name)?;
+    let io = inp.q.dtype();
+    if io != DType::BF16 && io != DType::F32 {
+        return Err(bad(format!("q: {io} inputs (BF16, or F32 throughout)")));
     }
-    expect(inp.beta, dev, DType::BF16, &[n, h], "beta")?;
+    for (t, name) in [(inp.q, "q"), (inp.k, "k"), (inp.v, "v"), (inp.g, "g"), (inp.gate, "gate"), (out, "out")] {
+        expect(t, dev, io, &[n, d], name)?;
+    }
+    expect(inp.beta, dev, io, &[n, h], "beta")?;
     expect(w.conv, dev, DType::F32, &[3, d, 4], "conv weights")?;
     expect(w.a_log, dev, DType::F32, &[h], "A_log")?;
     expect(w.dt_bias, dev, DType::F32, &[d], "dt_bias")?;
@@ -120,12 +134,12 @@ fn check(inp: &KdaInputs, w: &KdaWeights, n: usize, b: usize, conv_state: &CudaT
     if nslots < b || nslots > i32::MAX as usize {
         return Err(bad(format!("conv_state {conv_state:?}: the pool needs at least B = {b} slots [S, 3, 3, {d}]")));
     }
-    expect(conv_state, dev, DType::BF16, &[nslots, 3, 3, d], "conv_state")?;
+    expect(conv_state, dev, io, &[nslots, 3, 3, d], "conv_state")?;
     expect(state, dev, DType::F32, &[nslots, h, hd, hd], "state (same slot count as conv_state)")?;
     if n.checked_mul(d).is_none_or(|x| x > i32::MAX as usize / 2) {
         return Err(bad(format!("{n} tokens × {d} channels is too large")));
     }
-    Ok(Dims { h, hd, nslots })
+    Ok(Dims { h, hd, nslots, io })
 }
 
 /// Host slots: one per sequence, below `nslots`, pairwise distinct.
@@ -195,14 +209,14 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_
     if nc > i32::MAX as usize || nb > 65_535 * 1024 {
         return Err(bad(format!("{nc} chunks / {nb} sequences exceed the grid")));
     }
-    let mut chunks = Vec::with_capacity(if hd == HEAD_DIM { nc } else { 0 });
+    let mut chunks = Vec::with_capacity(if dm.fast() { nc } else { 0 });
     let mut seqs = Vec::with_capacity(nb);
     let (mut tok, mut chunk0) = (0usize, 0usize);
     for (&l, &slot) in lens.iter().zip(slots) {
         let slot = slot as i32; // < S ≤ i32::MAX (checked)
         // {tok0, len, first chunk, slot}; the fast kernels' chunk table only at head dim 128.
         seqs.push([i32_of(tok, "token offset")?, i32_of(l, "length")?, i32_of(chunk0, "chunk")?, slot]);
-        if hd == HEAD_DIM {
+        if dm.fast() {
             for c in 0..l.div_ceil(CHUNK) {
                 chunks.push([i32_of(tok + c * CHUNK, "token")?, i32_of((l - c * CHUNK).min(CHUNK), "n")?, slot, i32_of(c * CHUNK, "pos")?]);
             }
@@ -214,7 +228,7 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_
     let (lb, eps) = (w.lower_bound, w.eps);
     let cs_ptr: u64 = chunk_states.map_or(0, |t| t.ptr());
     let mark = |i: usize| marks.map_or(Ok(()), |m| m[i].record(&dev.stream()));
-    if hd != HEAD_DIM {
+    if !dm.fast() {
         mark(0)?;
         general(&dev, inp, w, dm, conv_state, state, cs_ptr, seq_t.ptr(), 0, out, nb)?;
         mark(1)?;
@@ -248,11 +262,12 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_
 /// `seqs == 0`, one token per sequence with slots from the device table `slots` (decode).
 #[allow(clippy::too_many_arguments)]
 fn general(dev: &CudaDevice, inp: &KdaInputs, w: &KdaWeights, dm: Dims, conv_state: &CudaTensor, state: &CudaTensor, cs_ptr: u64, seqs: u64, slots: u64, out: &CudaTensor, nb: usize) -> Result<()> {
-    let Dims { h, hd, nslots } = dm;
+    let Dims { h, hd, nslots, io } = dm;
+    let name = if io == DType::F32 { "kda_general_f32" } else { "kda_general" };
     let threads = (256 / hd) * hd;
     let smem = ((hd * hd + 5 * hd + 256 + 16) * 4) as u32;
     if smem > 48 * 1024 {
-        big_smem(dev, KDA_GENERAL, "kda_general", smem)?;
+        big_smem(dev, KDA_GENERAL, name, smem)?;
     }
     if nb > i32::MAX as usize {
         return Err(bad(format!("{nb} sequences exceed the grid")));
@@ -262,7 +277,7 @@ fn general(dev: &CudaDevice, inp: &KdaInputs, w: &KdaWeights, dm: Dims, conv_sta
     let (cst, st, o) = (conv_state.ptr(), state.ptr(), out.ptr());
     let (h32, hd32, ns32, lb, eps) = (h as i32, hd as i32, nslots as i32, w.lower_bound, w.eps);
     let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, cs_ptr, seqs, slots, o, h32, hd32, ns32, lb, eps];
-    dev.launch(KDA_GENERAL, "kda_general", (nb as u32, h as u32, 1), (threads as u32, 1, 1), smem, &mut args)
+    dev.launch(KDA_GENERAL, name, (nb as u32, h as u32, 1), (threads as u32, 1, 1), smem, &mut args)
 }
 
 /// Raises the dynamic shared-memory limit of `func` (once per device is enough; cheap).
@@ -314,7 +329,7 @@ pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv
     if nb > 65_535 {
         return Err(bad(format!("{nb} sequences exceed the grid")));
     }
-    if dm.hd != HEAD_DIM {
+    if !dm.fast() {
         return general(dev, inp, w, dm, conv_state, state, 0, 0, slots.ptr(), out, nb);
     }
     let h = dm.h;

@@ -81,17 +81,19 @@ fn aligned16(op: &'static str, ts: &[(&str, &CudaTensor)]) -> Result<()> {
     Ok(())
 }
 
-/// Cache geometry: (num_pages, W) after checking `cache` is BF16 `[num_pages, PAGE, W]`.
+/// Cache geometry: (num_pages, W) after checking `cache` is BF16 (or F32, the reference
+/// precision) `[num_pages, PAGE, W]`.
 fn cache_dims(op: &'static str, cache: &CudaTensor) -> Result<(usize, usize)> {
-    if cache.dtype() != DType::BF16 || cache.shape().len() != 3 || cache.shape()[1] != PAGE {
-        return Err(CoreError::Shape { op, detail: format!("cache {cache:?} must be BF16 [num_pages, {PAGE}, r+dr]") });
+    if !matches!(cache.dtype(), DType::BF16 | DType::F32) || cache.shape().len() != 3 || cache.shape()[1] != PAGE {
+        return Err(CoreError::Shape { op, detail: format!("cache {cache:?} must be BF16 (or F32) [num_pages, {PAGE}, r+dr]") });
     }
     Ok((cache.shape()[0], cache.shape()[2]))
 }
 
 /// Appends N rows to a layer's latent cache: `cache[page(row_seq,row_pos)][row_pos % PAGE] =
 /// [ RMSNorm(ckv[i, :r]) * kv_norm (eps), ckv[i, r:] (raw k_pe) ]` stored BF16 (f32 statistics).
-/// `ckv` F32 or BF16 `[N, r+dr]`, `kv_norm` F32 `[r]`, cache BF16 `[num_pages, PAGE, r+dr]`.
+/// `ckv` F32 or BF16 `[N, r+dr]`, `kv_norm` F32 `[r]`, cache BF16 `[num_pages, PAGE, r+dr]`; or
+/// the reference precision: `ckv` and the cache both F32.
 /// Rows whose page entry or position is out of range are the caller's error (not checked on the device).
 pub fn mla_cache_append(ckv: &CudaTensor, kv_norm: &CudaTensor, eps: f32, batch: &PagedBatch, cache: &CudaTensor) -> Result<()> {
     const OP: &str = OP_APPEND;
@@ -110,10 +112,11 @@ pub fn mla_cache_append(ckv: &CudaTensor, kv_norm: &CudaTensor, eps: f32, batch:
     if ckv.shape() != [n, w] {
         return Err(CoreError::Shape { op: OP, detail: format!("ckv {ckv:?} must be [N={n}, r+dr={w}]") });
     }
-    let name = match ckv.dtype() {
-        DType::F32 => "mla_cache_append_f32",
-        DType::BF16 => "mla_cache_append_bf16",
-        d => return Err(CoreError::DType { op: OP, dtype: format!("ckv {d} (F32 or BF16 needed)") }),
+    let name = match (ckv.dtype(), cache.dtype()) {
+        (DType::F32, DType::BF16) => "mla_cache_append_f32",
+        (DType::BF16, DType::BF16) => "mla_cache_append_bf16",
+        (DType::F32, DType::F32) => "mla_cache_append_f32c",
+        (d, c) => return Err(CoreError::DType { op: OP, dtype: format!("ckv {d} into a {c} cache (F32 or BF16 into BF16, or F32 into F32)") }),
     };
     if n == 0 {
         return Ok(());
@@ -177,7 +180,8 @@ fn num_splits(dev: &CudaDevice, base_blocks: usize, max_keys: usize) -> usize {
 /// `out[i,h,:] = Σ p_s c_kv[s]` BF16 `[N, nh, r]` (the caller multiplies by `W_uv`).
 /// Flash-decoding: keys are split across blocks when rows × head groups do not fill the GPU.
 /// For `r <= 512` scores and `P·V` run on tensor cores (bf16 operands, P rounded to bf16, f32
-/// accumulation); larger `r` uses a CUDA-core kernel (f32 P).
+/// accumulation); larger `r` uses a CUDA-core kernel (f32 P). With `q`, the cache and `out` all
+/// F32 (the reference precision) a plain f32 kernel runs instead (`mla_attend_f32`, r ≤ 2048).
 pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
     mla_attend_with(q, cache, batch, sel, r, scale, out, AttendKernel::Auto)
 }
@@ -192,6 +196,12 @@ pub fn mla_attend_with(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, s
     let (_, w) = cache_dims(OP, cache)?;
     if r == 0 || r >= w || !r.is_multiple_of(8) || !(w - r).is_multiple_of(8) {
         return Err(CoreError::Shape { op: OP, detail: format!("r = {r} with cache width {w}: r and dr = width - r must be positive multiples of 8") });
+    }
+    if q.dtype() == DType::F32 {
+        return attend_f32(q, cache, batch, sel, r, scale, out);
+    }
+    if cache.dtype() != DType::BF16 {
+        return Err(CoreError::DType { op: OP, dtype: format!("{} cache with a {} query (both BF16, or q, cache and out F32)", cache.dtype(), q.dtype()) });
     }
     let (name, hgm) = variant(r, kernel).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("r = {r} > 2048 is not supported by the attend kernel") })?;
     if q.dtype() != DType::BF16 || q.shape().len() != 3 || q.shape()[0] != n || q.shape()[2] != w {
@@ -243,4 +253,41 @@ pub fn mla_attend_with(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, s
         dev.launch(MLA, "mla_combine", (rows, nh as u32, 1), (128, 1, 1), 0, &mut kargs![pa, pm, sp32, nh32, r32, op])?;
     }
     Ok(())
+}
+
+/// The reference-precision attend: `q` F32 `[N, nh, r+dr]`, cache F32, `out` F32 `[N, nh, r]`,
+/// same function as [`mla_attend`] (one block per row and head, see `mla_attend_f32` in mla.cu).
+fn attend_f32(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
+    const OP: &str = OP_ATTEND;
+    let dev = q.cuda_device();
+    let (n, max_pages) = batch.check(OP, dev)?;
+    let (_, w) = cache_dims(OP, cache)?;
+    if cache.dtype() != DType::F32 || q.shape().len() != 3 || q.shape()[0] != n || q.shape()[2] != w || r == 0 || r >= w || r > 2048 {
+        return Err(CoreError::Shape { op: OP, detail: format!("reference precision: q {q:?} must be F32 [N={n}, nh, {w}] over an F32 cache (got {cache:?}), 0 < r = {r} < {w}, r ≤ 2048") });
+    }
+    let nh = q.shape()[1];
+    if out.dtype() != DType::F32 || out.shape() != [n, nh, r] {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be F32 [N={n}, nh={nh}, r={r}]") });
+    }
+    let (sel_idx, sel_count, sel_k) = match sel {
+        Some((si, sc)) => {
+            if si.dtype() != DType::I32 || sc.dtype() != DType::I32 || si.shape().len() != 2 || si.shape()[0] != n || sc.shape() != [n] {
+                return Err(CoreError::Shape { op: OP, detail: format!("selection {si:?}, {sc:?} must be I32 [N={n}, K] and I32 [N]") });
+            }
+            (si.ptr(), sc.ptr(), si.shape()[1])
+        }
+        None => (0u64, 0u64, 0usize),
+    };
+    if n == 0 || nh == 0 {
+        return Ok(());
+    }
+    const T: usize = 128; // MLA_F32_T
+    let smem = ((w + T + 2) * 4 + T * 8) as u32;
+    if smem > 48 * 1024 {
+        return Err(CoreError::Shape { op: OP, detail: format!("cache width {w} is too wide for the reference attend") });
+    }
+    let rows = u32::try_from(n).map_err(|_| CoreError::Shape { op: OP, detail: format!("{n} rows exceed the grid") })?;
+    let (mp, sk, nh32, r32, dr32) = (i32_of(OP, "max_pages", max_pages)?, i32_of(OP, "K", sel_k)?, i32_of(OP, "nh", nh)?, r as i32, (w - r) as i32);
+    let (qp, cp, bt, rs, rp, op) = (q.ptr(), cache.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), out.ptr());
+    dev.launch(MLA, "mla_attend_f32", (rows, nh as u32, 1), (T as u32, 1, 1), smem, &mut kargs![qp, cp, bt, mp, rs, rp, sel_idx, sel_count, sk, nh32, r32, dr32, scale, op])
 }

@@ -46,6 +46,8 @@ const SMEM: usize = 48 * 1024;
 pub enum ExpertFormat {
     Bf16,
     Mxfp4,
+    /// F32 weights: only with F32 inputs (the reference precision, `moe_ref_*`).
+    F32,
 }
 
 /// One layer's routed experts, stored contiguously by expert.
@@ -63,6 +65,11 @@ pub struct ExpertWeights {
     pub w2: CudaTensor,
     /// Mxfp4: U8 `[E, L, F/32]`.
     pub w2_scale: Option<CudaTensor>,
+}
+
+/// F32 expert weights reached a BF16 path (`experts_forward` routes them to the reference one).
+fn f32_experts() -> CoreError {
+    shape_err("cuda moe::experts_forward", "F32 expert weights run only with F32 inputs (the reference precision)".into())
 }
 
 fn shape_err(op: &'static str, detail: String) -> CoreError {
@@ -126,6 +133,10 @@ impl ExpertWeights {
                 expect(op, "w13", &self.w13, DType::BF16, &[e, 2 * f, l], like)?;
                 expect(op, "w2", &self.w2, DType::BF16, &[e, l, f], like)?;
             }
+            ExpertFormat::F32 => {
+                expect(op, "w13", &self.w13, DType::F32, &[e, 2 * f, l], like)?;
+                expect(op, "w2", &self.w2, DType::F32, &[e, l, f], like)?;
+            }
             ExpertFormat::Mxfp4 => {
                 let missing = |n: &str| shape_err(op, format!("MXFP4 experts need {n} (U8 E8M0 scales)"));
                 expect(op, "w13", &self.w13, DType::U8, &[e, 2 * f, l / 2], like)?;
@@ -148,11 +159,16 @@ impl ExpertWeights {
 /// summation order, no float atomics); each chosen expert's weights are read once per call.
 /// T ≤ [`DECODE_MAX_TOKENS`]: capturable (SiTU-GLU intermediate rounded to BF16 for T ≥ 2,
 /// f32 at T = 1). T larger: the prefill path, NOT capturable (reads the routing on the host;
-/// intermediate rounded to BF16).
+/// intermediate rounded to BF16). `z` F32 is the reference precision: any expert format (F32
+/// experts only there), every product and the intermediate in f32, any T, capturable.
 pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, beta: f32, linear_beta: f32, scaling: f32, out: &CudaTensor) -> Result<()> {
     const OP: &str = "cuda moe::experts_forward";
-    if z.dtype() != DType::BF16 || z.shape().len() != 2 || z.shape()[1] != w.latent {
-        return Err(shape_err(OP, format!("z must be BF16 [T, L = {}], got {z:?}", w.latent)));
+    let reference = z.dtype() == DType::F32;
+    if !(z.dtype() == DType::BF16 || reference) || z.shape().len() != 2 || z.shape()[1] != w.latent {
+        return Err(shape_err(OP, format!("z must be BF16 (or F32: reference precision) [T, L = {}], got {z:?}", w.latent)));
+    }
+    if w.format == ExpertFormat::F32 && !reference {
+        return Err(f32_experts());
     }
     let t = z.shape()[0];
     w.validate(OP, z)?;
@@ -169,7 +185,9 @@ pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w
     if k == 0 {
         return out.fill_bytes(0);
     }
-    let pairs = if t > DECODE_MAX_TOKENS {
+    let pairs = if reference {
+        reference_pairs(z, ids, w, t, k, beta, linear_beta)?
+    } else if t > DECODE_MAX_TOKENS {
         prefill(z, ids, w, t, k, beta, linear_beta)?
     } else if decode_kind(t) == DecodeKind::Gemv {
         decode(z, ids, w, t, k, beta, linear_beta)?
@@ -177,6 +195,29 @@ pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w
         decode_mma(z, ids, w, t, k, beta, linear_beta)?
     };
     pairs.combine(ids, weights, w, t, k, scaling, out)
+}
+
+/// The reference precision: `moe_ref_w13` then `moe_ref_w2` over every (pair, row), weights read
+/// in their stored format and used in f32, the SiTU-GLU intermediate kept in f32.
+fn reference_pairs(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, beta: f32, lbeta: f32) -> Result<Pairs> {
+    const OP: &str = "cuda moe::experts_forward (reference)";
+    let dev = z.cuda_device();
+    let (e, l, f, n_pairs) = (w.num_experts, w.latent, w.inter, t * k);
+    let np = u32::try_from(n_pairs).ok().filter(|&v| v <= 65_535).ok_or_else(|| shape_err(OP, format!("T·k = {n_pairs} pairs exceed the grid (65535)")))?;
+    let act = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, f])?;
+    let y = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, l])?;
+    let fmt: i32 = match w.format {
+        ExpertFormat::F32 => 0,
+        ExpertFormat::Bf16 => 1,
+        ExpertFormat::Mxfp4 => 2,
+    };
+    let (s13, s2) = w.scale_ptrs();
+    let (zp, ip, ap, yp, w13p, w2p) = (z.ptr(), ids.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
+    let (np32, k32, e32, f32_, l32) = (n_pairs as i32, k as i32, i32_of(OP, "E", e)?, i32_of(OP, "F", f)?, i32_of(OP, "L", l)?);
+    let block = (32 * WARPS as u32, 1, 1);
+    dev.launch(MOE, "moe_ref_w13", (f.div_ceil(WARPS) as u32, np, 1), block, 0, &mut kargs![zp, ip, np32, k32, e32, w13p, s13, fmt, f32_, l32, beta, lbeta, ap])?;
+    dev.launch(MOE, "moe_ref_w2", (l.div_ceil(WARPS) as u32, np, 1), block, 0, &mut kargs![ap, ip, np32, e32, w2p, s2, fmt, f32_, l32, yp])?;
+    Ok(Pairs { y })
 }
 
 /// The per-pair expert outputs `y` F32 `[T·k, L]` (row p = t·k + j), ready for [`Pairs::combine`].
@@ -208,8 +249,8 @@ fn tokens_per_pass(op: &'static str, t: usize, cols: usize) -> Result<usize> {
 }
 
 /// The grouped-GEMV kernel for (format, stage, tokens per pass).
-fn gemv_kernel(format: ExpertFormat, w13: bool, nt: usize) -> &'static str {
-    match (format, w13, nt) {
+fn gemv_kernel(format: ExpertFormat, w13: bool, nt: usize) -> Result<&'static str> {
+    Ok(match (format, w13, nt) {
         (ExpertFormat::Mxfp4, true, 1) => "moe_w13_mxfp4_nt1",
         (ExpertFormat::Mxfp4, true, 2) => "moe_w13_mxfp4_nt2",
         (ExpertFormat::Mxfp4, true, _) => "moe_w13_mxfp4_nt4",
@@ -222,7 +263,8 @@ fn gemv_kernel(format: ExpertFormat, w13: bool, nt: usize) -> &'static str {
         (ExpertFormat::Bf16, false, 1) => "moe_w2_bf16_nt1",
         (ExpertFormat::Bf16, false, 2) => "moe_w2_bf16_nt2",
         (ExpertFormat::Bf16, false, _) => "moe_w2_bf16_nt4",
-    }
+        (ExpertFormat::F32, ..) => return Err(f32_experts()),
+    })
 }
 
 /// Lets `name` use `smem` bytes of dynamic shared memory (needed above 48 KiB).
@@ -245,7 +287,7 @@ fn decode(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usiz
         return Err(shape_err(OP, format!("E = {e} with T·k = {n_pairs} pairs exceeds the grouping kernel's shared memory")));
     }
     let (nt13, nt2) = (tokens_per_pass(OP, t, l)?, tokens_per_pass(OP, t, f)?);
-    let (k13, k2) = (gemv_kernel(w.format, true, nt13), gemv_kernel(w.format, false, nt2));
+    let (k13, k2) = (gemv_kernel(w.format, true, nt13)?, gemv_kernel(w.format, false, nt2)?);
     let (sm13, sm2) = (nt13 * l * 4, nt2 * f * 4);
     allow_smem(dev, k13, sm13)?;
     allow_smem(dev, k2, sm2)?;
@@ -320,6 +362,9 @@ fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: 
     // n-tiles of 8 tokens per pass: covers min(T, 64) tokens (an expert has at most T tokens
     // when each token's ids are distinct; larger groups take further passes).
     let nt = t.min(DECODE_MAX_TOKENS).div_ceil(8).next_power_of_two();
+    if w.format == ExpertFormat::F32 {
+        return Err(f32_experts());
+    }
     let (k13, k2) = (mma_kernel(w.format, true, nt), mma_kernel(w.format, false, nt));
     let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
     let act = CudaTensor::uninit(dev, DType::BF16, vec![n_pairs, f])?;
@@ -393,6 +438,7 @@ fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usi
                     let grid = dev.elementwise_grid(groups32 as usize, 256);
                     dev.launch(MOE, "moe_dequant", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![pk, sc, groups32, dp])?;
                 }
+                ExpertFormat::F32 => return Err(f32_experts()),
                 ExpertFormat::Bf16 => {
                     dev.bind()?;
                     // SAFETY: both ranges lie inside their tensors (validated shapes); stream-ordered.

@@ -260,13 +260,11 @@ pub fn rms_norm_cols(x: &CudaTensor, cols: usize, w: &CudaTensor, eps: f32, out:
     x.cuda_device().launch(NORM, name, (rows, 1, 1), (row_block(cols), 1, 1), 0, &mut kargs![xp, wp, op, d, li, lo, eps])
 }
 
-/// `x = x · σ(g)` elementwise, BF16, in place (the gated attention output).
+/// `x = x · σ(g)` elementwise, BF16 or F32, in place (the gated attention output).
 pub fn sigmoid_mul(x: &CudaTensor, g: &CudaTensor) -> Result<()> {
     const OP: &str = "cuda sigmoid_mul";
     check_like(OP, x, &[g])?;
-    if x.dtype() != DType::BF16 {
-        return Err(CoreError::DType { op: OP, dtype: x.dtype().to_string() });
-    }
+    let name = if suffix(OP, x)? == "f32" { "sigmoid_mul_f32" } else { "sigmoid_mul_bf16" };
     let n = x.numel() as i64;
     if n == 0 {
         return Ok(());
@@ -274,7 +272,7 @@ pub fn sigmoid_mul(x: &CudaTensor, g: &CudaTensor) -> Result<()> {
     let dev = x.cuda_device();
     let grid = dev.elementwise_grid(n as usize, EW_BLOCK);
     let (xp, gp) = (x.ptr(), g.ptr());
-    dev.launch(ACT, "sigmoid_mul_bf16", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, gp, n])
+    dev.launch(ACT, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, gp, n])
 }
 
 /// `y += x` elementwise, F32.
@@ -323,10 +321,22 @@ pub fn gather_rows(src: &CudaTensor, ids: &CudaTensor, out: &CudaTensor) -> Resu
 /// elements) to `dst` (row stride `dst_stride`). The caller guarantees both ranges lie inside
 /// live tensors of `dev` (this is the raw form used to address a slice of a wider tensor).
 pub fn copy_strided_bf16(dev: &super::CudaDevice, src: u64, src_stride: usize, dst: u64, dst_stride: usize, rows: usize, width: usize) -> Result<()> {
+    copy_strided(dev, DType::BF16, src, src_stride, dst, dst_stride, rows, width)
+}
+
+/// [`copy_strided_bf16`] for elements of `dtype` (BF16 or F32); strides in elements.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_strided(dev: &super::CudaDevice, dtype: DType, src: u64, src_stride: usize, dst: u64, dst_stride: usize, rows: usize, width: usize) -> Result<()> {
+    const OP: &str = "cuda copy_strided";
+    let name = match dtype {
+        DType::BF16 => "copy_strided_bf16",
+        DType::F32 => "copy_strided_f32",
+        d => return Err(CoreError::DType { op: OP, dtype: d.to_string() }),
+    };
     if rows == 0 || width == 0 {
         return Ok(());
     }
     let (ss, ds, r, w) = (src_stride as i64, dst_stride as i64, rows as i32, width as i32);
     let grid = dev.elementwise_grid(rows * width, EW_BLOCK);
-    dev.launch(COPY, "copy_strided_bf16", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![src, ss, dst, ds, r, w])
+    dev.launch(COPY, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![src, ss, dst, ds, r, w])
 }

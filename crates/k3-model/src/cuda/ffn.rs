@@ -22,18 +22,19 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn load(dev: &CudaDevice, ck: &Checkpoint, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32) -> Result<Self> {
+    pub fn load(dev: &CudaDevice, ck: &Checkpoint, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32, dt: DType) -> Result<Self> {
         Ok(Mlp {
-            gate_proj: matrix(dev, ck, &format!("{p}gate_proj.weight"), inter, h)?,
-            up_proj: matrix(dev, ck, &format!("{p}up_proj.weight"), inter, h)?,
-            down_proj: matrix(dev, ck, &format!("{p}down_proj.weight"), h, inter)?,
+            gate_proj: matrix(dev, ck, &format!("{p}gate_proj.weight"), inter, h, dt)?,
+            up_proj: matrix(dev, ck, &format!("{p}up_proj.weight"), inter, h, dt)?,
+            down_proj: matrix(dev, ck, &format!("{p}down_proj.weight"), h, inter, dt)?,
             beta,
             linear_beta,
         })
     }
 
     pub fn forward(&self, x: &CudaTensor) -> Result<CudaTensor> {
-        let [g, u] = lin_many(x, [(&self.gate_proj, DType::BF16), (&self.up_proj, DType::BF16)])?; // [N, I]
+        let act = x.dtype(); // BF16, or F32 in the reference precision
+        let [g, u] = lin_many(x, [(&self.gate_proj, act), (&self.up_proj, act)])?; // [N, I]
         self.down(&g, &u)
     }
 

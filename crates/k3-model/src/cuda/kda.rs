@@ -32,7 +32,7 @@ pub struct Kda {
     pub g_proj: CudaTensor,
     pub o_norm: CudaTensor,
     pub o_proj: CudaTensor,
-    /// Pools: conv tails BF16 `[S, 3, 3, D]`, state F32 `[S, nh, hd, hd]`.
+    /// Pools: conv tails BF16 (F32 in the reference precision) `[S, 3, 3, D]`, state F32 `[S, nh, hd, hd]`.
     pub conv_pool: CudaTensor,
     pub state_pool: CudaTensor,
     lower_bound: f32,
@@ -40,7 +40,7 @@ pub struct Kda {
 }
 
 impl Kda {
-    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, max_seqs: usize) -> Result<Self> {
+    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, max_seqs: usize, dt: DType) -> Result<Self> {
         let la = &cfg.text.linear_attn_config;
         let (h, nh, hd, kernel) = (cfg.text.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size);
         let d = nh * hd;
@@ -54,19 +54,19 @@ impl Kda {
         }
         let a_log = ck.a_log(&format!("{p}A_log"), nh)?;
         Ok(Kda {
-            q_proj: matrix(dev, ck, &format!("{p}q_proj.weight"), d, h)?,
-            k_proj: matrix(dev, ck, &format!("{p}k_proj.weight"), d, h)?,
-            v_proj: matrix(dev, ck, &format!("{p}v_proj.weight"), d, h)?,
+            q_proj: matrix(dev, ck, &format!("{p}q_proj.weight"), d, h, dt)?,
+            k_proj: matrix(dev, ck, &format!("{p}k_proj.weight"), d, h, dt)?,
+            v_proj: matrix(dev, ck, &format!("{p}v_proj.weight"), d, h, dt)?,
             conv1d: f32s(dev, &conv, vec![3, d, 4], &format!("{p}q/k/v_conv1d.weight"))?,
-            b_proj: matrix(dev, ck, &format!("{p}b_proj.weight"), nh, h)?,
-            f_a_proj: matrix(dev, ck, &format!("{p}f_a_proj.weight"), hd, h)?,
-            f_b_proj: matrix(dev, ck, &format!("{p}f_b_proj.weight"), d, hd)?,
+            b_proj: matrix(dev, ck, &format!("{p}b_proj.weight"), nh, h, dt)?,
+            f_a_proj: matrix(dev, ck, &format!("{p}f_a_proj.weight"), hd, h, dt)?,
+            f_b_proj: matrix(dev, ck, &format!("{p}f_b_proj.weight"), d, hd, dt)?,
             a_log: f32s(dev, &a_log, vec![nh], &format!("{p}A_log"))?,
             dt_bias: vector(dev, ck, &format!("{p}dt_bias"), d)?,
-            g_proj: matrix(dev, ck, &format!("{p}g_proj.weight"), d, h)?,
+            g_proj: matrix(dev, ck, &format!("{p}g_proj.weight"), d, h, dt)?,
             o_norm: vector(dev, ck, &format!("{p}o_norm.weight"), hd)?,
-            o_proj: matrix(dev, ck, &format!("{p}o_proj.weight"), h, d)?,
-            conv_pool: CudaTensor::zeros(dev, DType::BF16, vec![max_seqs, 3, 3, d])?,
+            o_proj: matrix(dev, ck, &format!("{p}o_proj.weight"), h, d, dt)?,
+            conv_pool: CudaTensor::zeros(dev, dt, vec![max_seqs, 3, 3, d])?,
             state_pool: CudaTensor::zeros(dev, DType::F32, vec![max_seqs, nh, hd, hd])?,
             lower_bound: la.gate_lower_bound.unwrap_or(-5.0),
             eps: cfg.text.rms_norm_eps,
@@ -84,7 +84,7 @@ impl Kda {
 
     /// `x` BF16 `[N, H]` → F32 `[N, H]`, advancing the step's sequences' states.
     pub(crate) fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
-        let bf = DType::BF16;
+        let bf = x.dtype(); // BF16, or F32 in the reference precision
         let ws = [(&self.q_proj, bf), (&self.k_proj, bf), (&self.v_proj, bf), (&self.b_proj, bf), (&self.f_a_proj, bf), (&self.g_proj, bf)];
         let [q, k, v, beta, g_low, gate] = lin_many(x, ws)?; // q/k/v/gate [N, D], beta [N, nh], g_low [N, hd]
         let g = lin(&g_low, &self.f_b_proj, bf)?; // [N, D]

@@ -11,7 +11,7 @@
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
 use k3_core::cuda::dsa::{index_key_append, index_scores, topk};
 use k3_core::cuda::mla::{mla_attend, mla_cache_append, PagedBatch, PAGE};
-use k3_core::cuda::ops::{copy_strided_bf16, rms_norm_cols, sigmoid_mul};
+use k3_core::cuda::ops::{copy_strided, rms_norm_cols, sigmoid_mul};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -61,7 +61,7 @@ pub struct Mla {
 }
 
 impl Mla {
-    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, dsa: bool, max_pages: usize) -> Result<Self> {
+    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, dsa: bool, max_pages: usize, dt: DType) -> Result<Self> {
         let t = &cfg.text;
         let (h, nh, dn, dr, dv, r) = (t.hidden_size, t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
         let ql = t.q_lora_rank.unwrap_or(0);
@@ -75,13 +75,16 @@ impl Mla {
                 let scale = 1.0 / ((ih as f32).sqrt() * (id as f32).sqrt());
                 let wp_name = format!("{p}indexer.weights_proj.weight");
                 let wp: Vec<f32> = crate::layers::matrix(ck, &wp_name, ih, h)?.to_f32().iter().map(|v| v * scale).collect();
-                let wp_b: Vec<half::bf16> = wp.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                let weights_proj = match dt {
+                    DType::F32 => CudaTensor::from_f32(dev, vec![ih, h], &wp)?,
+                    _ => CudaTensor::from_bf16(dev, vec![ih, h], &wp.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>())?,
+                };
                 Some(Indexer {
-                    wq_b: matrix(dev, ck, &format!("{p}indexer.wq_b.weight"), ih * id, ql)?,
-                    wk: matrix(dev, ck, &format!("{p}indexer.wk.weight"), id, h)?,
+                    wq_b: matrix(dev, ck, &format!("{p}indexer.wq_b.weight"), ih * id, ql, dt)?,
+                    wk: matrix(dev, ck, &format!("{p}indexer.wk.weight"), id, h, dt)?,
                     k_norm_weight: vector(dev, ck, &format!("{p}indexer.k_norm.weight"), id)?,
                     k_norm_bias: vector(dev, ck, &format!("{p}indexer.k_norm.bias"), id)?,
-                    weights_proj: CudaTensor::from_bf16(dev, vec![ih, h], &wp_b)?,
+                    weights_proj,
                     key_cache: CudaTensor::zeros(dev, DType::F32, vec![max_pages, PAGE, id])?,
                     heads: ih,
                     head_dim: id,
@@ -92,16 +95,16 @@ impl Mla {
             _ => None,
         };
         Ok(Mla {
-            q_a_proj: matrix(dev, ck, &format!("{p}q_a_proj.weight"), ql, h)?,
+            q_a_proj: matrix(dev, ck, &format!("{p}q_a_proj.weight"), ql, h, dt)?,
             q_a_layernorm: vector(dev, ck, &format!("{p}q_a_layernorm.weight"), ql)?,
-            q_b_proj: matrix(dev, ck, &format!("{p}q_b_proj.weight"), nh * (dn + dr), ql)?,
-            kv_a_proj_with_mqa: matrix(dev, ck, &format!("{p}kv_a_proj_with_mqa.weight"), r + dr, h)?,
+            q_b_proj: matrix(dev, ck, &format!("{p}q_b_proj.weight"), nh * (dn + dr), ql, dt)?,
+            kv_a_proj_with_mqa: matrix(dev, ck, &format!("{p}kv_a_proj_with_mqa.weight"), r + dr, h, dt)?,
             kv_a_layernorm: vector(dev, ck, &format!("{p}kv_a_layernorm.weight"), r)?,
-            kv_b_proj: matrix(dev, ck, &format!("{p}kv_b_proj.weight"), nh * (dn + dv), r)?,
-            g_proj: matrix(dev, ck, &format!("{p}g_proj.weight"), nh * dv, h)?,
-            o_proj: matrix(dev, ck, &format!("{p}o_proj.weight"), h, nh * dv)?,
+            kv_b_proj: matrix(dev, ck, &format!("{p}kv_b_proj.weight"), nh * (dn + dv), r, dt)?,
+            g_proj: matrix(dev, ck, &format!("{p}g_proj.weight"), nh * dv, h, dt)?,
+            o_proj: matrix(dev, ck, &format!("{p}o_proj.weight"), h, nh * dv, dt)?,
             indexer,
-            cache: CudaTensor::zeros(dev, DType::BF16, vec![max_pages, PAGE, r + dr])?,
+            cache: CudaTensor::zeros(dev, dt, vec![max_pages, PAGE, r + dr])?,
             nh,
             dn,
             dr,
@@ -113,7 +116,8 @@ impl Mla {
     /// `x` BF16 `[N, H]` → F32 `[N, H]`; appends the step's rows to the cache, then attends.
     pub(crate) fn forward(&self, x: &CudaTensor, step: &Step) -> Result<CudaTensor> {
         let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
-        let (n, dev, bf) = (step.n, x.cuda_device(), DType::BF16);
+        let (n, dev, bf) = (step.n, x.cuda_device(), x.dtype()); // bf: BF16, or F32 in the reference precision
+        let es = bf.size_in_bytes() as u64;
         let batch = PagedBatch { block_table: &step.block_table, row_seq: &step.row_seq, row_pos: &step.row_pos };
         // c_q [N, q_lora] and c_kv [N, r+dr] stay F32 for their norms; the output gate [N, nh·dv].
         let [c_q_raw, ckv, gate] = lin_many(x, [(&self.q_a_proj, DType::F32), (&self.kv_a_proj_with_mqa, DType::F32), (&self.g_proj, bf)])?;
@@ -127,7 +131,7 @@ impl Mla {
         let wkv = self.kv_b_proj.ptr(); // [nh, dn+dv, r]
         let s = |ptr: u64, ld: usize, stride: usize| Strided { ptr, ld, stride };
         gemm_strided_batched(dev, n, r, dn, nh, s(q.ptr(), nh * (dn + dr), dn + dr), s(wkv, r, (dn + dv) * r), Layout::B, s(q_abs.ptr(), nh * (r + dr), r + dr), bf, bf)?;
-        copy_strided_bf16(dev, q.ptr() + 2 * dn as u64, dn + dr, q_abs.ptr() + 2 * r as u64, r + dr, n * nh, dr)?;
+        copy_strided(dev, bf, q.ptr() + es * dn as u64, dn + dr, q_abs.ptr() + es * r as u64, r + dr, n * nh, dr)?;
         let sel = match &self.indexer {
             Some(ix) => Some(ix.select(x, &c_q, step, &batch)?),
             None => None,
@@ -137,7 +141,7 @@ impl Mla {
         mla_attend(&q_abs, &self.cache, &batch, sel.as_ref().map(|(i, c)| (i, c)), r, scale, &o_lat)?;
         // Un-absorb: o_h [N, dv] = o_lat_h [N, r] · W_uv_hᵀ (W_uv_h [dv, r]).
         let o = CudaTensor::uninit(dev, bf, vec![n, nh * dv])?; // [N, nh·dv]
-        gemm_strided_batched(dev, n, dv, r, nh, s(o_lat.ptr(), nh * r, r), s(wkv + 2 * (dn * r) as u64, r, (dn + dv) * r), Layout::BT, s(o.ptr(), nh * dv, dv), bf, bf)?;
+        gemm_strided_batched(dev, n, dv, r, nh, s(o_lat.ptr(), nh * r, r), s(wkv + es * (dn * r) as u64, r, (dn + dv) * r), Layout::BT, s(o.ptr(), nh * dv, dv), bf, bf)?;
         sigmoid_mul(&o, &gate)?;
         lin(&o, &self.o_proj, DType::F32)
     }

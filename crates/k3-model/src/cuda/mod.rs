@@ -111,6 +111,30 @@ pub struct Layer {
     pub ffn: Ffn,
 }
 
+/// Storage and arithmetic precision of the GPU model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// Weights and activations BF16 (f32 accumulation, F32 residual stream, MXFP4 experts as
+    /// stored): the serving precision, every fast kernel.
+    #[default]
+    Bf16,
+    /// Weights and activations F32 (MXFP4 experts decoded to f32 in the kernel): the reference
+    /// precision, for checking the GPU against f32 references such as the golden fixtures. It
+    /// runs plain kernels (f32 cuBLAS GEMMs without TF32, the recurrent KDA kernel, an f32 attend
+    /// over an F32 latent cache, per-pair expert products): correct, not fast.
+    F32,
+}
+
+impl Precision {
+    /// The dtype of float weights and activations.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::Bf16 => DType::BF16,
+            Precision::F32 => DType::F32,
+        }
+    }
+}
+
 pub struct CudaModel {
     pub config: Config,
     pub dev: CudaDevice,
@@ -125,9 +149,15 @@ pub struct CudaModel {
 
 impl CudaModel {
     /// Uploads the checkpoint (checked against the tensor table first) to `dev`, with state
-    /// pools sized by `cache`.
+    /// pools sized by `cache`, in BF16 (the serving precision).
     pub fn load(ck: &Checkpoint, dev: &CudaDevice, cache: CacheConfig) -> Result<CudaModel> {
+        Self::load_with(ck, dev, cache, Precision::Bf16)
+    }
+
+    /// [`CudaModel::load`] in the given precision.
+    pub fn load_with(ck: &Checkpoint, dev: &CudaDevice, cache: CacheConfig, precision: Precision) -> Result<CudaModel> {
         ck.check()?;
+        let dt = precision.dtype();
         let cfg = ck.config.clone();
         let t = &cfg.text;
         let (h, v, eps) = (t.hidden_size, t.vocab_size, t.rms_norm_eps);
@@ -143,24 +173,24 @@ impl CudaModel {
                     self_attention_res: AttnRes::load(dev, ck, &format!("{p}self_attention_res"), h, eps)?,
                     input_layernorm: upload::vector(dev, ck, &format!("{p}input_layernorm.weight"), h)?,
                     mixer: match spec.mixer {
-                        MixerKind::Kda => Mixer::Kda(kda::Kda::load(dev, ck, &cfg, l, free.pool_slots())?),
-                        MixerKind::Mla => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, false, free.pool_pages())?),
-                        MixerKind::Dsa => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, true, free.pool_pages())?),
+                        MixerKind::Kda => Mixer::Kda(kda::Kda::load(dev, ck, &cfg, l, free.pool_slots(), dt)?),
+                        MixerKind::Mla => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, false, free.pool_pages(), dt)?),
+                        MixerKind::Dsa => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, true, free.pool_pages(), dt)?),
                     },
                     mlp_res: AttnRes::load(dev, ck, &format!("{p}mlp_res"), h, eps)?,
                     post_attention_layernorm: upload::vector(dev, ck, &format!("{p}post_attention_layernorm.weight"), h)?,
                     ffn: match spec.ffn {
-                        FfnKind::Dense => Ffn::Dense(ffn::Mlp::load(dev, ck, &format!("{p}mlp."), h, t.intermediate_size, t.activation_situ_beta, t.activation_situ_linear_beta)?),
-                        FfnKind::Moe => Ffn::Moe(moe::Moe::load(dev, ck, &cfg, l)?),
+                        FfnKind::Dense => Ffn::Dense(ffn::Mlp::load(dev, ck, &format!("{p}mlp."), h, t.intermediate_size, t.activation_situ_beta, t.activation_situ_linear_beta, dt)?),
+                        FfnKind::Moe => Ffn::Moe(moe::Moe::load(dev, ck, &cfg, l, dt)?),
                     },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let model = CudaModel {
-            embed_tokens: upload::matrix(dev, ck, &format!("{TEXT}embed_tokens.weight"), v, h)?,
+            embed_tokens: upload::matrix(dev, ck, &format!("{TEXT}embed_tokens.weight"), v, h, dt)?,
             output_attn_res: AttnRes::load(dev, ck, &format!("{TEXT}output_attn_res"), h, eps)?,
             norm: upload::vector(dev, ck, &format!("{TEXT}norm.weight"), h)?,
-            lm_head: upload::matrix(dev, ck, LM_HEAD, v, h)?,
+            lm_head: upload::matrix(dev, ck, LM_HEAD, v, h, dt)?,
             layers,
             config: cfg,
             dev: dev.clone(),
@@ -291,7 +321,7 @@ impl CudaModel {
         emit(&|| "embed".into(), &p)?;
         let mut blocks: Vec<CudaTensor> = Vec::new();
         let mut d: Option<CudaTensor> = None;
-        let x = CudaTensor::uninit(dev, DType::BF16, vec![n, h])?; // normed mix, GEMM input
+        let x = CudaTensor::uninit(dev, self.lm_head.dtype(), vec![n, h])?; // normed mix, GEMM input (the weights' dtype)
         for layer in &self.layers {
             let l = layer.spec.index;
             let starts = l % b == 0;
@@ -328,7 +358,7 @@ impl CudaModel {
         emit(&|| "output_norm".into(), &x)?;
         if last_only {
             let nb = step.lens.len();
-            let last = CudaTensor::uninit(dev, DType::BF16, vec![nb, h])?; // [B, H]
+            let last = CudaTensor::uninit(dev, x.dtype(), vec![nb, h])?; // [B, H]
             gather_rows(&x, &step.last_rows, &last)?;
             lin(&last, &self.lm_head, DType::F32)
         } else {

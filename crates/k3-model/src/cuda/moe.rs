@@ -42,7 +42,8 @@ fn terr(name: &str) -> impl FnOnce(k3_core::CoreError) -> ModelError + '_ {
 }
 
 /// Every expert's `w{a}` (then `w{b}`) of one layer, one after the other in one device tensor.
-fn upload_experts(dev: &CudaDevice, ck: &Checkpoint, p: &str, e: usize, parts: &[&str], rows: usize, cols: usize, mx: bool) -> Result<(CudaTensor, Option<CudaTensor>)> {
+#[allow(clippy::too_many_arguments)]
+fn upload_experts(dev: &CudaDevice, ck: &Checkpoint, p: &str, e: usize, parts: &[&str], rows: usize, cols: usize, mx: bool, dt: DType) -> Result<(CudaTensor, Option<CudaTensor>)> {
     let np = parts.len();
     let first = format!("{p}experts.0.{}.", parts[0]);
     if mx {
@@ -61,8 +62,8 @@ fn upload_experts(dev: &CudaDevice, ck: &Checkpoint, p: &str, e: usize, parts: &
         }
         Ok((packed, Some(scale)))
     } else {
-        let w = CudaTensor::uninit(dev, DType::BF16, vec![e, np * rows, cols]).map_err(terr(&first))?;
-        let b = rows * cols * 2;
+        let w = CudaTensor::uninit(dev, dt, vec![e, np * rows, cols]).map_err(terr(&first))?;
+        let b = rows * cols * dt.size_in_bytes();
         for ex in 0..e {
             for (j, part) in parts.iter().enumerate() {
                 let n = format!("{p}experts.{ex}.{part}.weight");
@@ -70,7 +71,11 @@ fn upload_experts(dev: &CudaDevice, ck: &Checkpoint, p: &str, e: usize, parts: &
                 if t.shape() != [rows, cols] {
                     return Err(ModelError::Tensor { name: n, msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
                 }
-                w.write_at((ex * np + j) * b, &bf16_bytes(&t, &n)?).map_err(terr(&n))?;
+                let bytes = match dt {
+                    DType::F32 => bytemuck::cast_slice(&t.to_f32().map_err(terr(&n))?).to_vec(),
+                    _ => bf16_bytes(&t, &n)?,
+                };
+                w.write_at((ex * np + j) * b, &bytes).map_err(terr(&n))?;
             }
         }
         Ok((w, None))
@@ -78,23 +83,27 @@ fn upload_experts(dev: &CudaDevice, ck: &Checkpoint, p: &str, e: usize, parts: &
 }
 
 impl Moe {
-    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize) -> Result<Self> {
+    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, dt: DType) -> Result<Self> {
         let t = &cfg.text;
         let (h, e, lat, fi) = (t.hidden_size, t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
         let p = format!("{}block_sparse_moe.", crate::weights::layer_prefix(l));
         let mx = cfg.experts_mxfp4();
-        let (w13, w13_scale) = upload_experts(dev, ck, &p, e, &["w1", "w3"], fi, lat, mx)?;
-        let (w2, w2_scale) = upload_experts(dev, ck, &p, e, &["w2"], lat, fi, mx)?;
-        let format = if mx { ExpertFormat::Mxfp4 } else { ExpertFormat::Bf16 };
+        let (w13, w13_scale) = upload_experts(dev, ck, &p, e, &["w1", "w3"], fi, lat, mx, dt)?;
+        let (w2, w2_scale) = upload_experts(dev, ck, &p, e, &["w2"], lat, fi, mx, dt)?;
+        let format = match (mx, dt) {
+            (true, _) => ExpertFormat::Mxfp4,
+            (false, DType::F32) => ExpertFormat::F32,
+            (false, _) => ExpertFormat::Bf16,
+        };
         let shared = (t.num_shared_experts > 0)
-            .then(|| Mlp::load(dev, ck, &format!("{p}shared_experts."), h, fi * t.num_shared_experts, t.activation_situ_beta, t.activation_situ_linear_beta))
+            .then(|| Mlp::load(dev, ck, &format!("{p}shared_experts."), h, fi * t.num_shared_experts, t.activation_situ_beta, t.activation_situ_linear_beta, dt))
             .transpose()?;
         Ok(Moe {
-            gate: matrix(dev, ck, &format!("{p}gate.weight"), e, h)?,
+            gate: matrix(dev, ck, &format!("{p}gate.weight"), e, h, dt)?,
             e_score_correction_bias: vector(dev, ck, &format!("{p}gate.e_score_correction_bias"), e)?,
-            routed_expert_down_proj: matrix(dev, ck, &format!("{p}routed_expert_down_proj.weight"), lat, h)?,
+            routed_expert_down_proj: matrix(dev, ck, &format!("{p}routed_expert_down_proj.weight"), lat, h, dt)?,
             routed_expert_norm: t.latent_moe_use_norm.then(|| vector(dev, ck, &format!("{p}routed_expert_norm.weight"), lat)).transpose()?,
-            routed_expert_up_proj: matrix(dev, ck, &format!("{p}routed_expert_up_proj.weight"), h, lat)?,
+            routed_expert_up_proj: matrix(dev, ck, &format!("{p}routed_expert_up_proj.weight"), h, lat, dt)?,
             shared_experts: shared,
             experts: ExpertWeights { format, num_experts: e, latent: lat, inter: fi, w13, w13_scale, w2, w2_scale },
             top_k: t.num_experts_per_token,
@@ -110,7 +119,7 @@ impl Moe {
     pub fn forward(&self, x: &CudaTensor) -> Result<CudaTensor> {
         let (n, dev) = (x.shape()[0], x.cuda_device());
         // The router, the latent down-projection and the shared experts' gate/up read the same x.
-        let (bf, f32) = (DType::BF16, DType::F32);
+        let (bf, f32) = (x.dtype(), DType::F32); // bf: BF16, or F32 in the reference precision
         let (logits, z, shared) = match &self.shared_experts {
             Some(sh) => {
                 let [logits, z, g, u] = lin_many(x, [(&self.gate, f32), (&self.routed_expert_down_proj, bf), (&sh.gate_proj, bf), (&sh.up_proj, bf)])?;
@@ -126,7 +135,7 @@ impl Moe {
         route(&logits, &self.e_score_correction_bias, self.top_k, self.renormalize, &ids, &wts)?;
         let r = CudaTensor::uninit(dev, DType::F32, z.shape().to_vec())?; // [N, lat]
         experts_forward(&z, &ids, &wts, &self.experts, self.beta, self.linear_beta, self.scaling, &r)?;
-        let rn = CudaTensor::uninit(dev, DType::BF16, z.shape().to_vec())?;
+        let rn = CudaTensor::uninit(dev, bf, z.shape().to_vec())?;
         match &self.routed_expert_norm {
             Some(w) => rms_norm_cols(&r, r.last_dim(), w, self.eps, &rn)?,
             None => cast(&r, &rn)?,

@@ -1,5 +1,6 @@
 //! Moving checkpoint tensors into GPU memory (feature `cuda`): float matrices become BF16
-//! (converted on the host when the file stores F32/F16; BF16 bytes go up as they are), small
+//! (converted on the host when the file stores F32/F16; BF16 bytes go up as they are), or F32 in
+//! the reference precision ([`super::Precision::F32`]), small
 //! vectors (norm weights, biases, gates' constants) become F32, and MXFP4 expert bytes go up
 //! unchanged. Every error names the tensor.
 
@@ -28,14 +29,23 @@ pub(crate) fn bf16_bytes(t: &Tensor, name: &str) -> Result<Vec<u8>> {
     }
 }
 
-/// A float matrix `[rows, cols]` as BF16 on the device.
-pub(crate) fn matrix(dev: &CudaDevice, ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<CudaTensor> {
+/// A float matrix `[rows, cols]` on the device as `dt` (BF16, or F32: the reference precision).
+pub(crate) fn matrix(dev: &CudaDevice, ck: &Checkpoint, name: &str, rows: usize, cols: usize, dt: DType) -> Result<CudaTensor> {
     let t = ck.tensor(name)?;
     if t.shape() != [rows, cols] {
         return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
     }
-    let out = CudaTensor::uninit(dev, DType::BF16, vec![rows, cols]).map_err(terr(name))?;
-    out.write_bytes(&bf16_bytes(&t, name)?).map_err(terr(name))?;
+    float_tensor(dev, &t, name, vec![rows, cols], dt)
+}
+
+/// A float tensor's values on the device as `dt` (BF16 or F32), with shape `shape`.
+pub(crate) fn float_tensor(dev: &CudaDevice, t: &Tensor, name: &str, shape: Vec<usize>, dt: DType) -> Result<CudaTensor> {
+    let out = CudaTensor::uninit(dev, dt, shape).map_err(terr(name))?;
+    match dt {
+        DType::F32 => out.write_bytes(bytemuck::cast_slice(&t.to_f32().map_err(terr(name))?)),
+        _ => out.write_bytes(&bf16_bytes(t, name)?),
+    }
+    .map_err(terr(name))?;
     Ok(out)
 }
 

@@ -51,6 +51,9 @@ extern "C" __global__ void cast_bf16_f32(const bf16_t* x, float* y, long long n)
 extern "C" __global__ void sigmoid_mul_bf16(bf16_t* x, const bf16_t* g, long long n) {
     GRID_STRIDE(i, n) x[i] = f32_to_bf16(bf16_to_f32(x[i]) * k3_sigmoid(bf16_to_f32(g[i])));
 }
+extern "C" __global__ void sigmoid_mul_f32(float* x, const float* g, long long n) {
+    GRID_STRIDE(i, n) x[i] = x[i] * k3_sigmoid(g[i]);
+}
 // y += x (f32), e.g. the shared experts' output onto the routed one.
 extern "C" __global__ void add_f32(float* y, const float* x, long long n) {
     GRID_STRIDE(i, n) y[i] += x[i];

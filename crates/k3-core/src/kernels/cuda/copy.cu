@@ -31,3 +31,11 @@ extern "C" __global__ void copy_strided_bf16(const bf16_t* src, long long ss, bf
         dst[r * ds + c] = src[r * ss + c];
     }
 }
+
+extern "C" __global__ void copy_strided_f32(const float* src, long long ss, float* dst, long long ds, int rows, int width) {
+    long long total = (long long)rows * width;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (long long)gridDim.x * blockDim.x) {
+        long long r = k / width, c = k % width;
+        dst[r * ds + c] = src[r * ss + c];
+    }
+}

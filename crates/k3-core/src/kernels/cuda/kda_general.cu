@@ -13,20 +13,26 @@
 // Sequences: seqs[b] = {tok0, len, chunk0, slot} (prefill), or, when seqs is null, the decode
 // form: sequence b is token row b (len 1) and its slot is slots[b]. A slot outside [0, S) makes
 // the block return without writing anything.
-// Block: R·hd threads (R = 256 / hd, rounded down). Dynamic shared memory: hd·hd (state)
+// kda_general_f32: the same with every bf16 tensor above F32 (the reference precision; any head
+// dim 32..128, 128 included). Block: R·hd threads (R = 256 / hd, rounded down). Dynamic shared memory: hd·hd (state)
 // + 5·hd + 256 + 16 floats.
 
 #define KG_CHUNK 64
 
 __device__ __forceinline__ float kg_sigm(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
-extern "C" __global__ void __launch_bounds__(256)
-kda_general(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
-            const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw, const bf16_t* __restrict__ gate,
+// T: storage type of the raw inputs, the conv state and the output (bf16_t, or float for the
+// F32 reference precision); arithmetic is f32 either way.
+__device__ __forceinline__ float kg_f(float x) { return x; }
+__device__ __forceinline__ float kg_f(bf16_t x) { return bf16_to_f32(x); }
+
+template <typename T>
+__device__ __forceinline__ void kda_general_impl(const T* __restrict__ qr, const T* __restrict__ kr, const T* __restrict__ vr,
+            const T* __restrict__ graw, const T* __restrict__ braw, const T* __restrict__ gate,
             const float* __restrict__ convw, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-            const float* __restrict__ onorm_w, bf16_t* __restrict__ conv_state, float* __restrict__ state,
+            const float* __restrict__ onorm_w, T* __restrict__ conv_state, float* __restrict__ state,
             float* __restrict__ chunk_states, const int4* __restrict__ seqs, const int* __restrict__ slots,
-            bf16_t* __restrict__ out, int H, int hd, int nslots, float lower_bound, float eps) {
+            T* __restrict__ out, int H, int hd, int nslots, float lower_bound, float eps) {
     extern __shared__ __align__(16) float smem[];
     float* S = smem;                 // [hd][hd]
     float* sq = S + hd * hd;         // [hd] q (normed, scaled)
@@ -56,13 +62,13 @@ kda_general(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const 
     const int col = h * hd + v;
     const bool chan = tid < hd;
     float w[3][4];
-    bf16_t win[3][3];
+    T win[3][3];
     if (chan) {
 #pragma unroll
         for (int which = 0; which < 3; which++) {
             const float* wp4 = convw + ((long long)which * D + col) * 4;
             for (int j = 0; j < 4; j++) w[which][j] = wp4[j];
-            const bf16_t* cs = conv_state + ((long long)slot * 3 + which) * 3 * D + col;
+            const T* cs = conv_state + ((long long)slot * 3 + which) * 3 * D + col;
             for (int j = 0; j < 3; j++) win[which][j] = cs[(long long)j * D];
         }
     }
@@ -77,19 +83,19 @@ kda_general(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const 
         const long long row = (long long)(tok0 + t);
         float gv = 0.0f;
         if (chan) {
-            const bf16_t* X[3] = {qr, kr, vr};
+            const T* X[3] = {qr, kr, vr};
             float a[3];
 #pragma unroll
             for (int which = 0; which < 3; which++) {
-                const bf16_t x3 = X[which][row * D + col];
-                const float y = w[which][0] * bf16_to_f32(win[which][0]) + w[which][1] * bf16_to_f32(win[which][1]) +
-                                w[which][2] * bf16_to_f32(win[which][2]) + w[which][3] * bf16_to_f32(x3);
+                const T x3 = X[which][row * D + col];
+                const float y = w[which][0] * kg_f(win[which][0]) + w[which][1] * kg_f(win[which][1]) +
+                                w[which][2] * kg_f(win[which][2]) + w[which][3] * kg_f(x3);
                 a[which] = y / (1.0f + __expf(-y));
                 win[which][0] = win[which][1]; win[which][1] = win[which][2]; win[which][2] = x3;
             }
             sq[v] = a[0]; sk[v] = a[1]; sv[v] = a[2];
-            se[v] = __expf(lower_bound * kg_sigm(aexp * (bf16_to_f32(graw[row * D + col]) + dtb)));
-            gv = kg_sigm(bf16_to_f32(gate[row * D + col]));
+            se[v] = __expf(lower_bound * kg_sigm(aexp * (kg_f(graw[row * D + col]) + dtb)));
+            gv = kg_sigm(kg_f(gate[row * D + col]));
             const float qq = warp_sum(a[0] * a[0]), kk = warp_sum(a[1] * a[1]);
             if (lane == 0) { misc[wp] = qq; misc[4 + wp] = kk; }
         }
@@ -97,7 +103,7 @@ kda_general(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const 
         float qs = 0.0f, ks = 0.0f;
         for (int i = 0; i < nw; i++) { qs += misc[i]; ks += misc[4 + i]; }
         const float qi = qscale / sqrtf(qs + 1e-6f), ki = 1.0f / sqrtf(ks + 1e-6f);
-        const float beta = kg_sigm(bf16_to_f32(braw[row * H + h]));
+        const float beta = kg_sigm(kg_f(braw[row * H + h]));
         // S <- S * exp(g)[:, None];  partial (S^T k)[v] over this thread's rows.
         float p = 0.0f;
         for (int r = rg; r < hd; r += R) {
@@ -134,7 +140,7 @@ kda_general(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const 
             float ss = 0.0f;
             for (int i = 0; i < nw; i++) ss += misc[8 + i];
             const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
-            out[row * D + col] = f32_to_bf16(ov * inv * onw * gv);
+            st(out, row * D + col, ov * inv * onw * gv);
         }
         if (chunk_states && ((t + 1) % KG_CHUNK == 0 || t + 1 == len)) {
             float* cs = chunk_states + ((long long)(chunk0 + t / KG_CHUNK) * H + h) * hd * hd;
@@ -147,8 +153,20 @@ kda_general(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const 
     if (chan) {
 #pragma unroll
         for (int which = 0; which < 3; which++) {
-            bf16_t* cs = conv_state + ((long long)slot * 3 + which) * 3 * D + col;
+            T* cs = conv_state + ((long long)slot * 3 + which) * 3 * D + col;
             for (int j = 0; j < 3; j++) cs[(long long)j * D] = win[which][j];
         }
     }
 }
+
+#define KDA_GENERAL_KERNEL(NAME, T)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                            \
+        const T* qr, const T* kr, const T* vr, const T* graw, const T* braw, const T* gate, const float* convw,         \
+        const float* a_log, const float* dt_bias, const float* onorm_w, T* conv_state, float* state,                    \
+        float* chunk_states, const int4* seqs, const int* slots, T* out, int H, int hd, int nslots, float lower_bound,  \
+        float eps) {                                                                                                   \
+        kda_general_impl<T>(qr, kr, vr, graw, braw, gate, convw, a_log, dt_bias, onorm_w, conv_state, state,            \
+                            chunk_states, seqs, slots, out, H, hd, nslots, lower_bound, eps);                          \
+    }
+KDA_GENERAL_KERNEL(kda_general, bf16_t)
+KDA_GENERAL_KERNEL(kda_general_f32, float)

@@ -5,7 +5,8 @@
 // [N, nh, W] (absorbed: q_lat | q_pe); out BF16 [N, nh, r]; optional selection sel_idx I32
 // [N, K] with sel_count I32 [N].
 //
-// `mla_cache_append_*`: one block per row, RMSNorm of the latent in f32, stored as BF16.
+// `mla_cache_append_*`: one block per row, RMSNorm of the latent in f32, stored as BF16
+// (`_f32c`: stored F32, the reference precision, read by `mla_attend_f32` at the end).
 // `mla_attend_tc` (r <= 512, the K3 case): flash-decoding on tensor cores, described at the
 // kernel; `mla_attend_tc2` the same with cp.async double buffering (opt-in, unverified). `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P): block (row,
 // head group of <= HGM heads, key split); each 32-key tile is gathered from the pages into
@@ -19,11 +20,11 @@
 #define MLA_THREADS 256
 #define MLA_LOG2E 1.4426950408889634f
 
-template <typename T>
+template <typename T, typename C>
 __device__ __forceinline__ void mla_cache_append_row(const T* __restrict__ ckv, const float* __restrict__ kv_norm, float eps,
                                                      const int* __restrict__ block_table, int max_pages,
                                                      const int* __restrict__ row_seq, const int* __restrict__ row_pos,
-                                                     bf16_t* __restrict__ cache, int r, int dr) {
+                                                     C* __restrict__ cache, int r, int dr) {
     __shared__ float scratch[32];
     const int i = blockIdx.x, w = r + dr;
     const T* x = ckv + (long long)i * w;
@@ -36,20 +37,25 @@ __device__ __forceinline__ void mla_cache_append_row(const T* __restrict__ ckv, 
     const float inv = 1.0f / sqrtf(ss / (float)r + eps);
     const int pos = row_pos[i];
     const int page = block_table[(long long)row_seq[i] * max_pages + pos / MLA_PAGE];
-    bf16_t* dst = cache + ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
+    C* dst = cache + ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
     for (int d = threadIdx.x; d < w; d += blockDim.x) {
         float v = ld(x, d);
-        dst[d] = f32_to_bf16(d < r ? v * inv * kv_norm[d] : v);
+        st(dst, d, d < r ? v * inv * kv_norm[d] : v);
     }
 }
 
 extern "C" __global__ void mla_cache_append_f32(const float* ckv, const float* kv_norm, float eps, const int* bt, int mp,
                                                 const int* rs, const int* rp, bf16_t* cache, int r, int dr) {
-    mla_cache_append_row<float>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
+    mla_cache_append_row<float, bf16_t>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
+}
+// F32 cache (the reference precision): F32 rows in, F32 cache.
+extern "C" __global__ void mla_cache_append_f32c(const float* ckv, const float* kv_norm, float eps, const int* bt, int mp,
+                                                 const int* rs, const int* rp, float* cache, int r, int dr) {
+    mla_cache_append_row<float, float>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
 }
 extern "C" __global__ void mla_cache_append_bf16(const bf16_t* ckv, const float* kv_norm, float eps, const int* bt, int mp,
                                                  const int* rs, const int* rp, bf16_t* cache, int r, int dr) {
-    mla_cache_append_row<bf16_t>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
+    mla_cache_append_row<bf16_t, bf16_t>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
 }
 
 // Dynamic shared memory: qs f32 [HGM][W] | ks bf16 [TILE][W+8] | ps f32 [TILE][HGM] |
@@ -659,5 +665,73 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
             }
         }
         if (tid < hg) *reinterpret_cast<float2*>(part_ml + (base + tid) * 2) = make_float2(m_s[tid], l_s[tid]);
+    }
+}
+
+// ---- F32 reference attend (the reference precision; any r + dr): q, cache and out F32. -------
+// Block (row, head), MLA_F32_T threads. Keys in tiles of MLA_F32_T, one key per thread for the
+// score (q from shared memory), online softmax in f32 with expf, then every thread accumulates
+// latent dims d = tid, tid + T, ... over the tile's keys. Straightforward on purpose: it serves
+// small models and the golden fixtures, where exactness matters and speed does not.
+#define MLA_F32_T 128
+#define MLA_F32_RPT 16  // latent dims per thread: r <= 2048
+
+extern "C" __global__ void __launch_bounds__(MLA_F32_T) mla_attend_f32(
+    const float* __restrict__ q, const float* __restrict__ cache, const int* __restrict__ block_table, int max_pages,
+    const int* __restrict__ row_seq, const int* __restrict__ row_pos, const int* __restrict__ sel_idx,
+    const int* __restrict__ sel_count, int sel_k, int nh, int r, int dr, float scale, float* __restrict__ out) {
+    extern __shared__ float fs[];
+    float* qs = fs;                                                        // [W]
+    float* ps = qs + r + dr;                                               // [T]
+    long long* off = reinterpret_cast<long long*>(ps + MLA_F32_T + 2);     // [T] (8-byte aligned: W even)
+    __shared__ float scratch[32];
+    const int i = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, w = r + dr;
+    const float* qr = q + ((long long)i * nh + h) * w;
+    for (int d = tid; d < w; d += MLA_F32_T) qs[d] = qr[d];
+    const int nkeys = sel_idx ? sel_count[i] : row_pos[i] + 1;
+    const long long seq_base = (long long)row_seq[i] * max_pages;
+    float acc[MLA_F32_RPT];
+#pragma unroll
+    for (int j = 0; j < MLA_F32_RPT; j++) acc[j] = 0.0f;
+    float m = -K3_INF, l = 0.0f;
+    __syncthreads();
+    for (int t0 = 0; t0 < nkeys; t0 += MLA_F32_T) {
+        const int t = t0 + tid;
+        float s = -K3_INF;
+        long long o = -1;
+        if (t < nkeys) {
+            const int pos = sel_idx ? sel_idx[(long long)i * sel_k + t] : t;
+            const int page = block_table[seq_base + pos / MLA_PAGE];
+            o = ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
+            float a = 0.0f;
+            for (int d = 0; d < w; d++) a = fmaf(qs[d], cache[o + d], a);
+            s = a * scale;
+        }
+        off[tid] = o;
+        const float m_new = fmaxf(m, block_max(s, scratch));
+        const float p = (t < nkeys) ? expf(s - m_new) : 0.0f;
+        ps[tid] = p;
+        const float alpha = expf(m - m_new);  // m = -inf on the first tile: alpha = 0, acc = 0
+        l = l * alpha + block_sum(p, scratch);
+        m = m_new;
+        __syncthreads();
+        const int tc = min(MLA_F32_T, nkeys - t0);
+#pragma unroll
+        for (int j = 0; j < MLA_F32_RPT; j++) {
+            const int d = tid + j * MLA_F32_T;
+            if (d < r) {
+                float a = acc[j] * alpha;
+                for (int k = 0; k < tc; k++) a = fmaf(ps[k], cache[off[k] + d], a);
+                acc[j] = a;
+            }
+        }
+        __syncthreads();
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float* orow = out + ((long long)i * nh + h) * r;
+#pragma unroll
+    for (int j = 0; j < MLA_F32_RPT; j++) {
+        const int d = tid + j * MLA_F32_T;
+        if (d < r) orow[d] = acc[j] * inv;
     }
 }

@@ -375,3 +375,55 @@ extern "C" __global__ void moe_scatter(const float* __restrict__ yg, const int* 
     long long dst = (long long)pairs[i] * L;
     for (int c = threadIdx.x; c < L; c += blockDim.x) y[dst + c] = yg[(long long)i * L + c];
 }
+
+// ---- reference precision (F32 inputs; any T; capturable) -----------------------------------
+// Expert weights F32, BF16 or MXFP4 (fmt 0 / 1 / 2), read element by element and used in f32.
+// moe_ref_w13: one warp per (pair, f): act[p, f] = SiTU(w1_e[f]·z[t], w3_e[f]·z[t]), t = p / k.
+// moe_ref_w2:  one warp per (pair, l): y[p, l] = w2_e[l]·act[p]. A pair whose id is outside 0..E
+// writes zeros (moe_combine skips it anyway).
+__device__ __forceinline__ float moe_wval(const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws, int fmt,
+                                          long long row, int c, int cols) {
+    if (fmt == 0) return reinterpret_cast<const float*>(w)[row * cols + c];
+    if (fmt == 1) return bf16_to_f32(reinterpret_cast<const bf16_t*>(w)[row * cols + c]);
+    const unsigned int b = w[row * (cols / 2) + c / 2];
+    const unsigned int n = (c & 1) ? (b >> 4) : (b & 15u);
+    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = mag[n & 7u] * e8m0(ws[row * (cols / 32) + c / 32]);
+    return (n & 8u) ? -v : v;
+}
+
+extern "C" __global__ void moe_ref_w13(const float* __restrict__ z, const int* __restrict__ ids, int n_pairs, int k, int E,
+                                       const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws, int fmt,
+                                       int F, int L, float beta, float lbeta, float* __restrict__ act) {
+    const int lane = threadIdx.x & 31, f = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), p = blockIdx.y;
+    if (f >= F || p >= n_pairs) return;
+    const int e = ids[p];
+    float g = 0.0f, u = 0.0f;
+    if (e >= 0 && e < E) {
+        const float* zt = z + (long long)(p / k) * L;
+        const long long r1 = (long long)e * 2 * F + f, r3 = r1 + F;
+        for (int c = lane; c < L; c += 32) {
+            g = fmaf(moe_wval(w, ws, fmt, r1, c, L), zt[c], g);
+            u = fmaf(moe_wval(w, ws, fmt, r3, c, L), zt[c], u);
+        }
+        g = warp_sum(g);
+        u = warp_sum(u);
+    }
+    if (lane == 0) act[(long long)p * F + f] = (e >= 0 && e < E) ? situ(g, u, beta, lbeta) : 0.0f;
+}
+
+extern "C" __global__ void moe_ref_w2(const float* __restrict__ act, const int* __restrict__ ids, int n_pairs, int E,
+                                      const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws, int fmt,
+                                      int F, int L, float* __restrict__ y) {
+    const int lane = threadIdx.x & 31, l = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), p = blockIdx.y;
+    if (l >= L || p >= n_pairs) return;
+    const int e = ids[p];
+    float a = 0.0f;
+    if (e >= 0 && e < E) {
+        const float* ap = act + (long long)p * F;
+        const long long row = (long long)e * L + l;
+        for (int c = lane; c < F; c += 32) a = fmaf(moe_wval(w, ws, fmt, row, c, F), ap[c], a);
+        a = warp_sum(a);
+    }
+    if (lane == 0) y[(long long)p * L + l] = a;
+}
