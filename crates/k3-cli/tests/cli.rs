@@ -133,6 +133,10 @@ fn bad_flags_name_the_parameter() {
     assert!(e.contains("--mode"), "{e}");
     let e = err(&["logits", "--model", nano, "--ids", "1,x", "--out", "/tmp/never.npy"]);
     assert!(e.contains("`x`"), "{e}");
+    let e = err(&["logits", "--model", nano, "--ids", "1,2", "--out", "/tmp/never.npy", "--precision", "f32"]);
+    assert!(e.contains("--precision") && e.contains("--device cuda"), "{e}");
+    let e = err(&["logits", "--model", nano, "--ids", "1,2", "--out", "/tmp/never.npy", "--device", "cuda", "--precision", "f16"]);
+    assert!(e.contains("--precision `f16`"), "{e}");
     let e = err(&["bench", "--model", nano, "--prompt-len", "0"]);
     assert!(e.contains("--prompt-len"), "{e}");
     let e = err(&["bench", "--model", nano, "--prompt-len", "10000", "--gen-len", "1"]);

@@ -1,4 +1,5 @@
 //! `k3 logits --model DIR (--ids 1,2,3 | --ids-file FILE) --out FILE.npy [--mode full|decode|chunked:N] [--trace DIR]`
+//! `[--device cuda[:N] [--precision bf16|f32]]`
 //!
 //! Writes float32 logits `[T, vocab]` for every position. `full` runs one pass over the whole
 //! sequence; `decode` feeds the tokens one at a time through the cache; `chunked:N` prefills in
@@ -40,6 +41,19 @@ pub struct Args {
     /// GPU `--mode decode`: run the steps eagerly instead of replaying a CUDA graph.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// GPU precision: bf16 (the serving path) or f32 (the reference path: F32 weights and
+    /// activations, plain kernels; for checking against f32 references). The CPU computes in f32.
+    #[arg(long)]
+    pub precision: Option<String>,
+}
+
+/// `--precision` as an f32 flag: `bf16` → false, `f32` → true.
+pub fn parse_precision(p: &str) -> Result<bool> {
+    match p {
+        "bf16" => Ok(false),
+        "f32" => Ok(true),
+        other => bail!("--precision `{other}` is not one of bf16, f32"),
+    }
 }
 
 /// Parses ids separated by commas and/or whitespace.
@@ -65,10 +79,11 @@ pub fn parse_mode(mode: &str) -> Result<Option<usize>> {
 /// Logits of every position on the GPU: the sequence fed in pieces of `step` rows (decode steps
 /// through a CUDA graph when `step` is 1 and `graphs`).
 #[cfg(feature = "cuda")]
-fn gpu_logits(ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, step: usize, graphs: bool) -> Result<Vec<f32>> {
-    use k3_model::cuda::{CacheConfig, CudaModel, Input};
+fn gpu_logits(ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, step: usize, graphs: bool, f32: bool) -> Result<Vec<f32>> {
+    use k3_model::cuda::{CacheConfig, CudaModel, Input, Precision};
     let dev = k3_core::cuda::CudaDevice::new(ord)?;
-    let mut m = CudaModel::load(ck, &dev, CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 })?;
+    let precision = if f32 { Precision::F32 } else { Precision::Bf16 };
+    let mut m = CudaModel::load_with(ck, &dev, CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 }, precision)?;
     let h = m.config.text.hidden_size;
     let mut s = m.new_sequence()?;
     let mut out = Vec::with_capacity(ids.len() * m.config.text.vocab_size);
@@ -85,7 +100,7 @@ fn gpu_logits(ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, ste
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_logits(_: &Checkpoint, _: usize, _: &[u32], _: Option<&[f32]>, _: usize, _: bool) -> Result<Vec<f32>> {
+fn gpu_logits(_: &Checkpoint, _: usize, _: &[u32], _: Option<&[f32]>, _: usize, _: bool, _: bool) -> Result<Vec<f32>> {
     bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
 }
 
@@ -103,6 +118,11 @@ pub fn run(a: Args) -> Result<()> {
     if device.is_some() && a.trace.is_some() {
         bail!("--trace is CPU-only: drop --device or --trace");
     }
+    let f32_gpu = match (&a.precision, device) {
+        (None, _) => false,
+        (Some(p), Some(_)) => parse_precision(p)?,
+        (Some(_), None) => bail!("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda"),
+    };
     let ck = Checkpoint::open(&a.model)?;
     let (vocab, hidden) = (ck.config.text.vocab_size, ck.config.text.hidden_size);
     // The CPU model computes the CPU logits and, with --image, the token embeddings the image
@@ -131,7 +151,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let step = chunk.unwrap_or(ids.len());
     match (device, &cpu) {
-        (Some(ord), _) => logits = gpu_logits(&ck, ord, &ids, emb.as_deref(), step, !a.no_cuda_graphs)?,
+        (Some(ord), _) => logits = gpu_logits(&ck, ord, &ids, emb.as_deref(), step, !a.no_cuda_graphs, f32_gpu)?,
         (None, Some(model)) => {
             let mut state = model.new_state();
             for (ci, piece) in ids.chunks(step).enumerate() {

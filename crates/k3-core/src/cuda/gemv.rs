@@ -42,11 +42,11 @@ pub fn gemv_fits(x: &CudaTensor, ws: &[&CudaTensor]) -> bool {
     x.dtype() == DType::BF16
         && (1..=GEMV_MAX_ROWS).contains(&m)
         && (1..=GEMV_MAX_OUTS).contains(&ws.len())
-        && k % 8 == 0
+        && k.is_multiple_of(8)
         && k > 0
         && k <= i32::MAX as usize
-        && x.ptr() % 16 == 0
-        && ws.iter().all(|w| w.dtype() == DType::BF16 && w.shape().len() == 2 && w.shape()[1] == k && w.ptr() % 16 == 0 && w.cuda_device().same(x.cuda_device()))
+        && x.ptr().is_multiple_of(16)
+        && ws.iter().all(|w| w.dtype() == DType::BF16 && w.shape().len() == 2 && w.shape()[1] == k && w.ptr().is_multiple_of(16) && w.cuda_device().same(x.cuda_device()))
 }
 
 /// `out_s = x · W_sᵀ` for each `(W_s, out_s)` in `outs`, one launch. Errors (naming the operand)

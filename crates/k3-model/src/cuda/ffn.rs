@@ -22,6 +22,7 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    #[allow(clippy::too_many_arguments)]
     pub fn load(dev: &CudaDevice, ck: &Checkpoint, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32, dt: DType) -> Result<Self> {
         Ok(Mlp {
             gate_proj: matrix(dev, ck, &format!("{p}gate_proj.weight"), inter, h, dt)?,
