@@ -339,7 +339,7 @@ fn argmax(x: &[f32]) -> u32 {
 #[cfg(feature = "cuda")]
 fn bench_cuda_op(a: &Args) -> Result<()> {
     use k3_core::cuda::bench::{bench_op, BenchOp};
-    let Some((op, dims)) = a.op.split_first() else { bail!("--device cuda needs --op gemm M N K | copy BYTES | rmsnorm ROWS DIM") };
+    let Some((op, dims)) = a.op.split_first() else { bail!("--device cuda needs --op gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM") };
     let dims = dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
     let dev = k3_core::cuda::CudaDevice::new(0)?;
     let op = BenchOp::from_cli(op, &dims)?;

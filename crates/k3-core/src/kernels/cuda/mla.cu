@@ -8,8 +8,9 @@
 // `mla_cache_append_*`: one block per row, RMSNorm of the latent in f32, stored as BF16
 // (`_f32c`: stored F32, the reference precision, read by `mla_attend_f32` at the end).
 // `mla_attend_tc` (r <= 512, the K3 case): flash-decoding on tensor cores, described at the
-// kernel; `mla_attend_tc2` the same with cp.async double buffering (opt-in, unverified). `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P): block (row,
-// head group of <= HGM heads, key split); each 32-key tile is gathered from the pages into
+// kernel; `mla_attend_tc2` the same with cp.async double buffering (the default: faster at
+// every shape timed). `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P):
+// block (row, head group of <= HGM heads, key split); each 32-key tile is gathered from the pages into
 // shared memory once and used by every head of the group; scores in f32 (q pre-scaled by
 // scale*log2 e, exp2), online softmax, the latent accumulator (2P dims per thread) in
 // registers. With one split a block writes `out` directly; otherwise it writes (m, l, acc)
