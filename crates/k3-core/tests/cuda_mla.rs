@@ -18,7 +18,7 @@ use cuda_common::{check, device, paging, poisoned, prefill_rows, rng, rvec, say,
 
 use half::bf16;
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
-use k3_core::cuda::mla::{mla_attend_with, mla_cache_append, AttendKernel, PagedBatch, PAGE};
+use k3_core::cuda::mla::{mla_attend, mla_cache_append, PagedBatch, PAGE};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 use rand::seq::SliceRandom;
@@ -137,11 +137,9 @@ fn run_attend(dev: &CudaDevice, p: &Attend, scale: f32, what: &str) {
     });
     let sel = sel_t.as_ref().map(|(a, b)| (a, b));
     let want = reference(p, scale);
-    for kernel in [AttendKernel::Tiled, AttendKernel::Pipelined] {
-        out.fill_bytes(0xFF).expect("poison");
-        mla_attend_with(&q, &cache, &batch, sel, p.r, scale, &out, kernel).expect("attend");
-        check(&format!("{what} {kernel:?}"), &out.to_f32_vec().expect("read"), &want, TOL_ATTEND);
-    }
+    out.fill_bytes(0xFF).expect("poison");
+    mla_attend(&q, &cache, &batch, sel, p.r, scale, &out).expect("attend");
+    check(what, &out.to_f32_vec().expect("read"), &want, TOL_ATTEND);
 }
 
 fn problem(r: &mut impl Rng, nh: usize, rr: usize, dr: usize, lens: &[usize], rows_per_seq: usize, select: bool) -> Attend {
@@ -201,12 +199,12 @@ fn attend_real_dims() {
 
 /// Times `iters` calls of `mla_attend` with CUDA events; returns microseconds per call.
 #[allow(clippy::too_many_arguments)]
-fn time_attend(dev: &CudaDevice, q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, rr: usize, out: &CudaTensor, iters: usize, kernel: AttendKernel) -> f64 {
-    mla_attend_with(q, cache, batch, None, rr, 0.07, out, kernel).expect("warm-up");
+fn time_attend(dev: &CudaDevice, q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, rr: usize, out: &CudaTensor, iters: usize) -> f64 {
+    mla_attend(q, cache, batch, None, rr, 0.07, out).expect("warm-up");
     let (e0, e1) = (dev.new_event(true).expect("event"), dev.new_event(true).expect("event"));
     e0.record(&dev.stream()).expect("record");
     for _ in 0..iters {
-        mla_attend_with(q, cache, batch, None, rr, 0.07, out, kernel).expect("attend");
+        mla_attend(q, cache, batch, None, rr, 0.07, out).expect("attend");
     }
     e1.record(&dev.stream()).expect("record");
     let ms = e0.elapsed_ms(&e1).expect("elapsed") / iters as f32;
@@ -236,11 +234,9 @@ fn attend_decode_timing() {
         let qv: Vec<f32> = (0..n * nh * w).map(|i| pattern[(i * 7 + 3) % pattern.len()]).collect();
         let q = up(&dev, DType::BF16, vec![n, nh, w], &qv);
         let out = poisoned(&dev, DType::BF16, vec![n, nh, rr]);
-        for kernel in [AttendKernel::Tiled, AttendKernel::Pipelined] {
-            let us = time_attend(&dev, &q, &cache, &batch, rr, &out, if rows > 1 { 3 } else { 20 }, kernel);
-            let gbs = (pages * PAGE * w * 2) as f64 / (us * 1e-6) / 1e9;
-            say(&format!("  TIMING mla_attend {kernel:?} nh=96 r=512 dr=64: {b} seq x {rows} rows, ctx {ctx}: {us:.1} us ({gbs:.0} GB/s of cache)"));
-        }
+        let us = time_attend(&dev, &q, &cache, &batch, rr, &out, if rows > 1 { 3 } else { 20 });
+        let gbs = (pages * PAGE * w * 2) as f64 / (us * 1e-6) / 1e9;
+        say(&format!("  TIMING mla_attend nh=96 r=512 dr=64: {b} seq x {rows} rows, ctx {ctx}: {us:.1} us ({gbs:.0} GB/s of cache)"));
     }
 }
 

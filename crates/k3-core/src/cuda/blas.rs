@@ -316,39 +316,12 @@ impl Blas {
         Ok(h)
     }
 
+    /// One plain GEMM through cuBLAS: the batch-1 case of [`Blas::strided_batched`] with
+    /// contiguous row-major operands.
     fn cublas_gemm(&mut self, dev: &CudaDevice, p: Problem, a: u64, b: u64, c: u64) -> Result<()> {
-        let h = self.cublas_handle()?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (ta, lda) = match p.layout {
-            Layout::BT => (bsys::cublasOperation_t::CUBLAS_OP_T, p.k),
-            Layout::B => (bsys::cublasOperation_t::CUBLAS_OP_N, p.n),
-        };
-        // SAFETY: live handle; device pointers of the validated sizes; host scalars.
-        unsafe {
-            bres::set_stream(h, dev.cu_stream() as bsys::cudaStream_t).map_err(derr("cublasSetStream"))?;
-            bres::gemm_ex(
-                h,
-                ta,
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                p.n as i32,
-                p.m as i32,
-                p.k as i32,
-                &alpha as *const f32 as *const c_void,
-                b as *const c_void,
-                data_type_b(p.input),
-                lda as i32,
-                a as *const c_void,
-                data_type_b(p.input),
-                p.k as i32,
-                &beta as *const f32 as *const c_void,
-                c as *mut c_void,
-                data_type_b(p.output),
-                p.n as i32,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(derr("cublasGemmEx"))
+        let b_ld = if p.layout == Layout::BT { p.k } else { p.n };
+        let view = |ptr: u64, ld: usize| Strided { ptr, ld, stride: 0 };
+        self.strided_batched(dev, p, 1, view(a, p.k), view(b, b_ld), view(c, p.n))
     }
 
     fn strided_batched(&mut self, dev: &CudaDevice, p: Problem, batch: usize, a: Strided, b: Strided, c: Strided) -> Result<()> {

@@ -19,9 +19,10 @@ use crate::{CoreError, DType, Result};
 pub const PAGE: usize = 64;
 const OP_APPEND: &str = "cuda mla_cache_append";
 const OP_ATTEND: &str = "cuda mla_attend";
-/// Keys per tile of the CUDA-core and tensor-core attend kernels, and their block size.
+/// Keys per tile of the CUDA-core and (double-buffered) tensor-core attend kernels, and their
+/// block size.
 const TILE: usize = 32;
-const TC_TILE: usize = 64;
+const TC_TILE: usize = 32;
 const THREADS: u32 = 256;
 /// A split covers at least this many keys.
 const MIN_SPLIT_KEYS: usize = 256;
@@ -127,25 +128,9 @@ pub fn mla_cache_append(ckv: &CudaTensor, kv_norm: &CudaTensor, eps: f32, batch:
     dev.launch(MLA, name, (rows, 1, 1), (128, 1, 1), 0, &mut kargs![cp, kp, eps, bt, mp, rs, rp, cc, r32, dr32])
 }
 
-/// Which attend kernel runs (all compute the same function; see `kernels/cuda/mla.cu`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum AttendKernel {
-    /// [`AttendKernel::Pipelined`]: measured faster on the H200 at every shape timed
-    /// (`attend_decode_timing`, nh 96, r 512: one row at 4K / 128K context 36.8 / 397 µs vs
-    /// 41.8 / 530 µs; 64 rows at 4K 901 vs 1356 µs; a 4096-row prefill 23.8 vs 29.1 ms).
-    #[default]
-    Auto,
-    /// Tensor cores for r <= 512 (64-key tiles, synchronous gather), CUDA cores above.
-    Tiled,
-    /// Tensor cores for r <= 512 with 32-key tiles double-buffered through cp.async (the next
-    /// tile's gather overlaps the current tile's math); CUDA cores above.
-    Pipelined,
-}
-
 /// Kernel variant for latent width `r`: (name, heads per block).
-fn variant(r: usize, kernel: AttendKernel) -> Option<(&'static str, usize)> {
+fn variant(r: usize) -> Option<(&'static str, usize)> {
     match r {
-        0..=512 if kernel != AttendKernel::Tiled => Some(("mla_attend_tc2", 16)),
         0..=512 => Some(("mla_attend_tc", 16)),
         513..=1024 => Some(("mla_attend_p2", 8)),
         1025..=2048 => Some(("mla_attend_p4", 4)),
@@ -155,12 +140,9 @@ fn variant(r: usize, kernel: AttendKernel) -> Option<(&'static str, usize)> {
 
 /// Dynamic shared memory of the attend kernels (layouts in `mla.cu`).
 fn attend_smem(name: &str, w: usize, hgm: usize) -> usize {
-    if name == "mla_attend_tc2" {
+    if name == "mla_attend_tc" {
         let kst = w.div_ceil(16) * 16 + 8;
-        (16 + 2 * 32) * kst * 2 + 2 * 16 * 36 * 4 + 16 * 40 * 2 + 48 * 4 + 64 * 8
-    } else if name == "mla_attend_tc" {
-        let kst = w.div_ceil(16) * 16 + 8;
-        (16 + TC_TILE) * kst * 2 + 16 * 68 * 4 + 16 * 72 * 2 + 48 * 4 + TC_TILE * 8
+        (16 + 2 * TC_TILE) * kst * 2 + 2 * 16 * 36 * 4 + 16 * 40 * 2 + 48 * 4 + 2 * TC_TILE * 8
     } else {
         hgm * w * 4 + TILE * (w + 8) * 2 + (35 * hgm + 2) * 4 + TILE * 8
     }
@@ -185,12 +167,6 @@ fn num_splits(dev: &CudaDevice, base_blocks: usize, max_keys: usize) -> usize {
 /// accumulation); larger `r` uses a CUDA-core kernel (f32 P). With `q`, the cache and `out` all
 /// F32 (the reference precision) a plain f32 kernel runs instead (`mla_attend_f32`, r ≤ 2048).
 pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
-    mla_attend_with(q, cache, batch, sel, r, scale, out, AttendKernel::Auto)
-}
-
-/// [`mla_attend`] with an explicit kernel choice.
-#[allow(clippy::too_many_arguments)]
-pub fn mla_attend_with(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor, kernel: AttendKernel) -> Result<()> {
     const OP: &str = OP_ATTEND;
     let dev = q.cuda_device();
     let (n, max_pages) = batch.check(OP, dev)?;
@@ -205,7 +181,7 @@ pub fn mla_attend_with(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, s
     if cache.dtype() != DType::BF16 {
         return Err(CoreError::DType { op: OP, dtype: format!("{} cache with a {} query (both BF16, or q, cache and out F32)", cache.dtype(), q.dtype()) });
     }
-    let (name, hgm) = variant(r, kernel).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("r = {r} > 2048 is not supported by the attend kernel") })?;
+    let (name, hgm) = variant(r).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("r = {r} > 2048 is not supported by the attend kernel") })?;
     if q.dtype() != DType::BF16 || q.shape().len() != 3 || q.shape()[0] != n || q.shape()[2] != w {
         return Err(CoreError::Shape { op: OP, detail: format!("q {q:?} must be BF16 [N={n}, nh, r+dr={w}]") });
     }

@@ -276,27 +276,36 @@ fn allow_smem(dev: &super::CudaDevice, name: &'static str, smem: usize) -> Resul
     Ok(())
 }
 
+/// The decode paths' grouping (`moe_group`, one block): the `meta` table of moe.cu for the T·k
+/// (token, slot) pairs over E experts, with room for min(E, T·k) active experts (`amax`).
+fn group_pairs(op: &'static str, ids: &CudaTensor, e: usize, n_pairs: usize) -> Result<(CudaTensor, usize)> {
+    let dev = ids.cuda_device();
+    let amax = e.min(n_pairs);
+    let group_smem = 4 * (3 * e + n_pairs);
+    if group_smem > SMEM {
+        return Err(shape_err(op, format!("E = {e} with T·k = {n_pairs} pairs exceeds the grouping kernel's shared memory")));
+    }
+    let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
+    let (ip, mp) = (ids.ptr(), meta.ptr());
+    let (np32, e32, am32) = (n_pairs as i32, e as i32, amax as i32);
+    dev.launch(MOE, "moe_group", (1, 1, 1), (1024, 1, 1), group_smem as u32, &mut kargs![ip, np32, e32, am32, mp])?;
+    Ok((meta, amax))
+}
+
 fn decode(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, beta: f32, lbeta: f32) -> Result<Pairs> {
     const OP: &str = "cuda moe::experts_forward (decode)";
     let dev = z.cuda_device();
     let (e, l, f) = (w.num_experts, w.latent, w.inter);
     let n_pairs = t * k;
-    let amax = e.min(n_pairs);
-    let group_smem = 4 * (3 * e + n_pairs);
-    if group_smem > SMEM {
-        return Err(shape_err(OP, format!("E = {e} with T·k = {n_pairs} pairs exceeds the grouping kernel's shared memory")));
-    }
     let (nt13, nt2) = (tokens_per_pass(OP, t, l)?, tokens_per_pass(OP, t, f)?);
     let (k13, k2) = (gemv_kernel(w.format, true, nt13)?, gemv_kernel(w.format, false, nt2)?);
     let (sm13, sm2) = (nt13 * l * 4, nt2 * f * 4);
     allow_smem(dev, k13, sm13)?;
     allow_smem(dev, k2, sm2)?;
-    let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
+    let (meta, amax) = group_pairs(OP, ids, e, n_pairs)?;
     let act = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, f])?;
     let y = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, l])?;
-    let (ip, mp) = (ids.ptr(), meta.ptr());
-    let (np32, e32, am32, k32) = (n_pairs as i32, e as i32, amax as i32, k as i32);
-    dev.launch(MOE, "moe_group", (1, 1, 1), (1024, 1, 1), group_smem as u32, &mut kargs![ip, np32, e32, am32, mp])?;
+    let (mp, am32, k32) = (meta.ptr(), amax as i32, k as i32);
     let (s13, s2) = w.scale_ptrs();
     let (zp, ap, yp, w13p, w2p) = (z.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
     let (f2, l32, f32_) = (2 * f as i32, l as i32, f as i32);
@@ -354,11 +363,6 @@ fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: 
     let dev = z.cuda_device();
     let (e, l, f) = (w.num_experts, w.latent, w.inter);
     let n_pairs = t * k;
-    let amax = e.min(n_pairs);
-    let group_smem = 4 * (3 * e + n_pairs);
-    if group_smem > SMEM {
-        return Err(shape_err(OP, format!("E = {e} with T·k = {n_pairs} pairs exceeds the grouping kernel's shared memory")));
-    }
     // n-tiles of 8 tokens per pass: covers min(T, 64) tokens (an expert has at most T tokens
     // when each token's ids are distinct; larger groups take further passes).
     let nt = t.min(DECODE_MAX_TOKENS).div_ceil(8).next_power_of_two();
@@ -366,12 +370,10 @@ fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: 
         return Err(f32_experts());
     }
     let (k13, k2) = (mma_kernel(w.format, true, nt), mma_kernel(w.format, false, nt));
-    let meta = CudaTensor::uninit(dev, DType::I32, vec![1 + 3 * amax + n_pairs])?;
+    let (meta, amax) = group_pairs(OP, ids, e, n_pairs)?;
     let act = CudaTensor::uninit(dev, DType::BF16, vec![n_pairs, f])?;
     let y = CudaTensor::uninit(dev, DType::F32, vec![n_pairs, l])?;
-    let (ip, mp) = (ids.ptr(), meta.ptr());
-    let (np32, e32, am32, k32) = (n_pairs as i32, e as i32, amax as i32, k as i32);
-    dev.launch(MOE, "moe_group", (1, 1, 1), (1024, 1, 1), group_smem as u32, &mut kargs![ip, np32, e32, am32, mp])?;
+    let (mp, am32, k32) = (meta.ptr(), amax as i32, k as i32);
     let (s13, s2) = w.scale_ptrs();
     let (zp, ap, yp, w13p, w2p) = (z.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
     let (f2, l32, f32_) = (2 * f as i32, l as i32, f as i32);

@@ -15,6 +15,24 @@
 
 struct AresSrcs { const float* p[ARES_MAX]; };
 
+// Softmax over the n <= 65 source logits, one warp: logit_i = (v_i·c) / sqrt(mean(v_i²) + eps_res)
+// from sums[2i] = v_i·c and sums[2i+1] = v_i·v_i; weights into pw[0..n).
+__device__ __forceinline__ void ares_softmax(const float* sums, int n, int h, float eps_res, float* pw) {
+    const int lane = threadIdx.x & 31;
+    float lg[3], mx = -K3_INF;
+    for (int k = 0; k < 3; k++) {
+        int i = lane + 32 * k;
+        lg[k] = (i < n) ? sums[2 * i] / sqrtf(sums[2 * i + 1] / (float)h + eps_res) : -K3_INF;
+        mx = fmaxf(mx, lg[k]);
+    }
+    mx = warp_max(mx);
+    float e[3], den = 0.0f;
+    for (int k = 0; k < 3; k++) { e[k] = (lane + 32 * k < n) ? expf(lg[k] - mx) : 0.0f; den += e[k]; }
+    den = warp_sum(den);
+    __syncwarp();
+    for (int k = 0; k < 3; k++) if (lane + 32 * k < n) pw[lane + 32 * k] = e[k] / den;
+}
+
 template <typename OUT>
 __device__ void attn_res_norm_impl(AresSrcs srcs, int nsrc, float* __restrict__ P, const float* __restrict__ d, int mode,
                                    float* __restrict__ snap, const float* __restrict__ c, float eps_res,
@@ -57,20 +75,7 @@ __device__ void attn_res_norm_impl(AresSrcs srcs, int nsrc, float* __restrict__ 
     }
     __syncthreads();
     // Softmax over the n logits (n <= 65) in one warp, into pw.
-    if (threadIdx.x < 32) {
-        float lg[3], mx = -K3_INF;
-        for (int k = 0; k < 3; k++) {
-            int i = lane + 32 * k;
-            lg[k] = (i < n) ? sums[2 * i] / sqrtf(sums[2 * i + 1] / (float)h + eps_res) : -K3_INF;
-            mx = fmaxf(mx, lg[k]);
-        }
-        mx = warp_max(mx);
-        float e[3], den = 0.0f;
-        for (int k = 0; k < 3; k++) { e[k] = (lane + 32 * k < n) ? expf(lg[k] - mx) : 0.0f; den += e[k]; }
-        den = warp_sum(den);
-        __syncwarp();
-        for (int k = 0; k < 3; k++) if (lane + 32 * k < n) pw[lane + 32 * k] = e[k] / den;
-    }
+    if (threadIdx.x < 32) ares_softmax(sums, n, h, eps_res, pw);
     __syncthreads();
     float ss = 0.0f;
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
@@ -150,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(ARES_ST) attn_res_mix(AresSrcs srcs
     __shared__ float sums[2 * (ARES_MAX + 1)];
     __shared__ float pw[ARES_MAX + 1];
     __shared__ float scratch[32];
-    const int n = nsrc + 1, S = gridDim.x, s = blockIdx.x, row = blockIdx.y, lane = threadIdx.x & 31;
+    const int n = nsrc + 1, S = gridDim.x, s = blockIdx.x, row = blockIdx.y;
     const long long base = (long long)row * h;
     for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) {
         float t = 0.0f;
@@ -158,20 +163,7 @@ extern "C" __global__ void __launch_bounds__(ARES_ST) attn_res_mix(AresSrcs srcs
         sums[i] = t;
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-        float lg[3], mx = -K3_INF;
-        for (int k = 0; k < 3; k++) {
-            int i = lane + 32 * k;
-            lg[k] = (i < n) ? sums[2 * i] / sqrtf(sums[2 * i + 1] / (float)h + eps_res) : -K3_INF;
-            mx = fmaxf(mx, lg[k]);
-        }
-        mx = warp_max(mx);
-        float e[3], den = 0.0f;
-        for (int k = 0; k < 3; k++) { e[k] = (lane + 32 * k < n) ? expf(lg[k] - mx) : 0.0f; den += e[k]; }
-        den = warp_sum(den);
-        __syncwarp();
-        for (int k = 0; k < 3; k++) if (lane + 32 * k < n) pw[lane + 32 * k] = e[k] / den;
-    }
+    if (threadIdx.x < 32) ares_softmax(sums, n, h, eps_res, pw);
     __syncthreads();
     const int j = s * ARES_SL + threadIdx.x * 4;
     float q = 0.0f;

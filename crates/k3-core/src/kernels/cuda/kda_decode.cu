@@ -17,6 +17,21 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return r;
 }
 
+// One channel's short conv + SiLU (§3.2): taps = the 3 stored raw inputs of the channel (`cs`,
+// stride D, oldest first) and the current raw input x3; `keep` receives the shifted taps the
+// caller stores back.
+__device__ __forceinline__ float conv_silu(const bf16_t* __restrict__ cs, long long D, const float* __restrict__ w, bf16_t x3, bf16_t keep[3]) {
+    const bf16_t x0 = cs[0], x1 = cs[D], x2 = cs[2 * D];
+    const float y = w[0] * bf16_to_f32(x0) + w[1] * bf16_to_f32(x1) + w[2] * bf16_to_f32(x2) + w[3] * bf16_to_f32(x3);
+    keep[0] = x1; keep[1] = x2; keep[2] = x3;
+    return __fdividef(y, 1.0f + __expf(-y));
+}
+
+// The per-channel decay exp(g) with the lower-bounded gate (§3.3).
+__device__ __forceinline__ float decay(float lower_bound, float a_log, bf16_t graw, float dt_bias) {
+    return __expf(lower_bound * sigm(__expf(a_log) * (bf16_to_f32(graw) + dt_bias)));
+}
+
 // ------------------------------------------------------------------------------------------
 // Decode: one token per sequence; block (256 threads) per (head, sequence). Thread = (row
 // group rg of 16 state rows, 4 consecutive columns). State f32 [S][H][128][128] in place,
@@ -44,16 +59,14 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
         for (int which = 0; which < 3; which++) {
             const bf16_t* X = which == 0 ? qr : which == 1 ? kr : vr;
             bf16_t* cs = conv_state + ((long long)sl * 3 + which) * 3 * D + col;
-            const float* w = convw + ((long long)which * D + col) * 4;
-            const bf16_t x0 = cs[0], x1 = cs[D], x2 = cs[2 * (long long)D], x3 = X[row];
-            const float y = w[0] * bf16_to_f32(x0) + w[1] * bf16_to_f32(x1) + w[2] * bf16_to_f32(x2) + w[3] * bf16_to_f32(x3);
-            const float a = y / (1.0f + __expf(-y));
-            cs[0] = x1; cs[D] = x2; cs[2 * (long long)D] = x3;
+            bf16_t keep[3];
+            const float a = conv_silu(cs, D, convw + ((long long)which * D + col) * 4, X[row], keep);
+            cs[0] = keep[0]; cs[D] = keep[1]; cs[2 * (long long)D] = keep[2];
             if (which == 0) { sq[tid] = a; qq = a * a; }
             else if (which == 1) { sk[tid] = a; kk = a * a; }
             else sv[tid] = a;
         }
-        se[tid] = __expf(lower_bound * sigm(__expf(a_log[h]) * (bf16_to_f32(graw[row]) + dt_bias[col])));
+        se[tid] = decay(lower_bound, a_log[h], graw[row], dt_bias[col]);
         qq = warp_sum(qq); kk = warp_sum(kk);
         if (lane == 0) { misc[wp] = qq; misc[4 + wp] = kk; }
     }
@@ -158,16 +171,12 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
             const bf16_t* X = which == 0 ? qr : which == 1 ? kr : vr;
             const int cc = which == 2 ? h * KD + vc : col;
             const bf16_t* cs = conv_state + ((long long)sl * 3 + which) * 3 * D + cc;
-            const float* w = convw + ((long long)which * D + cc) * 4;
-            const bf16_t x0 = cs[0], x1 = cs[D], x2 = cs[2 * (long long)D], x3 = X[(long long)b * D + cc];
-            const float y = w[0] * bf16_to_f32(x0) + w[1] * bf16_to_f32(x1) + w[2] * bf16_to_f32(x2) + w[3] * bf16_to_f32(x3);
-            const float a = __fdividef(y, 1.0f + __expf(-y));
-            keep[which][0] = x1; keep[which][1] = x2; keep[which][2] = x3;
+            const float a = conv_silu(cs, D, convw + ((long long)which * D + cc) * 4, X[(long long)b * D + cc], keep[which]);
             if (which == 0) { sq[tid] = a; qq = a * a; }
             else if (which == 1) { sk[tid] = a; kk = a * a; }
             else if (tid < 64) sv[tid] = a;
         }
-        se[tid] = __expf(lower_bound * sigm(__expf(a_log[h]) * (bf16_to_f32(graw[row]) + dt_bias[col])));
+        se[tid] = decay(lower_bound, a_log[h], graw[row], dt_bias[col]);
         qq = warp_sum(qq); kk = warp_sum(kk);
         if (lane == 0) { misc[wp] = qq; misc[4 + wp] = kk; }
     }

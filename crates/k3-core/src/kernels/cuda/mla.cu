@@ -7,9 +7,8 @@
 //
 // `mla_cache_append_*`: one block per row, RMSNorm of the latent in f32, stored as BF16
 // (`_f32c`: stored F32, the reference precision, read by `mla_attend_f32` at the end).
-// `mla_attend_tc` (r <= 512, the K3 case): flash-decoding on tensor cores, described at the
-// kernel; `mla_attend_tc2` the same with cp.async double buffering (the default: faster at
-// every shape timed). `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P):
+// `mla_attend_tc` (r <= 512, the K3 case): flash-decoding on tensor cores with cp.async
+// double-buffered key tiles, described at the kernel. `mla_attend_p2` / `_p4` (512 < r <= 1024 / <= 2048, CUDA cores, f32 P):
 // block (row, head group of <= HGM heads, key split); each 32-key tile is gathered from the pages into
 // shared memory once and used by every head of the group; scores in f32 (q pre-scaled by
 // scale*log2 e, exp2), online softmax, the latent accumulator (2P dims per thread) in
@@ -272,17 +271,17 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __res
     }
 }
 
-// ---- tensor-core variant (r <= 512): mma.sync m16n8k16 bf16, f32 accumulate ----
-// Block (row, 16-head group, key split), 8 warps, 64-key tiles. Widths are padded to WK =
-// round_up(W, 16) with zeros. Scores S[16 heads, 64 keys] = Q K^T: warp w owns keys 8w..8w+7.
-// Softmax per head over the tile in f32 (P stored as bf16; l sums the rounded P). Output
-// O[16, r] += P V with V = the c_kv part of the key tile: warp w owns dims 8(w + 8j).
-// Dynamic smem: qs bf16 [16][WK+8] | ks bf16 [64][WK+8] | ss f32 [16][68] | pb bf16 [16][72] |
-// m, l, alpha f32 [16] | rowoff i64 [64].
-#define TC_TILE 64
-#define TC_SS 68
-#define TC_PS 72
-
+// ---- tensor-core attend (r <= 512, the K3 case): mma.sync m16n8k16 bf16, f32 accumulate ----
+// Block (row, 16-head group, key split), 8 warps. Widths are padded to WK = round_up(W, 16) with
+// zeros. 32-key tiles are double-buffered in shared memory: tile t+1 is gathered from the pages
+// with cp.async (zero-filled past the keys and the row width) while tile t is computed. Scores
+// S[16 heads, 32 keys] = Q K^T: warp w owns keys 8(w&3).. and the k-steps of half w>>2; the two
+// halves are added in the softmax. Softmax per head over the tile in f32 (P stored as bf16; l sums
+// the rounded P). Output O[16, r] += P V with V = the c_kv part of the key tile.
+// (A synchronous 64-key-tile version measured slower at every shape timed on the H200 — one row
+// at 4K / 128K context 41.8 / 530 µs vs 36.8 / 397 µs, 64 rows 1356 vs 901 µs — and was removed.)
+// Dynamic smem: qs bf16 [16][WK+8] | ks bf16 [2][32][WK+8] | ss f32 [2][16][36] | pb bf16 [16][40] |
+// m, l, alpha f32 [16] | rowoff i64 [2][32].
 __device__ __forceinline__ void mma_bf16_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -296,194 +295,9 @@ __device__ __forceinline__ void ldmatrix_x2_trans(unsigned& r0, unsigned& r1, co
 
 __device__ __forceinline__ unsigned ld_u32(const bf16_t* p) { return *reinterpret_cast<const unsigned*>(p); }
 
-extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache, const int* __restrict__ block_table, int max_pages,
-    const int* __restrict__ row_seq, const int* __restrict__ row_pos, const int* __restrict__ sel_idx,
-    const int* __restrict__ sel_count, int sel_k, int nh, int r, int dr, float scale, int splits, bf16_t* __restrict__ out,
-    float* __restrict__ part_acc, float* __restrict__ part_ml) {
-    extern __shared__ __align__(16) unsigned char smem_tc[];
-    const int w = r + dr, wk = (w + 15) / 16 * 16, kst = wk + 8;
-    bf16_t* qs = reinterpret_cast<bf16_t*>(smem_tc);
-    bf16_t* ks = qs + 16 * kst;
-    float* ss = reinterpret_cast<float*>(ks + TC_TILE * kst);
-    bf16_t* pb = reinterpret_cast<bf16_t*>(ss + 16 * TC_SS);
-    float* m_s = reinterpret_cast<float*>(pb + 16 * TC_PS);
-    float* l_s = m_s + 16;
-    float* a_s = l_s + 16;
-    long long* rowoff = reinterpret_cast<long long*>(a_s + 16);
-
-    const int i = blockIdx.x, h0 = blockIdx.y * 16, split = blockIdx.z;
-    const int hg = min(16, nh - h0);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int n = sel_idx ? sel_count[i] : row_pos[i] + 1;
-    int chunk = (n + splits - 1) / splits;
-    chunk = (chunk + TC_TILE - 1) / TC_TILE * TC_TILE;
-    const int start = split * chunk, end = min(n, start + chunk);
-    const long long seq_base = (long long)row_seq[i] * max_pages;
-    const float qscale = scale * MLA_LOG2E;
-    const int wv = wk / 8;
-
-    for (int v = tid; v < 16 * wv; v += MLA_THREADS) {
-        const int h = v / wv, c = (v % wv) * 8;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (h < hg && c < w) val = *reinterpret_cast<const uint4*>(q + ((long long)i * nh + h0 + h) * w + c);
-        *reinterpret_cast<uint4*>(qs + h * kst + c) = val;
-    }
-    if (tid < 16) {
-        m_s[tid] = -K3_INF;
-        l_s[tid] = 0.0f;
-    }
-    float acc[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-
-    for (int t0 = start; t0 < end; t0 += TC_TILE) {
-        __syncthreads();
-        if (tid < TC_TILE) {
-            const int j = t0 + tid;
-            long long off = -1;
-            if (j < end) {
-                const int pos = sel_idx ? sel_idx[(long long)i * sel_k + j] : j;
-                const int page = block_table[seq_base + pos / MLA_PAGE];
-                off = ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
-            }
-            rowoff[tid] = off;
-        }
-        __syncthreads();
-        // Gather: 4 independent 16-byte loads in flight per thread before the stores.
-        for (int v0 = tid; v0 < TC_TILE * wv; v0 += 4 * MLA_THREADS) {
-            uint4 val[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int v = v0 + u * MLA_THREADS;
-                val[u] = make_uint4(0u, 0u, 0u, 0u);
-                if (v < TC_TILE * wv) {
-                    const int t = v / wv, c = (v % wv) * 8;
-                    const long long off = rowoff[t];
-                    if (off >= 0 && c < w) val[u] = __ldg(reinterpret_cast<const uint4*>(cache + off + c));
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int v = v0 + u * MLA_THREADS;
-                if (v < TC_TILE * wv) *reinterpret_cast<uint4*>(ks + (v / wv) * kst + (v % wv) * 8) = val[u];
-            }
-        }
-        __syncthreads();
-        // Scores for keys 8*warp .. 8*warp+7.
-        {
-            // Two accumulators (even / odd k-steps) halve the dependent mma chain.
-            float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c5[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const bf16_t* qa = qs + g * kst + 2 * t4;
-            const bf16_t* qb = qs + (g + 8) * kst + 2 * t4;
-            const bf16_t* kb = ks + (8 * warp + g) * kst + 2 * t4;
-            int k0 = 0;
-            for (; k0 + 32 <= wk; k0 += 32) {
-                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
-                mma_bf16_16816(c5, ld_u32(qa + k0 + 16), ld_u32(qb + k0 + 16), ld_u32(qa + k0 + 24), ld_u32(qb + k0 + 24), ld_u32(kb + k0 + 16), ld_u32(kb + k0 + 24));
-            }
-            if (k0 < wk)
-                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
-#pragma unroll
-            for (int j = 0; j < 4; j++) c4[j] += c5[j];
-            const int col = 8 * warp + 2 * t4;
-            const bool v0 = t0 + col < end, v1 = t0 + col + 1 < end;
-            ss[g * TC_SS + col] = v0 ? c4[0] * qscale : -K3_INF;
-            ss[g * TC_SS + col + 1] = v1 ? c4[1] * qscale : -K3_INF;
-            ss[(g + 8) * TC_SS + col] = v0 ? c4[2] * qscale : -K3_INF;
-            ss[(g + 8) * TC_SS + col + 1] = v1 ? c4[3] * qscale : -K3_INF;
-        }
-        __syncthreads();
-        // Online softmax: warp w owns heads 2w, 2w+1; lane owns keys lane, lane+32.
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int h = 2 * warp + hh;
-            const float s0 = ss[h * TC_SS + lane], s1 = ss[h * TC_SS + lane + 32];
-            const float m_old = m_s[h];
-            const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
-            const bf16_t p0 = f32_to_bf16(exp2f(s0 - m_new)), p1 = f32_to_bf16(exp2f(s1 - m_new));
-            const float psum = warp_sum(bf16_to_f32(p0) + bf16_to_f32(p1));
-            pb[h * TC_PS + lane] = p0;
-            pb[h * TC_PS + lane + 32] = p1;
-            __syncwarp();
-            if (lane == 0) {
-                const float alpha = exp2f(m_old - m_new);
-                a_s[h] = alpha;
-                m_s[h] = m_new;
-                l_s[h] = l_s[h] * alpha + psum;
-            }
-        }
-        __syncthreads();
-        // O += P V: warp owns n-blocks warp + 8j (dims 8*(warp + 8j) ..+7).
-        {
-            const float al0 = a_s[g], al1 = a_s[g + 8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                acc[j][0] *= al0; acc[j][1] *= al0;
-                acc[j][2] *= al1; acc[j][3] *= al1;
-            }
-            const int kmax = min(TC_TILE, end - t0);
-            for (int k0 = 0; k0 < kmax; k0 += 16) {
-                const unsigned a0 = ld_u32(pb + g * TC_PS + k0 + 2 * t4), a1 = ld_u32(pb + (g + 8) * TC_PS + k0 + 2 * t4);
-                const unsigned a2 = ld_u32(pb + g * TC_PS + k0 + 8 + 2 * t4), a3 = ld_u32(pb + (g + 8) * TC_PS + k0 + 8 + 2 * t4);
-                const bf16_t* vrow = ks + (k0 + (lane & 15)) * kst;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const int d0 = 8 * (warp + 8 * j);
-                    if (d0 < r) {
-                        unsigned b0, b1;
-                        ldmatrix_x2_trans(b0, b1, vrow + d0);
-                        mma_bf16_16816(acc[j], a0, a1, a2, a3, b0, b1);
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
-    const int rows2[2] = {g, g + 8};
-    if (splits == 1) {
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int h = rows2[hh];
-            if (h < hg) {
-                const float l = l_s[h];
-                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const int d = 8 * (warp + 8 * j) + 2 * t4;
-                    if (d < r) {
-                        const unsigned o = (unsigned)f32_to_bf16(acc[j][2 * hh] * inv) | ((unsigned)f32_to_bf16(acc[j][2 * hh + 1] * inv) << 16);
-                        *reinterpret_cast<unsigned*>(out + ((long long)i * nh + h0 + h) * r + d) = o;
-                    }
-                }
-            }
-        }
-    } else {
-        const long long base = ((long long)i * splits + split) * nh + h0;
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int h = rows2[hh];
-            if (h < hg) {
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const int d = 8 * (warp + 8 * j) + 2 * t4;
-                    if (d < r) *reinterpret_cast<float2*>(part_acc + (base + h) * r + d) = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
-                }
-            }
-        }
-        if (tid < hg) *reinterpret_cast<float2*>(part_ml + (base + tid) * 2) = make_float2(m_s[tid], l_s[tid]);
-    }
-}
-
-// ---- pipelined tensor-core variant (r <= 512) ----
-// As mla_attend_tc, with 32-key tiles double-buffered in shared memory: tile t+1 is gathered
-// with cp.async (zero-filled past the keys and the row width) while tile t is computed. Scores:
-// warp w owns keys 8(w&3).. and the k-steps of half w>>2; the two halves are added in the softmax.
-// Dynamic smem: qs bf16 [16][WK+8] | ks bf16 [2][32][WK+8] | ss f32 [2][16][36] | pb bf16 [16][40] |
-// m, l, alpha f32 [16] | rowoff i64 [2][32].
-#define TC2_TILE 32
-#define TC2_SS 36
-#define TC2_PS 40
+#define TC_TILE 32
+#define TC_SS 36
+#define TC_PS 40
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
     unsigned d = (unsigned)__cvta_generic_to_shared(dst);
@@ -493,18 +307,18 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
+extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache, const int* __restrict__ block_table, int max_pages,
     const int* __restrict__ row_seq, const int* __restrict__ row_pos, const int* __restrict__ sel_idx,
     const int* __restrict__ sel_count, int sel_k, int nh, int r, int dr, float scale, int splits, bf16_t* __restrict__ out,
     float* __restrict__ part_acc, float* __restrict__ part_ml) {
-    extern __shared__ __align__(16) unsigned char smem_tc2[];
+    extern __shared__ __align__(16) unsigned char smem_tc[];
     const int w = r + dr, wk = (w + 15) / 16 * 16, kst = wk + 8, wv = wk / 8;
-    bf16_t* qs = reinterpret_cast<bf16_t*>(smem_tc2);
+    bf16_t* qs = reinterpret_cast<bf16_t*>(smem_tc);
     bf16_t* ks = qs + 16 * kst;
-    float* ss = reinterpret_cast<float*>(ks + 2 * TC2_TILE * kst);
-    bf16_t* pb = reinterpret_cast<bf16_t*>(ss + 2 * 16 * TC2_SS);
-    float* m_s = reinterpret_cast<float*>(pb + 16 * TC2_PS);
+    float* ss = reinterpret_cast<float*>(ks + 2 * TC_TILE * kst);
+    bf16_t* pb = reinterpret_cast<bf16_t*>(ss + 2 * 16 * TC_SS);
+    float* m_s = reinterpret_cast<float*>(pb + 16 * TC_PS);
     float* l_s = m_s + 16;
     float* a_s = l_s + 16;
     long long* rowoff = reinterpret_cast<long long*>(a_s + 16);
@@ -526,9 +340,9 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
         return ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
     };
     auto issue = [&](int buf) {
-        bf16_t* kb = ks + buf * TC2_TILE * kst;
-        const long long* ro = rowoff + buf * TC2_TILE;
-        for (int v = tid; v < TC2_TILE * wv; v += MLA_THREADS) {
+        bf16_t* kb = ks + buf * TC_TILE * kst;
+        const long long* ro = rowoff + buf * TC_TILE;
+        for (int v = tid; v < TC_TILE * wv; v += MLA_THREADS) {
             const int t = v / wv, c = (v % wv) * 8;
             const long long off = ro[t];
             const bool ok = off >= 0 && c < w;
@@ -547,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
         m_s[tid] = -K3_INF;
         l_s[tid] = 0.0f;
     }
-    if (tid < TC2_TILE) rowoff[tid] = key_off(start + tid);
+    if (tid < TC_TILE) rowoff[tid] = key_off(start + tid);
     __syncthreads();
     if (start < end) issue(0);
 
@@ -558,10 +372,10 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
     const int kh = warp >> 2, nbk = warp & 3;
     const int kbeg = kh * half * 16, kend = min(ksteps, (kh + 1) * half) * 16;
 
-    for (int it = 0, t0 = start; t0 < end; it++, t0 += TC2_TILE) {
+    for (int it = 0, t0 = start; t0 < end; it++, t0 += TC_TILE) {
         const int buf = it & 1;
-        if (t0 + TC2_TILE < end) {
-            if (tid < TC2_TILE) rowoff[(buf ^ 1) * TC2_TILE + tid] = key_off(t0 + TC2_TILE + tid);
+        if (t0 + TC_TILE < end) {
+            if (tid < TC_TILE) rowoff[(buf ^ 1) * TC_TILE + tid] = key_off(t0 + TC_TILE + tid);
             __syncthreads();
             issue(buf ^ 1);
             cp_async_wait_1();
@@ -569,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
             cp_async_wait_0();
         }
         __syncthreads();
-        const bf16_t* kt = ks + buf * TC2_TILE * kst;
+        const bf16_t* kt = ks + buf * TC_TILE * kst;
         {
             float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c5[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const bf16_t* qa = qs + g * kst + 2 * t4;
@@ -582,24 +396,24 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
             }
             if (k0 < kend)
                 mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
-            float* sh = ss + kh * 16 * TC2_SS;
+            float* sh = ss + kh * 16 * TC_SS;
             const int col = 8 * nbk + 2 * t4;
-            sh[g * TC2_SS + col] = c4[0] + c5[0];
-            sh[g * TC2_SS + col + 1] = c4[1] + c5[1];
-            sh[(g + 8) * TC2_SS + col] = c4[2] + c5[2];
-            sh[(g + 8) * TC2_SS + col + 1] = c4[3] + c5[3];
+            sh[g * TC_SS + col] = c4[0] + c5[0];
+            sh[g * TC_SS + col + 1] = c4[1] + c5[1];
+            sh[(g + 8) * TC_SS + col] = c4[2] + c5[2];
+            sh[(g + 8) * TC_SS + col + 1] = c4[3] + c5[3];
         }
         __syncthreads();
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
             const int h = 2 * warp + hh;
             const bool valid = t0 + lane < end;
-            const float s = valid ? (ss[h * TC2_SS + lane] + ss[(16 + h) * TC2_SS + lane]) * qscale : -K3_INF;
+            const float s = valid ? (ss[h * TC_SS + lane] + ss[(16 + h) * TC_SS + lane]) * qscale : -K3_INF;
             const float m_old = m_s[h];
             const float m_new = fmaxf(m_old, warp_max(s));
             const bf16_t p = f32_to_bf16(exp2f(s - m_new));
             const float psum = warp_sum(bf16_to_f32(p));
-            pb[h * TC2_PS + lane] = p;
+            pb[h * TC_PS + lane] = p;
             __syncwarp();
             if (lane == 0) {
                 const float alpha = exp2f(m_old - m_new);
@@ -616,10 +430,10 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc2(
                 acc[j][0] *= al0; acc[j][1] *= al0;
                 acc[j][2] *= al1; acc[j][3] *= al1;
             }
-            const int kmax = min(TC2_TILE, end - t0);
+            const int kmax = min(TC_TILE, end - t0);
             for (int k0 = 0; k0 < kmax; k0 += 16) {
-                const unsigned a0 = ld_u32(pb + g * TC2_PS + k0 + 2 * t4), a1 = ld_u32(pb + (g + 8) * TC2_PS + k0 + 2 * t4);
-                const unsigned a2 = ld_u32(pb + g * TC2_PS + k0 + 8 + 2 * t4), a3 = ld_u32(pb + (g + 8) * TC2_PS + k0 + 8 + 2 * t4);
+                const unsigned a0 = ld_u32(pb + g * TC_PS + k0 + 2 * t4), a1 = ld_u32(pb + (g + 8) * TC_PS + k0 + 2 * t4);
+                const unsigned a2 = ld_u32(pb + g * TC_PS + k0 + 8 + 2 * t4), a3 = ld_u32(pb + (g + 8) * TC_PS + k0 + 8 + 2 * t4);
                 const bf16_t* vrow = kt + (k0 + (lane & 15)) * kst;
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
