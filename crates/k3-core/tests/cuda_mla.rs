@@ -7,7 +7,8 @@
 //! (seed printed; `K3_TEST_SEED=N` replays); outputs are poisoned with NaN first.
 //! Tolerances: cache append — k_pe bit-exact, latent within 1 bf16 ulp of the bf16-rounded
 //! f32 reference and at least 99 % bit-exact (summation order may move the f32 value across a
-//! rounding boundary); attend — relative L2 5e-3 (bf16 output rounding, f32 everywhere else);
+//! rounding boundary); attend — relative L2 5e-3 (bf16 output rounding, f32 everywhere else),
+//! and 1e-5 for the reference precision (F32 q, cache and out: the plain f32 kernel);
 //! batched GEMM — relative L2 5e-3 for BF16 output, 1e-5 for F32 output.
 //! Timings (printed, never asserted): decode at real dims, batch 1, contexts 4096 and 131072.
 //! Without a GPU every test prints `skipped` and passes (fails with `K3_REQUIRE_CUDA=1`).
@@ -25,6 +26,8 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 
 const TOL_ATTEND: f64 = 5e-3;
+/// The reference precision (F32 q, cache, out): summation order only.
+const TOL_F32: f64 = 1e-5;
 
 #[test]
 fn cache_append_matches_rms_norm() {
@@ -112,6 +115,12 @@ fn reference(p: &Attend, scale: f32) -> Vec<f32> {
 }
 
 fn run_attend(dev: &CudaDevice, p: &Attend, scale: f32, what: &str) {
+    run_attend_as(dev, p, scale, what, DType::BF16)
+}
+
+/// [`run_attend`] with q, cache and out stored as `dt`: F32 is the reference precision (the plain
+/// f32 kernel), held to f32 tolerance.
+fn run_attend_as(dev: &CudaDevice, p: &Attend, scale: f32, what: &str, dt: DType) {
     let n = p.rows.len();
     let pages = p.cache.len() / (PAGE * p.w);
     let rs: Vec<i32> = p.rows.iter().map(|x| x.0 as i32).collect();
@@ -119,9 +128,9 @@ fn run_attend(dev: &CudaDevice, p: &Attend, scale: f32, what: &str) {
     let b = p.bt.len() / p.mp;
     let (btt, rst, rpt) = (up_i32(dev, vec![b, p.mp], &p.bt), up_i32(dev, vec![n], &rs), up_i32(dev, vec![n], &rp));
     let batch = PagedBatch { block_table: &btt, row_seq: &rst, row_pos: &rpt };
-    let cache = up(dev, DType::BF16, vec![pages, PAGE, p.w], &p.cache);
-    let q = up(dev, DType::BF16, vec![n, p.nh, p.w], &p.q);
-    let out = poisoned(dev, DType::BF16, vec![n, p.nh, p.r]);
+    let cache = up(dev, dt, vec![pages, PAGE, p.w], &p.cache);
+    let q = up(dev, dt, vec![n, p.nh, p.w], &p.q);
+    let out = poisoned(dev, dt, vec![n, p.nh, p.r]);
     let has_sel = p.rows.iter().any(|x| x.2.is_some());
     let sel_t = has_sel.then(|| {
         let k = p.rows.iter().map(|x| x.2.as_ref().map_or(0, Vec::len)).max().unwrap_or(0).max(1) + 2;
@@ -139,7 +148,7 @@ fn run_attend(dev: &CudaDevice, p: &Attend, scale: f32, what: &str) {
     let want = reference(p, scale);
     out.fill_bytes(0xFF).expect("poison");
     mla_attend(&q, &cache, &batch, sel, p.r, scale, &out).expect("attend");
-    check(what, &out.to_f32_vec().expect("read"), &want, TOL_ATTEND);
+    check(&format!("{what} {dt}"), &out.to_f32_vec().expect("read"), &want, if dt == DType::F32 { TOL_F32 } else { TOL_ATTEND });
 }
 
 fn problem(r: &mut impl Rng, nh: usize, rr: usize, dr: usize, lens: &[usize], rows_per_seq: usize, select: bool) -> Attend {
@@ -177,6 +186,21 @@ fn attend_dense_and_selected_tiny_and_wide() {
                 let p = problem(&mut r, nh, rr, dr, &lens, rows_per_seq, select);
                 run_attend(&dev, &p, scale, &format!("nh={nh} r={rr} dr={dr} rows/seq={rows_per_seq} sel={select}"));
             }
+        }
+    }
+}
+
+/// The reference precision: F32 q, cache and out (the plain f32 attend), dense and selected,
+/// one and several rows per sequence, at tiny, real and wide latent widths.
+#[test]
+fn attend_f32_reference_precision() {
+    let Some(dev) = device("attend_f32_reference_precision") else { return };
+    let mut r = rng("attend_f32_reference_precision");
+    for &(nh, rr, dr, lens) in &[(3usize, 32usize, 8usize, &[1usize, 64, 200][..]), (4, 512, 64, &[1, 300]), (2, 1040, 8, &[130])] {
+        let scale = 1.0 / ((rr / 4 + dr) as f32).sqrt();
+        for (rows_per_seq, select) in [(1usize, false), (5, false), (1, true), (5, true)] {
+            let p = problem(&mut r, nh, rr, dr, lens, rows_per_seq, select);
+            run_attend_as(&dev, &p, scale, &format!("nh={nh} r={rr} dr={dr} rows/seq={rows_per_seq} sel={select}"), DType::F32);
         }
     }
 }

@@ -108,6 +108,18 @@ pub struct Model {
 impl Model {
     /// Builds the model from an opened checkpoint (checked against the tensor table first).
     pub fn load(ck: &Checkpoint) -> Result<Model> {
+        Self::load_opts(ck, true)
+    }
+
+    /// The model as the engine's source of the config and embedding rows beside a GPU model
+    /// (`k3 run` / `k3 serve --device cuda`): the same views, but the MXFP4 scale bytes are not
+    /// scanned here — the GPU upload checks every one of them as it copies them — so a
+    /// memory-mapped checkpoint's scales are read once at start-up, not twice.
+    pub fn load_for_gpu(ck: &Checkpoint) -> Result<Model> {
+        Self::load_opts(ck, false)
+    }
+
+    fn load_opts(ck: &Checkpoint, scan_scales: bool) -> Result<Model> {
         ck.check()?;
         let cfg = ck.config.clone();
         let t = &cfg.text;
@@ -131,7 +143,7 @@ impl Model {
                     post_attention_layernorm: vector(ck, &format!("{p}post_attention_layernorm.weight"), h)?,
                     ffn: match spec.ffn {
                         FfnKind::Dense => Ffn::Dense(Mlp::load(ck, &format!("{p}mlp."), h, t.intermediate_size, t.activation_situ_beta, t.activation_situ_linear_beta)?),
-                        FfnKind::Moe => Ffn::Moe(Moe::load(ck, &cfg, l)?),
+                        FfnKind::Moe => Ffn::Moe(Moe::load(ck, &cfg, l, scan_scales)?),
                     },
                 })
             })

@@ -104,7 +104,8 @@ pub fn parse_device(d: &str) -> std::result::Result<Option<usize>, String> {
 pub fn run_serve(a: ServeArgs) -> Result<()> {
     let model_dir = a.model.clone().ok_or_else(|| ServerError::Config("no --model given".into()))?;
     let ck = Checkpoint::open(&model_dir)?;
-    let model = Arc::new(Model::load(&ck)?);
+    let device = parse_device(&a.device).map_err(ServerError::Config)?;
+    let model = Arc::new(if device.is_some() { Model::load_for_gpu(&ck)? } else { Model::load(&ck)? });
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| model_dir.clone());
     let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     if a.max_batch == 0 {
@@ -124,7 +125,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         }
         ok
     });
-    let engine = match parse_device(&a.device).map_err(ServerError::Config)? {
+    let engine = match device {
         None => Engine::new(model, Some(tok.clone()), ecfg),
         Some(ord) => {
             let gpu = k3_engine::gpu::load_gpu(&ck, ord, a.max_batch, a.max_cache_tokens, !a.no_cuda_graphs).map_err(|e| ServerError::Config(format!("--device {}: {e}", a.device)))?;

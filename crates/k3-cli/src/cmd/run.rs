@@ -97,7 +97,8 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let dir = resolve_model_dir(a.model.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
-    let model = Arc::new(Model::load(&ck)?);
+    let device = k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)?;
+    let model = Arc::new(if device.is_some() { Model::load_for_gpu(&ck)? } else { Model::load(&ck)? });
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| dir.clone());
     let tokenizer = if tok_dir.join("tiktoken.model").is_file() { Some(Arc::new(Tokenizer::from_dir(&tok_dir)?)) } else { None };
     let prompt: Vec<u32> = match (&a.ids, &a.prompt, &tokenizer) {
@@ -117,7 +118,7 @@ pub fn run(a: Args) -> Result<()> {
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
     let ecfg = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.into() };
-    let mut engine = match k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)? {
+    let mut engine = match device {
         None => Engine::new(model, tokenizer.clone(), ecfg),
         Some(ord) => {
             let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());

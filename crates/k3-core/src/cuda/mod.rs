@@ -63,6 +63,17 @@ pub struct Libraries {
 }
 
 /// Looks for libcuda, libnvrtc, libcublas and libcublasLt without calling into them.
+/// `nvrtcVersion` (major, minor) when libnvrtc loads.
+pub(crate) fn nvrtc_version() -> Option<(i32, i32)> {
+    if !library_report().nvrtc {
+        return None;
+    }
+    let (mut a, mut b) = (0i32, 0i32);
+    // SAFETY: out-parameter query; the library is present (checked above).
+    let ok = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
+    (ok == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((a, b))
+}
+
 pub fn library_report() -> Libraries {
     static L: OnceLock<Libraries> = OnceLock::new();
     // SAFETY: these only try to dlopen candidate file names; nothing is called.
@@ -228,14 +239,7 @@ impl CudaDevice {
         // SAFETY: plain out-parameter query; the driver library is loaded (probe()).
         unsafe { dsys::cuDriverGetVersion(&mut drv) }.result().map_err(derr("cuDriverGetVersion"))?;
         let libs = library_report();
-        let nvrtc_version = if libs.nvrtc {
-            let (mut a, mut b) = (0i32, 0i32);
-            // SAFETY: out-parameter query; library present.
-            let ok = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
-            (ok == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((a, b))
-        } else {
-            None
-        };
+        let nvrtc_version = nvrtc_version();
         // SAFETY: version query with no arguments; library present.
         let cublaslt_version = libs.cublaslt.then(|| unsafe { cudarc::cublaslt::sys::cublasLtGetVersion() });
         let info = DeviceInfo {

@@ -43,10 +43,11 @@ pub struct Moe {
 /// One token's routing: expert ids and their weights.
 pub type Route = Vec<(usize, f32)>;
 
-fn expert_matrix(ck: &Checkpoint, p: &str, rows: usize, cols: usize, mxfp4: bool) -> Result<Matrix> {
+fn expert_matrix(ck: &Checkpoint, p: &str, rows: usize, cols: usize, mxfp4: bool, scan_scales: bool) -> Result<Matrix> {
     if mxfp4 {
         let (pn, sn) = (format!("{p}weight_packed"), format!("{p}weight_scale"));
-        Matrix::mxfp4(ck.tensor(&pn)?, ck.tensor(&sn)?).map_err(|e| {
+        let wrap = if scan_scales { Matrix::mxfp4 } else { Matrix::mxfp4_unscanned };
+        wrap(ck.tensor(&pn)?, ck.tensor(&sn)?).map_err(|e| {
             // A bad scale byte is the scale tensor's fault; a shape mismatch names the pair.
             let msg = e.to_string();
             let name = if msg.contains("scale byte") { sn } else { format!("{pn} / weight_scale") };
@@ -58,7 +59,9 @@ fn expert_matrix(ck: &Checkpoint, p: &str, rows: usize, cols: usize, mxfp4: bool
 }
 
 impl Moe {
-    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize) -> Result<Self> {
+    /// `scan_scales`: check every MXFP4 scale byte now (off only when the experts are not
+    /// computed with here, see `Model::load_for_gpu`).
+    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize, scan_scales: bool) -> Result<Self> {
         let t = &cfg.text;
         let (h, e, lat, fi) = (t.hidden_size, t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
         let p = format!("{}block_sparse_moe.", crate::weights::layer_prefix(l));
@@ -67,9 +70,9 @@ impl Moe {
             .map(|ex| {
                 let q = format!("{p}experts.{ex}.");
                 Ok(Expert {
-                    w1: expert_matrix(ck, &format!("{q}w1."), fi, lat, mx)?,
-                    w3: expert_matrix(ck, &format!("{q}w3."), fi, lat, mx)?,
-                    w2: expert_matrix(ck, &format!("{q}w2."), lat, fi, mx)?,
+                    w1: expert_matrix(ck, &format!("{q}w1."), fi, lat, mx, scan_scales)?,
+                    w3: expert_matrix(ck, &format!("{q}w3."), fi, lat, mx, scan_scales)?,
+                    w2: expert_matrix(ck, &format!("{q}w2."), lat, fi, mx, scan_scales)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

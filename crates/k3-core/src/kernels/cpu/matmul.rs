@@ -38,12 +38,22 @@ impl Matrix {
 
     /// Wraps an MXFP4 pair; checks shapes and that no scale byte is 255.
     pub fn mxfp4(packed: Tensor, scale: Tensor) -> Result<Self> {
+        let m = Self::mxfp4_unscanned(packed, scale)?;
+        if let Matrix::Mxfp4 { scale, .. } = &m {
+            mxfp4::check_scales(scale.as_u8()?)?;
+        }
+        Ok(m)
+    }
+
+    /// [`Matrix::mxfp4`] without reading the scale bytes (shapes and dtypes still checked): for
+    /// a holder that never computes with the matrix, or whose own loader checks the scales (the
+    /// GPU upload), so a memory-mapped checkpoint's scales are not paged in twice.
+    pub fn mxfp4_unscanned(packed: Tensor, scale: Tensor) -> Result<Self> {
         let (ps, ss) = (packed.shape(), scale.shape());
         let ok = packed.dtype() == DType::U8 && scale.dtype() == DType::U8 && ps.len() == 2 && ss.len() == 2 && ps[0] == ss[0] && ps[1] * 2 == ss[1] * 32;
         if !ok {
             return Err(CoreError::Shape { op: "Matrix::mxfp4", detail: format!("weight_packed {packed:?} and weight_scale {scale:?} do not describe one [out, in] MXFP4 matrix (packed [out, in/2], scale [out, in/32], both U8)") });
         }
-        mxfp4::check_scales(scale.as_u8()?)?;
         Ok(Matrix::Mxfp4 { packed, scale })
     }
 
@@ -442,6 +452,10 @@ mod tests {
         assert!(linear(&[0.0; 4], 1, &w, &mut o).unwrap_err().to_string().contains("linear"));
         let p = Tensor::from_bytes(DType::U8, vec![2, 16], &[0; 32]).unwrap();
         let s = Tensor::from_bytes(DType::U8, vec![2, 1], &[127, 255]).unwrap();
-        assert!(Matrix::mxfp4(p, s).unwrap_err().to_string().contains("255"));
+        assert!(Matrix::mxfp4(p.clone(), s.clone()).unwrap_err().to_string().contains("255"));
+        // Unscanned: the scale bytes are left to the caller, the shapes are still checked.
+        assert!(Matrix::mxfp4_unscanned(p.clone(), s).is_ok());
+        let bad = Tensor::from_bytes(DType::U8, vec![2, 2], &[127; 4]).unwrap();
+        assert!(Matrix::mxfp4_unscanned(p, bad).unwrap_err().to_string().contains("MXFP4"));
     }
 }
