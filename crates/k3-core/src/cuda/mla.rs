@@ -189,16 +189,7 @@ pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: O
     if out.dtype() != DType::BF16 || out.shape() != [n, nh, r] {
         return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be BF16 [N={n}, nh={nh}, r={r}]") });
     }
-    let (sel_idx, sel_count, sel_k) = match sel {
-        Some((si, sc)) => {
-            same_dev(OP, dev, &[("sel_idx", si), ("sel_count", sc)])?;
-            if si.dtype() != DType::I32 || sc.dtype() != DType::I32 || si.shape().len() != 2 || si.shape()[0] != n || sc.shape() != [n] {
-                return Err(CoreError::Shape { op: OP, detail: format!("selection {si:?}, {sc:?} must be I32 [N={n}, K] and I32 [N]") });
-            }
-            (si.ptr(), sc.ptr(), si.shape()[1])
-        }
-        None => (0u64, 0u64, 0usize),
-    };
+    let (sel_idx, sel_count, sel_k) = selection(dev, sel, n)?;
     aligned16(OP, &[("q", q), ("cache", cache)])?;
     if n == 0 || nh == 0 {
         return Ok(());
@@ -233,6 +224,18 @@ pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: O
     Ok(())
 }
 
+/// The attend's optional selection (`sel_idx` I32 `[N, K]`, `sel_count` I32 `[N]`) as kernel
+/// arguments (idx, count, K); zeros without one.
+fn selection(dev: &CudaDevice, sel: Option<(&CudaTensor, &CudaTensor)>, n: usize) -> Result<(u64, u64, usize)> {
+    const OP: &str = OP_ATTEND;
+    let Some((si, sc)) = sel else { return Ok((0, 0, 0)) };
+    same_dev(OP, dev, &[("sel_idx", si), ("sel_count", sc)])?;
+    if si.dtype() != DType::I32 || sc.dtype() != DType::I32 || si.shape().len() != 2 || si.shape()[0] != n || sc.shape() != [n] {
+        return Err(CoreError::Shape { op: OP, detail: format!("selection {si:?}, {sc:?} must be I32 [N={n}, K] and I32 [N]") });
+    }
+    Ok((si.ptr(), sc.ptr(), si.shape()[1]))
+}
+
 /// The reference-precision attend: `q` F32 `[N, nh, r+dr]`, cache F32, `out` F32 `[N, nh, r]`,
 /// same function as [`mla_attend`] (one block per row and head, see `mla_attend_f32` in mla.cu).
 fn attend_f32(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
@@ -247,15 +250,7 @@ fn attend_f32(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Optio
     if out.dtype() != DType::F32 || out.shape() != [n, nh, r] {
         return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be F32 [N={n}, nh={nh}, r={r}]") });
     }
-    let (sel_idx, sel_count, sel_k) = match sel {
-        Some((si, sc)) => {
-            if si.dtype() != DType::I32 || sc.dtype() != DType::I32 || si.shape().len() != 2 || si.shape()[0] != n || sc.shape() != [n] {
-                return Err(CoreError::Shape { op: OP, detail: format!("selection {si:?}, {sc:?} must be I32 [N={n}, K] and I32 [N]") });
-            }
-            (si.ptr(), sc.ptr(), si.shape()[1])
-        }
-        None => (0u64, 0u64, 0usize),
-    };
+    let (sel_idx, sel_count, sel_k) = selection(dev, sel, n)?;
     if n == 0 || nh == 0 {
         return Ok(());
     }

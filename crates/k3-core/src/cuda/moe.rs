@@ -80,7 +80,7 @@ fn expect(op: &'static str, name: &str, t: &CudaTensor, dtype: DType, shape: &[u
     if t.dtype() != dtype || t.shape() != shape || !t.cuda_device().same(like.cuda_device()) {
         return Err(shape_err(op, format!("{name} is {t:?}; it must be {dtype} {shape:?} on the same device as the other operands")));
     }
-    if t.ptr() % 16 != 0 {
+    if !t.ptr().is_multiple_of(16) {
         return Err(shape_err(op, format!("{name} must be 16-byte aligned (allocate it as its own tensor)")));
     }
     Ok(())
@@ -161,6 +161,7 @@ impl ExpertWeights {
 /// f32 at T = 1). T larger: the prefill path, NOT capturable (reads the routing on the host;
 /// intermediate rounded to BF16). `z` F32 is the reference precision: any expert format (F32
 /// experts only there), every product and the intermediate in f32, any T, capturable.
+#[allow(clippy::too_many_arguments)]
 pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, beta: f32, linear_beta: f32, scaling: f32, out: &CudaTensor) -> Result<()> {
     const OP: &str = "cuda moe::experts_forward";
     let reference = z.dtype() == DType::F32;
@@ -226,6 +227,7 @@ struct Pairs {
 }
 
 impl Pairs {
+    #[allow(clippy::too_many_arguments)]
     fn combine(&self, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, scaling: f32, out: &CudaTensor) -> Result<()> {
         let dev = out.cuda_device();
         let grid = dev.elementwise_grid(t * w.latent, 256);
