@@ -16,7 +16,7 @@ use k3_core::DType;
 
 use super::ffn::Mlp;
 use super::{lin, lin_many};
-use super::upload::{bf16_bytes, matrix, u8_bytes, vector};
+use super::upload::{matrix, terr, u8_bytes, vector, write_float};
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::error::{ModelError, Result};
@@ -35,10 +35,6 @@ pub struct Moe {
     eps: f32,
     beta: f32,
     linear_beta: f32,
-}
-
-fn terr(name: &str) -> impl FnOnce(k3_core::CoreError) -> ModelError + '_ {
-    move |e| ModelError::Tensor { name: name.to_string(), msg: e.to_string() }
 }
 
 /// Every expert's `w{a}` (then `w{b}`) of one layer, one after the other in one device tensor.
@@ -71,11 +67,7 @@ fn upload_experts(dev: &CudaDevice, ck: &Checkpoint, p: &str, e: usize, parts: &
                 if t.shape() != [rows, cols] {
                     return Err(ModelError::Tensor { name: n, msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
                 }
-                let bytes = match dt {
-                    DType::F32 => bytemuck::cast_slice(&t.to_f32().map_err(terr(&n))?).to_vec(),
-                    _ => bf16_bytes(&t, &n)?,
-                };
-                w.write_at((ex * np + j) * b, &bytes).map_err(terr(&n))?;
+                write_float(&w, (ex * np + j) * b, &t, &n, dt)?;
             }
         }
         Ok((w, None))

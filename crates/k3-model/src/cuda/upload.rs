@@ -12,12 +12,13 @@ use rayon::prelude::*;
 use crate::checkpoint::Checkpoint;
 use crate::error::{ModelError, Result};
 
-fn terr(name: &str) -> impl FnOnce(k3_core::CoreError) -> ModelError + '_ {
+/// Names the tensor in a device error.
+pub(crate) fn terr(name: &str) -> impl FnOnce(k3_core::CoreError) -> ModelError + '_ {
     move |e| ModelError::Tensor { name: name.to_string(), msg: e.to_string() }
 }
 
 /// The tensor's values as BF16 bytes (no copy of the conversion when already BF16).
-pub(crate) fn bf16_bytes(t: &Tensor, name: &str) -> Result<Vec<u8>> {
+fn bf16_bytes(t: &Tensor, name: &str) -> Result<Vec<u8>> {
     match t.dtype() {
         DType::BF16 => Ok(t.bytes().to_vec()),
         DType::F32 | DType::F16 => {
@@ -35,18 +36,18 @@ pub(crate) fn matrix(dev: &CudaDevice, ck: &Checkpoint, name: &str, rows: usize,
     if t.shape() != [rows, cols] {
         return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
     }
-    float_tensor(dev, &t, name, vec![rows, cols], dt)
+    let out = CudaTensor::uninit(dev, dt, vec![rows, cols]).map_err(terr(name))?;
+    write_float(&out, 0, &t, name, dt)?;
+    Ok(out)
 }
 
-/// A float tensor's values on the device as `dt` (BF16 or F32), with shape `shape`.
-pub(crate) fn float_tensor(dev: &CudaDevice, t: &Tensor, name: &str, shape: Vec<usize>, dt: DType) -> Result<CudaTensor> {
-    let out = CudaTensor::uninit(dev, dt, shape).map_err(terr(name))?;
+/// Writes float tensor `t`'s values into `dst` at byte `offset`, stored as `dt` (BF16 or F32).
+pub(crate) fn write_float(dst: &CudaTensor, offset: usize, t: &Tensor, name: &str, dt: DType) -> Result<()> {
     match dt {
-        DType::F32 => out.write_bytes(bytemuck::cast_slice(&t.to_f32().map_err(terr(name))?)),
-        _ => out.write_bytes(&bf16_bytes(t, name)?),
+        DType::F32 => dst.write_at(offset, bytemuck::cast_slice(&t.to_f32().map_err(terr(name))?)),
+        _ => dst.write_at(offset, &bf16_bytes(t, name)?),
     }
-    .map_err(terr(name))?;
-    Ok(out)
+    .map_err(terr(name))
 }
 
 /// A host f32 vector as an F32 device tensor of shape `shape`.
