@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile a k3rs .cu (common.cuh prepended) with the PyPI NVRTC for sm_90, without a GPU, and
 print the log plus per-kernel resource usage (cuobjdump from Triton's package when present).
-Usage: nvrtc_check.py crates/k3-core/src/kernels/cuda/kda.cu"""
+Usage: nvrtc_check.py crates/k3-core/src/kernels/cuda/kda.cu  (extra options in $NVRTC_OPTS, e.g.
+"--ptxas-options=-v" for spill counts)"""
 import ctypes, glob, os, subprocess, sys, tempfile
 
 import nvidia
@@ -18,7 +19,7 @@ common = open(os.path.join(os.path.dirname(src_path), "common.cuh")).read()
 text = (common + "\n" + open(src_path).read()).encode()
 prog = ctypes.c_void_p()
 assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, os.path.basename(src_path).encode(), 0, None, None) == 0
-opts = [b"-std=c++17", b"--gpu-architecture=sm_90"]
+opts = [b"-std=c++17", b"--gpu-architecture=sm_90"] + [o.encode() for o in os.environ.get("NVRTC_OPTS", "").split()]
 arr = (ctypes.c_char_p * len(opts))(*opts)
 rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
 n = ctypes.c_size_t()

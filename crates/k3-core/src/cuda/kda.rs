@@ -30,8 +30,8 @@ pub const HEAD_DIM: usize = 128;
 /// Chunk length of the prefill kernels (and of `chunk_states`).
 pub const CHUNK: usize = 64;
 const REC_BYTES: usize = 74_240;
-const PREP_SMEM: u32 = 202_496;
-const SCAN_SMEM: u32 = 202_752;
+const PREP_SMEM: u32 = 111_872; // PREP_SMEM_BYTES in kda.cu: two blocks per SM
+const SCAN_SMEM: u32 = 202_256; // SCAN_SMEM_BYTES in kda.cu
 const OP: &str = "cuda kda";
 
 /// The per-layer KDA weights the kernels read.
@@ -246,9 +246,9 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_
         big_smem(&dev, KDA, "kda_chunk_prep", PREP_SMEM)?;
         big_smem(&dev, KDA, "kda_chunk_scan", SCAN_SMEM)?;
         mark(0)?;
-        dev.launch(KDA, "kda_chunk_prep", (nc as u32, h as u32, 1), (512, 1, 1), PREP_SMEM, &mut kargs![q, k, v, g, b, cw, al, dtb, cst, ct, wk, h32, lb])?;
+        dev.launch(KDA, "kda_chunk_prep", (nc as u32, h as u32, 1), (256, 1, 1), PREP_SMEM, &mut kargs![q, k, v, g, b, cw, al, dtb, cst, ct, wk, h32, lb])?;
         mark(1)?;
-        dev.launch(KDA, "kda_chunk_scan", (nb as u32, h as u32, 1), (256, 1, 1), SCAN_SMEM, &mut kargs![wk, sqt, q, k, v, cst, gate, onw, st, cs_ptr, o, h32, eps])?;
+        dev.launch(KDA, "kda_chunk_scan", (nb as u32, h as u32, 1), (512, 1, 1), SCAN_SMEM, &mut kargs![wk, sqt, q, k, v, cst, gate, onw, st, cs_ptr, o, h32, eps])?;
         mark(2)?;
         // The workspace and tables go back to the caching allocator; later users are ordered
         // after these kernels on the same stream.

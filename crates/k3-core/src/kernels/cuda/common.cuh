@@ -85,3 +85,26 @@ __device__ __forceinline__ void st_vec(bf16_t* p, const float* f) {
         w[i] = (unsigned int)f32_to_bf16(f[2 * i]) | ((unsigned int)f32_to_bf16(f[2 * i + 1]) << 16);
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
+
+// Approximate exp2 / reciprocal / reciprocal square root, one MUFU op each. The .ftz forms skip
+// the denormal fix-ups that NVRTC's default (-ftz=false) wraps around __expf and __fdividef
+// (several instructions per call; results below 2^-126 flush to zero instead).
+#define K3_LOG2E 1.4426950408889634f
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float rsqrt_ftz(float x) {
+    float r;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float exp_ftz(float x) { return ex2_ftz(x * K3_LOG2E); }
+__device__ __forceinline__ float sigmoid_ftz(float x) { return rcp_ftz(1.0f + exp_ftz(-x)); }
+__device__ __forceinline__ float silu_ftz(float x) { return x * rcp_ftz(1.0f + exp_ftz(-x)); }

@@ -9,7 +9,7 @@
 
 #define KD 128
 
-__device__ __forceinline__ float sigm(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigm(float x) { return sigmoid_ftz(x); }
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     unsigned r;
@@ -24,12 +24,12 @@ __device__ __forceinline__ float conv_silu(const bf16_t* __restrict__ cs, long l
     const bf16_t x0 = cs[0], x1 = cs[D], x2 = cs[2 * D];
     const float y = w[0] * bf16_to_f32(x0) + w[1] * bf16_to_f32(x1) + w[2] * bf16_to_f32(x2) + w[3] * bf16_to_f32(x3);
     keep[0] = x1; keep[1] = x2; keep[2] = x3;
-    return __fdividef(y, 1.0f + __expf(-y));
+    return silu_ftz(y);
 }
 
 // The per-channel decay exp(g) with the lower-bounded gate (§3.3).
 __device__ __forceinline__ float decay(float lower_bound, float a_log, bf16_t graw, float dt_bias) {
-    return __expf(lower_bound * sigm(__expf(a_log) * (bf16_to_f32(graw) + dt_bias)));
+    return exp_ftz(lower_bound * sigm(exp_ftz(a_log) * (bf16_to_f32(graw) + dt_bias)));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
     float4* S = reinterpret_cast<float4*>(state + ((long long)sl * H + h) * (KD * KD)) + half * 16;
     float4 s[8];
 #pragma unroll
-    for (int r = 0; r < 8; r++) s[r] = S[(rg * 8 + r) * 32 + cg];
+    for (int r = 0; r < 8; r++) s[r] = __ldcs(&S[(rg * 8 + r) * 32 + cg]);  // streamed: no reuse
 
     // Conv for q, k (all 128 channels) and v (this block's 64); the conv-state writes wait
     // until both blocks have read the old taps (after the first cluster barrier).
@@ -209,7 +209,7 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
         const float k = sk[row] * ki, q = sq[row] * qi;
         s[r].x += k * u.x; s[r].y += k * u.y; s[r].z += k * u.z; s[r].w += k * u.w;
         o.x += q * s[r].x; o.y += q * s[r].y; o.z += q * s[r].z; o.w += q * s[r].w;
-        S[(rg * 8 + r) * 32 + cg] = s[r];
+        __stcs(&S[(rg * 8 + r) * 32 + cg], s[r]);
     }
     *reinterpret_cast<float4*>(&red[rg][4 * cg]) = o;
     __syncthreads();
