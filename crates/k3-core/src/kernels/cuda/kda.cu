@@ -197,9 +197,11 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     // The gate is kept in log2 units (G·log2 e) so that every decay factor is one ex2.
     const float aexp = exp_ftz(a_log[h]), lb2 = lower_bound * K3_LOG2E;
     const float2 dtb = *reinterpret_cast<const float2*>(&dt_bias[col]);
-    auto gate = [&](unsigned x, bool live, float& a0, float& a1) {
-        a0 = live ? lb2 * sigm(aexp * (lo_bf16(x) + dtb.x)) : 0.0f;
-        a1 = live ? lb2 * sigm(aexp * (hi_bf16(x) + dtb.y)) : 0.0f;
+    // Rows past the chunk's end are masked by multiplying with 0 rather than by branches: a
+    // branch per row would stop the compiler from overlapping the rows' MUFU latencies.
+    auto gate = [&](unsigned x, float live, float& a0, float& a1) {
+        a0 = lb2 * live * sigm(aexp * (lo_bf16(x) + dtb.x));
+        a1 = lb2 * live * sigm(aexp * (hi_bf16(x) + dtb.y));
     };
     {
         unsigned xg[16], xv[19], xq[19], xk[19];
@@ -216,7 +218,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             float a0, a1;
-            gate(xg[i], r0 + i < n, a0, a1);
+            gate(xg[i], r0 + i < n ? 1.0f : 0.0f, a0, a1);
             run0 += a0;
             run1 += a1;
             if (i == 0) { f0 = a0; f1 = a1; }
@@ -258,7 +260,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
         const float g00 = sFirst[qt * KD + c], g01 = sFirst[qt * KD + c + 1];  // local G at row r0
         // Per column, relative to this quarter's reference G_r = G at row r0:
         // F_I = e^(G_r(I) - G_r) for the blocks I >= qt, eR = e^G_r, eL = e^(G_last - G_r).
-        float F0[4], F1[4], gl0 = base0, gl1 = base1;
+        float F0[4] = {0.f, 0.f, 0.f, 0.f}, F1[4] = {0.f, 0.f, 0.f, 0.f}, gl0 = base0, gl1 = base1;
 #pragma unroll
         for (int I = 0; I < 4; I++) {
             if (I >= qt) {
@@ -282,29 +284,31 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int r = r0 + i;
-            const bool live = r < n;
+            const float live = r < n ? 1.0f : 0.0f;
             float a0, a1;
             gate(xg[i], live, a0, a1);
             run0 += a0;
             run1 += a1;
             const float d0 = run0 - g00, d1 = run1 - g01;  // G_i - G_r <= 0
             const float e0 = ex2_ftz(d0), e1 = ex2_ftz(d1), ei0 = ex2_ftz(-d0), ei1 = ex2_ftz(-d1);
-            const float qi = 0.08838834764831845f * rsqrt_ftz(sN[r] + sN[KC + r] + 1e-6f);
-            const float ki = rsqrt_ftz(sN[2 * KC + r] + sN[3 * KC + r] + 1e-6f);
+            const float qi = live * 0.08838834764831845f * rsqrt_ftz(sN[r] + sN[KC + r] + 1e-6f);
+            const float ki = live * rsqrt_ftz(sN[2 * KC + r] + sN[3 * KC + r] + 1e-6f);
             float y0, y1;
             conv(xq, i, wq0, wq1, y0, y1);
-            const float q0 = live ? silu_ftz(y0) * qi * e0 : 0.0f, q1 = live ? silu_ftz(y1) * qi * e1 : 0.0f;
+            const float q0 = silu_ftz(y0) * qi * e0, q1 = silu_ftz(y1) * qi * e1;
             st_u32(sQE, r, c, q0, q1);
             *reinterpret_cast<unsigned*>(&rb[REC_QG + swz(r, c, KD)]) = pack_bf16(q0 * eR0, q1 * eR1);
             conv(xk, i, wk0, wk1, y0, y1);
-            const float k0 = live ? silu_ftz(y0) * ki : 0.0f, k1 = live ? silu_ftz(y1) * ki : 0.0f;
+            const float k0 = silu_ftz(y0) * ki, k1 = silu_ftz(y1) * ki;
             const float be = sBeta[r];
             st_u32(sKE, r, c, k0 * e0, k1 * e1);
             st_u32(sBK, r, c, be * k0 * e0 * eR0, be * k1 * e1 * eR1);
             const float b0 = k0 * ei0, b1 = k1 * ei1;
 #pragma unroll
-            for (int I = 0; I < 4; I++)
-                if (I >= qt) st_u32(sKB, 8 * I * (I + 1) + r, c, I == qt ? b0 : b0 * F0[I], I == qt ? b1 : b1 * F1[I]);
+            for (int I = 0; I < 4; I++) {
+                const float x0 = b0 * F0[I], x1 = b1 * F1[I];  // F_qt = 1; F_I = 0 below qt (unused)
+                if (I >= qt) st_u32(sKB, 8 * I * (I + 1) + r, c, x0, x1);
+            }
             const float t0 = b0 * eL0, t1 = b1 * eL1;
             if (i & 1) {
                 kt0[i >> 1] = pack_bf16(pk0, t0);
