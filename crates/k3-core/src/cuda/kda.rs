@@ -303,9 +303,9 @@ pub enum DecodeKernel {
 /// before the call (or before a graph replay); only its dtype and shape are checked here — the
 /// slots must be distinct, and a slot outside `[0, S)` makes the kernel skip that sequence
 /// (its output rows are left unwritten). CUDA-graph capturable.
-/// At head dim 128 it picks the kernel measured faster on the H200 (run 4, docs/kernels/kda.md):
-/// `Fused` at batch 1 (6.54 vs 7.17 µs), `Split` from batch 2 on where sm_90 clusters exist
-/// (251 vs 275 µs at batch 64); other head dims run the general kernel.
+/// At head dim 128 it picks the kernel measured faster on the H200 (docs/kernels/kda.md, final
+/// run): `Fused` at batch 1 (6.78 vs 7.10 µs), `Split` from batch 2 on where sm_90 clusters exist
+/// (251 vs 345 µs at batch 64); other head dims run the general kernel.
 pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<()> {
     let nb = inp.q.shape().first().copied().unwrap_or(0);
     let split_ok = inp.q.cuda_device().info().compute_capability.0 >= 9;
