@@ -108,3 +108,58 @@ __device__ __forceinline__ float rsqrt_ftz(float x) {
 __device__ __forceinline__ float exp_ftz(float x) { return ex2_ftz(x * K3_LOG2E); }
 __device__ __forceinline__ float sigmoid_ftz(float x) { return rcp_ftz(1.0f + exp_ftz(-x)); }
 __device__ __forceinline__ float silu_ftz(float x) { return x * rcp_ftz(1.0f + exp_ftz(-x)); }
+
+// ---- Tensor cores (sm_80+): bf16 pairs, shared-memory addresses, ldmatrix, mma.sync.
+// Two f32 as one bf16x2 word (round to nearest even), `lo` in the low half; and back.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float lo_bf16(unsigned u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi_bf16(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+// Shared-memory address of a generic pointer, for PTX that takes one.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// c[4] (an m16n8 f32 tile) += A (16x16 bf16 fragment, 4 words) · B (16x8, 2 words).
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Four 8x8 bf16 matrices from shared memory (lane l gives the address of row l&7 of matrix
+// l>>3); `_t` transposes each (B operands from row-major [k][n] tiles).
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+// f32 rounded to TF32 (for mma .tf32 operands).
+__device__ __forceinline__ unsigned tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+// acc[2][4] (a 16x16 C: two m16n8 tiles) += X · Y for f32 16x16 blocks in shared memory (row
+// strides ldx, ldy), on tensor cores in TF32 (mma m16n8k8, f32 accumulate).
+__device__ __forceinline__ void mma16_tf32(float (*acc)[4], const float* X, int ldx, const float* Y, int ldy, int g, int t) {
+#pragma unroll
+    for (int ks = 0; ks < 2; ks++) {
+        const unsigned a0 = tf32(X[g * ldx + ks * 8 + t]), a1 = tf32(X[(g + 8) * ldx + ks * 8 + t]);
+        const unsigned a2 = tf32(X[g * ldx + ks * 8 + t + 4]), a3 = tf32(X[(g + 8) * ldx + ks * 8 + t + 4]);
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            const unsigned b0 = tf32(Y[(ks * 8 + t) * ldy + nt * 8 + g]), b1 = tf32(Y[(ks * 8 + t + 4) * ldy + nt * 8 + g]);
+            asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                         : "+f"(acc[nt][0]), "+f"(acc[nt][1]), "+f"(acc[nt][2]), "+f"(acc[nt][3])
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        }
+    }
+}

@@ -11,12 +11,6 @@
 
 __device__ __forceinline__ float sigm(float x) { return sigmoid_ftz(x); }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
 // One channel's short conv + SiLU (§3.2): taps = the 3 stored raw inputs of the channel (`cs`,
 // stride D, oldest first) and the current raw input x3; `keep` receives the shifted taps the
 // caller stores back.
