@@ -3,7 +3,8 @@
 //! Each `.cu` file here is one op family; its stem matches the CPU file that is its oracle
 //! (`norm.cu` ↔ `kernels/cpu/norm.rs`, `act.cu` ↔ `kernels/cpu/act.rs`; `softmax.cu` holds
 //! the softmax of `act.rs`). `common.cuh` (bf16 bit conversions, 16-byte vector access, warp
-//! and block reductions) is prepended to every source, so no file includes a header and NVRTC
+//! and block reductions, `.ftz` exp/reciprocal/rsqrt, and the tensor-core helpers: bf16 pairs,
+//! `ldmatrix`, `mma.sync` bf16/tf32) is prepended to every source, so no file includes a header and NVRTC
 //! needs none of the toolkit's include directory. The sources are compiled at run time by
 //! [`crate::cuda`] with NVRTC for the device's own architecture (`sm_90` on an H200) and the
 //! resulting cubin is cached per process; see `docs/gpu.md` for why NVRTC rather than
