@@ -23,7 +23,6 @@
 
 #define KD 128
 #define KC 64
-#define LDF 132  // f32 row stride of [64][128] smem tiles
 #define LDA 68   // f32 row stride of [64][64] smem tiles
 #define REC_W 0
 #define REC_U 8192
@@ -32,8 +31,6 @@
 #define REC_AQK 32768
 #define REC_GL_BYTES 73728
 #define REC_BYTES 74240
-
-__device__ __forceinline__ float sigm(float x) { return sigmoid_ftz(x); }
 
 // Element (r, c) of a swizzled bf16 tile with `rowlen` (64 or 128) columns.
 __device__ __forceinline__ int swz(int r, int c, int rowlen) {
@@ -150,8 +147,8 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
     // Rows past the chunk's end are masked by multiplying with 0 rather than by branches: a
     // branch per row would stop the compiler from overlapping the rows' MUFU latencies.
     auto gate = [&](unsigned x, float live, float& a0, float& a1) {
-        a0 = lb2 * live * sigm(aexp * (lo_bf16(x) + dtb.x));
-        a1 = lb2 * live * sigm(aexp * (hi_bf16(x) + dtb.y));
+        a0 = lb2 * live * sigmoid_ftz(aexp * (lo_bf16(x) + dtb.x));
+        a1 = lb2 * live * sigmoid_ftz(aexp * (hi_bf16(x) + dtb.y));
     };
     {
         unsigned xg[16], xv[19], xq[19], xk[19];
@@ -161,7 +158,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
         load_raw(qr, 0, xq);
         load_raw(kr, 1, xk);
         // beta: lane i < 16 computes row r0+i's, then broadcasts.
-        const float bl = lane < 16 && r0 + lane < n ? sigm(bf16_to_f32(braw[(long long)(tok0 + min(r0 + lane, n - 1)) * H + h])) : 0.0f;
+        const float bl = lane < 16 && r0 + lane < n ? sigmoid_ftz(bf16_to_f32(braw[(long long)(tok0 + min(r0 + lane, n - 1)) * H + h])) : 0.0f;
         if (half == 0 && lane < 16) sBeta[r0 + lane] = bl;
         // The gate's quarter totals and first rows (phase 1b recomputes the running sums).
         float run0 = 0.0f, run1 = 0.0f, f0 = 0.0f, f1 = 0.0f;
@@ -606,8 +603,8 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
             for (int nt = 0; nt < 4; nt++) {
                 const int cl = oc + nt * 8 + 2 * t;
                 const unsigned gg = gv[nt][hh];
-                const float y0 = accO[nt][2 * hh] * inv * sW[cl] * sigm(lo_bf16(gg));
-                const float y1 = accO[nt][2 * hh + 1] * inv * sW[cl + 1] * sigm(hi_bf16(gg));
+                const float y0 = accO[nt][2 * hh] * inv * sW[cl] * sigmoid_ftz(lo_bf16(gg));
+                const float y1 = accO[nt][2 * hh + 1] * inv * sW[cl + 1] * sigmoid_ftz(hi_bf16(gg));
                 *reinterpret_cast<unsigned*>(&out[(trow + row) * D + h * KD + cl]) = pack_bf16(y0, y1);
             }
         }

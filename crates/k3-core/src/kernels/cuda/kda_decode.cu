@@ -9,8 +9,6 @@
 
 #define KD 128
 
-__device__ __forceinline__ float sigm(float x) { return sigmoid_ftz(x); }
-
 // One channel's short conv + SiLU (§3.2): taps = the 3 stored raw inputs of the channel (`cs`,
 // stride D, oldest first) and the current raw input x3; `keep` receives the shifted taps the
 // caller stores back.
@@ -23,7 +21,7 @@ __device__ __forceinline__ float conv_silu(const bf16_t* __restrict__ cs, long l
 
 // The per-channel decay exp(g) with the lower-bounded gate (§3.3).
 __device__ __forceinline__ float decay(float lower_bound, float a_log, bf16_t graw, float dt_bias) {
-    return exp_ftz(lower_bound * sigm(exp_ftz(a_log) * (bf16_to_f32(graw) + dt_bias)));
+    return exp_ftz(lower_bound * sigmoid_ftz(exp_ftz(a_log) * (bf16_to_f32(graw) + dt_bias)));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -67,7 +65,7 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     __syncthreads();
     const float qi = 0.08838834764831845f / sqrtf(misc[0] + misc[1] + misc[2] + misc[3] + 1e-6f);
     const float ki = 1.0f / sqrtf(misc[4] + misc[5] + misc[6] + misc[7] + 1e-6f);
-    const float beta = sigm(bf16_to_f32(braw[(long long)b * H + h]));
+    const float beta = sigmoid_ftz(bf16_to_f32(braw[(long long)b * H + h]));
     float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < 16; r++) {
@@ -109,7 +107,7 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     if (tid < KD) {
         const float inv = 1.0f / sqrtf((misc[8] + misc[9] + misc[10] + misc[11]) * (1.0f / KD) + eps);
         const long long row = (long long)b * D + h * KD + tid;
-        out[row] = f32_to_bf16(su[tid] * inv * onorm_w[tid] * sigm(bf16_to_f32(gate[row])));
+        out[row] = f32_to_bf16(su[tid] * inv * onorm_w[tid] * sigmoid_ftz(bf16_to_f32(gate[row])));
     }
 }
 
@@ -177,7 +175,7 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
     __syncthreads();
     const float qi = 0.08838834764831845f / sqrtf(misc[0] + misc[1] + misc[2] + misc[3] + 1e-6f);
     const float ki = 1.0f / sqrtf(misc[4] + misc[5] + misc[6] + misc[7] + 1e-6f);
-    const float beta = sigm(bf16_to_f32(braw[(long long)b * H + h]));
+    const float beta = sigmoid_ftz(bf16_to_f32(braw[(long long)b * H + h]));
     float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < 8; r++) {
@@ -221,7 +219,7 @@ kda_decode_split(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, c
         const float tot = misc[12] + ld_peer_f32(&misc[12], peer);
         const float inv = 1.0f / sqrtf(tot * (1.0f / KD) + eps);
         const long long row = (long long)b * D + h * KD + vc;
-        out[row] = f32_to_bf16(ov * inv * onorm_w[vc] * sigm(bf16_to_f32(gate[row])));
+        out[row] = f32_to_bf16(ov * inv * onorm_w[vc] * sigmoid_ftz(bf16_to_f32(gate[row])));
     }
     if (tid < KD) {
         // q, k taps: block `half` writes channels 64·half..64·half+63; v taps: its own 64.
