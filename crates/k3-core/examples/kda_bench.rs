@@ -98,6 +98,29 @@ fn dump(dir: &str, name: &str, t: &CudaTensor) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
+/// One step captured in a CUDA graph: 50 warm replays, then 100 replays between two events;
+/// the per-step mean, median over 30 such measurements.
+fn graph_step_ms(dev: &CudaDevice, step: impl Fn() -> k3_core::Result<()>) -> Result<f64, Box<dyn Error>> {
+    let graph = kda::capture(dev, &step)?;
+    for _ in 0..50 {
+        graph.launch()?;
+    }
+    dev.synchronize()?;
+    let s = dev.stream();
+    let mut ts = Vec::new();
+    for _ in 0..30 {
+        let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+        e0.record(&s)?;
+        for _ in 0..100 {
+            graph.launch()?;
+        }
+        e1.record(&s)?;
+        e1.synchronize()?;
+        ts.push(e0.elapsed_ms(&e1)? as f64 / 100.0);
+    }
+    Ok(median(ts))
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("kda_bench: {e}");
@@ -160,32 +183,22 @@ fn run() -> Result<(), Box<dyn Error>> {
         );
     }
 
-    for b in [1usize, 64] {
-        for kernel in [DecodeKernel::Fused, DecodeKernel::Split] {
+    let kernels = [DecodeKernel::Fused, DecodeKernel::Split, DecodeKernel::Split4, DecodeKernel::Split8, DecodeKernel::Stream];
+    for b in [1usize, 4, 16, 64] {
+        // Floor at this size: a device-to-device copy of the state bytes, replayed the same way.
+        let n_state = b * H * HD * HD * 4;
+        let (src, dst) = (CudaTensor::zeros(&dev, DType::U8, vec![n_state])?, CudaTensor::zeros(&dev, DType::U8, vec![n_state])?);
+        let us = graph_step_ms(&dev, || dst.copy_from(&src))? * 1e3;
+        println!("copy of the B={b} state ({:.1} MB) in a graph: {us:.2} us/step = {:.0} GB/s", n_state as f64 / 1e6, 2.0 * n_state as f64 / (us * 1e-6) / 1e9);
+        drop((src, dst));
+        for kernel in kernels {
             let l = Layer::new(&dev, &mut r, b, b)?;
             // Identity slots over a pool of exactly B states.
             let slots = CudaTensor::from_pod(&dev, DType::I32, vec![b], &(0..b as i32).collect::<Vec<i32>>())?;
             let step = || kda::kda_decode_with(&l.inputs(), &l.weights(), &slots, &l.t[10], &l.t[11], &l.t[12], kernel);
             step()?;
             let eager = time_ms(&dev, 20, 50, step)?;
-            let graph = kda::capture(&dev, step)?;
-            for _ in 0..50 {
-                graph.launch()?;
-            }
-            dev.synchronize()?;
-            let s = dev.stream();
-            let mut ts = Vec::new();
-            for _ in 0..30 {
-                let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
-                e0.record(&s)?;
-                for _ in 0..100 {
-                    graph.launch()?;
-                }
-                e1.record(&s)?;
-                e1.synchronize()?;
-                ts.push(e0.elapsed_ms(&e1)? as f64 / 100.0);
-            }
-            let ms = median(ts);
+            let ms = graph_step_ms(&dev, step)?;
             let bytes = (2 * b * H * HD * HD * 4 + b * d * 2 * 6 + b * 9 * d * 2 * 2) as f64;
             println!(
                 "ours decode {kernel:?} B={b}: graph {:.2} us/step, eager {:.2} us; state+io {:.1} MB -> {:.0} GB/s = {:.0}% of copy",

@@ -347,8 +347,12 @@ fn decode_parity() {
     const T: &str = "kda decode_parity";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    let (f, s) = (Some(DecodeKernel::Fused), Some(DecodeKernel::Split));
-    let cases = [(128usize, 2usize, 1usize, f), (128, 3, 5, f), (128, 4, 64, f), (128, 2, 1, s), (128, 3, 5, s), (128, 4, 64, s), (128, 3, 3, None), (32, 2, 1, None), (32, 3, 5, None), (64, 2, 1, None), (64, 4, 5, None), (64, 2, 3, None), (96, 2, 5, None)];
+    let mut cases = vec![(128usize, 3usize, 3usize, None), (32, 2, 1, None), (32, 3, 5, None), (64, 2, 1, None), (64, 4, 5, None), (64, 2, 3, None), (96, 2, 5, None)];
+    for k in [DecodeKernel::Fused, DecodeKernel::Split, DecodeKernel::Split4, DecodeKernel::Split8, DecodeKernel::Stream] {
+        cases.extend([(128, 2, 1, Some(k)), (128, 3, 5, Some(k)), (128, 4, 64, Some(k))]);
+    }
+    // The streaming kernel's ring wraps several times per block: 1600 items over at most 132 SMs.
+    cases.extend([(128, 1, 1, Some(DecodeKernel::Stream)), (128, 16, 100, Some(DecodeKernel::Stream))]);
     for (hd, h, b, kernel) in cases {
         let steps = 3;
         let (slots, npool) = slots_for(b);
@@ -371,6 +375,56 @@ fn decode_parity() {
         let what = format!("decode {kernel:?} hd={hd} H={h} B={b}");
         check(&format!("{what} {steps} steps out"), &got, &o_ref, TOL_OUT);
         check_pools(&what, &p, &conv, &st, &conv_ref, &s_ref, TOL_F32_STATE);
+    }
+}
+
+/// Sequences whose slot lies outside the pool are skipped by every kernel: their output rows keep
+/// the poison, their would-be slots and every unused slot stay bit-identical, and the other
+/// sequences of the batch are computed as usual.
+#[test]
+fn decode_skips_slots_outside_the_pool() {
+    const T: &str = "kda decode_skips_slots_outside_the_pool";
+    let Some(dev) = device(T) else { return };
+    let mut r = rng(T);
+    let kernels = [Some(DecodeKernel::Fused), Some(DecodeKernel::Split), Some(DecodeKernel::Split4), Some(DecodeKernel::Split8), Some(DecodeKernel::Stream), None];
+    for (hd, kernel) in kernels.iter().map(|&k| (128usize, k)).chain([(64, None)]) {
+        let (h, b) = (3usize, 5usize);
+        // The reference runs all five sequences (slots 2, 5, 0, 6, 4); the kernel gets -1 and 7
+        // (= the pool size) for sequences 1 and 3.
+        let p = Problem::new(&mut r, h, hd, &[1; 5], &[2, 5, 0, 6, 4], 7);
+        let d = p.d();
+        let (conv, st) = p.pools(&dev);
+        let sl = CudaTensor::from_pod(&dev, DType::I32, vec![b], &[2i32, -1, 0, 7, 4]).expect("slots");
+        let x = Gpu::new(&dev, &p, 0..b);
+        let out = poisoned(&dev, DType::BF16, vec![b, d]);
+        match kernel {
+            Some(k) => kda::kda_decode_with(&x.inputs(), &x.weights(), &sl, &conv, &st, &out, k),
+            None => kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv, &st, &out),
+        }
+        .expect("kda_decode");
+        let what = format!("decode {kernel:?} hd={hd} with slots [2, -1, 0, 7, 4]");
+        let (o_ref, conv_ref, s_ref, _) = cpu_reference(&p, false);
+        let (got, bytes) = (out.to_f32_vec().expect("out"), out.to_bytes().expect("out"));
+        for i in [1usize, 3] {
+            assert!(bytes[i * d * 2..(i + 1) * d * 2].iter().all(|&x| x == 0xFF), "{what}: output row {i} (slot outside the pool) was written");
+        }
+        let rows = |v: &[f32]| -> Vec<f32> { [0usize, 2, 4].iter().flat_map(|&i| v[i * d..(i + 1) * d].to_vec()).collect() };
+        check(&format!("{what} out (rows 0, 2, 4)"), &rows(&got), &rows(&o_ref), TOL_OUT);
+        let (cg, sg) = (conv.to_f32_vec().expect("conv"), st.to_f32_vec().expect("state"));
+        let (cw, sw) = (9 * d, h * hd * hd);
+        let (mut sgot, mut swant) = (Vec::new(), Vec::new());
+        for slot in 0..7 {
+            let (c, s) = (slot * cw..(slot + 1) * cw, slot * sw..(slot + 1) * sw);
+            if [2, 0, 4].contains(&slot) {
+                assert_eq!(cg[c.clone()], conv_ref[c], "{what}: conv state of slot {slot} differs");
+                sgot.extend_from_slice(&sg[s.clone()]);
+                swant.extend_from_slice(&s_ref[s]);
+            } else {
+                assert!(cg[c.clone()].iter().zip(&p.conv0[c]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: conv slot {slot} changed");
+                assert!(sg[s.clone()].iter().zip(&p.s0[s]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: state slot {slot} changed");
+            }
+        }
+        check(&format!("{what} state (slots 2, 0, 4)"), &sgot, &swant, TOL_F32_STATE);
     }
 }
 

@@ -287,7 +287,7 @@ fn big_smem(dev: &CudaDevice, src: Source, func: &'static str, bytes: u32) -> Re
     f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).map_err(derr("raising the shared-memory limit of the KDA kernels"))
 }
 
-/// Which head-dim-128 decode kernel runs (both compute the same step; see `kernels/cuda/kda_decode.cu`).
+/// Which head-dim-128 decode kernel runs (all compute the same step; see `kernels/cuda/kda_decode.cu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeKernel {
     /// One block per (head, sequence), the whole 128×128 state in registers.
@@ -295,7 +295,17 @@ pub enum DecodeKernel {
     /// A cluster of two blocks per (head, sequence), 64 value columns each; the output norm's
     /// sum of squares crosses over distributed shared memory. Needs sm_90.
     Split,
+    /// As `Split` with four blocks of 32 columns. Needs sm_90.
+    Split4,
+    /// As `Split` with eight blocks of 16 columns. Needs sm_90.
+    Split8,
+    /// Persistent, one block per SM over (sequence, head) items; each item's state and inputs
+    /// stream through a 3-stage shared-memory ring by bulk copy (TMA). Needs sm_90 and 16-byte
+    /// aligned tensors.
+    Stream,
 }
+
+const DECODE_STREAM_SMEM: u32 = 230_036; // DS_SMEM_BYTES in kda_decode.cu
 
 /// One decode step for `B` sequences (each input has `B` rows): conv-state shift, gates, one
 /// step of the recurrence on pool slot `slots[b]` of `state` / `conv_state` in place, output
@@ -338,15 +348,33 @@ pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv
     let (cst, st, sl, o) = (conv_state.ptr(), state.ptr(), slots.ptr(), out.ptr());
     let (h32, ns32, lb, eps) = (h as i32, dm.nslots as i32, w.lower_bound, w.eps);
     let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, sl, o, h32, ns32, lb, eps];
-    match kernel {
-        DecodeKernel::Fused => dev.launch(KDA_DECODE, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args),
-        DecodeKernel::Split => {
-            if dev.info().compute_capability.0 < 9 {
-                return Err(CoreError::Device("kda_decode_split needs thread-block clusters (sm_90)".into()));
-            }
-            dev.launch(KDA_DECODE, "kda_decode_split", (2 * h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args)
-        }
+    let (name, ways) = match kernel {
+        DecodeKernel::Fused => return dev.launch(KDA_DECODE, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args),
+        DecodeKernel::Split => ("kda_decode_split", 2),
+        DecodeKernel::Split4 => ("kda_decode_split4", 4),
+        DecodeKernel::Split8 => ("kda_decode_split8", 8),
+        DecodeKernel::Stream => ("kda_decode_stream", 0),
+    };
+    if dev.info().compute_capability.0 < 9 {
+        return Err(CoreError::Device(format!("{name} needs compute capability 9.0 (thread-block clusters / bulk copies); use DecodeKernel::Fused")));
     }
+    if ways > 0 {
+        return dev.launch(KDA_DECODE, name, (ways * h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args);
+    }
+    if !stream_aligned(inp, w, conv_state, state) {
+        return Err(bad("kda_decode_stream: q, k, v, g, gate, conv weights, dt_bias, conv_state and state must be 16-byte aligned (bulk copies); use DecodeKernel::Split".into()));
+    }
+    let items = (nb * h) as i32;
+    let grid = (nb * h).min(dev.info().multiprocessors.max(1) as usize) as u32;
+    big_smem(dev, KDA_DECODE, "kda_decode_stream", DECODE_STREAM_SMEM)?;
+    let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, sl, o, h32, ns32, lb, eps, items];
+    dev.launch(KDA_DECODE, "kda_decode_stream", (grid, 1, 1), (288, 1, 1), DECODE_STREAM_SMEM, &mut args)
+}
+
+/// Whether every tensor `kda_decode_stream` moves by bulk copy starts on a 16-byte boundary (rows
+/// are then aligned too: D · 2 bytes is a multiple of 256 at head dim 128).
+fn stream_aligned(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, state: &CudaTensor) -> bool {
+    [&inp.q, &inp.k, &inp.v, &inp.g, &inp.gate, &w.conv, &w.dt_bias, conv_state, state].iter().all(|t| t.ptr().is_multiple_of(16))
 }
 
 // CUDA graphs live in `cuda/graph.rs`; re-exported here for the KDA decode callers.

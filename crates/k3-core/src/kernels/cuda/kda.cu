@@ -413,23 +413,13 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 #define LST 136  // bf16 row stride of the S and v' tiles (272 B: ldmatrix rows hit distinct banks)
 #define SCAN_SMEM_BYTES (2 * REC_BYTES + (KD + KC) * LST * 2 + 4 * KC * 4 + KD * 4 + 16)
 
-// Records arrive by bulk copy (TMA, one issuing thread) completing on an mbarrier per stage.
-__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-}
+// Records arrive by bulk copy (TMA, one issuing thread) completing on an mbarrier per stage
+// (helpers in common.cuh), in four pieces of 18560 bytes (each a multiple of 16).
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+    mbar_expect_tx(bar, bytes);
 #pragma unroll
-    for (int i = 0; i < 4; i++)  // four 18560-byte pieces (each a multiple of 16)
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst) + i * (bytes / 4)),
-                     "l"(reinterpret_cast<const unsigned char*>(src) + i * (bytes / 4)), "r"(bytes / 4), "r"(smem_u32(bar))
-                     : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    unsigned ok = 0;
-    while (!ok)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    for (int i = 0; i < 4; i++)
+        bulk_g2s(reinterpret_cast<unsigned char*>(dst) + i * (bytes / 4), reinterpret_cast<const unsigned char*>(src) + i * (bytes / 4), bytes / 4, bar);
 }
 
 __device__ __forceinline__ unsigned ld_rec(const bf16_t* base, int r, int c, int rowlen) {
@@ -467,8 +457,8 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
     float* Sg = state + ((long long)slot * H + h) * (KD * KD);
     if (tid < KD) sW[tid] = onorm_w[tid];
     if (tid == 0) {
-        mbar_init(&bars[0]);
-        mbar_init(&bars[1]);
+        mbar_init(&bars[0], 1);
+        mbar_init(&bars[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
