@@ -1,6 +1,7 @@
 //! KDA timing on the GPU: the fused chunked prefill (B = 1, H = 96, K = V = 128, T = 4096 and
-//! 16384) and the fused decode step (batch 1 and 64, captured in a CUDA graph), with the copy
-//! ceiling measured in the same process. States: slot 0 (prefill) and slots 0..B (decode) of a
+//! 16384) and the fused decode step (batch 1, 4, 16 and 64, captured in a CUDA graph, each
+//! beside a graph-replayed copy of the same state bytes), with the copy ceiling measured in the
+//! same process. States: slot 0 (prefill) and slots 0..B (decode) of a
 //! pool of exactly B. Timing as in `scripts/gpu/kda_fla_bench.py` for fla:
 //! random non-zero bf16 inputs, warm-up, CUDA events, median. Prefill: one event pair around
 //! each call; decode: 100 graph replays between two events, per-step mean, median of 30.
@@ -12,7 +13,7 @@ use std::error::Error;
 use std::io::Write;
 
 use half::bf16;
-use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights};
+use k3_core::cuda::kda::{self, KdaInputs, KdaWeights};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -183,7 +184,6 @@ fn run() -> Result<(), Box<dyn Error>> {
         );
     }
 
-    let kernels = [DecodeKernel::Fused, DecodeKernel::Split, DecodeKernel::Split4, DecodeKernel::Split8, DecodeKernel::Stream];
     for b in [1usize, 4, 16, 64] {
         // Floor at this size: a device-to-device copy of the state bytes, replayed the same way.
         let n_state = b * H * HD * HD * 4;
@@ -191,24 +191,22 @@ fn run() -> Result<(), Box<dyn Error>> {
         let us = graph_step_ms(&dev, || dst.copy_from(&src))? * 1e3;
         println!("copy of the B={b} state ({:.1} MB) in a graph: {us:.2} us/step = {:.0} GB/s", n_state as f64 / 1e6, 2.0 * n_state as f64 / (us * 1e-6) / 1e9);
         drop((src, dst));
-        for kernel in kernels {
-            let l = Layer::new(&dev, &mut r, b, b)?;
-            // Identity slots over a pool of exactly B states.
-            let slots = CudaTensor::from_pod(&dev, DType::I32, vec![b], &(0..b as i32).collect::<Vec<i32>>())?;
-            let step = || kda::kda_decode_with(&l.inputs(), &l.weights(), &slots, &l.t[10], &l.t[11], &l.t[12], kernel);
-            step()?;
-            let eager = time_ms(&dev, 20, 50, step)?;
-            let ms = graph_step_ms(&dev, step)?;
-            let bytes = (2 * b * H * HD * HD * 4 + b * d * 2 * 6 + b * 9 * d * 2 * 2) as f64;
-            println!(
-                "ours decode {kernel:?} B={b}: graph {:.2} us/step, eager {:.2} us; state+io {:.1} MB -> {:.0} GB/s = {:.0}% of copy",
-                ms * 1e3,
-                eager * 1e3,
-                bytes / 1e6,
-                bytes / (ms * 1e-3) / 1e9,
-                100.0 * bytes / (ms * 1e-3) / copy_bw
-            );
-        }
+        let l = Layer::new(&dev, &mut r, b, b)?;
+        // Identity slots over a pool of exactly B states.
+        let slots = CudaTensor::from_pod(&dev, DType::I32, vec![b], &(0..b as i32).collect::<Vec<i32>>())?;
+        let step = || kda::kda_decode(&l.inputs(), &l.weights(), &slots, &l.t[10], &l.t[11], &l.t[12]);
+        step()?;
+        let eager = time_ms(&dev, 20, 50, step)?;
+        let ms = graph_step_ms(&dev, step)?;
+        let bytes = (2 * b * H * HD * HD * 4 + b * d * 2 * 6 + b * 9 * d * 2 * 2) as f64;
+        println!(
+            "ours decode B={b}: graph {:.2} us/step, eager {:.2} us; state+io {:.1} MB -> {:.0} GB/s = {:.0}% of copy",
+            ms * 1e3,
+            eager * 1e3,
+            bytes / 1e6,
+            bytes / (ms * 1e-3) / 1e9,
+            100.0 * bytes / (ms * 1e-3) / copy_bw
+        );
     }
     Ok(())
 }

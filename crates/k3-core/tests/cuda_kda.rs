@@ -20,7 +20,7 @@
 mod cuda_common;
 use cuda_common::{device, poisoned, rel_l2, rng, rvec, say, up};
 
-use k3_core::cuda::kda::{self, DecodeKernel, KdaInputs, KdaWeights};
+use k3_core::cuda::kda::{self, KdaInputs, KdaWeights};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
 use k3_core::DType;
@@ -347,13 +347,9 @@ fn decode_parity() {
     const T: &str = "kda decode_parity";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    let mut cases = vec![(128usize, 3usize, 3usize, None), (32, 2, 1, None), (32, 3, 5, None), (64, 2, 1, None), (64, 4, 5, None), (64, 2, 3, None), (96, 2, 5, None)];
-    for k in [DecodeKernel::Fused, DecodeKernel::Split, DecodeKernel::Split4, DecodeKernel::Split8, DecodeKernel::Stream] {
-        cases.extend([(128, 2, 1, Some(k)), (128, 3, 5, Some(k)), (128, 4, 64, Some(k))]);
-    }
-    // The streaming kernel's ring wraps several times per block: 1600 items over at most 132 SMs.
-    cases.extend([(128, 1, 1, Some(DecodeKernel::Stream)), (128, 16, 100, Some(DecodeKernel::Stream))]);
-    for (hd, h, b, kernel) in cases {
+    // (head dim, H, B); at 16 heads x 100 sequences the grid is 1600 blocks, several waves.
+    let cases = [(128usize, 2usize, 1usize), (128, 3, 5), (128, 4, 64), (128, 3, 3), (128, 16, 100), (32, 2, 1), (32, 3, 5), (64, 2, 1), (64, 4, 5), (64, 2, 3), (96, 2, 5)];
+    for (hd, h, b) in cases {
         let steps = 3;
         let (slots, npool) = slots_for(b);
         let p = Problem::new(&mut r, h, hd, &vec![1; b * steps], &slots, npool);
@@ -364,21 +360,17 @@ fn decode_parity() {
         for s in 0..steps {
             let x = Gpu::new(&dev, &p, s * b..(s + 1) * b);
             let out = poisoned(&dev, DType::BF16, vec![b, d]);
-            match kernel {
-                Some(k) => kda::kda_decode_with(&x.inputs(), &x.weights(), &sl, &conv, &st, &out, k),
-                None => kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv, &st, &out),
-            }
-            .expect("kda_decode");
+            kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv, &st, &out).expect("kda_decode");
             got.extend(out.to_f32_vec().expect("out"));
         }
         let (o_ref, conv_ref, s_ref) = decode_reference(&p, b, steps);
-        let what = format!("decode {kernel:?} hd={hd} H={h} B={b}");
+        let what = format!("decode hd={hd} H={h} B={b}");
         check(&format!("{what} {steps} steps out"), &got, &o_ref, TOL_OUT);
         check_pools(&what, &p, &conv, &st, &conv_ref, &s_ref, TOL_F32_STATE);
     }
 }
 
-/// Sequences whose slot lies outside the pool are skipped by every kernel: their output rows keep
+/// Sequences whose slot lies outside the pool are skipped (head dim 128 and the general kernel): their output rows keep
 /// the poison, their would-be slots and every unused slot stay bit-identical, and the other
 /// sequences of the batch are computed as usual.
 #[test]
@@ -386,8 +378,7 @@ fn decode_skips_slots_outside_the_pool() {
     const T: &str = "kda decode_skips_slots_outside_the_pool";
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
-    let kernels = [Some(DecodeKernel::Fused), Some(DecodeKernel::Split), Some(DecodeKernel::Split4), Some(DecodeKernel::Split8), Some(DecodeKernel::Stream), None];
-    for (hd, kernel) in kernels.iter().map(|&k| (128usize, k)).chain([(64, None)]) {
+    for hd in [128usize, 64] {
         let (h, b) = (3usize, 5usize);
         // The reference runs all five sequences (slots 2, 5, 0, 6, 4); the kernel gets -1 and 7
         // (= the pool size) for sequences 1 and 3.
@@ -397,12 +388,8 @@ fn decode_skips_slots_outside_the_pool() {
         let sl = CudaTensor::from_pod(&dev, DType::I32, vec![b], &[2i32, -1, 0, 7, 4]).expect("slots");
         let x = Gpu::new(&dev, &p, 0..b);
         let out = poisoned(&dev, DType::BF16, vec![b, d]);
-        match kernel {
-            Some(k) => kda::kda_decode_with(&x.inputs(), &x.weights(), &sl, &conv, &st, &out, k),
-            None => kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv, &st, &out),
-        }
-        .expect("kda_decode");
-        let what = format!("decode {kernel:?} hd={hd} with slots [2, -1, 0, 7, 4]");
+        kda::kda_decode(&x.inputs(), &x.weights(), &sl, &conv, &st, &out).expect("kda_decode");
+        let what = format!("decode hd={hd} with slots [2, -1, 0, 7, 4]");
         let (o_ref, conv_ref, s_ref, _) = cpu_reference(&p, false);
         let (got, bytes) = (out.to_f32_vec().expect("out"), out.to_bytes().expect("out"));
         for i in [1usize, 3] {

@@ -287,46 +287,15 @@ fn big_smem(dev: &CudaDevice, src: Source, func: &'static str, bytes: u32) -> Re
     f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).map_err(derr("raising the shared-memory limit of the KDA kernels"))
 }
 
-/// Which head-dim-128 decode kernel runs (all compute the same step; see `kernels/cuda/kda_decode.cu`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodeKernel {
-    /// One block per (head, sequence), the whole 128×128 state in registers.
-    Fused,
-    /// A cluster of two blocks per (head, sequence), 64 value columns each; the output norm's
-    /// sum of squares crosses over distributed shared memory. Needs sm_90.
-    Split,
-    /// As `Split` with four blocks of 32 columns. Needs sm_90.
-    Split4,
-    /// As `Split` with eight blocks of 16 columns. Needs sm_90.
-    Split8,
-    /// Persistent, one block per SM over (sequence, head) items; each item's state and inputs
-    /// stream through a 3-stage shared-memory ring by bulk copy (TMA). Needs sm_90 and 16-byte
-    /// aligned tensors.
-    Stream,
-}
-
-const DECODE_STREAM_SMEM: u32 = 230_036; // DS_SMEM_BYTES in kda_decode.cu
-
 /// One decode step for `B` sequences (each input has `B` rows): conv-state shift, gates, one
 /// step of the recurrence on pool slot `slots[b]` of `state` / `conv_state` in place, output
 /// norm and gate into `out` `[B, D]`. `slots` is a device I32 `[B]` tensor the caller fills
 /// before the call (or before a graph replay); only its dtype and shape are checked here — the
 /// slots must be distinct, and a slot outside `[0, S)` makes the kernel skip that sequence
-/// (its output rows are left unwritten). CUDA-graph capturable.
-/// At head dim 128 it picks the kernel measured faster on the H200 (docs/kernels/kda.md, final
-/// run): `Fused` at batch 1 (6.78 vs 7.10 µs), `Split` from batch 2 on where sm_90 clusters exist
-/// (251 vs 345 µs at batch 64); other head dims run the general kernel.
+/// (its output rows are left unwritten). CUDA-graph capturable. Head dim 128 runs `kda_decode`
+/// (one block per head and sequence; docs/kernels/kda.md has the variants measured against it),
+/// other head dims the general kernel.
 pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor) -> Result<()> {
-    let nb = inp.q.shape().first().copied().unwrap_or(0);
-    let split_ok = inp.q.cuda_device().info().compute_capability.0 >= 9;
-    let kernel = if nb >= 2 && split_ok { DecodeKernel::Split } else { DecodeKernel::Fused };
-    kda_decode_with(inp, w, slots, conv_state, state, out, kernel)
-}
-
-/// [`kda_decode`] with an explicit head-dim-128 kernel choice ([`DecodeKernel::Split`] needs
-/// compute capability ≥ 9.0 and is refused below). At other head dims the choice is ignored
-/// (the general kernel runs).
-pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, kernel: DecodeKernel) -> Result<()> {
     let nb = inp.q.shape().first().copied().unwrap_or(0);
     let dm = check(inp, w, nb, nb, conv_state, state, out)?;
     let dev = inp.q.cuda_device();
@@ -348,34 +317,10 @@ pub fn kda_decode_with(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv
     let (cst, st, sl, o) = (conv_state.ptr(), state.ptr(), slots.ptr(), out.ptr());
     let (h32, ns32, lb, eps) = (h as i32, dm.nslots as i32, w.lower_bound, w.eps);
     let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, sl, o, h32, ns32, lb, eps];
-    let (name, ways) = match kernel {
-        DecodeKernel::Fused => return dev.launch(KDA_DECODE, "kda_decode", (h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args),
-        DecodeKernel::Split => ("kda_decode_split", 2),
-        DecodeKernel::Split4 => ("kda_decode_split4", 4),
-        DecodeKernel::Split8 => ("kda_decode_split8", 8),
-        DecodeKernel::Stream => ("kda_decode_stream", 0),
-    };
-    if dev.info().compute_capability.0 < 9 {
-        return Err(CoreError::Device(format!("{name} needs compute capability 9.0 (thread-block clusters / bulk copies); use DecodeKernel::Fused")));
-    }
-    if ways > 0 {
-        return dev.launch(KDA_DECODE, name, (ways * h as u32, nb as u32, 1), (256, 1, 1), 0, &mut args);
-    }
-    if !stream_aligned(inp, w, conv_state, state) {
-        return Err(bad("kda_decode_stream: q, k, v, g, gate, conv weights, dt_bias, conv_state and state must be 16-byte aligned (bulk copies); use DecodeKernel::Split".into()));
-    }
-    let items = (nb * h) as i32;
-    let grid = (nb * h).min(dev.info().multiprocessors.max(1) as usize) as u32;
-    big_smem(dev, KDA_DECODE, "kda_decode_stream", DECODE_STREAM_SMEM)?;
-    let mut args = kargs![q, k, v, g, b, gate, cw, al, dtb, onw, cst, st, sl, o, h32, ns32, lb, eps, items];
-    dev.launch(KDA_DECODE, "kda_decode_stream", (grid, 1, 1), (288, 1, 1), DECODE_STREAM_SMEM, &mut args)
+    dev.launch(KDA_DECODE, "kda_decode", (h as u32, nb as u32, 1), (DECODE_THREADS, 1, 1), 0, &mut args)
 }
 
-/// Whether every tensor `kda_decode_stream` moves by bulk copy starts on a 16-byte boundary (rows
-/// are then aligned too: D · 2 bytes is a multiple of 256 at head dim 128).
-fn stream_aligned(inp: &KdaInputs, w: &KdaWeights, conv_state: &CudaTensor, state: &CudaTensor) -> bool {
-    [&inp.q, &inp.k, &inp.v, &inp.g, &inp.gate, &w.conv, &w.dt_bias, conv_state, state].iter().all(|t| t.ptr().is_multiple_of(16))
-}
+const DECODE_THREADS: u32 = 256; // KDA_DECODE_NT in kda_decode.cu
 
 // CUDA graphs live in `cuda/graph.rs`; re-exported here for the KDA decode callers.
 pub use super::graph::{capture, Graph};
