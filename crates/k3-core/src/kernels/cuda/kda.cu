@@ -178,7 +178,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
             float y0, y1;
             conv(xv, i, wv0, wv1, y0, y1);
             const float be = __shfl_sync(0xffffffffu, bl, i);
-            st_u32(sBV, r0 + i, c, be * silu_ftz(y0), be * silu_ftz(y1));
+            st_u32(sBV, r0 + i, c, be * silu_fast(y0), be * silu_fast(y1));
         }
         // Row sums of squares of SiLU(conv q), SiLU(conv k) for the L2 norms.
         auto sumsq = [&](int which, const unsigned(&xr)[19]) {
@@ -242,11 +242,11 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
             const float ki = live * rsqrt_ftz(sN[2 * KC + r] + sN[3 * KC + r] + 1e-6f);
             float y0, y1;
             conv(xq, i, wq0, wq1, y0, y1);
-            const float q0 = silu_ftz(y0) * qi * e0, q1 = silu_ftz(y1) * qi * e1;
+            const float q0 = silu_fast(y0) * qi * e0, q1 = silu_fast(y1) * qi * e1;
             st_u32(sQE, r, c, q0, q1);
             *reinterpret_cast<unsigned*>(&rb[REC_QG + swz(r, c, KD)]) = pack_bf16(q0 * eR0, q1 * eR1);
             conv(xk, i, wk0, wk1, y0, y1);
-            const float k0 = silu_ftz(y0) * ki, k1 = silu_ftz(y1) * ki;
+            const float k0 = silu_fast(y0) * ki, k1 = silu_fast(y1) * ki;
             const float be = sBeta[r];
             st_u32(sKE, r, c, k0 * e0, k1 * e1);
             st_u32(sBK, r, c, be * k0 * e0 * eR0, be * k1 * e1 * eR1);
@@ -583,7 +583,9 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
         ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1); ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
         ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1); ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
         if (t == 0) { sNorm[(wp >> 2) * KC + mt * 16 + g] = ss0; sNorm[(wp >> 2) * KC + mt * 16 + g + 8] = ss1; }
-        __syncthreads();
+        // Only the four warps holding rows 16mt.. meet here (named barrier 1 + mt); the next
+        // chunk's first barrier orders everything else.
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + mt) : "memory");
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
             const int row = mt * 16 + g + 8 * hh;
