@@ -3,7 +3,8 @@
 method as crates/k3-core/examples/kda_bench.rs (CUDA events, warm, medians; decode as one step
 captured in a CUDA graph, 100 replays between two events, median of 30), plus a cross-check
 of our fused prefill output (dumped by `kda_bench --dump DIR`) against conv + fla chunk_kda +
-RMSNorm x sigmoid(gate) in torch on the same inputs.  Usage: kda_fla_bench.py [DIR]"""
+RMSNorm x sigmoid(gate) in torch on the same inputs.  Usage: kda_fla_bench.py [DIR]
+(FLA_DECODE_ONLY=1: the decode timings only, without chunk_kda's autotuning)"""
 import os, sys
 import numpy as np
 import torch
@@ -125,7 +126,7 @@ if __name__ == "__main__":
     print("torch", torch.__version__, torch.cuda.get_device_name())
     if len(sys.argv) > 1:
         crosscheck(sys.argv[1])
-    for T in (4096, 16384):
+    for T in () if os.environ.get("FLA_DECODE_ONLY") else (4096, 16384):
         print(f"fla chunk_kda T={T}: {prefill(T):.4f} ms")
     for B in (1, 64):
         ms = decode(B)

@@ -31,7 +31,7 @@ pub const HEAD_DIM: usize = 128;
 pub const CHUNK: usize = 64;
 const REC_BYTES: usize = 74_240;
 const PREP_SMEM: u32 = 111_872; // PREP_SMEM_BYTES in kda.cu: two blocks per SM
-const SCAN_SMEM: u32 = 202_256; // SCAN_SMEM_BYTES in kda.cu
+const SCAN_SMEM: u32 = 203_296; // SCAN_SMEM_BYTES in kda.cu
 const OP: &str = "cuda kda";
 
 /// The per-layer KDA weights the kernels read.
@@ -320,7 +320,7 @@ pub fn kda_decode(inp: &KdaInputs, w: &KdaWeights, slots: &CudaTensor, conv_stat
     dev.launch(KDA_DECODE, "kda_decode", (h as u32, nb as u32, 1), (DECODE_THREADS, 1, 1), 0, &mut args)
 }
 
-const DECODE_THREADS: u32 = 256; // KDA_DECODE_NT in kda_decode.cu
+const DECODE_THREADS: u32 = 256; // kda_decode.cu: __launch_bounds__(256)
 
 // CUDA graphs live in `cuda/graph.rs`; re-exported here for the KDA decode callers.
 pub use super::graph::{capture, Graph};

@@ -411,7 +411,7 @@ kda_chunk_prep(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, con
 // the record's tiles are read with ldmatrix (they are stored swizzled for it).
 #define ST 512
 #define LST 136  // bf16 row stride of the S and v' tiles (272 B: ldmatrix rows hit distinct banks)
-#define SCAN_SMEM_BYTES (2 * REC_BYTES + (KD + KC) * LST * 2 + 4 * KC * 4 + KD * 4 + 16)
+#define SCAN_SMEM_BYTES (2 * REC_BYTES + (KD + KC) * LST * 2 + 2 * 4 * KC * 4 + KD * 4 + 32)
 
 // Records arrive by bulk copy (TMA, one issuing thread) completing on an mbarrier per stage
 // (helpers in common.cuh), in four pieces of 18560 bytes (each a multiple of 16).
@@ -444,9 +444,9 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
     unsigned char* stage0 = smem_b;
     bf16_t* sS = reinterpret_cast<bf16_t*>(smem_b + 2 * REC_BYTES);  // S (bf16) [128][LST]
     bf16_t* sV = sS + KD * LST;                                       // v' [64][LST]
-    float* sNorm = reinterpret_cast<float*>(sV + KC * LST);           // [4][64] row sums of squares
-    float* sW = sNorm + 4 * KC;                                       // o_norm weight [128]
-    unsigned long long* bars = reinterpret_cast<unsigned long long*>(sW + KD);  // one per stage
+    float* sNorm = reinterpret_cast<float*>(sV + KC * LST);           // [chunk & 1][4][64] row sums of squares
+    float* sW = sNorm + 2 * 4 * KC;                                   // o_norm weight [128]
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(sW + KD);  // full[2], empty[2]
 
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, D = H * KD;
@@ -459,6 +459,8 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
     if (tid == 0) {
         mbar_init(&bars[0], 1);
         mbar_init(&bars[1], 1);
+        mbar_init(&bars[2], ST);
+        mbar_init(&bars[3], ST);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -482,10 +484,18 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
             *reinterpret_cast<unsigned*>(&sS[row * LST + cl]) = pack_bf16(v.x, v.y);
         }
 
+    // The two halves of the block (warps 0-7: value columns 0-63, warps 8-15: 64-127) share no
+    // S or v' data, so they meet only on their own named barriers (5, 6); rows meet for the output
+    // norm (barriers 1-4). Record stage s is refilled once all 512 threads have arrived on
+    // empty[s] after their last read of it.
+    auto half_sync = [&]() { asm volatile("bar.sync %0, 256;" ::"r"(5 + (wp >> 3)) : "memory"); };
     for (int c = 0; c < nch; c++) {
         mbar_wait(&bars[c & 1], (c >> 1) & 1);
-        __syncthreads();
-        if (c + 1 < nch) prefetch(c + 1);
+        if (c + 1 < nch) {
+            if (tid == 0 && c >= 1) mbar_wait(&bars[2 + ((c + 1) & 1)], ((c - 1) >> 1) & 1);  // chunk c-1 is done with it
+            prefetch(c + 1);
+        }
+        half_sync();  // this half's S tile (written by the previous chunk) is complete
         const unsigned char* st = stage0 + (c & 1) * REC_BYTES;
         const bf16_t* rW = reinterpret_cast<const bf16_t*>(st) + REC_W;
         const bf16_t* rU = reinterpret_cast<const bf16_t*>(st) + REC_U;
@@ -533,7 +543,7 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
                 const unsigned u = ld_rec(rU, row, cl, KD);
                 *reinterpret_cast<unsigned*>(&sV[row * LST + cl]) = pack_bf16(lo_bf16(u) - accV[nt][2 * hh], hi_bf16(u) - accV[nt][2 * hh + 1]);
             }
-        __syncthreads();
+        half_sync();  // this half's v' columns are complete
 
         // o += A_qk v'  (causal: only key tiles <= the row tile)
         for (int ks = 0; ks <= mt; ks++) {
@@ -563,6 +573,7 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
                     mma_bf16(accS[2 * np + 1], a, b[2], b[3]);
                 }
             }
+            mbar_arrive(&bars[2 + (c & 1)]);  // this thread's last read of the record
             float* cs = chunk_states ? chunk_states + ((long long)(chunk0 + c) * H + h) * (KD * KD) : nullptr;
 #pragma unroll
             for (int nt = 0; nt < 8; nt++)
@@ -582,15 +593,17 @@ kda_chunk_scan(const unsigned char* __restrict__ work, const int4* __restrict__ 
         }
         ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1); ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
         ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1); ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
-        if (t == 0) { sNorm[(wp >> 2) * KC + mt * 16 + g] = ss0; sNorm[(wp >> 2) * KC + mt * 16 + g + 8] = ss1; }
-        // Only the four warps holding rows 16mt.. meet here (named barrier 1 + mt); the next
-        // chunk's first barrier orders everything else.
+        // Double-buffered by chunk parity: a warp can reach the next chunk's norm while a warp of
+        // the other half still reads this one's (it cannot get two chunks ahead: this barrier).
+        float* nrm = sNorm + (c & 1) * 4 * KC;
+        if (t == 0) { nrm[(wp >> 2) * KC + mt * 16 + g] = ss0; nrm[(wp >> 2) * KC + mt * 16 + g + 8] = ss1; }
+        // Only the four warps holding rows 16mt.. meet here (named barrier 1 + mt).
         asm volatile("bar.sync %0, 128;" ::"r"(1 + mt) : "memory");
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
             const int row = mt * 16 + g + 8 * hh;
             if (row >= n) continue;
-            const float inv = rsqrt_ftz((sNorm[row] + sNorm[KC + row] + sNorm[2 * KC + row] + sNorm[3 * KC + row]) * (1.0f / KD) + eps);
+            const float inv = rsqrt_ftz((nrm[row] + nrm[KC + row] + nrm[2 * KC + row] + nrm[3 * KC + row]) * (1.0f / KD) + eps);
 #pragma unroll
             for (int nt = 0; nt < 4; nt++) {
                 const int cl = oc + nt * 8 + 2 * t;

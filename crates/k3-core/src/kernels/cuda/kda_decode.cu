@@ -9,9 +9,6 @@
 // [S][3 (q,k,v)][3 taps, oldest first][D], raw inputs bf16 [B][D], D = H * 128.
 
 #define KD 128
-#ifndef KDA_DECODE_NT
-#define KDA_DECODE_NT 256
-#endif
 
 // One channel's short conv + SiLU (§3.2): weights w (4 taps), the 3 stored raw inputs t0..t2
 // (oldest first) and the current raw input x.
@@ -42,10 +39,6 @@ __device__ __forceinline__ void fma4(float4& a, float k, float4 b) {
 __device__ __forceinline__ void scale4(float4& a, float e) {
     a.x *= e; a.y *= e; a.z *= e; a.w *= e;
 }
-__device__ __forceinline__ float4 shfl_xor4(float4 v, int m) {
-    return make_float4(__shfl_xor_sync(0xffffffffu, v.x, m), __shfl_xor_sync(0xffffffffu, v.y, m),
-                       __shfl_xor_sync(0xffffffffu, v.z, m), __shfl_xor_sync(0xffffffffu, v.w, m));
-}
 
 #define DECODE_ARGS                                                                                                   \
     const bf16_t *__restrict__ qr, const bf16_t *__restrict__ kr, const bf16_t *__restrict__ vr,                       \
@@ -55,51 +48,47 @@ __device__ __forceinline__ float4 shfl_xor4(float4 v, int m) {
         const int *__restrict__ slots, bf16_t *__restrict__ out, int H, int nslots, float lower_bound, float eps
 #define DECODE_PASS qr, kr, vr, graw, braw, gate, convw, a_log, dt_bias, onorm_w, conv_state, state, slots, out, H, nslots, lower_bound, eps
 
-// Grid (H, B), NT threads. Conv roles: thread (role = tid / 128, channel ch = tid % 128): role 0
-// = the q channel and its decay, 1 = the k channel (and, at NT = 256, the v channel), 2 = the v
-// channel (NT = 512). Recurrence: warp wp owns state rows RPT·wp.., lane its 4 columns 4·lane..;
-// per-warp partial sums over rows meet in shared memory, and every thread sums the NW partials
-// of its own columns, so the step needs three barriers.
-template <int NT>
-__device__ __forceinline__ void decode_head(DECODE_ARGS) {
-    constexpr int NW = NT / 32, RPT = KD / NW;
-    __shared__ __align__(16) float sq[KD], sk[KD], sv[KD], se[KD], red[2][NW][KD], misc[8];
+// Grid (H, B), 256 threads. Conv roles: thread (role = tid / 128, channel ch = tid % 128): role 0
+// = the q channel and its decay, role 1 = the k and v channels. Recurrence: warp wp owns state
+// rows 16wp..16wp+15, lane its 4 columns 4·lane..; per-warp partial sums over rows meet in shared
+// memory and every thread sums the 8 partials of its own columns, so the step needs three
+// barriers. State loads and stores carry no cache hint: evict-first (.cs) measured slower at
+// batch 64 and no faster at batch 1 on the H200 (docs/kernels/kda.md).
+extern "C" __global__ void __launch_bounds__(256) kda_decode(DECODE_ARGS) {
+    __shared__ __align__(16) float sq[KD], sk[KD], sv[KD], se[KD], red[2][8][KD], misc[8];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, ch = tid & 127, role = tid >> 7;
-    const int which = role < 2 ? role : 2, h = blockIdx.x, b = blockIdx.y, D = H * KD;
+    const int h = blockIdx.x, b = blockIdx.y, D = H * KD;
     const long long xo = (long long)b * D + h * KD;
 
     // Everything that does not depend on the slot is loaded first, overlapping the slot's load.
     const int sl = slots[b];
-    const bf16_t xa = (which == 0 ? qr : which == 1 ? kr : vr)[xo + ch], xv = vr[xo + ch], gr = graw[xo + ch];
-    const float4 wa = ldg4(convw + ((long long)which * D + h * KD + ch) * 4), wv = ldg4(convw + (2LL * D + h * KD + ch) * 4);
+    const bf16_t xa = (role ? kr : qr)[xo + ch], xv = vr[xo + ch], gr = graw[xo + ch];
+    const float4 wa = ldg4(convw + ((long long)role * D + h * KD + ch) * 4), wv = ldg4(convw + (2LL * D + h * KD + ch) * 4);
     const float dtb = dt_bias[h * KD + ch], al = a_log[h], bl = bf16_to_f32(braw[(long long)b * H + h]);
     const uint2 gt = *reinterpret_cast<const uint2*>(gate + xo + 4 * lane);  // warp 0: its 4 outputs' gates
     const float4 onw = ldg4(onorm_w + 4 * lane);
     if (sl < 0 || sl >= nslots) return;
 
-    float4* S = reinterpret_cast<float4*>(state + ((long long)sl * H + h) * (KD * KD));
-    float4 s[RPT];
-#pragma unroll
-    for (int r = 0; r < RPT; r++) s[r] = __ldcs(&S[(wp * RPT + r) * 32 + lane]);  // streamed: no reuse
+    // The conv taps first: the conv and the q / k norms then overlap the state's arrival.
     bf16_t* cs = conv_state + (long long)sl * 9 * D + h * KD + ch;
-    const bf16_t ta0 = cs[(which * 3) * (long long)D], ta1 = cs[(which * 3 + 1) * (long long)D], ta2 = cs[(which * 3 + 2) * (long long)D];
+    const bf16_t ta0 = cs[(role * 3) * (long long)D], ta1 = cs[(role * 3 + 1) * (long long)D], ta2 = cs[(role * 3 + 2) * (long long)D];
     const bf16_t tv0 = cs[6LL * D], tv1 = cs[7LL * D], tv2 = cs[8LL * D];
+    float4* S = reinterpret_cast<float4*>(state + ((long long)sl * H + h) * (KD * KD));
+    float4 s[16];
+#pragma unroll
+    for (int r = 0; r < 16; r++) s[r] = S[(wp * 16 + r) * 32 + lane];
     const float a = conv_silu(wa, ta0, ta1, ta2, xa);
     if (role == 0) {
         sq[ch] = a;
         se[ch] = decay(lower_bound, al, gr, dtb);
-    } else if (role == 1) {
+    } else {
         sk[ch] = a;
-        if (NT == 256) sv[ch] = conv_silu(wv, tv0, tv1, tv2, xv);
-    } else if (role == 2) {
-        sv[ch] = a;
+        sv[ch] = conv_silu(wv, tv0, tv1, tv2, xv);
+        shift_taps(cs + 6LL * D, D, keep2(tv1, tv2), xv);
     }
-    if (role < 2) {
-        const float ss = warp_sum(a * a);
-        if (lane == 0) misc[wp] = ss;  // [0, 4): q, [4, 8): k
-    }
-    if (role < 3) shift_taps(cs + (which * 3) * (long long)D, D, keep2(ta1, ta2), xa);
-    if (NT == 256 && role == 1) shift_taps(cs + 6LL * D, D, keep2(tv1, tv2), xv);
+    shift_taps(cs + (role * 3) * (long long)D, D, keep2(ta1, ta2), xa);
+    const float ss = warp_sum(a * a);
+    if (lane == 0) misc[wp] = ss;  // [0, 4): q, [4, 8): k
     __syncthreads();
     const float qi = 0.08838834764831845f / sqrtf(misc[0] + misc[1] + misc[2] + misc[3] + 1e-6f);
     const float ki = 1.0f / sqrtf(misc[4] + misc[5] + misc[6] + misc[7] + 1e-6f);
@@ -107,8 +96,8 @@ __device__ __forceinline__ void decode_head(DECODE_ARGS) {
     // u = beta (v - (e ⊙ S)^T k), each thread for its own 4 columns
     float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int r = 0; r < RPT; r++) {
-        const int row = wp * RPT + r;
+    for (int r = 0; r < 16; r++) {
+        const int row = wp * 16 + r;
         scale4(s[r], se[row]);
         fma4(p, sk[row] * ki, s[r]);
     }
@@ -116,28 +105,26 @@ __device__ __forceinline__ void decode_head(DECODE_ARGS) {
     __syncthreads();
     float4 u = *reinterpret_cast<const float4*>(&sv[4 * lane]);
 #pragma unroll
-    for (int w = 0; w < NW; w++) fma4(u, -1.0f, *reinterpret_cast<const float4*>(&red[0][w][4 * lane]));
+    for (int w = 0; w < 8; w++) fma4(u, -1.0f, *reinterpret_cast<const float4*>(&red[0][w][4 * lane]));
     scale4(u, sigmoid_ftz(bl));
 
     // S += k u^T ; o = S^T q
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int r = 0; r < RPT; r++) {
-        const int row = wp * RPT + r;
+    for (int r = 0; r < 16; r++) {
+        const int row = wp * 16 + r;
         fma4(s[r], sk[row] * ki, u);
         fma4(o, sq[row] * qi, s[r]);
-        __stcs(&S[row * 32 + lane], s[r]);
+        S[row * 32 + lane] = s[r];
     }
     *reinterpret_cast<float4*>(&red[1][wp][4 * lane]) = o;
     __syncthreads();
     if (wp != 0) return;
     o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < NW; w++) fma4(o, 1.0f, *reinterpret_cast<const float4*>(&red[1][w][4 * lane]));
+    for (int w = 0; w < 8; w++) fma4(o, 1.0f, *reinterpret_cast<const float4*>(&red[1][w][4 * lane]));
     const float inv = 1.0f / sqrtf(warp_sum(o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w) * (1.0f / KD) + eps);
     const float y0 = o.x * inv * onw.x * sigmoid_ftz(lo_bf16(gt.x)), y1 = o.y * inv * onw.y * sigmoid_ftz(hi_bf16(gt.x));
     const float y2 = o.z * inv * onw.z * sigmoid_ftz(lo_bf16(gt.y)), y3 = o.w * inv * onw.w * sigmoid_ftz(hi_bf16(gt.y));
     *reinterpret_cast<uint2*>(out + xo + 4 * lane) = make_uint2(pack2(y0, y1), pack2(y2, y3));
 }
-
-extern "C" __global__ void __launch_bounds__(KDA_DECODE_NT) kda_decode(DECODE_ARGS) { decode_head<KDA_DECODE_NT>(DECODE_PASS); }
