@@ -166,9 +166,7 @@ __device__ __forceinline__ void mma16_tf32(float (*acc)[4], const float* X, int 
 
 // ---- mbarriers and bulk copies (TMA, sm_90). One thread arms a barrier with the byte count
 // it expects (`mbar_expect_tx`, which is also its arrival) and issues `bulk_g2s` copies that
-// complete on it; waiters spin on the phase parity. `bulk_s2g` stores are tracked per issuing
-// thread in bulk groups (`bulk_commit`, then `bulk_wait_read` before the source is reused).
-// Generic-proxy writes to shared memory that a `bulk_s2g` reads need `fence_async_smem` first.
+// complete on it; other arrivals are plain `mbar_arrive`s; waiters spin on the phase parity.
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
@@ -189,13 +187,3 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
                  "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
 }
-__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, unsigned bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Waits until at most N of this thread's committed bulk groups still read their shared source.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
-// Waits until all of this thread's bulk groups are complete (writes done).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }

@@ -15,7 +15,8 @@
 //  * kda_chunk_scan, one 512-thread block per (sequence, head): the state S (128x128 f32) lives
 //    in mma accumulators across chunks; per chunk v' = u - w S, o = (q e^G) S + A_qk v',
 //    S = e^G_last S + (k e^(G_last-G))^T v', then RMSNorm x sigmoid(gate) and the bf16 output.
-//    Records arrive by bulk copy (TMA), double-buffered. It also writes the final state, the
+//    Records arrive by bulk copy (TMA), double-buffered. The block's two halves (value columns
+//    0-63, 64-127) share no S or v' data and sync on their own named barriers. It also writes the final state, the
 //    new conv state and (optionally) the state after every chunk.
 // Conv and recurrent states live in a pool of slots ([S, 3, 3, D] bf16, [S, H, 128, 128] f32);
 // the tables carry each sequence's slot, so the kernels only index the pool by it.
@@ -62,7 +63,8 @@ __device__ __forceinline__ int swz(int r, int c, int rowlen) {
 #define PREP_SMEM_BYTES 111872
 // After the A products the QE/KE/KB bytes hold f32 A_kk [64][LDA], M [64][LDA], scratch [3][16][16].
 
-// SiLU for the norm pass only (one MUFU op; ~2^-11 relative error, far below bf16's).
+// SiLU in one MUFU op (tanh.approx, ~2^-11 relative error): every SiLU output of the prep is
+// rounded to bf16 (2^-9) right after, or only feeds the L2 norms' sums of squares.
 __device__ __forceinline__ float silu_fast(float x) {
     float t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * x));

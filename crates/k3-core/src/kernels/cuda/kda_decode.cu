@@ -1,8 +1,9 @@
 // kda_decode.cu: the KDA decode step (text-backbone §3.8: conv-state shift, §3.2-3.3 gates,
 // one step of the §3.4 recurrence, §3.6 output norm and gate), head_dim 128, state f32 in place.
 // CPU oracle: kernels/cpu/kda.rs `kda_recurrent` plus k3-model layers/kda.rs.
-// One block per (head, sequence) holds the head's 128x128 state in registers (docs/kernels/kda.md
-// has the variants measured against it: column splits over clusters, a persistent TMA ring).
+// One block per (head, sequence) holds the head's 128x128 state in registers; docs/kernels/kda.md
+// has the variants measured against it and dropped (column splits over clusters of 2-8 blocks,
+// a persistent kernel streaming states through a TMA ring, warp-owned columns, 512 threads).
 // States live in a pool of S slots: sequence b (input / output row b) uses slot slots[b]
 // (device i32 [B], filled before a graph replay); a slot outside [0, S) makes the kernel skip
 // that sequence without writing anything. State f32 [S][H][128 k][128 v], conv state bf16
@@ -52,8 +53,8 @@ __device__ __forceinline__ void scale4(float4& a, float e) {
 // = the q channel and its decay, role 1 = the k and v channels. Recurrence: warp wp owns state
 // rows 16wp..16wp+15, lane its 4 columns 4·lane..; per-warp partial sums over rows meet in shared
 // memory and every thread sums the 8 partials of its own columns, so the step needs three
-// barriers. State loads and stores carry no cache hint: evict-first (.cs) measured slower at
-// batch 64 and no faster at batch 1 on the H200 (docs/kernels/kda.md).
+// barriers. State loads and stores carry no cache hint (evict-first .cs measured slower at batch
+// 64 on the H200).
 extern "C" __global__ void __launch_bounds__(256) kda_decode(DECODE_ARGS) {
     __shared__ __align__(16) float sq[KD], sk[KD], sv[KD], se[KD], red[2][8][KD], misc[8];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, ch = tid & 127, role = tid >> 7;

@@ -29,7 +29,7 @@ pub const SOFTMAX: Source = Source { name: "softmax", code: include_str!("softma
 
 /// KDA chunked prefill (`kda_chunk_prep`, `kda_chunk_scan`).
 pub const KDA: Source = Source { name: "kda", code: include_str!("kda.cu") };
-/// KDA decode step (`kda_decode`, `kda_decode_split`).
+/// KDA decode step at head dim 128 (`kda_decode`).
 pub const KDA_DECODE: Source = Source { name: "kda_decode", code: include_str!("kda_decode.cu") };
 /// KDA for head dims 32..=128 other than the fast kernels' 128: recurrent form (`kda_general`).
 pub const KDA_GENERAL: Source = Source { name: "kda_general", code: include_str!("kda_general.cu") };
