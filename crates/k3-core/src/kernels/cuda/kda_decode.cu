@@ -41,21 +41,18 @@ __device__ __forceinline__ void scale4(float4& a, float e) {
     a.x *= e; a.y *= e; a.z *= e; a.w *= e;
 }
 
-#define DECODE_ARGS                                                                                                   \
-    const bf16_t *__restrict__ qr, const bf16_t *__restrict__ kr, const bf16_t *__restrict__ vr,                       \
-        const bf16_t *__restrict__ graw, const bf16_t *__restrict__ braw, const bf16_t *__restrict__ gate,             \
-        const float *__restrict__ convw, const float *__restrict__ a_log, const float *__restrict__ dt_bias,           \
-        const float *__restrict__ onorm_w, bf16_t *__restrict__ conv_state, float *__restrict__ state,                 \
-        const int *__restrict__ slots, bf16_t *__restrict__ out, int H, int nslots, float lower_bound, float eps
-#define DECODE_PASS qr, kr, vr, graw, braw, gate, convw, a_log, dt_bias, onorm_w, conv_state, state, slots, out, H, nslots, lower_bound, eps
-
 // Grid (H, B), 256 threads. Conv roles: thread (role = tid / 128, channel ch = tid % 128): role 0
 // = the q channel and its decay, role 1 = the k and v channels. Recurrence: warp wp owns state
 // rows 16wp..16wp+15, lane its 4 columns 4·lane..; per-warp partial sums over rows meet in shared
 // memory and every thread sums the 8 partials of its own columns, so the step needs three
 // barriers. State loads and stores carry no cache hint (evict-first .cs measured slower at batch
 // 64 on the H200).
-extern "C" __global__ void __launch_bounds__(256) kda_decode(DECODE_ARGS) {
+extern "C" __global__ void __launch_bounds__(256)
+kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const bf16_t* __restrict__ vr,
+           const bf16_t* __restrict__ graw, const bf16_t* __restrict__ braw, const bf16_t* __restrict__ gate,
+           const float* __restrict__ convw, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+           const float* __restrict__ onorm_w, bf16_t* __restrict__ conv_state, float* __restrict__ state,
+           const int* __restrict__ slots, bf16_t* __restrict__ out, int H, int nslots, float lower_bound, float eps) {
     __shared__ __align__(16) float sq[KD], sk[KD], sv[KD], se[KD], red[2][8][KD], misc[8];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, ch = tid & 127, role = tid >> 7;
     const int h = blockIdx.x, b = blockIdx.y, D = H * KD;
