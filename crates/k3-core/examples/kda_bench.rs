@@ -106,20 +106,8 @@ fn graph_step_ms(dev: &CudaDevice, step: impl Fn() -> k3_core::Result<()>) -> Re
     for _ in 0..50 {
         graph.launch()?;
     }
-    dev.synchronize()?;
-    let s = dev.stream();
-    let mut ts = Vec::new();
-    for _ in 0..30 {
-        let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
-        e0.record(&s)?;
-        for _ in 0..100 {
-            graph.launch()?;
-        }
-        e1.record(&s)?;
-        e1.synchronize()?;
-        ts.push(e0.elapsed_ms(&e1)? as f64 / 100.0);
-    }
-    Ok(median(ts))
+    let hundred = || (0..100).try_for_each(|_| graph.launch());
+    Ok(time_ms(dev, 0, 30, hundred)? / 100.0)
 }
 
 fn main() {
