@@ -18,6 +18,10 @@ pub enum CoreError {
     /// old). Callers fall back to the CPU or skip; every other CUDA failure is `Device`.
     #[error("CUDA unavailable: {0}")]
     CudaUnavailable(String),
+    /// A collective, point-to-point transfer or rendezvous failed: a peer rank died, timed out
+    /// or disagreed. `op` names the call (`all_reduce_sum`, `rendezvous`, …), `msg` which rank and why.
+    #[error("{op}: {msg}")]
+    Comm { op: &'static str, msg: String },
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;

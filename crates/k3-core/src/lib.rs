@@ -5,12 +5,15 @@
 //!   feature — device memory).
 //! - [`kernels::cpu`]: the CPU kernels on plain `&[f32]` slices (`gemm` + `rayon`), one file
 //!   per op family; the model crate calls them by the same names as its layers.
+//! - [`comm`]: the communicators the parallel model runs on (world-1, in-process threads,
+//!   and NCCL with the `cuda` feature) and the TCP control plane that starts a world.
 //! - [`kernels::cuda`] (feature `cuda`): the CUDA path, loaded at run time (cudarc).
 //!
 //! Imports point one way: this crate knows nothing of Kimi K3's config or checkpoint names.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;

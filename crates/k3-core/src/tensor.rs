@@ -125,6 +125,40 @@ impl Tensor {
         Ok(Tensor { dtype: self.dtype, shape: vec![n], storage })
     }
 
+    /// Rows `[r0, r0 + n)` of dim 0 (any rank ≥ 1): a view of the same memory map, no copy
+    /// (an owned tensor is copied). This is how a rank takes its heads or vocabulary rows.
+    pub fn narrow_rows(&self, r0: usize, n: usize) -> Result<Self> {
+        let rows = *self.shape.first().ok_or_else(|| CoreError::Shape { op: "narrow_rows", detail: "a 0-d tensor has no rows".into() })?;
+        if r0 + n > rows {
+            return Err(CoreError::Shape { op: "narrow_rows", detail: format!("rows {r0}..{} of {:?}", r0 + n, self.shape) });
+        }
+        let row_bytes = numel(&self.shape[1..]) * self.dtype.size_in_bytes();
+        let mut shape = self.shape.clone();
+        shape[0] = n;
+        match &self.storage {
+            Storage::Mapped { map, start, .. } => Ok(Tensor { dtype: self.dtype, shape, storage: Storage::Mapped { map: map.clone(), start: start + r0 * row_bytes, len: n * row_bytes } }),
+            Storage::Owned(..) => Self::from_bytes(self.dtype, shape, &self.bytes()[r0 * row_bytes..(r0 + n) * row_bytes]),
+        }
+    }
+
+    /// Columns `[c0, c0 + n)` of a 2-D tensor, copied into an owned tensor (the rows of a
+    /// row-parallel matrix are not contiguous in the file).
+    pub fn narrow_cols(&self, c0: usize, n: usize) -> Result<Self> {
+        let [rows, cols] = self.shape[..] else {
+            return Err(CoreError::Shape { op: "narrow_cols", detail: format!("needs a 2-D tensor, got {:?}", self.shape) });
+        };
+        if c0 + n > cols {
+            return Err(CoreError::Shape { op: "narrow_cols", detail: format!("columns {c0}..{} of {:?}", c0 + n, self.shape) });
+        }
+        let es = self.dtype.size_in_bytes();
+        let src = self.bytes();
+        let mut out = Vec::with_capacity(rows * n * es);
+        for r in 0..rows {
+            out.extend_from_slice(&src[(r * cols + c0) * es..(r * cols + c0 + n) * es]);
+        }
+        Self::from_bytes(self.dtype, vec![rows, n], &out)
+    }
+
     fn typed<T: bytemuck::Pod>(&self, want: DType, op: &'static str) -> Result<Cow<'_, [T]>> {
         if self.dtype != want {
             return Err(CoreError::DType { op, dtype: self.dtype.to_string() });
@@ -179,5 +213,20 @@ mod tests {
         assert!(t.as_bf16().is_err());
         let b = Tensor::from_bf16(vec![2], &[bf16::from_f32(1.5), bf16::from_f32(-2.0)]).unwrap();
         assert_eq!(&*b.to_f32().unwrap(), &[1.5, -2.0]);
+    }
+
+    #[test]
+    fn narrow_rows_and_cols() {
+        let t = Tensor::from_f32(vec![3, 2, 2], &(0..12).map(|v| v as f32).collect::<Vec<_>>()).unwrap();
+        let r = t.narrow_rows(1, 2).unwrap();
+        assert_eq!(r.shape(), &[2, 2, 2]);
+        assert_eq!(&*r.as_f32().unwrap(), &[4., 5., 6., 7., 8., 9., 10., 11.]);
+        assert!(t.narrow_rows(2, 2).is_err());
+        let m = Tensor::from_f32(vec![2, 4], &[0., 1., 2., 3., 4., 5., 6., 7.]).unwrap();
+        let c = m.narrow_cols(1, 2).unwrap();
+        assert_eq!(c.shape(), &[2, 2]);
+        assert_eq!(&*c.as_f32().unwrap(), &[1., 2., 5., 6.]);
+        assert_eq!(m.narrow_cols(4, 0).unwrap().numel(), 0);
+        assert!(t.narrow_cols(0, 1).is_err());
     }
 }

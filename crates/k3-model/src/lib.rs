@@ -6,11 +6,15 @@
 //!   against the table.
 //! - [`inspect`]: parameter counts, bytes on disk, cache sizes (`k3 inspect`).
 //! - [`init`]: random-weight checkpoints in the release format (`k3 init`).
+//! - [`parallel`]: the sharding plan (`--tp/--ep/--pp` → what each rank holds) and the
+//!   groups a rank's forward talks to; [`source`]: one rank's shards of a checkpoint.
 pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod init;
 pub mod inspect;
+pub mod parallel;
+pub mod source;
 pub mod weights;
 
 pub use checkpoint::Checkpoint;
@@ -20,5 +24,6 @@ pub mod layers;
 pub mod model;
 
 pub use model::{ForwardOpts, Model, SeqState};
+pub use parallel::{Groups, Parallel, RankPlan};
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -5,6 +5,12 @@
 //!
 //! Shapes: tokens `[T]`; stream rows `[T, H]`; logits `[T, vocab]` (or `[1, vocab]` when only the
 //! last position is asked for).
+//!
+//! The same code is one rank of a parallel layout (`parallel.rs`): a rank holds its stage's
+//! layers and its shards of them, and the forward makes the layout's collectives — the
+//! embedding sum and the two reductions per layer over the tensor-parallel group (the second
+//! inside `Moe::forward_in`), the vocabulary gather of the logits, the residual state sent
+//! between stages. On one process every group is world 1 and those calls return at once.
 
 use k3_core::kernels::cpu::matmul::Matrix;
 use k3_core::kernels::cpu::norm::rms_norm_inplace;
@@ -12,12 +18,14 @@ use k3_core::kernels::cpu::norm::rms_norm_inplace;
 use crate::checkpoint::Checkpoint;
 use crate::config::{Config, Ffn as FfnKind, LayerSpec, Mixer as MixerKind};
 use crate::error::{ModelError, Result};
-use crate::layers::attn_res::AttnRes;
+use crate::layers::attn_res::{AttnRes, Residual};
 use crate::layers::ffn::Mlp;
 use crate::layers::kda::{Kda, KdaMode, KdaState, StateDType};
 use crate::layers::mla::{Mla, MlaCache, MlaForm};
 use crate::layers::moe::Moe;
 use crate::layers::{lin, matrix, vector};
+use crate::parallel::{Groups, RankPlan};
+use crate::source::Source;
 use crate::weights::{layer_prefix, LM_HEAD, TEXT};
 
 pub enum Mixer {
@@ -96,19 +104,32 @@ impl Default for ForwardOpts {
 /// Receives named intermediates (`blk.3.attn_in`, ...) as `[T, width]` f32 rows.
 pub type Trace<'a> = Option<&'a mut dyn FnMut(&str, &[f32], usize)>;
 
-pub struct Model {
-    pub config: Config,
-    pub embed_tokens: Matrix,
-    pub layers: Vec<Layer>,
+/// The output side of the last pipeline stage: the output AttnRes, the final norm and this
+/// rank's vocabulary rows of the `lm_head`.
+pub struct OutputHead {
     pub output_attn_res: AttnRes,
     pub norm: Vec<f32>,
     pub lm_head: Matrix,
 }
 
+/// The model on one rank: the decoder layers of its pipeline stage (global indices kept), its
+/// shards of them, and the groups its collectives go to. On a single process it is the whole
+/// model and every collective returns at once.
+pub struct Model {
+    pub config: Config,
+    pub plan: RankPlan,
+    pub groups: Groups,
+    /// This rank's vocabulary rows (`plan.tp_share(vocab_size)`), on the first stage only.
+    pub embed_tokens: Option<Matrix>,
+    pub layers: Vec<Layer>,
+    /// On the last stage only.
+    pub head: Option<OutputHead>,
+}
+
 impl Model {
     /// Builds the model from an opened checkpoint (checked against the tensor table first).
     pub fn load(ck: &Checkpoint) -> Result<Model> {
-        Self::load_opts(ck, true)
+        Self::load_rank(ck, RankPlan::single(&ck.config), Groups::single(), true)
     }
 
     /// The model as the engine's source of the config and embedding rows beside a GPU model
@@ -116,62 +137,97 @@ impl Model {
     /// scanned here — the GPU upload checks every one of them as it copies them — so a
     /// memory-mapped checkpoint's scales are read once at start-up, not twice.
     pub fn load_for_gpu(ck: &Checkpoint) -> Result<Model> {
-        Self::load_opts(ck, false)
+        Self::load_rank(ck, RankPlan::single(&ck.config), Groups::single(), false)
     }
 
-    fn load_opts(ck: &Checkpoint, scan_scales: bool) -> Result<Model> {
+    /// One rank's model: only the tensors `plan` gives it are touched (row shards are views of
+    /// the memory map, column shards copies). `scan_scales`: check every MXFP4 scale byte now.
+    pub fn load_rank(ck: &Checkpoint, plan: RankPlan, groups: Groups, scan_scales: bool) -> Result<Model> {
         ck.check()?;
         let cfg = ck.config.clone();
+        let src = Source::new(ck, plan);
         let t = &cfg.text;
         let (h, v, eps) = (t.hidden_size, t.vocab_size, t.rms_norm_eps);
-        let layers = cfg
-            .layers
+        let plan = &src.plan;
+        let layers = cfg.layers[plan.layers.clone()]
             .iter()
             .map(|spec| {
                 let l = spec.index;
                 let p = layer_prefix(l);
                 Ok(Layer {
                     spec: *spec,
-                    self_attention_res: AttnRes::load(ck, &format!("{p}self_attention_res"), h, eps)?,
-                    input_layernorm: vector(ck, &format!("{p}input_layernorm.weight"), h)?,
+                    self_attention_res: AttnRes::load(&src, &format!("{p}self_attention_res"), h, eps)?,
+                    input_layernorm: vector(&src, &format!("{p}input_layernorm.weight"), h)?,
                     mixer: match spec.mixer {
-                        MixerKind::Kda => Mixer::Kda(Kda::load(ck, &cfg, l)?),
-                        MixerKind::Mla => Mixer::Mla(Mla::load(ck, &cfg, l, false)?),
-                        MixerKind::Dsa => Mixer::Mla(Mla::load(ck, &cfg, l, true)?),
+                        MixerKind::Kda => Mixer::Kda(Kda::load(&src, &cfg, l)?),
+                        MixerKind::Mla => Mixer::Mla(Mla::load(&src, &cfg, l, false)?),
+                        MixerKind::Dsa => Mixer::Mla(Mla::load(&src, &cfg, l, true)?),
                     },
-                    mlp_res: AttnRes::load(ck, &format!("{p}mlp_res"), h, eps)?,
-                    post_attention_layernorm: vector(ck, &format!("{p}post_attention_layernorm.weight"), h)?,
+                    mlp_res: AttnRes::load(&src, &format!("{p}mlp_res"), h, eps)?,
+                    post_attention_layernorm: vector(&src, &format!("{p}post_attention_layernorm.weight"), h)?,
                     ffn: match spec.ffn {
-                        FfnKind::Dense => Ffn::Dense(Mlp::load(ck, &format!("{p}mlp."), h, t.intermediate_size, t.activation_situ_beta, t.activation_situ_linear_beta)?),
-                        FfnKind::Moe => Ffn::Moe(Moe::load(ck, &cfg, l, scan_scales)?),
+                        FfnKind::Dense => {
+                            let inter = plan.tp_share(t.intermediate_size).len();
+                            Ffn::Dense(Mlp::load(&src, &format!("{p}mlp."), h, inter, t.activation_situ_beta, t.activation_situ_linear_beta)?)
+                        }
+                        FfnKind::Moe => Ffn::Moe(Moe::load(&src, &cfg, l, scan_scales)?),
                     },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Model {
-            embed_tokens: matrix(ck, &format!("{TEXT}embed_tokens.weight"), v, h)?,
-            output_attn_res: AttnRes::load(ck, &format!("{TEXT}output_attn_res"), h, eps)?,
-            norm: vector(ck, &format!("{TEXT}norm.weight"), h)?,
-            lm_head: matrix(ck, LM_HEAD, v, h)?,
-            layers,
-            config: cfg,
-        })
+        let vl = plan.tp_share(v).len();
+        let embed_tokens = plan.first_stage().then(|| matrix(&src, &format!("{TEXT}embed_tokens.weight"), vl, h)).transpose()?;
+        let head = match plan.last_stage() {
+            true => Some(OutputHead {
+                output_attn_res: AttnRes::load(&src, &format!("{TEXT}output_attn_res"), h, eps)?,
+                norm: vector(&src, &format!("{TEXT}norm.weight"), h)?,
+                lm_head: matrix(&src, LM_HEAD, vl, h)?,
+            }),
+            false => None,
+        };
+        let plan = src.plan.clone();
+        Ok(Model { embed_tokens, head, layers, config: cfg, plan, groups })
     }
 
+    /// A new, empty sequence state shaped for this rank (its KDA heads, its stage's layers).
     pub fn new_state(&self) -> SeqState {
-        SeqState::new(&self.config)
+        self.new_state_with(StateDType::F32)
     }
 
-    /// Embedding rows for `tokens` `[T]` → `[T, H]`; ids out of range are an input error.
+    /// [`Model::new_state`] with the KDA recurrent states stored as `dtype`.
+    pub fn new_state_with(&self, dtype: StateDType) -> SeqState {
+        let heads = self.plan.tp_share(self.config.text.linear_attn_config.num_heads).len();
+        let layers = self
+            .config
+            .layers
+            .iter()
+            .map(|l| match l.mixer {
+                MixerKind::Kda => LayerState::Kda(KdaState::with_heads(&self.config, if self.plan.holds_layer(l.index) { heads } else { 0 }, dtype)),
+                _ => LayerState::Mla(MlaCache::default()),
+            })
+            .collect();
+        SeqState { layers, pos: 0 }
+    }
+
+    /// Embedding rows for `tokens` `[T]` → `[T, H]`; ids out of range are an input error. On
+    /// a tensor-parallel rank each rank looks up its vocabulary rows and the rows are summed,
+    /// so every rank of the group must call it.
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let (v, h) = (self.config.text.vocab_size, self.config.text.hidden_size);
+        let Some(table) = &self.embed_tokens else {
+            return Err(ModelError::Input(format!("rank {} (pipeline stage {}) holds no embedding: only the first stage embeds tokens", self.plan.rank, self.plan.stage)));
+        };
+        let mine = self.plan.tp_share(v);
         let mut x = vec![0f32; tokens.len() * h];
         for (i, &tok) in tokens.iter().enumerate() {
             if tok as usize >= v {
                 return Err(ModelError::Input(format!("token id {tok} at position {i} is outside the vocabulary (vocab_size {v})")));
             }
-            self.embed_tokens.decode_rows(tok as usize, 1, &mut x[i * h..(i + 1) * h]);
+            if mine.contains(&(tok as usize)) {
+                table.decode_rows(tok as usize - mine.start, 1, &mut x[i * h..(i + 1) * h]);
+            }
         }
+        self.groups.tp.all_reduce_sum(&mut x)?;
         Ok(x)
     }
 
@@ -181,8 +237,8 @@ impl Model {
         if tokens.is_empty() {
             return Err(ModelError::Input("no tokens to run".into()));
         }
-        let emb = self.embed(tokens)?; // [T, H]
-        self.forward_embeds(emb, state, opts, trace)
+        let emb = if self.plan.first_stage() { self.embed(tokens)? } else { Vec::new() }; // [T, H]
+        self.forward_varlen(emb, &[tokens.len()], &mut [state], opts, trace)
     }
 
     /// Like [`Model::forward`] but from input rows `emb` `[T, H]` (token embeddings, possibly with
@@ -209,24 +265,28 @@ impl Model {
         }
         let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
         let all: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
-        let emb = self.embed(&all)?;
+        let emb = if self.plan.first_stage() { self.embed(&all)? } else { Vec::new() };
         let logits = self.forward_varlen(emb, &lens, states, opts, None)?;
         let v = self.config.text.vocab_size;
         let mut out = Vec::with_capacity(lens.len());
         let mut r0 = 0;
         for &t in &lens {
             let rows = if opts.last_only { 1 } else { t };
-            out.push(logits[r0 * v..(r0 + rows) * v].to_vec());
+            out.push(logits.get(r0 * v..(r0 + rows) * v).map(<[f32]>::to_vec).unwrap_or_default());
             r0 += rows;
         }
         Ok(out)
     }
 
-    /// The packed forward: `emb` `[N, H]` holds `lens[i]` rows of sequence i.
+    /// The packed forward: `emb` `[N, H]` holds `lens[i]` rows of sequence i (on the first
+    /// pipeline stage; later stages pass an empty `emb` and receive the residual state from the
+    /// stage before). Returns the logits on the ranks of the first and the last stage, an empty
+    /// vector on the stages between.
     pub fn forward_varlen(&self, emb: Vec<f32>, lens: &[usize], states: &mut [&mut SeqState], opts: ForwardOpts, mut trace: Trace<'_>) -> Result<Vec<f32>> {
         let h = self.config.text.hidden_size;
         let t: usize = lens.iter().sum();
-        if t == 0 || emb.len() != t * h || lens.len() != states.len() {
+        let first = self.plan.first_stage();
+        if t == 0 || (first && emb.len() != t * h) || lens.len() != states.len() {
             return Err(ModelError::Input(format!("packed input: {} values for {t} rows of hidden_size {h} and {} sequences", emb.len(), states.len())));
         }
         let max = self.config.max_context();
@@ -234,8 +294,8 @@ impl Model {
             if st.pos + n > max {
                 return Err(ModelError::Input(format!("sequence {i}: {} tokens exceed the context limit of {max} (max_position_embeddings)", st.pos + n)));
             }
-            if st.layers.len() != self.layers.len() {
-                return Err(ModelError::Input(format!("sequence {i}: its state was made for another model ({} layers, this one has {})", st.layers.len(), self.layers.len())));
+            if st.layers.len() != self.config.layers.len() {
+                return Err(ModelError::Input(format!("sequence {i}: its state was made for another model ({} layers, this one has {})", st.layers.len(), self.config.layers.len())));
             }
         }
         let eps = self.config.text.rms_norm_eps;
@@ -245,28 +305,21 @@ impl Model {
                 f(name, x, t);
             }
         };
-        emit("embed", &emb);
-        // Block AttnRes bookkeeping (§6.2): completed blocks and the running partial sum P.
-        let mut blocks: Vec<Vec<f32>> = Vec::new();
-        let mut p = emb;
-        let mut d: Option<Vec<f32>> = None;
+        let (plan, g) = (&self.plan, &self.groups);
+        let mut res = if first {
+            emit("embed", &emb);
+            Residual::new(emb)
+        } else {
+            Residual::recv(&*g.world, plan.peer_in_stage(plan.stage - 1), t * h)?
+        };
         for layer in &self.layers {
             let l = layer.spec.index;
-            if let Some(dd) = d.take() {
-                p.iter_mut().zip(&dd).for_each(|(a, b)| *a += b);
-            }
-            if l % b == 0 {
-                blocks.push(p.clone());
-            }
-            let nb = l.div_ceil(b);
-            let mut srcs: Vec<&[f32]> = blocks[..nb].iter().map(Vec::as_slice).collect();
-            srcs.push(&p);
-            let mut hx = layer.self_attention_res.mix(&srcs, t);
+            let mut hx = layer.self_attention_res.mix(&res.mixer_sources(l, b), t);
             emit(&format!("blk.{l}.attn_res"), &hx);
             rms_norm_inplace(&mut hx, &layer.input_layernorm, eps);
             emit(&format!("blk.{l}.attn_in"), &hx);
             let mismatch = || ModelError::Input(format!("sequence state does not match layer {l}: it was made for another model"));
-            let a = match &layer.mixer {
+            let mut a = match &layer.mixer {
                 Mixer::Kda(m) => {
                     let mut ss = states.iter_mut().map(|s| match &mut s.layers[l] { LayerState::Kda(k) => Ok(k), _ => Err(mismatch()) }).collect::<Result<Vec<_>>>()?;
                     m.forward_varlen(&hx, lens, &mut ss, opts.kda)?
@@ -276,37 +329,35 @@ impl Model {
                     m.forward_varlen(&hx, lens, &mut ss, opts.mla)?
                 }
             };
+            g.tp.all_reduce_sum(&mut a)?; // reduction 1: the heads' partial o_proj sums
             emit(&format!("blk.{l}.{}.out", if matches!(layer.mixer, Mixer::Kda(_)) { "kda" } else { "mla" }), &a);
-            if l % b == 0 {
-                p = a;
-            } else {
-                p.iter_mut().zip(&a).for_each(|(x, y)| *x += y);
-            }
-            let nb2 = nb + usize::from(l % b == 0);
-            let mut srcs: Vec<&[f32]> = blocks[..nb2].iter().map(Vec::as_slice).collect();
-            srcs.push(&p);
-            let mut hf = layer.mlp_res.mix(&srcs, t);
+            let mut hf = layer.mlp_res.mix(&res.ffn_sources(l, b, a), t);
             rms_norm_inplace(&mut hf, &layer.post_attention_layernorm, eps);
             emit(&format!("blk.{l}.ffn_in"), &hf);
             let out = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&hf, t)?,
-                Ffn::Moe(m) => m.forward(&hf, t)?,
+                Ffn::Dense(m) => {
+                    let mut o = m.forward(&hf, t)?;
+                    g.tp.all_reduce_sum(&mut o)?; // reduction 2 (dense layer)
+                    o
+                }
+                Ffn::Moe(m) => m.forward_in(&hf, t, &*g.stage)?, // reduction 2 is inside
             };
             emit(&format!("blk.{l}.ffn.out"), &out);
-            d = Some(out);
+            res.pending = Some(out);
         }
-        if let Some(dd) = d.take() {
-            p.iter_mut().zip(&dd).for_each(|(a, b)| *a += b);
-        }
-        let mut srcs: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
-        srcs.push(&p);
-        let mut hout = self.output_attn_res.mix(&srcs, t);
-        rms_norm_inplace(&mut hout, &self.norm, eps);
-        emit("output_norm", &hout);
         for (st, &n) in states.iter_mut().zip(lens) {
             st.pos += n;
         }
-        if opts.last_only {
+        let Some(head) = &self.head else {
+            res.send(&*g.world, plan.peer_in_stage(plan.stage + 1))?;
+            // The first stage gets the logits back from the last one.
+            return if first { Ok(g.world.recv(plan.peer_in_stage(plan.par.pp - 1))?) } else { Ok(Vec::new()) };
+        };
+        let mut hout = head.output_attn_res.mix(&res.output_sources(), t);
+        rms_norm_inplace(&mut hout, &head.norm, eps);
+        emit("output_norm", &hout);
+        let rows = if opts.last_only { lens.len() } else { t };
+        let x = if opts.last_only {
             // The last row of each sequence.
             let mut last = Vec::with_capacity(lens.len() * h);
             let mut r0 = 0;
@@ -314,21 +365,42 @@ impl Model {
                 r0 += n;
                 last.extend_from_slice(&hout[(r0 - 1) * h..r0 * h]);
             }
-            lin(&last, lens.len(), &self.lm_head)
+            last
         } else {
-            lin(&hout, t, &self.lm_head)
+            hout
+        };
+        let logits = gather_vocab(g.tp.all_gather(&lin(&x, rows, &head.lm_head)?)?, rows);
+        if plan.par.pp > 1 {
+            g.world.send(plan.peer_in_stage(0), &logits)?;
         }
+        Ok(logits)
     }
 }
 
+/// Joins the ranks' `[rows, v_r]` logits (vocabulary shards in rank order) into `[rows, V]`.
+fn gather_vocab(parts: Vec<Vec<f32>>, rows: usize) -> Vec<f32> {
+    if parts.len() == 1 {
+        return parts.into_iter().next().unwrap_or_default();
+    }
+    let widths: Vec<usize> = parts.iter().map(|p| p.len() / rows.max(1)).collect();
+    let mut out = Vec::with_capacity(parts.iter().map(Vec::len).sum());
+    for r in 0..rows {
+        for (p, &w) in parts.iter().zip(&widths) {
+            out.extend_from_slice(&p[r * w..(r + 1) * w]);
+        }
+    }
+    out
+}
+
 impl Model {
-    /// Weight bytes one decode token reads: every non-expert matrix of every layer, the
-    /// `num_experts_per_token` routed experts of each MoE layer (their average size), one
-    /// embedding row and the whole `lm_head`. Used to turn decode time into bandwidth.
+    /// Weight bytes one decode token reads on this rank: every non-expert matrix it holds, its
+    /// expected share of the `num_experts_per_token` routed experts of each MoE layer (their
+    /// average size), one embedding row and its `lm_head` rows. Used to turn decode time into
+    /// bandwidth.
     pub fn weight_bytes_per_token(&self) -> u64 {
         use crate::layers::moe::Expert;
         let m = |x: &Matrix| x.bytes() as u64;
-        let mut total = m(&self.lm_head) + (self.embed_tokens.bytes() / self.embed_tokens.rows().max(1)) as u64;
+        let mut total = self.head.as_ref().map_or(0, |o| m(&o.lm_head)) + self.embed_tokens.as_ref().map_or(0, |e| (e.bytes() / e.rows().max(1)) as u64);
         for layer in &self.layers {
             total += match &layer.mixer {
                 Mixer::Kda(k) => [&k.q_proj, &k.k_proj, &k.v_proj, &k.b_proj, &k.f_a_proj, &k.f_b_proj, &k.g_proj, &k.o_proj].iter().map(|x| m(x)).sum::<u64>(),
@@ -341,9 +413,10 @@ impl Model {
                 Ffn::Dense(f) => m(&f.gate_proj) + m(&f.up_proj) + m(&f.down_proj),
                 Ffn::Moe(e) => {
                     let ex = |x: &Expert| m(&x.w1) + m(&x.w2) + m(&x.w3);
+                    // The average expert this rank holds, times the share of routed pairs it gets.
                     let avg = e.experts.iter().map(ex).sum::<u64>() / e.experts.len().max(1) as u64;
                     let sh = e.shared_experts.as_ref().map_or(0, |f| m(&f.gate_proj) + m(&f.up_proj) + m(&f.down_proj));
-                    m(&e.gate) + m(&e.routed_expert_down_proj) + m(&e.routed_expert_up_proj) + sh + avg * self.config.text.num_experts_per_token as u64
+                    m(&e.gate) + m(&e.routed_expert_down_proj) + m(&e.routed_expert_up_proj) + sh + avg * self.config.text.num_experts_per_token as u64 * e.experts.len() as u64 / self.config.text.num_experts.max(1) as u64
                 }
             };
         }

@@ -4,6 +4,8 @@
 //! §8 (embedding, norm, lm_head); around-backbone §1.3–§1.5 (prefixes, vision tensors) and §2
 //! (MXFP4 experts). The loader checks a checkpoint against [`tensor_table`], `k3 init` writes
 //! exactly this table, and `k3 inspect` counts parameters from it — so a name lives in one place.
+//! Each entry also says how the tensor is split across ranks ([`Split`]); `parallel.rs` turns
+//! that into one rank's shard, and `source.rs` cuts it out of the memory map.
 
 use serde::Serialize;
 
@@ -49,6 +51,28 @@ pub enum Kind {
     Mxfp4Scale,
 }
 
+/// How a tensor is divided among the ranks of a pipeline stage (`docs/parallel.md`). Units are
+/// whole heads, vocabulary rows, FFN columns or MXFP4 blocks: the partition is over
+/// `dim / unit` units by [`k3_core::comm::part`], so sibling tensors cut at the same heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Split {
+    /// Whole on every rank (norms, AttnRes, the low-rank `a` projections, router, latent
+    /// projections, the DSA indexer).
+    Replicated,
+    /// Dim 0 over the tensor-parallel ranks, `unit` rows at a time (column-parallel
+    /// projections by head, FFN rows, embedding and `lm_head` by vocabulary).
+    Rows(usize),
+    /// Dim 1 over the tensor-parallel ranks, `unit` columns at a time (the row-parallel
+    /// matrices whose partial products are summed: `o_proj`, `down_proj`).
+    Cols(usize),
+    /// A routed expert's rows: the whole expert on its expert-parallel owner; with `--ep 1`,
+    /// dim 0 over the tensor-parallel ranks like [`Split::Rows`].
+    ExpertRows(usize),
+    /// A routed expert's `w2`: whole on its owner; with `--ep 1`, like [`Split::Cols`].
+    ExpertCols(usize),
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct TensorSpec {
     pub name: String,
@@ -59,6 +83,8 @@ pub struct TensorSpec {
     pub layer: Option<usize>,
     /// Routed expert id, for expert tensors.
     pub expert: Option<usize>,
+    /// How ranks share it.
+    pub split: Split,
 }
 
 impl TensorSpec {
@@ -80,8 +106,12 @@ struct Table<'a> {
 }
 
 impl Table<'_> {
+    /// A replicated tensor.
     fn add(&mut self, name: String, shape: &[usize], kind: Kind, component: Component) {
-        self.out.push(TensorSpec { name, shape: shape.to_vec(), kind, component, layer: self.layer, expert: self.expert });
+        self.split(Split::Replicated, name, shape, kind, component);
+    }
+    fn split(&mut self, split: Split, name: String, shape: &[usize], kind: Kind, component: Component) {
+        self.out.push(TensorSpec { name, shape: shape.to_vec(), kind, component, layer: self.layer, expert: self.expert, split });
     }
 }
 
@@ -98,7 +128,7 @@ pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
     let mut tb = Table { out: &mut out, layer: None, expert: None };
     use Component as C;
     use Kind::*;
-    tb.add(format!("{TEXT}embed_tokens.weight"), &[v, h], Float, C::Embedding);
+    tb.split(Split::Rows(1), format!("{TEXT}embed_tokens.weight"), &[v, h], Float, C::Embedding);
     for spec in &cfg.layers {
         let l = spec.index;
         let p = layer_prefix(l);
@@ -109,30 +139,31 @@ pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
                 let la = &t.linear_attn_config;
                 let (nh, hd, k) = (la.num_heads, la.head_dim, la.short_conv_kernel_size);
                 let d = nh * hd;
+                let head = Split::Rows(hd);
                 for x in ["q", "k", "v"] {
-                    tb.add(format!("{a}{x}_proj.weight"), &[d, h], Float, C::Kda);
-                    tb.add(format!("{a}{x}_conv1d.weight"), &[d, 1, k], Float32, C::Kda);
+                    tb.split(head, format!("{a}{x}_proj.weight"), &[d, h], Float, C::Kda);
+                    tb.split(head, format!("{a}{x}_conv1d.weight"), &[d, 1, k], Float32, C::Kda);
                 }
-                tb.add(format!("{a}b_proj.weight"), &[nh, h], Float, C::Kda);
+                tb.split(Split::Rows(1), format!("{a}b_proj.weight"), &[nh, h], Float, C::Kda);
                 tb.add(format!("{a}f_a_proj.weight"), &[hd, h], Float, C::Kda);
-                tb.add(format!("{a}f_b_proj.weight"), &[d, hd], Float, C::Kda);
-                tb.add(format!("{a}A_log"), &[nh], Float32, C::Kda);
-                tb.add(format!("{a}dt_bias"), &[d], Float32, C::Kda);
-                tb.add(format!("{a}g_proj.weight"), &[d, h], Float, C::Kda);
+                tb.split(head, format!("{a}f_b_proj.weight"), &[d, hd], Float, C::Kda);
+                tb.split(Split::Rows(1), format!("{a}A_log"), &[nh], Float32, C::Kda);
+                tb.split(head, format!("{a}dt_bias"), &[d], Float32, C::Kda);
+                tb.split(head, format!("{a}g_proj.weight"), &[d, h], Float, C::Kda);
                 tb.add(format!("{a}o_norm.weight"), &[hd], Float32, C::Kda);
-                tb.add(format!("{a}o_proj.weight"), &[h, d], Float, C::Kda);
+                tb.split(Split::Cols(hd), format!("{a}o_proj.weight"), &[h, d], Float, C::Kda);
             }
             Mixer::Mla | Mixer::Dsa => {
                 let (nh, dn, dr, dv, r) = (t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
                 let q = t.q_lora_rank.unwrap_or(0);
                 tb.add(format!("{a}q_a_proj.weight"), &[q, h], Float, C::Mla);
                 tb.add(format!("{a}q_a_layernorm.weight"), &[q], Float, C::Mla);
-                tb.add(format!("{a}q_b_proj.weight"), &[nh * (dn + dr), q], Float, C::Mla);
+                tb.split(Split::Rows(dn + dr), format!("{a}q_b_proj.weight"), &[nh * (dn + dr), q], Float, C::Mla);
                 tb.add(format!("{a}kv_a_proj_with_mqa.weight"), &[r + dr, h], Float, C::Mla);
                 tb.add(format!("{a}kv_a_layernorm.weight"), &[r], Float, C::Mla);
-                tb.add(format!("{a}kv_b_proj.weight"), &[nh * (dn + dv), r], Float, C::Mla);
-                tb.add(format!("{a}g_proj.weight"), &[nh * dv, h], Float, C::Mla);
-                tb.add(format!("{a}o_proj.weight"), &[h, nh * dv], Float, C::Mla);
+                tb.split(Split::Rows(dn + dv), format!("{a}kv_b_proj.weight"), &[nh * (dn + dv), r], Float, C::Mla);
+                tb.split(Split::Rows(dv), format!("{a}g_proj.weight"), &[nh * dv, h], Float, C::Mla);
+                tb.split(Split::Cols(dv), format!("{a}o_proj.weight"), &[h, nh * dv], Float, C::Mla);
                 if spec.mixer == Mixer::Dsa {
                     if let Some(d) = &t.dsa_config {
                         let (ih, id) = (d.index_num_heads, d.index_head_dim);
@@ -154,9 +185,9 @@ pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
         match spec.ffn {
             Ffn::Dense => {
                 let i = t.intermediate_size;
-                tb.add(format!("{p}mlp.gate_proj.weight"), &[i, h], Float, C::DenseFfn);
-                tb.add(format!("{p}mlp.up_proj.weight"), &[i, h], Float, C::DenseFfn);
-                tb.add(format!("{p}mlp.down_proj.weight"), &[h, i], Float, C::DenseFfn);
+                tb.split(Split::Rows(1), format!("{p}mlp.gate_proj.weight"), &[i, h], Float, C::DenseFfn);
+                tb.split(Split::Rows(1), format!("{p}mlp.up_proj.weight"), &[i, h], Float, C::DenseFfn);
+                tb.split(Split::Cols(1), format!("{p}mlp.down_proj.weight"), &[h, i], Float, C::DenseFfn);
             }
             Ffn::Moe => {
                 let m = format!("{p}block_sparse_moe.");
@@ -170,19 +201,29 @@ pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
                 tb.add(format!("{m}routed_expert_up_proj.weight"), &[h, lat], Float, C::MoeLatent);
                 if t.num_shared_experts > 0 {
                     let si = fi * t.num_shared_experts;
-                    tb.add(format!("{m}shared_experts.gate_proj.weight"), &[si, h], Float, C::SharedExperts);
-                    tb.add(format!("{m}shared_experts.up_proj.weight"), &[si, h], Float, C::SharedExperts);
-                    tb.add(format!("{m}shared_experts.down_proj.weight"), &[h, si], Float, C::SharedExperts);
+                    tb.split(Split::Rows(1), format!("{m}shared_experts.gate_proj.weight"), &[si, h], Float, C::SharedExperts);
+                    tb.split(Split::Rows(1), format!("{m}shared_experts.up_proj.weight"), &[si, h], Float, C::SharedExperts);
+                    tb.split(Split::Cols(1), format!("{m}shared_experts.down_proj.weight"), &[h, si], Float, C::SharedExperts);
                 }
                 for ex in 0..e {
                     tb.expert = Some(ex);
+                    // Without EP the intermediate dim is split; MXFP4 cuts at whole 32-value blocks,
+                    // so w1/w3 rows go 32 at a time to match w2's block columns.
+                    let mx = cfg.experts_mxfp4();
+                    let block = if mx { 32 } else { 1 };
                     for (w, o, i) in [("w1", fi, lat), ("w3", fi, lat), ("w2", lat, fi)] {
                         let n = format!("{m}experts.{ex}.{w}.");
-                        if cfg.experts_mxfp4() {
-                            tb.add(format!("{n}weight_packed"), &[o, i / 2], Mxfp4Packed, C::RoutedExperts);
-                            tb.add(format!("{n}weight_scale"), &[o, i / 32], Mxfp4Scale, C::RoutedExperts);
+                        // w2's packed bytes hold two values each: a block is 16 bytes, 1 scale.
+                        let (packed, scale) = if w == "w2" {
+                            (Split::ExpertCols(if mx { 16 } else { 1 }), Split::ExpertCols(1))
                         } else {
-                            tb.add(format!("{n}weight"), &[o, i], Float, C::RoutedExperts);
+                            (Split::ExpertRows(block), Split::ExpertRows(block))
+                        };
+                        if mx {
+                            tb.split(packed, format!("{n}weight_packed"), &[o, i / 2], Mxfp4Packed, C::RoutedExperts);
+                            tb.split(scale, format!("{n}weight_scale"), &[o, i / 32], Mxfp4Scale, C::RoutedExperts);
+                        } else {
+                            tb.split(packed, format!("{n}weight"), &[o, i], Float, C::RoutedExperts);
                         }
                     }
                 }
@@ -194,7 +235,7 @@ pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
     tb.add(format!("{TEXT}norm.weight"), &[h], Float, C::FinalNorm);
     tb.add(format!("{TEXT}output_attn_res_norm.weight"), &[h], Float, C::AttnRes);
     tb.add(format!("{TEXT}output_attn_res_proj.weight"), &[1, h], Float, C::AttnRes);
-    tb.add(LM_HEAD.to_string(), &[v, h], Float, C::LmHead);
+    tb.split(Split::Rows(1), LM_HEAD.to_string(), &[v, h], Float, C::LmHead);
     if let Some(vc) = &cfg.vision_config {
         vision_table(&mut tb, vc, h);
     }

@@ -11,7 +11,7 @@ use k3_core::kernels::cpu::matmul::{dot, Matrix};
 use k3_core::kernels::cpu::norm::layer_norm_inplace;
 
 use super::{lin, matrix, vector};
-use crate::checkpoint::Checkpoint;
+use crate::source::Tensors;
 use crate::config::DsaConfig;
 use crate::error::Result;
 
@@ -40,7 +40,7 @@ pub struct IndexerOut {
 }
 
 impl Indexer {
-    pub fn load(ck: &Checkpoint, p: &str, d: &DsaConfig, h: usize, q_lora: usize, eps: f32) -> Result<Self> {
+    pub fn load<S: Tensors + ?Sized>(ck: &S, p: &str, d: &DsaConfig, h: usize, q_lora: usize, eps: f32) -> Result<Self> {
         let (ih, id) = (d.index_num_heads, d.index_head_dim);
         Ok(Indexer {
             wq_b: matrix(ck, &format!("{p}indexer.wq_b.weight"), ih * id, q_lora)?,

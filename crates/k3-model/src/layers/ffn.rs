@@ -5,7 +5,7 @@ use k3_core::kernels::cpu::act::situ_glu_slice;
 use k3_core::kernels::cpu::matmul::Matrix;
 
 use super::{lin, matrix};
-use crate::checkpoint::Checkpoint;
+use crate::source::Tensors;
 use crate::error::Result;
 
 pub struct Mlp {
@@ -17,8 +17,9 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// Loads `{p}gate_proj`, `{p}up_proj` `[inter, h]` and `{p}down_proj` `[h, inter]`.
-    pub fn load(ck: &Checkpoint, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32) -> Result<Self> {
+    /// Loads `{p}gate_proj`, `{p}up_proj` `[inter, h]` and `{p}down_proj` `[h, inter]` (`inter`
+    /// is this rank's share of the columns; the partial outputs of the ranks add up).
+    pub fn load<S: Tensors + ?Sized>(ck: &S, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32) -> Result<Self> {
         Ok(Mlp {
             gate_proj: matrix(ck, &format!("{p}gate_proj.weight"), inter, h)?,
             up_proj: matrix(ck, &format!("{p}up_proj.weight"), inter, h)?,

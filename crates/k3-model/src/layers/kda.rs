@@ -12,9 +12,9 @@ use k3_core::kernels::cpu::matmul::Matrix;
 use k3_core::kernels::cpu::norm::{l2_norm_inplace, rms_norm_inplace};
 
 use super::{lin, matrix, vector};
-use crate::checkpoint::Checkpoint;
+use crate::source::{Source, Tensors};
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
 /// Storage of the recurrent state. f32 is the reference (spec §3.8); bf16 halves the state's
 /// memory and is **approximate**: the state is rounded to bf16 after every forward call, so
@@ -48,10 +48,14 @@ impl KdaState {
         Self::with_dtype(cfg, StateDType::F32)
     }
     pub fn with_dtype(cfg: &Config, dtype: StateDType) -> Self {
+        Self::with_heads(cfg, cfg.text.linear_attn_config.num_heads, dtype)
+    }
+    /// The state of `heads` of the layer's heads (a tensor-parallel rank's share).
+    pub fn with_heads(cfg: &Config, heads: usize, dtype: StateDType) -> Self {
         let la = &cfg.text.linear_attn_config;
-        let d = cfg.kda_dim();
+        let d = heads * la.head_dim;
         let tail = (la.short_conv_kernel_size - 1) * d;
-        let n = la.num_heads * la.head_dim * la.head_dim;
+        let n = heads * la.head_dim * la.head_dim;
         let s = match dtype {
             StateDType::F32 => StateBuf::F32(vec![0.0; n]),
             StateDType::Bf16 => StateBuf::Bf16(vec![0; n]),
@@ -99,9 +103,11 @@ pub struct Kda {
 }
 
 impl Kda {
-    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize) -> Result<Self> {
+    /// Loads layer `l`'s mixer: this rank's heads (all of them on one rank).
+    pub fn load(ck: &Source<'_>, cfg: &Config, l: usize) -> Result<Self> {
         let la = &cfg.text.linear_attn_config;
-        let (h, nh, hd, kernel) = (cfg.text.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size);
+        let (h, hd, kernel) = (cfg.text.hidden_size, la.head_dim, la.short_conv_kernel_size);
+        let nh = ck.plan.tp_share(la.num_heads).len();
         let d = nh * hd;
         let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
         let conv = |x: &str| vector(ck, &format!("{p}{x}_conv1d.weight"), d * kernel);
@@ -113,7 +119,7 @@ impl Kda {
             b_proj: matrix(ck, &format!("{p}b_proj.weight"), nh, h)?,
             f_a_proj: matrix(ck, &format!("{p}f_a_proj.weight"), hd, h)?,
             f_b_proj: matrix(ck, &format!("{p}f_b_proj.weight"), d, hd)?,
-            a_exp: ck.a_log(&format!("{p}A_log"), nh)?.iter().map(|a| a.exp()).collect(),
+            a_exp: ck.a_log(&format!("{p}A_log"), la.num_heads)?.iter().map(|a| a.exp()).collect(),
             dt_bias: vector(ck, &format!("{p}dt_bias"), d)?,
             g_proj: matrix(ck, &format!("{p}g_proj.weight"), d, h)?,
             o_norm: vector(ck, &format!("{p}o_norm.weight"), hd)?,
@@ -126,7 +132,8 @@ impl Kda {
         })
     }
 
-    /// `x` `[T, H]` → `[T, H]`, advancing `state` by T tokens.
+    /// `x` `[T, H]` → `[T, H]`, advancing `state` by T tokens. On a tensor-parallel rank the
+    /// output is this rank's partial sum of `o_proj` (the model adds the ranks' up).
     pub fn forward(&self, x: &[f32], t: usize, state: &mut KdaState, mode: KdaMode) -> Result<Vec<f32>> {
         self.forward_varlen(x, &[t], &mut [state], mode)
     }
@@ -137,6 +144,10 @@ impl Kda {
         let (nh, hd) = (self.nh, self.hd);
         let d = nh * hd;
         let n: usize = lens.iter().sum();
+        let tail = (self.kernel - 1) * d;
+        if let Some(i) = states.iter().position(|s| s.conv.iter().any(|c| c.len() != tail)) {
+            return Err(ModelError::Input(format!("sequence {i}: its KDA state is not the state of this layer's {nh} heads (made for another model or another rank)")));
+        }
         let mut q = lin(x, n, &self.q_proj)?; // [N, D]
         let mut k = lin(x, n, &self.k_proj)?;
         let mut v = lin(x, n, &self.v_proj)?;

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::dsa::{index_scores, select_topk, Indexer};
 use super::{lin, matrix, vector};
-use crate::checkpoint::Checkpoint;
+use crate::source::Source;
 use crate::config::Config;
 use crate::error::Result;
 
@@ -63,9 +63,12 @@ pub struct Mla {
 const LATENT_EPS: f32 = 1e-6;
 
 impl Mla {
-    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize, dsa: bool) -> Result<Self> {
+    /// Loads layer `l`'s attention: this rank's heads; the latent projections and the indexer
+    /// are whole on every rank (so is the latent cache).
+    pub fn load(ck: &Source<'_>, cfg: &Config, l: usize, dsa: bool) -> Result<Self> {
         let t = &cfg.text;
-        let (h, nh, dn, dr, dv, r) = (t.hidden_size, t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
+        let (h, dn, dr, dv, r) = (t.hidden_size, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
+        let nh = ck.plan.tp_share(t.num_attention_heads).len();
         let ql = t.q_lora_rank.unwrap_or(0);
         let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
         let indexer = match (&t.dsa_config, dsa) {

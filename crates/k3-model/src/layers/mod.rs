@@ -14,18 +14,21 @@ pub mod moe;
 
 use k3_core::kernels::cpu::matmul::{linear, Matrix};
 
-use crate::checkpoint::Checkpoint;
 use crate::error::{ModelError, Result};
+use crate::source::Tensors;
 
-/// `y[T, out] = x[T, in] · Wᵀ`.
+/// `y[T, out] = x[T, in] · Wᵀ` (zeros when `in` is 0: a rank that holds none of a split
+/// matrix's columns contributes nothing to the sum).
 pub(crate) fn lin(x: &[f32], t: usize, w: &Matrix) -> Result<Vec<f32>> {
     let mut y = vec![0f32; t * w.rows()];
-    linear(x, t, w, &mut y)?;
+    if w.cols() > 0 {
+        linear(x, t, w, &mut y)?;
+    }
     Ok(y)
 }
 
-/// A dense weight matrix from the checkpoint, checked to be `[rows, cols]`.
-pub(crate) fn matrix(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+/// A dense weight matrix (this rank's shard of it), checked to be `[rows, cols]`.
+pub(crate) fn matrix<S: Tensors + ?Sized>(ck: &S, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
     let t = ck.tensor(name)?;
     if t.shape() != [rows, cols] {
         return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
@@ -34,7 +37,7 @@ pub(crate) fn matrix(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> R
 }
 
 /// A small float vector (norm weights, biases) as f32, checked to have `n` elements.
-pub(crate) fn vector(ck: &Checkpoint, name: &str, n: usize) -> Result<Vec<f32>> {
+pub(crate) fn vector<S: Tensors + ?Sized>(ck: &S, name: &str, n: usize) -> Result<Vec<f32>> {
     let t = ck.tensor(name)?;
     if t.numel() != n {
         return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected {n} elements", t.shape()) });

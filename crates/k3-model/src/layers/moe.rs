@@ -6,7 +6,14 @@
 //! `y = w2 · SiTU-GLU(w1 z, w3 z)`; `r = Σ w_i y_i`, `r · routed_scaling_factor` (once),
 //! `RMSNorm_lat(r)`, `W_up r` `[T, H]`. Plus the shared experts on the full-width `x`.
 //! Expert weights are F32/BF16 or MXFP4, multiplied in place.
+//!
+//! Parallel (`parallel.rs`): the router and the latent projections are whole on every rank; a
+//! rank runs only its experts (`first_expert..`, or every expert's share of the intermediate
+//! dim without expert parallelism), so its `r` is a partial sum. One all-reduce over the stage
+//! adds the partials — of `r` and, when they are split over the same ranks, of the shared
+//! experts' output in the same buffer — before the latent RMSNorm, which is not linear.
 
+use k3_core::comm::{Group, Single};
 use k3_core::kernels::cpu::act::{sigmoid, situ_glu_slice};
 use k3_core::kernels::cpu::matmul::Matrix;
 use k3_core::kernels::cpu::norm::rms_norm_inplace;
@@ -14,7 +21,7 @@ use rayon::prelude::*;
 
 use super::ffn::Mlp;
 use super::{lin, matrix, vector};
-use crate::checkpoint::Checkpoint;
+use crate::source::{Source, Tensors};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
@@ -31,7 +38,12 @@ pub struct Moe {
     pub routed_expert_norm: Option<Vec<f32>>,
     pub routed_expert_up_proj: Matrix,
     pub shared_experts: Option<Mlp>,
+    /// This rank's routed experts: global ids `first_expert..first_expert + experts.len()`.
     pub experts: Vec<Expert>,
+    pub first_expert: usize,
+    num_experts: usize,
+    /// The shared experts' output is a partial sum to add up with the routed one.
+    shared_in_reduce: bool,
     top_k: usize,
     renormalize: bool,
     scaling: f32,
@@ -43,7 +55,7 @@ pub struct Moe {
 /// One token's routing: expert ids and their weights.
 pub type Route = Vec<(usize, f32)>;
 
-fn expert_matrix(ck: &Checkpoint, p: &str, rows: usize, cols: usize, mxfp4: bool, scan_scales: bool) -> Result<Matrix> {
+fn expert_matrix(ck: &Source<'_>, p: &str, rows: usize, cols: usize, mxfp4: bool, scan_scales: bool) -> Result<Matrix> {
     if mxfp4 {
         let (pn, sn) = (format!("{p}weight_packed"), format!("{p}weight_scale"));
         let wrap = if scan_scales { Matrix::mxfp4 } else { Matrix::mxfp4_unscanned };
@@ -61,12 +73,22 @@ fn expert_matrix(ck: &Checkpoint, p: &str, rows: usize, cols: usize, mxfp4: bool
 impl Moe {
     /// `scan_scales`: check every MXFP4 scale byte now (off only when the experts are not
     /// computed with here, see `Model::load_for_gpu`).
-    pub fn load(ck: &Checkpoint, cfg: &Config, l: usize, scan_scales: bool) -> Result<Self> {
+    pub fn load(ck: &Source<'_>, cfg: &Config, l: usize, scan_scales: bool) -> Result<Self> {
         let t = &cfg.text;
-        let (h, e, lat, fi) = (t.hidden_size, t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
+        let (h, e, lat) = (t.hidden_size, t.num_experts, t.routed_expert_hidden_size);
         let p = format!("{}block_sparse_moe.", crate::weights::layer_prefix(l));
         let mx = cfg.experts_mxfp4();
-        let experts = (0..e)
+        let plan = &ck.plan;
+        let mine = plan.experts(e);
+        // Without expert parallelism each expert's intermediate dim is split (whole MXFP4 blocks).
+        let fi = if plan.par.ep > 1 {
+            t.moe_intermediate_size
+        } else {
+            let unit = if mx { 32 } else { 1 };
+            plan.tp_share(t.moe_intermediate_size / unit).len() * unit
+        };
+        let experts = mine
+            .clone()
             .map(|ex| {
                 let q = format!("{p}experts.{ex}.");
                 Ok(Expert {
@@ -76,9 +98,8 @@ impl Moe {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let shared = (t.num_shared_experts > 0)
-            .then(|| Mlp::load(ck, &format!("{p}shared_experts."), h, fi * t.num_shared_experts, t.activation_situ_beta, t.activation_situ_linear_beta))
-            .transpose()?;
+        let si = plan.tp_share(t.moe_intermediate_size * t.num_shared_experts).len();
+        let shared = (t.num_shared_experts > 0).then(|| Mlp::load(ck, &format!("{p}shared_experts."), h, si, t.activation_situ_beta, t.activation_situ_linear_beta)).transpose()?;
         Ok(Moe {
             gate: matrix(ck, &format!("{p}gate.weight"), e, h)?,
             e_score_correction_bias: vector(ck, &format!("{p}gate.e_score_correction_bias"), e)?,
@@ -87,6 +108,9 @@ impl Moe {
             routed_expert_up_proj: matrix(ck, &format!("{p}routed_expert_up_proj.weight"), h, lat)?,
             shared_experts: shared,
             experts,
+            first_expert: mine.start,
+            num_experts: e,
+            shared_in_reduce: plan.shared_in_moe_reduce(),
             top_k: t.num_experts_per_token,
             renormalize: t.moe_renormalize,
             scaling: t.routed_scaling_factor,
@@ -99,7 +123,7 @@ impl Moe {
     /// Router: per token, the top-k experts by biased score, weighted by renormalised raw scores.
     pub fn route(&self, x: &[f32], t: usize) -> Result<Vec<Route>> {
         let logits = lin(x, t, &self.gate)?; // [T, E] f32
-        let e = self.experts.len();
+        let e = self.num_experts;
         Ok(logits
             .chunks_exact(e)
             .map(|row| {
@@ -124,16 +148,23 @@ impl Moe {
         lin(&a, n, &ex.w2)
     }
 
-    /// `x` `[T, H]` → `[T, H]`.
+    /// `x` `[T, H]` → `[T, H]` on a rank that holds the whole layer.
     pub fn forward(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
+        self.forward_in(x, t, &Single)
+    }
+
+    /// `x` `[T, H]` → `[T, H]`, this rank's experts summed with the other ranks' of `stage`.
+    pub fn forward_in(&self, x: &[f32], t: usize, stage: &dyn Group) -> Result<Vec<f32>> {
         let routes = self.route(x, t)?;
         let z = lin(x, t, &self.routed_expert_down_proj)?; // [T, lat]
         let lat = self.routed_expert_down_proj.rows();
-        // Group tokens by expert: for each expert the (token, weight) pairs routed to it.
+        // Group tokens by local expert: for each, the (token, weight) pairs routed to it.
         let mut groups: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
         for (tok, r) in routes.iter().enumerate() {
             for &(e, w) in r {
-                groups[e].push((tok, w));
+                if let Some(g) = e.checked_sub(self.first_expert).and_then(|i| groups.get_mut(i)) {
+                    g.push((tok, w));
+                }
             }
         }
         let outs: Vec<(usize, Vec<f32>)> = groups
@@ -151,13 +182,29 @@ impl Moe {
                 r[tok * lat..(tok + 1) * lat].iter_mut().zip(&y[j * lat..(j + 1) * lat]).for_each(|(a, &b)| *a += w * b);
             }
         }
+        let shared = self.shared_experts.as_ref().map(|sh| sh.forward(x, t)).transpose()?; // [T, H]
+        // The one reduction: [r | shared] in one buffer when both are partial sums.
+        let shared = match shared {
+            Some(s) if self.shared_in_reduce => {
+                let mut buf = r;
+                buf.extend_from_slice(&s);
+                stage.all_reduce_sum(&mut buf)?;
+                let s = buf.split_off(t * lat);
+                r = buf;
+                Some(s)
+            }
+            s => {
+                stage.all_reduce_sum(&mut r)?;
+                s
+            }
+        };
         r.iter_mut().for_each(|v| *v *= self.scaling);
         if let Some(nw) = &self.routed_expert_norm {
             rms_norm_inplace(&mut r, nw, self.eps);
         }
         let mut out = lin(&r, t, &self.routed_expert_up_proj)?;
-        if let Some(sh) = &self.shared_experts {
-            out.iter_mut().zip(sh.forward(x, t)?).for_each(|(a, b)| *a += b);
+        if let Some(s) = shared {
+            out.iter_mut().zip(s).for_each(|(a, b)| *a += b);
         }
         Ok(out)
     }
