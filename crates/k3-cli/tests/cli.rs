@@ -6,6 +6,9 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
+#[path = "../../../tests/support/golden.rs"]
+mod golden;
+
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn k3(args: &[&str]) -> Output {
@@ -23,8 +26,9 @@ fn inspect_json(what: &str) -> Value {
 }
 
 fn shared_config(name: &str, dir: &Path) -> String {
-    let golden = std::env::var("K3_GOLDEN_DIR").map(std::path::PathBuf::from).unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"));
-    let all: Value = serde_json::from_str(&std::fs::read_to_string(golden.join("../spec/k3-configs.json")).unwrap()).unwrap();
+    let src = golden::spec_configs_path();
+    let text = std::fs::read_to_string(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
+    let all: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
     let p = dir.join(format!("{name}.json"));
     std::fs::write(&p, all[name].to_string()).unwrap();
     p.to_string_lossy().into_owned()

@@ -2,8 +2,10 @@
 //! k3-nano model (its default, no `--model`) and drives it with the official `openai` Python client
 //! (crates/k3-server/tests/py/openai_e2e.py): chat and completions, streaming and not, usage
 //! counts equal to k3-tokenizer counts, stop strings, seeds, malformed inputs, and the load test
-//! (throughput at concurrency 1/8/32, RSS, cancelling half the clients). Skips, saying so, only
-//! when python3 or the `openai` package is missing.
+//! (throughput at concurrency 1/8/32, RSS, cancelling half the clients). It needs python3 with the
+//! `openai` package, so it is `#[ignore]`d in the default run (the summary counts it as ignored)
+//! and run explicitly by `.ci/run` (`cargo test -p k3-cli --test serve -- --ignored`), where a
+//! missing package is a failure, not a skip.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -27,11 +29,9 @@ fn python_with_openai() -> bool {
 }
 
 #[test]
+#[ignore = "needs python3 with the openai package (pip install openai): cargo test -p k3-cli --test serve -- --ignored"]
 fn serve_with_openai_python_client() {
-    if !python_with_openai() {
-        println!("SKIPPED serve_with_openai_python_client: python3 with the `openai` package is not installed (pip install openai)");
-        return;
-    }
+    assert!(python_with_openai(), "serve_with_openai_python_client: python3 with the `openai` package is not installed (pip install openai); this check cannot run");
     let nano = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
     let key = "test-key-123";
     let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))

@@ -1,26 +1,25 @@
-//! Engine behaviour on the golden K3 fixture (and the golden tokenizer for text): greedy
-//! generation equals argmax over full passes; concurrent requests under continuous batching
-//! equal running them alone; seeds reproduce; stop strings cut the text; cancel frees state;
+//! Engine behaviour on the golden K3 fixture `k3_small_mxfp4` (and the golden tokenizer for
+//! text): greedy generation equals argmax over full passes; concurrent requests under continuous
+//! batching equal running them alone; seeds reproduce; stop strings cut the text; cancel frees state;
 //! context and parameter errors come before any work.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use k3_engine::{Engine, EngineConfig, FinishReason, Request, SamplingParams};
 use k3_model::{Checkpoint, ForwardOpts, Model};
 use k3_tokenizer::Tokenizer;
 
-fn golden() -> PathBuf {
-    std::env::var("K3_GOLDEN_DIR").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"))
-}
+#[path = "../../../tests/support/golden.rs"]
+mod golden;
+use golden::{fixture, golden_path};
 
 fn model(name: &str) -> Arc<Model> {
-    Arc::new(Model::load(&Checkpoint::open(&golden().join(name)).unwrap()).unwrap())
+    Arc::new(Model::load(&Checkpoint::open(&fixture(name)).unwrap()).unwrap())
 }
 
 fn engine(cfg: EngineConfig) -> Engine {
-    let tok = Tokenizer::from_dir(&golden().join("tokenizer")).unwrap();
-    Engine::new(model("k3_small_f32"), Some(Arc::new(tok)), cfg)
+    let tok = Tokenizer::from_dir(&golden_path("tokenizer")).unwrap();
+    Engine::new(model("k3_small_mxfp4"), Some(Arc::new(tok)), cfg)
 }
 
 const PROMPT: [u32; 9] = [5, 17, 200, 3, 99, 42, 7, 300, 12];

@@ -21,11 +21,13 @@ fn run_fixture(name: &str) {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn k3_small_f32() {
     run_fixture("k3_small_f32");
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn k31_small_dsa_f32() {
     run_fixture("k31_small_dsa_f32");
 }

@@ -10,7 +10,17 @@ use rand::{Rng, SeedableRng};
 
 #[test]
 fn moe_equals_masked_dense_reference() {
-    for fx in ["k3_small_f32", "k3_small_mxfp4"] {
+    moe_equals_masked_dense_reference_on("k3_small_mxfp4");
+}
+
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn moe_equals_masked_dense_reference_f32() {
+    moe_equals_masked_dense_reference_on("k3_small_f32");
+}
+
+fn moe_equals_masked_dense_reference_on(fx: &str) {
+    {
         let ck = Checkpoint::open(&fixture(fx)).unwrap();
         let model = Model::load(&ck).unwrap();
         let cfg = &model.config.text;

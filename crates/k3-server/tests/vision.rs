@@ -122,6 +122,7 @@ fn first_token(r: &Resp, tok: &Tokenizer) -> (u32, f32) {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn image_chat_matches_the_reference_prefill() {
     let l = load();
     let png = std::fs::read(fixture().join(IMAGE)).expect("png");
@@ -165,6 +166,7 @@ fn assert_400(r: &Resp, needle: &str) {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn bad_images_are_400s_naming_the_field() {
     let l = load();
     let srv = start(&l, Some(fixture()));

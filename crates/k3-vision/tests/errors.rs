@@ -47,7 +47,7 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 }
 
 fn image_err(path: &Path) -> String {
-    let cfg = ProcessorConfig::from_model_dir(&fixture()).unwrap();
+    let cfg = ProcessorConfig::from_model_dir(&vision_fixture()).unwrap();
     match preprocess_file(path, &cfg) {
         Err(e @ VisionError::Image { .. }) => e.to_string(),
         Err(e) => panic!("{}: wrong error kind: {e}", path.display()),
@@ -58,7 +58,7 @@ fn image_err(path: &Path) -> String {
 #[test]
 fn corrupt_truncated_and_garbage_files_are_named() {
     let d = tempfile::tempdir().unwrap();
-    let good = std::fs::read(fixture().join(IMAGES[0])).unwrap();
+    let good = std::fs::read(vision_fixture().join(IMAGES[0])).unwrap();
     let p = write(d.path(), "truncated_photo.png", &good[..good.len() / 2]);
     let e = image_err(&p);
     assert!(e.contains("truncated_photo.png") && e.contains("corrupt"), "{e}");
@@ -124,15 +124,16 @@ fn pad_count_mismatch_is_an_error_naming_the_counts() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn missing_processor_config_names_the_file() {
     let d = tempfile::tempdir().unwrap();
-    std::fs::copy(fixture().join("config.json"), d.path().join("config.json")).unwrap();
-    std::os::unix::fs::symlink(fixture().join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
+    std::fs::copy(vision_fixture().join("config.json"), d.path().join("config.json")).unwrap();
+    std::os::unix::fs::symlink(vision_fixture().join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
     let ck = Checkpoint::open(d.path()).unwrap();
     let e = VisionModel::load(&ck).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("preprocessor_config.json") && e.contains("cannot read"), "{e}");
     // A config with a missing limit is refused, naming the file.
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture().join("preprocessor_config.json")).unwrap()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(vision_fixture().join("preprocessor_config.json")).unwrap()).unwrap();
     v["media_proc_cfg"].as_object_mut().unwrap().remove("in_patch_limit");
     std::fs::write(d.path().join("preprocessor_config.json"), v.to_string()).unwrap();
     let e = VisionModel::load(&ck).err().map(|e| e.to_string()).unwrap_or_default();
@@ -140,8 +141,9 @@ fn missing_processor_config_names_the_file() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn tower_rejects_bad_grids() {
-    let m = VisionModel::load(&Checkpoint::open(&fixture()).unwrap()).unwrap();
+    let m = VisionModel::load(&Checkpoint::open(&vision_fixture()).unwrap()).unwrap();
     let e = m.encode_pixels(vec![0.0; 588 * 4], [1, 2, 3]).unwrap_err().to_string();
     assert!(e.contains("pixel_values hold"), "{e}");
     let e = m.encode_pixels(vec![0.0; 588 * 6], [1, 2, 3]).unwrap_err().to_string();

@@ -10,11 +10,11 @@ use k3_vision::prompt::{expand_pads, image_block_ids, image_prompt_text, MediaTo
 use k3_vision::{splice, VisionModel};
 
 fn processor() -> ProcessorConfig {
-    ProcessorConfig::from_model_dir(&fixture()).unwrap()
+    ProcessorConfig::from_model_dir(&vision_fixture()).unwrap()
 }
 
 fn model() -> VisionModel {
-    VisionModel::load(&Checkpoint::open(&fixture()).unwrap()).unwrap()
+    VisionModel::load(&Checkpoint::open(&vision_fixture()).unwrap()).unwrap()
 }
 
 #[test]
@@ -49,16 +49,17 @@ fn limits_are_read_from_the_model_directory() {
         assert_eq!((p.pad_width as u64, p.pad_height as u64), (rp["pad_width"].as_u64().unwrap(), rp["pad_height"].as_u64().unwrap()), "image {i}");
         assert_eq!(p.num_tokens as u64, rp["num_tokens"].as_u64().unwrap(), "image {i}");
         // The header-only plan (for rendering the prompt block) agrees.
-        let (orig, hp) = k3_vision::preprocess::plan_file(&fixture().join(IMAGES[i]), &cfg).unwrap();
+        let (orig, hp) = k3_vision::preprocess::plan_file(&vision_fixture().join(IMAGES[i]), &cfg).unwrap();
         assert_eq!((orig, hp), ((w, h), p), "image {i}");
     }
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn preprocessed_pixels_are_bit_exact() {
     let (cfg, r) = (processor(), Reference::open());
     for (i, name) in IMAGES.iter().enumerate() {
-        let p = preprocess_file(&fixture().join(name), &cfg).unwrap();
+        let p = preprocess_file(&vision_fixture().join(name), &cfg).unwrap();
         assert_eq!(p.grid_thw, r.grid(&format!("grid_thw_{i}")), "{name}: grid_thw");
         let (shape, want) = r.f32(&format!("pixel_values_{i}"));
         assert_eq!(shape, vec![p.grid_thw[1] * p.grid_thw[2], 3, 14, 14], "{name}");
@@ -70,6 +71,7 @@ fn preprocessed_pixels_are_bit_exact() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn position_table_resize_matches() {
     let (m, r) = (model(), Reference::open());
     for i in 0..3 {
@@ -80,6 +82,7 @@ fn position_table_resize_matches() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn batched_tower_matches_every_block_and_projector() {
     let (m, r) = (model(), Reference::open());
     let (_, pixels) = r.f32("pixel_values");
@@ -100,6 +103,7 @@ fn batched_tower_matches_every_block_and_projector() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn per_image_tower_merger_projector_match() {
     let (m, r) = (model(), Reference::open());
     for i in 0..3 {
@@ -114,10 +118,11 @@ fn per_image_tower_merger_projector_match() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn png_to_projection_end_to_end() {
     let (m, r) = (model(), Reference::open());
     for (i, name) in IMAGES.iter().enumerate() {
-        let f = m.encode_image(&fixture().join(name)).unwrap();
+        let f = m.encode_image(&vision_fixture().join(name)).unwrap();
         let w = meta()["images"][i]["size_wh"].clone();
         assert_eq!(f.orig_size.map(|(a, b)| vec![a as u64, b as u64]), Some(vec![w[0].as_u64().unwrap(), w[1].as_u64().unwrap()]));
         assert_close(&format!("{name} → projected_{i}"), &f.projected, &r.f32(&format!("projected_{i}")).1, 96);
@@ -133,6 +138,7 @@ fn png_to_projection_end_to_end() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn prompt_expansion_and_text_match() {
     let (r, m) = (Reference::open(), meta());
     let hf: Vec<u32> = r.i64("input_ids_hf").iter().map(|&v| v as u32).collect();
@@ -170,12 +176,13 @@ fn prompt_expansion_and_text_match() {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn spliced_embeddings_and_logits_match() {
-    let ck = Checkpoint::open(&fixture()).unwrap();
+    let ck = Checkpoint::open(&vision_fixture()).unwrap();
     let (lm, vm, r) = (Model::load(&ck).unwrap(), VisionModel::load(&ck).unwrap(), Reference::open());
     let ids: Vec<u32> = r.i64("input_ids").iter().map(|&v| v as u32).collect();
     assert_eq!(vm.pad_id, 377);
-    let feats: Vec<Vec<f32>> = IMAGES.iter().map(|n| vm.encode_image(&fixture().join(n)).unwrap().projected).collect();
+    let feats: Vec<Vec<f32>> = IMAGES.iter().map(|n| vm.encode_image(&vision_fixture().join(n)).unwrap().projected).collect();
     let views: Vec<&[f32]> = feats.iter().map(Vec::as_slice).collect();
     let mut emb = lm.embed(&ids).unwrap();
     splice(&mut emb, &ids, vm.pad_id, &views).unwrap();

@@ -1,24 +1,14 @@
-//! Shared helpers for the model tests: locating the golden fixtures and comparing logits at
+//! Shared helpers for the model tests: the golden fixtures (found by the workspace's shared
+//! `tests/support/golden.rs`: `tests/golden/` or `$K3_GOLDEN_DIR`) and comparing logits at
 //! the manifest's metrics (max_abs, per-position relative L2, top-1 agreement).
 #![allow(dead_code)]
 
-use std::path::PathBuf;
 
 use k3_model::Checkpoint;
 
-/// `../shared/golden` beside the repository (or `$K3_GOLDEN_DIR`).
-pub fn golden_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("K3_GOLDEN_DIR") {
-        return PathBuf::from(d);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden")
-}
-
-pub fn fixture(name: &str) -> PathBuf {
-    let d = golden_dir().join(name);
-    assert!(d.is_dir(), "golden fixture {} not found: set K3_GOLDEN_DIR to the shared/golden folder", d.display());
-    d
-}
+#[path = "../../../../tests/support/golden.rs"]
+mod golden;
+pub use golden::*;
 
 /// The reference file of a fixture (tokens_L*, logits_L*, decode_logits_L160).
 pub fn reference(name: &str) -> Checkpoint {

@@ -4,21 +4,17 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k3_tokenizer::Tokenizer;
 
-pub fn golden_dir() -> PathBuf {
-    match std::env::var_os("K3_GOLDEN_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"),
-    }
-}
+#[path = "../../../../tests/support/golden.rs"]
+mod golden;
+pub use golden::*;
 
 pub fn tokenizer() -> Arc<Tokenizer> {
-    let dir = golden_dir().join("tokenizer");
+    let dir = golden_path("tokenizer");
     Arc::new(Tokenizer::from_dir(&dir).unwrap_or_else(|e| panic!("golden tokenizer at {}: {e}", dir.display())))
 }
 

@@ -1,26 +1,22 @@
-//! Shared helpers for the golden tests: locating `shared/golden` and loading the tokenizer.
+//! Shared helpers for the golden tests: the golden data (`tests/golden/` or `$K3_GOLDEN_DIR`,
+//! through the workspace's `tests/support/golden.rs`) and loading the tokenizer.
 #![allow(dead_code)]
 
 use k3_tokenizer::Tokenizer;
-use std::path::PathBuf;
 
-/// `$K3_GOLDEN_DIR`, else `shared/golden` next to the repository root.
-pub fn golden_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("K3_GOLDEN_DIR") {
-        return PathBuf::from(dir);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden")
-}
+#[path = "../../../../tests/support/golden.rs"]
+mod golden;
+pub use golden::*;
 
 pub fn load_json(rel: &str) -> serde_json::Value {
-    let path = golden_dir().join(rel);
+    let path = golden_path(rel);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn tokenizer() -> Tokenizer {
-    let dir = golden_dir().join("tokenizer");
+    let dir = golden_path("tokenizer");
     Tokenizer::from_dir(&dir).unwrap_or_else(|e| panic!("{e}"))
 }
 
@@ -38,7 +34,7 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// Like [`load_json`] but keeps object key order.
 pub fn load_ordered(rel: &str) -> k3_tokenizer::json::Json {
-    let path = golden_dir().join(rel);
+    let path = golden_path(rel);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

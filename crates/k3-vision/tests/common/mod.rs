@@ -7,15 +7,13 @@ use k3_model::checkpoint::{open_tensors_only, Checkpoint};
 
 pub const TOL: f64 = 5e-5;
 
-pub fn golden() -> PathBuf {
-    match std::env::var_os("K3_GOLDEN_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"),
-    }
-}
+#[path = "../../../../tests/support/golden.rs"]
+mod golden;
+pub use golden::*;
 
-pub fn fixture() -> PathBuf {
-    golden().join("vision_small_f32")
+/// `vision_small_f32`: in the full golden set only (`K3_GOLDEN_DIR`), not in `tests/golden/`.
+pub fn vision_fixture() -> PathBuf {
+    fixture("vision_small_f32")
 }
 
 pub const IMAGES: [&str; 3] = ["v0_rgba_resize.png", "v1_rgb_wide_resize.png", "v2_la_alpha.png"];
@@ -24,7 +22,7 @@ pub struct Reference(pub Checkpoint);
 
 impl Reference {
     pub fn open() -> Reference {
-        let p = fixture().join("reference.safetensors");
+        let p = vision_fixture().join("reference.safetensors");
         Reference(open_tensors_only(&p).unwrap_or_else(|e| panic!("opening {}: {e}", p.display())))
     }
     pub fn f32(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
@@ -41,7 +39,7 @@ impl Reference {
 }
 
 pub fn meta() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture().join("meta.json")).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(vision_fixture().join("meta.json")).unwrap()).unwrap()
 }
 
 /// Max over rows of ‖a_r − b_r‖₂ / ‖b_r‖₂.
