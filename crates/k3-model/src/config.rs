@@ -270,6 +270,82 @@ fn check_dims(t: &RawTextConfig, vision: Option<&VisionConfig>, q: Option<&Quant
     Ok(())
 }
 
+/// Deserialises the serde mirror, naming the JSON path and the expected type on a mismatch
+/// (`text_config.hidden_size: invalid value: integer `-256`, expected a non-negative integer`).
+fn from_value<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<T> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = plain_types(&e.into_inner().to_string());
+        match path.as_str() {
+            "" | "." => ModelError::Config { path: "config.json".into(), msg: format!("does not match the Kimi K3 schema: {msg}") },
+            _ => field(&path, msg),
+        }
+    })
+}
+
+/// serde's Rust type names in an error message, in words.
+fn plain_types(msg: &str) -> String {
+    let Some((head, ty)) = msg.rsplit_once("expected ") else { return msg.to_owned() };
+    let words = match ty {
+        "usize" | "u64" => "a non-negative integer",
+        "u32" => "a non-negative integer below 2^32",
+        "i64" => "an integer",
+        "f32" | "f64" => "a number",
+        "a boolean" => "true or false",
+        "a sequence" => "a list",
+        "struct LinearAttnConfig" | "struct DsaConfig" | "struct QuantizationConfig" | "struct VisionConfig" | "struct RawTextConfig" => "an object",
+        _ => return msg.to_owned(),
+    };
+    format!("{head}expected {words} ({ty})")
+}
+
+/// Value ranges of the numeric fields the model reads (zero sizes are checked by `positive!`).
+fn check_ranges(t: &RawTextConfig, vision: Option<&VisionConfig>) -> Result<()> {
+    let pos = |f: &str, v: f32, k3: &str| -> Result<()> {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(field(f, format!("is {v}; it must be a positive number (K3: {k3})")))
+        }
+    };
+    pos("text_config.rms_norm_eps", t.rms_norm_eps, "1e-5")?;
+    pos("text_config.activation_situ_beta", t.activation_situ_beta, "4.0")?;
+    pos("text_config.activation_situ_linear_beta", t.activation_situ_linear_beta, "25.0")?;
+    pos("text_config.routed_scaling_factor", t.routed_scaling_factor, "1.0")?;
+    if t.rms_norm_eps >= 1.0 {
+        return Err(field("text_config.rms_norm_eps", format!("is {}; an epsilon must be small (K3: 1e-5)", t.rms_norm_eps)));
+    }
+    if t.max_position_embeddings == Some(0) {
+        return Err(field("text_config.max_position_embeddings", "is 0; the context must hold at least one token (K3: 1048576)"));
+    }
+    if let Some(g) = t.linear_attn_config.gate_lower_bound {
+        if !(g.is_finite() && g < 0.0) {
+            return Err(field("text_config.linear_attn_config.gate_lower_bound", format!("is {g}; the decay gate's lower bound must be a negative number (K3: -5.0)")));
+        }
+    }
+    if let Some(v) = vision {
+        for (f, n) in [("patch_size", v.patch_size), ("vt_hidden_size", v.vt_hidden_size), ("vt_num_hidden_layers", v.vt_num_hidden_layers), ("vt_num_attention_heads", v.vt_num_attention_heads), ("vt_intermediate_size", v.vt_intermediate_size)] {
+            if n == 0 {
+                return Err(field(&format!("vision_config.{f}"), "must be > 0"));
+            }
+        }
+        for (f, n) in [("init_pos_emb_height", v.init_pos_emb_height), ("init_pos_emb_width", v.init_pos_emb_width), ("init_pos_emb_time", v.init_pos_emb_time)] {
+            if n == Some(0) {
+                return Err(field(&format!("vision_config.{f}"), "must be > 0"));
+            }
+        }
+        if let Some(k) = &v.merge_kernel_size {
+            if k.len() != 2 || k.contains(&0) {
+                return Err(field("vision_config.merge_kernel_size", format!("is {k:?}; it must be two positive sizes, e.g. [2, 2]")));
+            }
+        }
+        if let Some(e) = v.projector_ln_eps {
+            pos("vision_config.projector_ln_eps", e, "1e-5")?;
+        }
+    }
+    Ok(())
+}
+
 /// One decoder layer's kinds (0-based `index`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct LayerSpec {
@@ -314,11 +390,10 @@ impl Config {
     }
 
     pub fn from_json(v: serde_json::Value) -> Result<Config> {
-        let bad = |e: serde_json::Error| ModelError::Config { path: "config.json".into(), msg: format!("does not match the Kimi K3 schema: {e}") };
         let raw: RawConfig = if v.get("text_config").is_some() {
-            serde_json::from_value(v).map_err(bad)?
+            from_value(v)?
         } else if v.get("hidden_size").is_some() {
-            let text: RawTextConfig = serde_json::from_value(v).map_err(bad)?;
+            let text: RawTextConfig = from_value(v)?;
             RawConfig { architectures: None, model_type: None, vision_config: None, quantization_config: None, bos_token_id: text.bos_token_id, eos_token_id: text.eos_token_id.clone(), pad_token_id: text.pad_token_id, media_placeholder_token_id: None, text_config: text }
         } else {
             return Err(ModelError::Config { path: "config.json".into(), msg: "has neither `text_config` nor `hidden_size`: not a Kimi K3 config".into() });
@@ -340,6 +415,7 @@ impl Config {
             )*};
         }
         positive!(vocab_size, hidden_size, num_hidden_layers, num_attention_heads, kv_lora_rank, qk_nope_head_dim, v_head_dim, attn_res_block_size, num_experts, num_experts_per_token, moe_intermediate_size, routed_expert_hidden_size, intermediate_size);
+        check_ranges(&t, raw.vision_config.as_ref())?;
         if t.q_lora_rank.unwrap_or(0) == 0 {
             return Err(field("text_config.q_lora_rank", "must be set and > 0 (K3's MLA has a low-rank q path)"));
         }
