@@ -18,6 +18,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use half::bf16;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use k3_core::kernels::cpu::mxfp4::E2M1;
 use k3_core::DType;
 use rand::rngs::SmallRng;
@@ -153,7 +154,9 @@ pub fn prepare_config(source: Value, ov: &Overrides, opts: &InitOptions) -> Resu
         let k = t.get("num_experts_per_token").and_then(Value::as_u64).unwrap_or(1).min(e as u64);
         t.insert("num_experts_per_token".into(), json!(k));
     }
+    let known = known_keys(t);
     for (key, v) in &ov.set {
+        check_key(&known, key)?;
         set_dotted(t, key, v.clone())?;
     }
     let q = match opts.experts {
@@ -188,6 +191,60 @@ fn relayer(t: &mut serde_json::Map<String, Value>, n: usize) -> Result<()> {
         d.insert("dsa_layers".into(), json!(full));
     }
     Ok(())
+}
+
+/// Every `text_config` key k3rs reads, dotted (`linear_attn_config.num_heads`): the serde
+/// mirror of the built-in K3 and K3.1 Pro configs (every field, `null` when unset), plus the keys
+/// already in the source config.
+fn known_keys(t: &serde_json::Map<String, Value>) -> Vec<String> {
+    fn walk(v: &Value, prefix: &str, out: &mut Vec<String>) {
+        if let Value::Object(m) = v {
+            for (k, x) in m {
+                let p = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                walk(x, &p, out);
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for name in ["k3", "k3_1_pro"] {
+        if let Some(text) = builtin_config(name).and_then(Config::from_json).ok().and_then(|c| serde_json::to_value(&c.text).ok()) {
+            walk(&text, "", &mut out);
+        }
+    }
+    walk(&Value::Object(t.clone()), "", &mut out);
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Refuses a `--set` key that is no `text_config` field, suggesting the nearest one.
+fn check_key(known: &[String], key: &str) -> Result<()> {
+    if known.iter().any(|k| k == key) {
+        return Ok(());
+    }
+    let near = known.iter().min_by_key(|k| edit_distance(k, key)).filter(|k| edit_distance(k, key) <= 3.max(key.len() / 3));
+    let hint = match near {
+        Some(k) => format!("did you mean `{k}`?"),
+        None => "keys are text_config fields, dotted for nested ones (e.g. vocab_size, linear_attn_config.num_heads)".into(),
+    };
+    Err(cfg_err(format!("--set `{key}`: text_config has no field `{key}`; {hint}")))
+}
+
+/// Levenshtein distance (bytes).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.bytes().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for j in 0..b.len() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != b[j])).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
 }
 
 fn set_dotted(t: &mut serde_json::Map<String, Value>, key: &str, v: Value) -> Result<()> {
@@ -382,7 +439,7 @@ fn chunk_bytes(src: &Source, c: usize) -> Option<Vec<u8>> {
 }
 
 /// Streams one tensor's bytes into `w`, a few chunks at a time (generated in parallel).
-fn stream(p: &Planned, w: &mut impl Write) -> std::io::Result<u64> {
+fn stream(p: &Planned, w: &mut impl Write, pb: &ProgressBar) -> std::io::Result<u64> {
     let batch = rayon::current_num_threads().max(1) * 2;
     let mut written = 0u64;
     for first in (0..).step_by(batch) {
@@ -393,6 +450,7 @@ fn stream(p: &Planned, w: &mut impl Write) -> std::io::Result<u64> {
                 Some(b) => {
                     w.write_all(&b)?;
                     written += b.len() as u64;
+                    pb.inc(b.len() as u64);
                 }
                 None => done = true,
             }
@@ -444,20 +502,28 @@ fn header(tensors: &[&Planned]) -> Result<Vec<u8>> {
     Ok(s)
 }
 
-fn write_file(path: &Path, tensors: &[&Planned]) -> Result<()> {
+fn write_file(path: &Path, tensors: &[&Planned], pb: &ProgressBar) -> Result<()> {
     let f = std::fs::File::create(path).map_err(io(path))?;
     let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
     let h = header(tensors)?;
     w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io(path))?;
     w.write_all(&h).map_err(io(path))?;
     for t in tensors {
-        let n = stream(t, &mut w).map_err(io(path))?;
+        let n = stream(t, &mut w, pb).map_err(io(path))?;
         if n != t.bytes {
             return Err(ModelError::Tensor { name: t.name.clone(), msg: format!("generated {n} bytes, expected {}", t.bytes) });
         }
     }
     let f = w.into_inner().map_err(|e| ModelError::Io { path: path.display().to_string(), source: e.into_error() })?;
     f.sync_all().map_err(io(path))
+}
+
+/// A byte-count bar on stderr; indicatif draws it only when stderr is a terminal.
+fn progress(total: u64) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template("k3 init {bar:30} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta} {msg}");
+    pb.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb
 }
 
 /// Writes `config.json` and the weights described by `config_json` into `out`, atomically.
@@ -498,10 +564,13 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, opts: &InitOptions) -> 
     }
     let total = shards.len();
     let names: Vec<String> = if opts.shard_size.is_none() { vec!["model.safetensors".into()] } else { (1..=total).map(|i| format!("model-{i:05}-of-{total:06}.safetensors")).collect() };
-    for (s, n) in shards.iter().zip(&names) {
-        write_file(&tmp.path.join(n), s)?;
-    }
     let data_bytes: u64 = planned.iter().map(|p| p.bytes).sum();
+    let pb = progress(data_bytes);
+    for (s, n) in shards.iter().zip(&names) {
+        pb.set_message(n.clone());
+        write_file(&tmp.path.join(n), s, &pb)?;
+    }
+    pb.finish_and_clear();
     if opts.shard_size.is_some() {
         let mut wm = serde_json::Map::new();
         for (s, n) in shards.iter().zip(&names) {

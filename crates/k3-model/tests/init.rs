@@ -186,3 +186,22 @@ fn deeper_model_stays_in_range() {
     assert_eq!(ck.config.layers.len(), 16);
     forward(&ck);
 }
+
+/// `--set` keys must be text_config fields: a typo is refused with the nearest name (issue 28,
+/// item 14), nested keys are checked too, and known keys still work.
+#[test]
+fn unknown_set_keys_are_refused_with_a_suggestion() {
+    let src = builtin_config("tiny").unwrap();
+    let opts = InitOptions::default();
+    for (key, near) in [("vocab_sise", "vocab_size"), ("linear_attn_config.num_head", "linear_attn_config.num_heads"), ("hiden_size", "hidden_size")] {
+        let ov = Overrides { set: vec![(key.into(), json!(512))], ..Default::default() };
+        let e = prepare_config(src.clone(), &ov, &opts).unwrap_err().to_string();
+        assert!(e.contains(&format!("`{key}`")) && e.contains(&format!("did you mean `{near}`")), "{e}");
+    }
+    let ov = Overrides { set: vec![("completely_unrelated_thing".into(), json!(1))], ..Default::default() };
+    let e = prepare_config(src.clone(), &ov, &opts).unwrap_err().to_string();
+    assert!(e.contains("no field `completely_unrelated_thing`"), "{e}");
+    let ov = Overrides { set: vec![("vocab_size".into(), json!(512)), ("linear_attn_config.num_heads".into(), json!(2))], ..Default::default() };
+    let v = prepare_config(src, &ov, &opts).unwrap();
+    assert_eq!(v["text_config"]["vocab_size"], json!(512));
+}
