@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 
 /// What `tests/golden/` carries (everything else needs `K3_GOLDEN_DIR`).
-pub const IN_REPO: &[&str] = &["manifest.json", "k3-configs.json", "tokenizer", "chat", "k3_small_mxfp4"];
+pub const IN_REPO: &[&str] = &["manifest.json", "k3-configs.json", "tokenizer", "chat", "k3_small_mxfp4", "vision_small_f32 (configs, meta.json and PNGs only)"];
 
 /// The repository's `tests/golden/`.
 pub fn repo_golden() -> PathBuf {

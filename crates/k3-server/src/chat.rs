@@ -52,37 +52,14 @@ fn check_shapes(f: &Fields) -> Result<()> {
         Some(Value::Array(_)) => {}
         Some(_) => return Err(bad_param("messages", "must be an array of message objects")),
     }
-    f.object("chat_template_kwargs")?;
-    if let Some(rf) = f.object("response_format")? {
-        match rf.str("type").map_err(|_| bad_param("response_format.type", "must be a string"))? {
-            Some("text" | "json_object" | "json_schema") => {}
-            Some(t) => return Err(bad_param("response_format.type", format!("unsupported type {t:?} (text, json_object or json_schema)"))),
-            None => return Err(bad_param("response_format.type", "is required")),
-        }
-    }
-    match f.get("tool_choice") {
-        None | Some(Value::Object(_)) => {}
-        Some(Value::String(s)) if ["none", "auto", "required"].contains(&s.as_str()) => {}
-        Some(_) => return Err(bad_param("tool_choice", "must be \"none\", \"auto\", \"required\" or a function choice object")),
-    }
-    if let Some(tools) = f.get("tools") {
-        let Value::Array(tools) = tools else {
-            return Err(bad_param("tools", "must be an array of tool declarations"));
-        };
-        for (i, t) in tools.iter().enumerate() {
-            let name = t.get("function").and_then(|fun| fun.get("name")).and_then(Value::as_str);
-            if name.is_none_or(str::is_empty) {
-                return Err(bad_param(format!("tools[{i}].function.name"), "is required (a non-empty string)"));
-            }
-        }
-    }
+    crate::tools::check_chat_options(f)?;
     f.bool("parallel_tool_calls")?;
     f.bool("skip_special_tokens")?;
     Ok(())
 }
 
 async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
-    let bytes = read_body(&headers, body, s.cfg.max_body_bytes).await?;
+    let bytes = read_body(&headers, body, &s.cfg).await?;
     let obj = parse_body(&bytes)?;
     let f = Fields(&obj);
     f.check_known(CHAT_FIELDS)?;
@@ -106,7 +83,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     req.set_image_prompts((!feats.is_empty()).then(|| media::image_prompts(&feats)));
     let rendered = render_chat(&s.tok, &req)?;
     let prompt_tokens = rendered.ids.len();
-    let (prompt, max_tokens) = s.prepare_prompt(rendered.ids, g.max_tokens, "messages")?;
+    let (prompt, max_tokens) = s.prepare_prompt(rendered.ids, g.max_tokens, "messages", g.max_tokens_param)?;
     let mut stop_token_ids = g.stop_token_ids.clone();
     stop_token_ids.extend(["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| s.tok.special_id(n)));
     let request = Request {
@@ -381,7 +358,13 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
         return;
     }
     let finish = loop {
-        match sub.rx.recv().await {
+        // A client that goes away while its request waits (queued, or between tokens) drops
+        // `sub` here, which cancels the sequence at once.
+        let msg = tokio::select! {
+            m = sub.rx.recv() => m,
+            _ = tx.closed() => return,
+        };
+        match msg {
             Some(Msg::Token(ev)) => {
                 let deltas = run.push(&ev);
                 let mut lp = ctx.want_logprobs.then(|| run.logprob_entry(&ev));

@@ -3,7 +3,7 @@
 //! Loads the model (and the tokenizer, by default the model directory's `tiktoken.model`, and
 //! the vision tower when `config.json` has a `vision_config`),
 //! starts the engine on its scheduler thread, binds `--host:--port` (loopback by default) and
-//! serves until Ctrl-C / SIGTERM. The line `k3 serve: listening on http://ADDR` is printed to
+//! serves until Ctrl-C / SIGTERM, then gives open requests `--shutdown-timeout` seconds. The line `k3 serve: listening on http://ADDR` is printed to
 //! stdout once the socket is bound, so scripts can wait for it.
 
 use std::path::PathBuf;
@@ -15,7 +15,8 @@ use k3_tokenizer::Tokenizer;
 use k3_vision::VisionModel;
 
 use crate::error::{Result, ServerError};
-use crate::server::{build_with_vision, serve, ServerConfig};
+use crate::conn::serve_connections;
+use crate::server::{build_with_vision, ServerConfig};
 
 /// `--kda-state f32|bf16`.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +81,16 @@ pub struct ServeArgs {
     /// Largest image accepted, in bytes (after base64 decoding).
     #[arg(long, default_value_t = 20 << 20)]
     pub max_image_bytes: usize,
+    /// Pixels (width × height) decoded at once across all requests; images beyond it wait.
+    #[arg(long, default_value_t = k3_vision::preprocess::MAX_PIXELS)]
+    pub max_decode_pixels: u64,
+    /// Seconds a client may take to send its request head, or stay silent while sending its
+    /// body (the whole body must arrive within 4× this).
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub read_timeout: f64,
+    /// Seconds open requests get to finish after Ctrl-C / SIGTERM before the server exits.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub shutdown_timeout: f64,
     /// cpu, or cuda / cuda:N to run the model on a GPU (needs a k3 built with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -111,6 +122,15 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     if a.max_batch == 0 {
         return Err(ServerError::Config("--max-batch must be at least 1".into()));
     }
+    let secs = |flag: &str, v: f64| {
+        if v.is_finite() && v > 0.0 && v < 1e6 {
+            Ok(std::time::Duration::from_secs_f64(v))
+        } else {
+            Err(ServerError::Config(format!("{flag} {v}: give a positive number of seconds")))
+        }
+    };
+    let read_timeout = secs("--read-timeout", a.read_timeout)?;
+    let shutdown_timeout = secs("--shutdown-timeout", a.shutdown_timeout)?;
     let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1), kda_state: a.kda_state.into() };
     let vision = match ck.config.vision_config {
         Some(_) => Some(Arc::new(VisionModel::load(&ck).map_err(|e| ServerError::Config(format!("loading the vision tower: {e}")))?)),
@@ -145,17 +165,25 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body_bytes,
         allowed_local_media_path: a.allowed_local_media_path.clone(),
         max_image_bytes: a.max_image_bytes,
+        max_decode_pixels: a.max_decode_pixels,
+        read_timeout,
+        shutdown_timeout,
     };
     let io = |what: String| move |source| ServerError::Io { what, source };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the async runtime".into()))?;
-    rt.block_on(async move {
+    let r = rt.block_on(async move {
         let router = build_with_vision(Box::new(engine), tok, cfg.clone(), vision)?;
         let addr = format!("{}:{}", a.host, a.port);
-        let listener = tokio::net::TcpListener::bind(&addr).await.map_err(io(format!("binding {addr}")))?;
+        let listener = tokio::net::TcpListener::bind(&addr).await.map_err(io(format!("binding {addr} (--host/--port)")))?;
         let bound = listener.local_addr().map_err(io("reading the bound address".into()))?;
         println!("k3 serve: listening on http://{bound} (model `{}`)", cfg.served_model_name);
-        serve(listener, router, shutdown_signal()).await
-    })
+        serve_connections(listener, router, &cfg, shutdown_signal()).await?;
+        eprintln!("k3 serve: stopped");
+        Ok(())
+    });
+    // Image encodes still running on blocking threads must not hold the exit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    r
 }
 
 async fn shutdown_signal() {

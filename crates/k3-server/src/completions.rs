@@ -17,6 +17,9 @@ use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppStat
 
 const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo", "suffix"];
 
+/// Most alternatives legacy `logprobs: N` returns (OpenAI allows 0..=5; the engine caps at 20).
+const MAX_LOGPROBS: usize = 20;
+
 pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match run(s, headers, body).await {
         Ok(r) => r,
@@ -31,7 +34,11 @@ fn prompt_ids(s: &AppState, v: Option<&Value>) -> Result<Vec<u32>> {
         None => Err(bad_param("prompt", "is required")),
         Some(Value::String(t)) => Ok(s.tok.encode(t, true)),
         Some(Value::Array(a)) if a.is_empty() => Err(bad_param("prompt", "is empty")),
-        Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => prompt_ids(s, a.first()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => prompt_ids(s, a.first()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => match &a[0] {
+            Value::Array(inner) if !inner.is_empty() && inner.iter().all(Value::is_number) => prompt_ids(s, a.first()),
+            _ => Err(bad_param("prompt[0]", "a nested prompt must be a list of token ids")),
+        },
         Some(Value::Array(a)) if a.iter().all(Value::is_number) => {
             let ids = ids_of(a).ok_or_else(|| bad_param("prompt", "token ids must be non-negative integers"))?;
             let n = s.tok.vocab_size();
@@ -46,7 +53,7 @@ fn prompt_ids(s: &AppState, v: Option<&Value>) -> Result<Vec<u32>> {
 }
 
 async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
-    let bytes = read_body(&headers, body, s.cfg.max_body_bytes).await?;
+    let bytes = read_body(&headers, body, &s.cfg).await?;
     let obj: Map<String, Value> = parse_body(&bytes)?;
     let f = Fields(&obj);
     f.check_known(COMPLETION_FIELDS)?;
@@ -59,11 +66,15 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         return Err(bad_param("suffix", "is not supported"));
     }
     let logprobs = f.usize("logprobs")?;
+    if let Some(n) = logprobs.filter(|&n| n > MAX_LOGPROBS) {
+        return Err(bad_param("logprobs", format!("{n} is more than the {MAX_LOGPROBS} alternatives this endpoint returns (0..={MAX_LOGPROBS})")));
+    }
     g.sampling.logprobs = logprobs;
     let ids = prompt_ids(&s, f.get("prompt"))?;
     let prompt_tokens = ids.len();
-    // OpenAI's default for completions is 16 tokens.
-    let (prompt, max_tokens) = s.prepare_prompt(ids, Some(g.max_tokens.unwrap_or(16)), "prompt")?;
+    let (prompt, room) = s.prepare_prompt(ids, g.max_tokens, "prompt", g.max_tokens_param)?;
+    // OpenAI's default for completions is 16 tokens (clipped to the context, not refused).
+    let max_tokens = if g.max_tokens.is_some() { room } else { room.min(16) };
     let request = Request { prompt, params: g.sampling.clone(), max_tokens, stop: g.stop.clone(), stop_token_ids: g.stop_token_ids.clone(), prompt_embeds: None, ignore_eos: g.ignore_eos };
     let sub = s.sched.submit(request).await?;
     let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some() };
@@ -142,7 +153,12 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
     let mut n = 0usize;
     let mut offset = 0usize;
     loop {
-        match sub.rx.recv().await {
+        // A client gone while waiting drops `sub` here, which cancels the sequence at once.
+        let msg = tokio::select! {
+            m = sub.rx.recv() => m,
+            _ = tx.closed() => return,
+        };
+        match msg {
             Some(Msg::Token(ev)) => {
                 n += 1;
                 let lp = if ctx.logprobs { logprobs_json(&s, std::slice::from_ref(&ev), offset) } else { Value::Null };

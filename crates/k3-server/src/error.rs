@@ -3,7 +3,7 @@
 //! Every error a client can cause is answered in OpenAI's JSON error shape
 //! `{"error": {"message", "type", "param", "code"}}` with a fitting status: 400 for malformed
 //! or invalid requests (naming the parameter where there is one), 401 for a bad API key, 404 for
-//! an unknown model or route, 413 for an oversized body, 429 (with `Retry-After`) when the queue
+//! an unknown model or route, 408 for a body that stops arriving, 413 for an oversized body, 429 (with `Retry-After`) when the queue
 //! is full, 503 when the engine is gone and 500 for engine failures. Start-up errors (`k3 serve`
 //! with a bad `--model`) use the same enum.
 
@@ -23,6 +23,9 @@ pub enum ServerError {
     /// Unknown model or route.
     #[error("{message}")]
     NotFound { message: String, param: Option<String>, code: &'static str },
+    /// The client did not send its request in time.
+    #[error("{0}")]
+    Timeout(String),
     /// The body is larger than the server accepts.
     #[error("the request body is larger than the limit of {limit} bytes")]
     TooLarge { limit: usize },
@@ -74,6 +77,7 @@ impl ServerError {
             Unauthorized(_) => (StatusCode::UNAUTHORIZED, "authentication_error", None, Some("invalid_api_key".into())),
             NotFound { param, code, .. } => (StatusCode::NOT_FOUND, inv, param.clone(), Some((*code).into())),
             TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, inv, None, Some("request_too_large".into())),
+            Timeout(_) => (StatusCode::REQUEST_TIMEOUT, inv, None, Some("request_timeout".into())),
             MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, inv, None, None),
             Busy { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None, Some("queue_full".into())),
             Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None, None),

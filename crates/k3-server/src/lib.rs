@@ -7,7 +7,9 @@
 //! axum/tokio) serves `POST /v1/chat/completions` ([`chat`]: XTML rendering, output parsing into
 //! `reasoning_content` / `content` / `tool_calls`, SSE streaming), `POST /v1/completions`
 //! ([`completions`]), `GET /v1/models`, `GET /health` and `GET /metrics` ([`metrics`],
-//! Prometheus text). Errors use OpenAI's JSON error shape ([`error`]). Image parts of chat
+//! Prometheus text). Errors use OpenAI's JSON error shape ([`error`]), also for the ones hyper
+//! raises before routing ([`conn`], which also times out slow clients and bounds the graceful
+//! shutdown); tool and output-format options are validated in [`tools`]. Image parts of chat
 //! requests go through [`media`]: decoded and encoded by the `k3-vision` tower on a blocking
 //! thread, then spliced into the prompt's input rows (from [`Backend::embed`]) on the engine
 //! thread. This crate talks to `k3-engine`, `k3-tokenizer` and `k3-vision`; `k3-model` is used
@@ -20,12 +22,14 @@ pub mod backend;
 pub mod chat;
 pub mod cli;
 pub mod completions;
+pub mod conn;
 pub mod error;
 pub mod media;
 pub mod metrics;
 pub mod params;
 pub mod scheduler;
 pub mod server;
+pub mod tools;
 
 pub use backend::{Backend, Scripted};
 pub use cli::{run_serve, KdaStateArg, ServeArgs};

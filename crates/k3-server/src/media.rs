@@ -18,10 +18,11 @@
 //! projected features, in order, to give the request's `prompt_embeds`.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 
 use base64::Engine as _;
-use k3_vision::{prompt::image_prompt_text, splice, ImageFeatures, VisionError, VisionModel};
+use k3_tokenizer::xtml::IMAGE_PLACEHOLDER;
+use k3_vision::{preprocess, prompt::image_prompt_text, splice, ImageFeatures, VisionError, VisionModel};
 use serde_json::Value;
 
 use crate::error::{bad_param, Result, ServerError};
@@ -42,6 +43,55 @@ pub struct MediaLimits {
     pub allowed_local_media_path: Option<PathBuf>,
     /// Largest encoded image, in bytes.
     pub max_image_bytes: usize,
+    /// Pixels decoded at once, across requests.
+    pub decode: DecodeBudget,
+}
+
+/// A pixel budget shared by every image decode of the server: a decode of `w × h` pixels waits
+/// (on its blocking thread) until that many are free, so N concurrent large images cannot
+/// take N times the decoding memory. An image larger than the whole budget takes all of it.
+#[derive(Clone, Debug)]
+pub struct DecodeBudget {
+    state: Arc<(Mutex<u64>, Condvar)>,
+    total: u64,
+}
+
+/// Pixels held by one decode; released on drop.
+pub struct DecodePermit {
+    budget: DecodeBudget,
+    pixels: u64,
+}
+
+impl DecodeBudget {
+    pub fn new(total: u64) -> Self {
+        DecodeBudget { state: Arc::new((Mutex::new(0), Condvar::new())), total: total.max(1) }
+    }
+
+    /// Blocks until `pixels` (at most the whole budget) are free, and takes them.
+    pub fn acquire(&self, pixels: u64) -> DecodePermit {
+        let n = pixels.clamp(1, self.total);
+        let (lock, cv) = &*self.state;
+        let mut used = lock.lock().unwrap_or_else(|p| p.into_inner());
+        while *used + n > self.total {
+            used = cv.wait(used).unwrap_or_else(|p| p.into_inner());
+        }
+        *used += n;
+        DecodePermit { budget: self.clone(), pixels: n }
+    }
+
+    /// Pixels being decoded now.
+    pub fn in_use(&self) -> u64 {
+        *self.state.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for DecodePermit {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.budget.state;
+        let mut used = lock.lock().unwrap_or_else(|p| p.into_inner());
+        *used -= self.pixels;
+        cv.notify_all();
+    }
 }
 
 /// The image parts of `messages`, in prompt order (the renderer's order).
@@ -50,9 +100,19 @@ pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
     let Some(Value::Array(msgs)) = messages else {
         return Ok(out);
     };
+    // Text that spells the renderer's image placeholder would take an image's slot (and shift
+    // the error to the next image part): refuse it where it is, once images are present.
+    let mut stray: Option<String> = None;
     for (i, m) in msgs.iter().enumerate() {
-        let Some(Value::Array(parts)) = m.get("content") else {
-            continue;
+        let parts = match m.get("content") {
+            Some(Value::Array(parts)) => parts,
+            Some(Value::String(t)) => {
+                if t.contains(IMAGE_PLACEHOLDER) {
+                    stray.get_or_insert(format!("messages[{i}].content"));
+                }
+                continue;
+            }
+            _ => continue,
         };
         for (j, part) in parts.iter().enumerate() {
             let kind = part.get("type").and_then(Value::as_str);
@@ -60,7 +120,12 @@ pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
                 Some("image_url") => "image_url",
                 Some("image") if part.get("image").is_some() => "image",
                 Some("image") => "image_url",
-                _ => continue,
+                _ => {
+                    if part.get("text").and_then(Value::as_str).is_some_and(|t| t.contains(IMAGE_PLACEHOLDER)) {
+                        stray.get_or_insert(format!("messages[{i}].content[{j}].text"));
+                    }
+                    continue;
+                }
             };
             let field = format!("messages[{i}].content[{j}].{key}");
             let url = match part.get(key) {
@@ -73,6 +138,9 @@ pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
             };
             out.push(ImagePart { field, url });
         }
+    }
+    if let (Some(field), false) = (stray, out.is_empty()) {
+        return Err(bad_param(field, format!("contains the image placeholder {IMAGE_PLACEHOLDER} as text; send images as image_url content parts")));
     }
     Ok(out)
 }
@@ -156,17 +224,26 @@ pub fn image_bytes(part: &ImagePart, limits: &MediaLimits) -> Result<Vec<u8>> {
     }
 }
 
-/// Reads and encodes every image (blocking: call from `spawn_blocking`).
+/// Reads and encodes every image (blocking: call from `spawn_blocking`). Each decode holds its
+/// pixels of `limits.decode` (read from the image header first) until its pixels are resized;
+/// the tower then runs outside the budget.
 pub fn encode_images(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLimits) -> Result<Vec<ImageFeatures>> {
+    let verr = |p: &ImagePart, e: VisionError| match e {
+        VisionError::Image { msg, .. } => bad_param(&p.field, msg),
+        VisionError::Input(msg) => bad_param(&p.field, msg),
+        e => ServerError::Internal(format!("{}: the vision tower failed: {e}", p.field)),
+    };
     parts
         .iter()
         .map(|p| {
             let bytes = image_bytes(p, limits)?;
-            vision.encode_bytes(&bytes, &p.field).map_err(|e| match e {
-                VisionError::Image { msg, .. } => bad_param(&p.field, msg),
-                VisionError::Input(msg) => bad_param(&p.field, msg),
-                e => ServerError::Internal(format!("{}: the vision tower failed: {e}", p.field)),
-            })
+            let (w, h) = preprocess::dimensions(&bytes, &p.field).map_err(|e| verr(p, e))?;
+            let permit = limits.decode.acquire(w as u64 * h as u64);
+            let pre = preprocess::preprocess_bytes(&bytes, &p.field, &vision.processor).map_err(|e| verr(p, e))?;
+            drop((permit, bytes));
+            let mut f = vision.encode_pixels(pre.pixel_values, pre.grid_thw).map_err(|e| verr(p, e))?;
+            f.orig_size = Some(pre.orig_size);
+            Ok(f)
         })
         .collect()
 }
@@ -203,7 +280,7 @@ mod tests {
     }
 
     fn limits(dir: Option<PathBuf>) -> MediaLimits {
-        MediaLimits { allowed_local_media_path: dir, max_image_bytes: 64 }
+        MediaLimits { allowed_local_media_path: dir, max_image_bytes: 64, decode: DecodeBudget::new(1 << 20) }
     }
 
     fn err(r: Result<Vec<u8>>) -> String {
@@ -225,6 +302,44 @@ mod tests {
         let big = format!("data:image/png;base64,{}", "A".repeat(200));
         assert!(err(image_bytes(&part(&big), &l)).contains("over the server's limit"));
         assert!(err(image_bytes(&part("https://x/y.png"), &l)).contains("remote image URLs"));
+    }
+
+    /// A stray placeholder in text is reported where it is, not at the next image part
+    /// (issue 28, item 10); without images the text is left alone.
+    #[test]
+    fn stray_placeholder_is_named_where_it_is() {
+        let img = serde_json::json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}});
+        let msgs = serde_json::json!([{"role": "user", "content": [{"type": "text", "text": format!("look {IMAGE_PLACEHOLDER}")}, img]}]);
+        let e = find_images(Some(&msgs)).unwrap_err();
+        assert_eq!(e.parts().2.as_deref(), Some("messages[0].content[0].text"), "{e}");
+        let msgs = serde_json::json!([{"role": "user", "content": format!("{IMAGE_PLACEHOLDER}")}, {"role": "user", "content": [img]}]);
+        assert_eq!(find_images(Some(&msgs)).unwrap_err().parts().2.as_deref(), Some("messages[0].content"));
+        let msgs = serde_json::json!([{"role": "user", "content": format!("{IMAGE_PLACEHOLDER}")}]);
+        assert!(find_images(Some(&msgs)).unwrap().is_empty());
+    }
+
+    /// The budget holds concurrent decodes to its total: a second large image waits until the
+    /// first releases its pixels; one larger than the budget takes all of it (issue 28, item 9).
+    #[test]
+    fn decode_budget_bounds_concurrent_pixels() {
+        let b = DecodeBudget::new(100);
+        let first = b.acquire(13000 * 13000);
+        assert_eq!(b.in_use(), 100);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let b2 = b.clone();
+        let t = std::thread::spawn(move || {
+            let p = b2.acquire(60);
+            tx.send(b2.in_use()).unwrap();
+            drop(p);
+        });
+        assert!(rx.recv_timeout(std::time::Duration::from_millis(200)).is_err(), "the second decode must wait");
+        drop(first);
+        assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap(), 60);
+        t.join().unwrap();
+        assert_eq!(b.in_use(), 0);
+        let small = [b.acquire(30), b.acquire(30), b.acquire(40)];
+        assert_eq!(b.in_use(), 100);
+        drop(small);
     }
 
     #[test]

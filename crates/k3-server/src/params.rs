@@ -131,6 +131,8 @@ pub struct GenParams {
     pub model: Option<String>,
     pub sampling: SamplingParams,
     pub max_tokens: Option<usize>,
+    /// The spelling of the output limit the request used (for error messages).
+    pub max_tokens_param: &'static str,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -141,7 +143,7 @@ pub struct GenParams {
 impl GenParams {
     /// Reads the common fields. `max_token_keys` lists the accepted spellings of the output
     /// limit (the first one present wins).
-    pub fn read(f: &Fields, max_token_keys: &[&str]) -> Result<GenParams> {
+    pub fn read(f: &Fields, max_token_keys: &[&'static str]) -> Result<GenParams> {
         if let Some(n) = f.i64("n")? {
             if n != 1 {
                 return Err(bad_param("n", format!("only n=1 is supported (got {n}); send separate requests instead")));
@@ -160,12 +162,16 @@ impl GenParams {
         let model = f.str("model")?.map(str::to_owned);
         let _ = f.str("user")?;
         let mut max_tokens = None;
+        let mut max_tokens_param = max_token_keys.last().copied().unwrap_or("max_tokens");
         for k in max_token_keys {
             if let Some(n) = f.usize(k)? {
                 if n == 0 {
                     return Err(bad_param(*k, "must be at least 1"));
                 }
-                max_tokens.get_or_insert(n);
+                if max_tokens.is_none() {
+                    max_tokens = Some(n);
+                    max_tokens_param = k;
+                }
             }
         }
         let d = SamplingParams::default();
@@ -202,6 +208,7 @@ impl GenParams {
             model,
             sampling,
             max_tokens,
+            max_tokens_param,
             stop: f.stop()?,
             stop_token_ids: f.ids("stop_token_ids")?,
             ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -44,6 +44,15 @@ pub struct ServerConfig {
     pub allowed_local_media_path: Option<PathBuf>,
     /// Largest encoded image accepted, in bytes.
     pub max_image_bytes: usize,
+    /// Pixels (width × height) being decoded at once across all requests; an image waits for
+    /// its share, so concurrent large images cannot multiply the decoding memory (≈ 6 bytes per
+    /// pixel at the peak). One image larger than the budget decodes alone.
+    pub max_decode_pixels: u64,
+    /// How long a client may take to send its request head, and may stay silent while sending
+    /// its body (the whole body must arrive within 4× this); 408 or a closed connection after.
+    pub read_timeout: Duration,
+    /// On shutdown, how long open requests get to finish before the server exits anyway.
+    pub shutdown_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +66,9 @@ impl Default for ServerConfig {
             max_body_bytes: 4 << 20,
             allowed_local_media_path: None,
             max_image_bytes: 20 << 20,
+            max_decode_pixels: k3_vision::preprocess::MAX_PIXELS,
+            read_timeout: Duration::from_secs(30),
+            shutdown_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -101,9 +113,10 @@ impl Inner {
         }
     }
 
-    /// Checks the prompt against the context and resolves
-    /// `max_tokens` (default and clip: the rest of the context).
-    pub fn prepare_prompt(&self, ids: Vec<u32>, max_tokens: Option<usize>, param: &str) -> Result<(Vec<u32>, usize)> {
+    /// Checks the prompt against the context and resolves `max_tokens`: without one, the rest
+    /// of the context (OpenAI's behaviour); with one that prompt + `max_tokens` cannot hold, a
+    /// 400 naming `max_tokens_param`.
+    pub fn prepare_prompt(&self, ids: Vec<u32>, max_tokens: Option<usize>, param: &str, max_tokens_param: &str) -> Result<(Vec<u32>, usize)> {
         if ids.is_empty() {
             return Err(bad_param(param, "the prompt is empty"));
         }
@@ -119,7 +132,19 @@ impl Inner {
             });
         }
         let room = self.max_context - ids.len();
-        Ok((ids, max_tokens.unwrap_or(room).min(room)))
+        match max_tokens {
+            Some(n) if n > room => Err(ServerError::BadRequest {
+                message: format!(
+                    "`{max_tokens_param}` is {n}, but this model's maximum context length is {} tokens and the prompt has {}: at most {room} tokens can be generated; lower `{max_tokens_param}` (or omit it to use the rest of the context)",
+                    self.max_context,
+                    ids.len()
+                ),
+                param: Some(max_tokens_param.into()),
+                code: Some("context_length_exceeded"),
+            }),
+            Some(n) => Ok((ids, n)),
+            None => Ok((ids, room)),
+        }
     }
 }
 
@@ -127,8 +152,13 @@ impl Inner {
 /// sends its whole body before reading the answer sees the 413 rather than a reset connection.
 const DRAIN_CAP: u64 = 64 << 20;
 
-/// Reads a body up to `limit` bytes (413 beyond).
-pub async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>> {
+/// Reads a body up to `cfg.max_body_bytes` (413 beyond), within `cfg.read_timeout` between
+/// chunks and 4× that overall (408 otherwise: a client that stops sending cannot hold a handler).
+pub async fn read_body(headers: &HeaderMap, body: Body, cfg: &ServerConfig) -> Result<Vec<u8>> {
+    let idle = cfg.read_timeout;
+    let whole = tokio::time::Instant::now() + idle * 4;
+    let slow = || ServerError::Timeout(format!("the request body did not arrive in time (no data for {} s, or not all of it within {} s)", idle.as_secs_f32(), (idle * 4).as_secs_f32()));
+    let limit = cfg.max_body_bytes;
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64 + DRAIN_CAP) {
         return Err(ServerError::TooLarge { limit });
@@ -136,7 +166,9 @@ pub async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<
     let mut stream = body.into_data_stream();
     let mut buf = Vec::new();
     let mut seen = 0u64;
-    while let Some(chunk) = stream.next().await {
+    loop {
+        let next = tokio::time::timeout_at(whole.min(tokio::time::Instant::now() + idle), stream.next());
+        let Some(chunk) = next.await.map_err(|_| slow())? else { break };
         let c = chunk.map_err(|e| crate::error::bad_request(format!("could not read the request body: {e}")))?;
         seen += c.len() as u64;
         if seen > limit as u64 + DRAIN_CAP {
@@ -239,6 +271,15 @@ pub fn build(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig) 
 /// The media limits in force; checks that the tokenizer's `<|media_pad|>` is the vision
 /// model's pad id.
 fn media_limits(tok: &Tokenizer, cfg: &ServerConfig, vision: Option<&VisionModel>) -> Result<MediaLimits> {
+    // The chat format cannot be rendered or stopped without these: refuse to start rather than
+    // failing every chat request.
+    for name in ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"] {
+        if tok.special_id(name).is_none() {
+            return Err(ServerError::Config(format!(
+                "the tokenizer has no special token {name}, which the Kimi K3 chat format needs; pass the model's own tokenizer (--tokenizer DIR with tiktoken.model and tokenizer_config.json)"
+            )));
+        }
+    }
     if let Some(v) = vision {
         let pad = tok.special_id("<|media_pad|>");
         if pad != Some(v.pad_id) {
@@ -258,7 +299,7 @@ fn media_limits(tok: &Tokenizer, cfg: &ServerConfig, vision: Option<&VisionModel
             Some(c)
         }
     };
-    Ok(MediaLimits { allowed_local_media_path: allowed, max_image_bytes: cfg.max_image_bytes })
+    Ok(MediaLimits { allowed_local_media_path: allowed, max_image_bytes: cfg.max_image_bytes, decode: crate::media::DecodeBudget::new(cfg.max_decode_pixels) })
 }
 
 /// [`build`] with an optional vision tower for image parts in chat requests.
@@ -282,12 +323,10 @@ pub fn build_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: Se
         .with_state(state))
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves.
+/// Serves `router` on `listener` until `shutdown` resolves, with the default timeouts
+/// ([`crate::conn::serve_connections`] takes them from a [`ServerConfig`]).
 pub async fn serve(listener: tokio::net::TcpListener, router: Router, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| ServerError::Io { what: "serving HTTP".into(), source: e })
+    crate::conn::serve_connections(listener, router, &ServerConfig::default(), shutdown).await
 }
 
 /// A server running on its own thread and runtime (for tests and embedding).
@@ -322,14 +361,16 @@ pub fn spawn_background_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenize
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the runtime"))?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).map_err(io("binding 127.0.0.1:0"))?;
     let addr = listener.local_addr().map_err(io("reading the bound address"))?;
+    let limits = cfg.clone();
     let router = build_with_vision(backend, tok, cfg, vision)?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("k3-http".into())
         .spawn(move || {
-            let _ = rt.block_on(serve(listener, router, async move {
+            let _ = rt.block_on(crate::conn::serve_connections(listener, router, &limits, async move {
                 let _ = stopped.await;
             }));
+            rt.shutdown_timeout(Duration::from_secs(1));
         })
         .map_err(io("spawning the server thread"))?;
     Ok(BackgroundServer { addr, stop: Some(stop), thread: Some(thread) })

@@ -294,10 +294,14 @@ fn png_info(b: &[u8]) -> Option<PngInfo> {
     Some(PngInfo { color_type: color_type?, bit_depth, trns })
 }
 
-/// Decodes PNG, JPEG or WebP bytes into Pillow's mode and 8-bit pixels, refusing zero-sized and
-/// enormous images before any pixel is decoded.
-pub fn decode(bytes: &[u8], name: &str) -> Result<Decoded> {
-    use image::{DynamicImage as D, ImageFormat as F};
+/// `(width, height)` of PNG, JPEG or WebP bytes from their header alone (nothing decoded),
+/// refusing empty, unrecognised, unsupported, zero-sized and enormous images.
+pub fn dimensions(bytes: &[u8], name: &str) -> Result<(u32, u32)> {
+    header(bytes, name).map(|(_, w, h)| (w, h))
+}
+
+fn header(bytes: &[u8], name: &str) -> Result<(image::ImageFormat, u32, u32)> {
+    use image::ImageFormat as F;
     if bytes.is_empty() {
         return Err(img_err(name, "is empty (0 bytes): not an image"));
     }
@@ -305,16 +309,24 @@ pub fn decode(bytes: &[u8], name: &str) -> Result<Decoded> {
     if !matches!(fmt, F::Png | F::Jpeg | F::WebP) {
         return Err(img_err(name, format!("format {fmt:?} is unsupported; supported formats are PNG, JPEG and WebP")));
     }
-    let reader = || image::ImageReader::with_format(std::io::Cursor::new(bytes), fmt);
     let corrupt = |e: image::ImageError| img_err(name, format!("corrupt or truncated {fmt:?} data: {e}"));
-    let (w, h) = reader().into_dimensions().map_err(corrupt)?;
+    let (w, h) = image::ImageReader::with_format(std::io::Cursor::new(bytes), fmt).into_dimensions().map_err(corrupt)?;
     if w == 0 || h == 0 {
         return Err(img_err(name, format!("is zero-sized ({w}x{h})")));
     }
     if w as u64 * h as u64 > MAX_PIXELS {
         return Err(img_err(name, format!("is enormous: {w}x{h} = {} pixels, over the {MAX_PIXELS}-pixel limit (Pillow's decompression-bomb limit)", w as u64 * h as u64)));
     }
-    let mut r = reader();
+    Ok((fmt, w, h))
+}
+
+/// Decodes PNG, JPEG or WebP bytes into Pillow's mode and 8-bit pixels, refusing zero-sized and
+/// enormous images before any pixel is decoded.
+pub fn decode(bytes: &[u8], name: &str) -> Result<Decoded> {
+    use image::{DynamicImage as D, ImageFormat as F};
+    let (fmt, w, h) = header(bytes, name)?;
+    let corrupt = |e: image::ImageError| img_err(name, format!("corrupt or truncated {fmt:?} data: {e}"));
+    let mut r = image::ImageReader::with_format(std::io::Cursor::new(bytes), fmt);
     let mut limits = image::Limits::default();
     limits.max_alloc = Some(MAX_PIXELS * 8 + (64 << 20));
     r.limits(limits);
