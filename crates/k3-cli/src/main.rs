@@ -1,5 +1,5 @@
 //! `k3`: the k3rs binary. One subcommand per file under `cmd/`; this file only parses and
-//! dispatches. Errors are reported with their full cause chain and a non-zero exit code.
+//! dispatches. Errors are reported with their cause chain (each text once) and a non-zero exit code.
 
 use clap::{Parser, Subcommand};
 
@@ -54,7 +54,24 @@ fn main() {
         Command::Vision(a) => cmd::vision::run(a),
     };
     if let Err(e) = r {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", chain(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes, `: `-joined, leaving out a cause whose text the message already
+/// holds (an I/O error both quoted in the message and kept as its source is printed once).
+fn chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if out.contains(&c) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&c);
+    }
+    out
 }

@@ -156,6 +156,10 @@ pub fn run_render_chat(args: &RenderChatArgs) -> Result<Value> {
 pub fn run_parse_output(args: &ParseOutputArgs) -> Result<Value> {
     let tok = load_tokenizer(args.tokenizer.as_deref())?;
     let ids = parse_ids(&args.ids)?;
+    // Refused like `detokenize` refuses it: the parser would otherwise drop the id silently.
+    if let Some(&id) = ids.iter().find(|&&id| tok.token_bytes(id).is_none()) {
+        return Err(Error::UnknownId { id, vocab_size: tok.vocab_size() });
+    }
     let parsed = parse_output(&tok, &ids, args.thinking, args.tools_declared);
     let calls: Vec<Value> = parsed
         .tool_calls

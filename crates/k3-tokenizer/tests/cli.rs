@@ -103,3 +103,13 @@ fn parse_output_flags() {
     .unwrap();
     assert_eq!(out["reasoning_content"], json!("Hi"));
 }
+
+/// An id outside the vocabulary is refused by `parse-output` as by `detokenize` (issue 28,
+/// item 13), not dropped.
+#[test]
+fn parse_output_refuses_ids_outside_the_vocabulary() {
+    let d = run(&["detokenize", "--ids", "39,99999"]).unwrap_err().to_string();
+    let p = run(&["parse-output", "--ids", "39,99999"]).unwrap_err().to_string();
+    assert!(p.contains("99999") && p.contains("outside the vocabulary"), "{p}");
+    assert_eq!(p, d);
+}

@@ -44,10 +44,13 @@ pub struct Args {
     /// Worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// cpu | cuda (cuda needs `--op`).
+    /// cpu | cuda (GPU 0). Without --op: the model mode (--model, --prompt-len, --gen-len; on
+    /// cuda --batches, --context, --profile). With --op: one op (see --op).
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// GPU op to time: gemm M N K | copy BYTES | rmsnorm ROWS DIM.
+    /// One op instead of the model. CPU: gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...] (with
+    /// --model). cuda: gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM | dsa
+    /// [CONTEXTS...] (with --model).
     #[arg(long, num_args = 1.., value_name = "OP DIMS")]
     pub op: Vec<String>,
     #[arg(long, default_value_t = 20)]
@@ -94,9 +97,22 @@ pub fn memory_bandwidth() -> (f64, f64) {
     (read, copy)
 }
 
+/// Ops `--op` takes on each device.
+const CPU_OPS: &[&str] = &["gemv", "dsa"];
+const CUDA_OPS: &[&str] = &["gemm", "gemv", "copy", "rmsnorm", "dsa"];
+
 pub fn run(a: Args) -> Result<()> {
     if let Some(n) = a.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("--threads: the thread pool was already started")?;
+    }
+    if let Some(op) = a.op.first() {
+        let (known, list): (&[&str], &str) = match a.device.as_str() {
+            "cpu" => (CPU_OPS, "gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...]"),
+            _ => (CUDA_OPS, "gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM | dsa [CONTEXTS...]"),
+        };
+        if !known.contains(&op.as_str()) {
+            bail!("--op `{op}`: unknown op for --device {}; use {list} (or no --op for the model mode)", a.device);
+        }
     }
     match a.device.as_str() {
         "cpu" if a.op.is_empty() => bench_model(&a),
@@ -339,7 +355,7 @@ fn argmax(x: &[f32]) -> u32 {
 #[cfg(feature = "cuda")]
 fn bench_cuda_op(a: &Args) -> Result<()> {
     use k3_core::cuda::bench::{bench_op, BenchOp};
-    let Some((op, dims)) = a.op.split_first() else { bail!("--device cuda needs --op gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM") };
+    let Some((op, dims)) = a.op.split_first() else { bail!("--op gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM") };
     let dims = dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
     let dev = k3_core::cuda::CudaDevice::new(0)?;
     let op = BenchOp::from_cli(op, &dims)?;
