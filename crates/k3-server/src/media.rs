@@ -12,7 +12,10 @@
 //!
 //! The features of every image of a request are computed on a blocking thread
 //! ([`encode_images`], called through `tokio::task::spawn_blocking`), never on the async
-//! runtime. Each image's part renders as `<|media_begin|>image WxH<|media_content|>` + N ×
+//! runtime. Decoding holds the image's pixels (read from its header) of the server-wide
+//! [`DecodeBudget`] until the pixels are resized, so concurrent large images wait instead of
+//! multiplying the decoding memory. Text that spells the image placeholder beside image parts
+//! is refused at its own field. Each image's part renders as `<|media_begin|>image WxH<|media_content|>` + N ×
 //! `<|media_pad|>` + `<|media_end|>` ([`image_prompts`]); on the engine thread, [`splice_prep`]
 //! takes the backend's token embeddings of the rendered ids and replaces the pad rows with the
 //! projected features, in order, to give the request's `prompt_embeds`.
