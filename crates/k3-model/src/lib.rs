@@ -6,8 +6,10 @@
 //!   against the table.
 //! - [`inspect`]: parameter counts, bytes on disk, cache sizes (`k3 inspect`).
 //! - [`init`]: random-weight checkpoints in the release format (`k3 init`).
+//! - [`capacity`]: per-rank memory of a parallel layout (`k3 inspect --tp/--pp --gpu-mem`).
 //! - [`parallel`]: the sharding plan (`--tp/--ep/--pp` → what each rank holds) and the
 //!   groups a rank's forward talks to; [`source`]: one rank's shards of a checkpoint.
+pub mod capacity;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

@@ -3,14 +3,24 @@
 //! conventions): layer schedule, weight shapes per layer kind, parameters (total and active per
 //! token), bytes on disk as shipped, cache sizes. Given a model directory it also opens the
 //! checkpoint (memory-mapped) and reports file size, bytes by dtype and resident memory.
+//!
+//! `--tp/--ep/--pp` and `--gpu-mem GiB` add the planner (`k3_model::capacity`): weight bytes per
+//! rank, what is left for latent/indexer caches and KDA states (tokens, sequences at 128K and
+//! 1M context), and `fits: true|false` with the reason.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use k3_model::config::{builtin_config, Config, Ffn, Mixer};
+use k3_model::capacity::{capacity, Capacity, KvDtype, GIB};
 use k3_model::inspect::{peak_resident_bytes, report, report_with_checkpoint, resident_bytes, resident_split, Report};
 use k3_model::{Checkpoint, Model};
+
+use super::args::ParallelArgs;
+
+/// One H200's memory as the planner counts it when `--gpu-mem` is not given (GiB).
+pub const H200_GIB: f64 = 139.0;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -22,10 +32,40 @@ pub struct Args {
     /// Also build the model (`Model::load`) and report open/load time and peak RSS.
     #[arg(long)]
     pub load: bool,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
+    /// Memory of each GPU in GiB, for the planner (default 139, one H200). Giving it, or any
+    /// of --tp/--ep/--pp above 1, adds the per-rank memory plan.
+    #[arg(long, value_name = "GIB")]
+    pub gpu_mem: Option<f64>,
+    /// GiB per GPU kept for the CUDA context, GEMM workspaces and a prefill chunk's activations.
+    #[arg(long, value_name = "GIB", default_value_t = 6.0)]
+    pub reserve: f64,
+    /// Cache layout the planner counts: bf16 (2 B per value) or fp8 (vLLM's 656 B MLA + 132 B indexer).
+    #[arg(long, default_value = "bf16")]
+    pub kv_cache_dtype: String,
+}
+
+fn plan(a: &Args, cfg: &Config) -> Result<Option<Capacity>> {
+    if !(a.parallel.is_parallel() || a.gpu_mem.is_some()) {
+        return Ok(None);
+    }
+    let mem = a.gpu_mem.unwrap_or(H200_GIB);
+    for (flag, v) in [("--gpu-mem", mem), ("--reserve", a.reserve)] {
+        if !v.is_finite() || v < 0.0 || (flag == "--gpu-mem" && v == 0.0) {
+            anyhow::bail!("{flag} {v}: give a positive number of GiB");
+        }
+    }
+    let kv = match a.kv_cache_dtype.as_str() {
+        "bf16" => KvDtype::Bf16,
+        "fp8" => KvDtype::Fp8,
+        o => anyhow::bail!("--kv-cache-dtype `{o}` is not one of bf16, fp8"),
+    };
+    Ok(Some(capacity(cfg, a.parallel.layout()?, (mem * GIB) as u64, (a.reserve * GIB) as u64, kv)?))
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let r = if a.model.is_dir() {
+    let (r, cfg) = if a.model.is_dir() {
         let t0 = std::time::Instant::now();
         let ck = Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
         let open_s = t0.elapsed().as_secs_f64();
@@ -43,17 +83,23 @@ pub fn run(a: Args) -> Result<()> {
             }
             drop(model);
         }
-        r
-    } else if a.model.is_file() {
-        report(&Config::from_file(&a.model)?)
+        (r, ck.config.clone())
     } else {
-        let name = a.model.to_string_lossy();
-        report(&Config::from_json(builtin_config(&name)?)?)
+        let cfg = if a.model.is_file() { Config::from_file(&a.model)? } else { Config::from_json(builtin_config(&a.model.to_string_lossy())?)? };
+        (report(&cfg), cfg)
     };
+    let cap = plan(&a, &cfg)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        let mut v = serde_json::to_value(&r)?;
+        if let (Some(c), Some(o)) = (&cap, v.as_object_mut()) {
+            o.insert("capacity".into(), serde_json::to_value(c)?);
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", text(&r));
+        if let Some(c) = &cap {
+            print!("{}", capacity_text(c));
+        }
     }
     Ok(())
 }
@@ -122,11 +168,13 @@ pub fn text(r: &Report) -> String {
     let _ = writeln!(s, "                 ({} total, {} active per token — embedding lookup and vision excluded from active)", human(r.total_params), human(r.active_params));
     let _ = writeln!(s, "disk by dtype   {}", r.disk_bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
     let _ = writeln!(s, "\ncache (per sequence, max context {} tokens)", commas(r.max_position_embeddings as u64));
-    let _ = writeln!(s, "  MLA latent      {} values = {} B/token/layer bf16 ({} layers)", r.mla_latent_values_per_token_per_layer, r.mla_bytes_per_token_per_layer_bf16, r.mla_layers + r.dsa_layers);
+    let layers = |n: usize| format!("{n} layer{}", if n == 1 { "" } else { "s" });
+    let _ = writeln!(s, "  MLA latent      {} values = {} B/token/layer bf16 ({})", r.mla_latent_values_per_token_per_layer, r.mla_bytes_per_token_per_layer_bf16, layers(r.mla_layers + r.dsa_layers));
     if r.dsa {
-        let _ = writeln!(s, "  indexer keys    {} values = {} B/token/layer bf16 ({} layers)", r.indexer_key_values_per_token_per_layer, r.indexer_bytes_per_token_per_layer_bf16, r.dsa_layers);
+        let _ = writeln!(s, "  indexer keys    {} values = {} B/token/layer bf16 ({})", r.indexer_key_values_per_token_per_layer, r.indexer_bytes_per_token_per_layer_bf16, layers(r.dsa_layers));
     }
-    let _ = writeln!(s, "  all layers      {} B/token bf16, {} B/token fp8 (656 B MLA + 132 B indexer)", r.kv_bytes_per_token_bf16, r.kv_bytes_per_token_fp8);
+    let fp8 = if r.dsa { "656 B MLA + 132 B indexer per layer" } else { "656 B MLA per layer" };
+    let _ = writeln!(s, "  all layers      {} B/token bf16, {} B/token fp8 ({fp8})", r.kv_bytes_per_token_bf16, r.kv_bytes_per_token_fp8);
     let _ = writeln!(s, "  at max context  {} bf16 ({} B), {} fp8 ({} B)", gib(r.kv_bytes_at_max_context_bf16), commas(r.kv_bytes_at_max_context_bf16), gib(r.kv_bytes_at_max_context_fp8), commas(r.kv_bytes_at_max_context_fp8));
     let _ = writeln!(s, "  KDA state       {:.1} MB recurrent (f32) + {:.1} MB conv (bf16) = {:.1} MB per sequence", r.kda_recurrent_state_bytes_per_sequence as f64 / 1e6, r.kda_conv_state_bytes_per_sequence as f64 / 1e6, r.kda_state_bytes_per_sequence as f64 / 1e6);
     if let Some(c) = &r.checkpoint {
@@ -142,5 +190,32 @@ pub fn text(r: &Report) -> String {
         let _ = writeln!(s, "  data by dtype   {}", c.bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
         let _ = writeln!(s, "  check           {}", c.check_error.as_deref().unwrap_or("ok: every tensor of the config is present with the right shape and dtype"));
     }
+    s
+}
+
+/// The planner's table: one row per rank, then the verdict.
+pub fn capacity_text(c: &Capacity) -> String {
+    let g = |b: f64| format!("{:.1}", b / GIB);
+    let p = &c.layout;
+    let mut s = String::new();
+    let _ = writeln!(s, "\nparallel layout --tp {} --ep {} --pp {}: {} ranks; {} GiB per GPU, {} GiB reserve, {:?} cache", p.tp, p.ep, p.pp, c.world, g(c.gpu_mem_bytes as f64), g(c.reserve_bytes as f64), c.kv_cache_dtype);
+    let _ = writeln!(s, "  {:>4} {:>5} {:>9} {:>11} {:>9} {:>11} {:>10} {:>13} {:>9} {:>8}", "rank", "stage", "layers", "weights GiB", "left GiB", "cache B/tok", "KDA MB/seq", "cache tokens", "seqs 128K", "seqs 1M");
+    for r in &c.ranks {
+        let _ = writeln!(
+            s,
+            "  {:>4} {:>5} {:>9} {:>11} {:>9} {:>11} {:>10.1} {:>13} {:>9} {:>8}",
+            r.rank,
+            r.stage,
+            format!("{}..{}", r.layers[0], r.layers[1]),
+            g(r.weight_bytes as f64),
+            g(r.free_bytes as f64),
+            r.cache_bytes_per_token,
+            r.kda_state_bytes_per_sequence as f64 / 1e6,
+            commas(r.cache_tokens),
+            r.sequences_128k,
+            r.sequences_1m
+        );
+    }
+    let _ = writeln!(s, "fits: {} — {}", c.fits, c.reason);
     s
 }

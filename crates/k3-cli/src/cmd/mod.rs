@@ -1,4 +1,5 @@
 //! One module per `k3` subcommand.
+pub mod args;
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod bench_cuda;

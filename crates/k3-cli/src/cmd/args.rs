@@ -1,0 +1,31 @@
+//! Flag groups shared by several subcommands (flattened into their `Args` with
+//! `#[command(flatten)]`), so a flag is spelled, documented and checked once.
+
+use anyhow::Result;
+use k3_model::Parallel;
+
+/// The parallel layout: `--tp`, `--ep`, `--pp` (`docs/parallel.md`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ParallelArgs {
+    /// Tensor-parallel ranks per pipeline stage: attention heads, dense FFN, shared experts and
+    /// the vocabulary are split over them.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Expert-parallel ranks per stage (default: --tp): routed experts whole on their owner.
+    /// `--ep 1` with `--tp N` splits each expert's intermediate dim instead.
+    #[arg(long)]
+    pub ep: Option<usize>,
+    /// Pipeline stages: contiguous runs of decoder layers, one after the other.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+}
+
+impl ParallelArgs {
+    pub fn layout(&self) -> Result<Parallel> {
+        Ok(Parallel::new(self.tp, self.ep, self.pp)?)
+    }
+    /// Whether any flag asks for more than one rank.
+    pub fn is_parallel(&self) -> bool {
+        self.tp > 1 || self.ep.is_some_and(|e| e > 1) || self.pp > 1
+    }
+}
