@@ -118,11 +118,13 @@ fn golden(name: &str) {
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn golden_k3_small_f32() {
     golden("k3_small_f32");
 }
 
 #[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn golden_k31_small_dsa_f32() {
     golden("k31_small_dsa_f32");
 }

@@ -24,8 +24,9 @@ impl ParallelArgs {
     pub fn layout(&self) -> Result<Parallel> {
         Ok(Parallel::new(self.tp, self.ep, self.pp)?)
     }
-    /// Whether any flag asks for more than one rank.
-    pub fn is_parallel(&self) -> bool {
-        self.tp > 1 || self.ep.is_some_and(|e| e > 1) || self.pp > 1
+    /// The layout when it has more than one rank (`None` for one); bad values are an error.
+    pub fn parallel(&self) -> Result<Option<Parallel>> {
+        let p = self.layout()?;
+        Ok((p.world() > 1).then_some(p))
     }
 }

@@ -47,7 +47,8 @@ pub struct Args {
 }
 
 fn plan(a: &Args, cfg: &Config) -> Result<Option<Capacity>> {
-    if !(a.parallel.is_parallel() || a.gpu_mem.is_some()) {
+    let par = a.parallel.layout()?;
+    if par.world() == 1 && a.gpu_mem.is_none() {
         return Ok(None);
     }
     let mem = a.gpu_mem.unwrap_or(H200_GIB);
@@ -61,7 +62,7 @@ fn plan(a: &Args, cfg: &Config) -> Result<Option<Capacity>> {
         "fp8" => KvDtype::Fp8,
         o => anyhow::bail!("--kv-cache-dtype `{o}` is not one of bf16, fp8"),
     };
-    Ok(Some(capacity(cfg, a.parallel.layout()?, (mem * GIB) as u64, (a.reserve * GIB) as u64, kv)?))
+    Ok(Some(capacity(cfg, par, (mem * GIB) as u64, (a.reserve * GIB) as u64, kv)?))
 }
 
 pub fn run(a: Args) -> Result<()> {

@@ -1,5 +1,8 @@
 //! `k3 logits --model DIR (--ids 1,2,3 | --ids-file FILE) --out FILE.npy [--mode full|decode|chunked:N] [--trace DIR]`
-//! `[--device cuda[:N] [--precision bf16|f32]]`
+//! `[--device cuda[:N] [--precision bf16|f32]] [--tp N] [--ep N] [--pp N]`
+//!
+//! `--tp/--ep/--pp` on the CPU run the ranks of that layout as threads of this process
+//! (`k3_model::parallel::on_threads`): the same logits as one rank, within f32 rounding.
 //!
 //! Writes float32 logits `[T, vocab]` for every position. `full` runs one pass over the whole
 //! sequence; `decode` feeds the tokens one at a time through the cache; `chunked:N` prefills in
@@ -45,6 +48,8 @@ pub struct Args {
     /// activations, plain kernels; for checking against f32 references). The CPU computes in f32.
     #[arg(long)]
     pub precision: Option<String>,
+    #[command(flatten)]
+    pub parallel: super::args::ParallelArgs,
 }
 
 /// `--precision` as an f32 flag: `bf16` → false, `f32` → true.
@@ -125,6 +130,28 @@ pub fn run(a: Args) -> Result<()> {
     };
     let ck = Checkpoint::open(&a.model)?;
     let (vocab, hidden) = (ck.config.text.vocab_size, ck.config.text.hidden_size);
+    let step = chunk.unwrap_or(ids.len());
+    if let Some(par) = a.parallel.parallel()? {
+        if device.is_some() {
+            bail!("--tp/--ep/--pp run on the CPU (ranks as threads); the GPU model is one rank per process and not parallel yet: drop --device");
+        }
+        if a.trace.is_some() || !a.images.is_empty() {
+            bail!("--trace and --image run on one rank: drop --tp/--ep/--pp, or drop them");
+        }
+        let mut runs = k3_model::parallel::on_threads(&ck, par, |m| {
+            let mut st = m.new_state();
+            let mut out = Vec::with_capacity(ids.len() * vocab);
+            for piece in ids.chunks(step) {
+                out.extend(m.forward(piece, &mut st, ForwardOpts::default(), None)?);
+            }
+            Ok(out)
+        })?;
+        // Rank 0 is on the first stage, which gets the logits back from the last.
+        let logits = runs.swap_remove(0);
+        k3_core::npy::write_npy_f32(&a.out, &[ids.len(), vocab], &logits).with_context(|| format!("writing {}", a.out.display()))?;
+        eprintln!("wrote {} ({} × {vocab} f32; --tp {} --ep {} --pp {}: {} ranks as threads)", a.out.display(), ids.len(), par.tp, par.ep, par.pp, par.world());
+        return Ok(());
+    }
     // The CPU model computes the CPU logits and, with --image, the token embeddings the image
     // features are spliced into; a GPU run without images does not load it.
     let cpu = if device.is_none() || !a.images.is_empty() { Some(Model::load(&ck)?) } else { None };
@@ -149,7 +176,6 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
     };
-    let step = chunk.unwrap_or(ids.len());
     match (device, &cpu) {
         (Some(ord), _) => logits = gpu_logits(&ck, ord, &ids, emb.as_deref(), step, !a.no_cuda_graphs, f32_gpu)?,
         (None, Some(model)) => {
