@@ -24,7 +24,6 @@
 //! sockets: [`rendezvous`] returns at once and `broadcast`/`gather` have no one to talk to.
 
 mod link;
-mod sha256;
 mod spec;
 
 pub use spec::{node_specs, WorldSpec, DEFAULT_PORT};
@@ -77,12 +76,13 @@ impl Default for Options {
 /// The hex SHA-256 of `parts`, each prefixed by its length (so `["ab", "c"]` and `["a", "bc"]`
 /// differ). Callers pass the binary version, the config and the checkpoint's identity.
 pub fn digest(parts: &[&[u8]]) -> String {
-    let mut h = sha256::Sha256::new();
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
     for p in parts {
-        h.update(&(p.len() as u64).to_le_bytes());
+        h.update((p.len() as u64).to_le_bytes());
         h.update(p);
     }
-    h.hex()
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Starts this process's part of the world in `spec` with [`Options::new`]`(timeout)`; see
