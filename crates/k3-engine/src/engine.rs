@@ -384,11 +384,20 @@ impl Engine {
 
     /// Runs one request to completion, calling `on_event` per token. Returns the output
     /// tokens, the finish reason and the timing.
-    pub fn generate(&mut self, req: Request, mut on_event: impl FnMut(&Event)) -> Result<(Vec<u32>, FinishReason, SeqStats)> {
+    pub fn generate(&mut self, req: Request, on_event: impl FnMut(&Event)) -> Result<(Vec<u32>, FinishReason, SeqStats)> {
+        self.generate_with_progress(req, on_event, |_, _| {})
+    }
+
+    /// [`Engine::generate`] that also reports the prefill's progress after every step that
+    /// prefilled part of the prompt: `on_prefill(tokens done, prompt tokens)`.
+    pub fn generate_with_progress(&mut self, req: Request, mut on_event: impl FnMut(&Event), mut on_prefill: impl FnMut(usize, usize)) -> Result<(Vec<u32>, FinishReason, SeqStats)> {
         let id = self.add(req)?;
         let mut out = Vec::new();
         loop {
             let evs = self.step()?;
+            if let Some(s) = self.running.iter().find(|s| s.id == id) {
+                on_prefill(s.done, s.req.prompt.len());
+            }
             if evs.is_empty() && !self.has_work() {
                 return Err(EngineError::UnknownSeq(id));
             }

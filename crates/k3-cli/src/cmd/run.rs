@@ -1,6 +1,8 @@
 //! `k3 run [--model DIR] [sampling flags] PROMPT`: generates a continuation and streams the
 //! text to stdout as it is produced; prefill and decode tokens/s go to stderr (or, with
 //! `--json`, one JSON object on stdout at the end). `--ids` takes token ids instead of text.
+//! On a terminal, loading shows a spinner and a prompt longer than `--prefill-chunk` a prefill
+//! progress bar (both on stderr, cleared before the text; nothing when stderr is not a TTY).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -96,6 +98,13 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let dir = resolve_model_dir(a.model.as_deref())?;
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let spinner = tty.then(|| {
+        let sp = indicatif::ProgressBar::new_spinner();
+        sp.set_message(format!("loading {}", dir.display()));
+        sp.enable_steady_tick(std::time::Duration::from_millis(120));
+        sp
+    });
     let ck = Checkpoint::open(&dir)?;
     let device = k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)?;
     let model = Arc::new(if device.is_some() { Model::load_for_gpu(&ck)? } else { Model::load(&ck)? });
@@ -126,9 +135,26 @@ pub fn run(a: Args) -> Result<()> {
             Engine::with_gpu(model, gpu, tokenizer.clone(), ecfg)
         }
     };
+    if let Some(sp) = spinner {
+        sp.finish_and_clear();
+    }
     let mut text = String::new();
     let stdout = std::io::stdout();
-    let (out, finish, stats) = engine.generate(req, |ev| {
+    // On a terminal, a bar while a long prompt is prefilled (nothing when stderr is not a TTY).
+    let bar = (std::io::IsTerminal::is_terminal(&std::io::stderr()) && prompt.len() > a.prefill_chunk.max(1)).then(|| {
+        let pb = indicatif::ProgressBar::new(prompt.len() as u64);
+        pb.set_style(indicatif::ProgressStyle::with_template("prefill {bar:30} {pos}/{len} tokens {per_sec} ETA {eta}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+        pb
+    });
+    let mut prefilled = |done: usize, _total: usize| {
+        if let Some(pb) = &bar {
+            pb.set_position(done as u64);
+        }
+    };
+    let (out, finish, stats) = engine.generate_with_progress(req, |ev| {
+        if let Some(pb) = &bar {
+            pb.finish_and_clear();
+        }
         if a.json {
             text.push_str(&ev.text);
         } else {
@@ -136,7 +162,7 @@ pub fn run(a: Args) -> Result<()> {
             let _ = if ids_mode { write!(o, "{} ", ev.token) } else { write!(o, "{}", ev.text) };
             let _ = o.flush();
         }
-    })?;
+    }, &mut prefilled)?;
     let tps = |n: usize, d: std::time::Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { 0.0 };
     let prefill_tps = tps(stats.prompt_tokens, stats.prefill_time);
     let decode_tps = tps(stats.output_tokens.saturating_sub(1), stats.decode_time);
