@@ -122,13 +122,11 @@ fn main() {
             })
             .collect();
         let codes: Vec<_> = kids.iter_mut().map(|c| c.wait().map(|s| s.code())).collect();
-        let out = std::fs::read_to_string(dir.join("rank0.out")).unwrap_or_default();
         if std::env::var_os("K3_COMM_BENCH_LOGS").is_some() {
-            eprint!("{}", std::fs::read_to_string(dir.join("rank0.err")).unwrap_or_default()); // e.g. with NCCL_DEBUG=INFO
+            // Rank 0's own output, e.g. NCCL_DEBUG=INFO lines (NCCL writes them to stdout).
+            eprint!("{}", ["out", "err"].map(|e| std::fs::read_to_string(dir.join(format!("rank0.{e}"))).unwrap_or_default()).concat());
         }
-        for l in out.lines().filter_map(|l| l.strip_prefix("ROW ")) {
-            println!("{l}");
-        }
+        print!("{}", std::fs::read_to_string(dir.join("rows")).unwrap_or_default());
         if codes.iter().any(|c| !matches!(c, Ok(Some(0)))) {
             println!("{w} ranks: a rank failed ({codes:?}); rank 0 said:\n{}", std::fs::read_to_string(dir.join("rank0.err")).unwrap_or_default());
             for r in 1..w {
@@ -175,6 +173,7 @@ fn child(a: &Args, rank: usize, world: usize, dir: &Path) {
     let dev = CudaDevice::new(0).expect("device");
     let id = exchange_id(rank, dir);
     let g = CudaGroup::nccl(&dev, rank, world, id).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    let mut rows = String::new(); // rank 0's table rows, to a file (NCCL_DEBUG output shares stdout)
     for op in ["all_reduce_sum", "all_gather", "reduce_scatter"] {
         for &bytes in &a.sizes {
             let n = (bytes / 2).div_ceil(world) * world; // bf16 elements, a multiple of W
@@ -205,7 +204,8 @@ fn child(a: &Args, rank: usize, world: usize, dir: &Path) {
             let replay = median((0..reps).map(|_| timed(&|| graph.launch().unwrap())).collect()) / k as f64;
             g.barrier().unwrap();
             if rank == 0 {
-                println!("ROW {world:>5}  {op:<14} {:>7}  {:>12.1}  {:>12.1}  {:>14}", human(bytes), eager * 1e6, replay * 1e6, format!("{iters} / {k}×{reps}"));
+                rows += &format!("{world:>5}  {op:<14} {:>7}  {:>12.1}  {:>12.1}  {:>14}\n", human(bytes), eager * 1e6, replay * 1e6, format!("{iters} / {k}×{reps}"));
+                std::fs::write(dir.join("rows"), &rows).unwrap();
             }
         }
     }
