@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use crate::config::{Config, Mixer};
-use crate::inspect::{shipped_bytes, FP8_DS_MLA_BYTES, FP8_INDEXER_BYTES};
+use crate::inspect::{cache_bytes_per_token, kda_state_bytes, shipped_bytes, FP8_DS_MLA_BYTES, FP8_INDEXER_BYTES};
 use crate::parallel::Parallel;
 use crate::weights::tensor_table;
 
@@ -73,7 +73,6 @@ pub fn capacity(cfg: &Config, par: Parallel, gpu_mem: u64, reserve: u64, kv: KvD
     let table = tensor_table(cfg);
     let plans = par.plans(cfg)?;
     let t = &cfg.text;
-    let la = &t.linear_attn_config;
     let lat = (t.kv_lora_rank + t.qk_rope_head_dim) as u64;
     let idx = t.dsa_config.as_ref().map_or(0, |d| d.index_head_dim) as u64;
     let (mla_tok, dsa_tok) = match kv {
@@ -84,18 +83,10 @@ pub fn capacity(cfg: &Config, par: Parallel, gpu_mem: u64, reserve: u64, kv: KvD
     for p in &plans {
         let weight_bytes: u64 = table.iter().map(|s| p.shard_bytes(s, shipped_bytes(s))).sum();
         let mine = &cfg.layers[p.layers.clone()];
-        let cache_bytes_per_token: u64 = mine
-            .iter()
-            .map(|l| match l.mixer {
-                Mixer::Kda => 0,
-                Mixer::Mla => mla_tok,
-                Mixer::Dsa => mla_tok + dsa_tok,
-            })
-            .sum();
-        let heads = p.tp_share(la.num_heads).len() as u64;
-        let kda = mine.iter().filter(|l| l.mixer == Mixer::Kda).count() as u64;
-        let (hd, k1) = (la.head_dim as u64, la.short_conv_kernel_size.saturating_sub(1) as u64);
-        let kda_state = kda * (heads * hd * hd * 4 + 3 * heads * hd * k1 * 2);
+        let cache_bytes_per_token = cache_bytes_per_token(mine, mla_tok, dsa_tok);
+        let kda = mine.iter().filter(|l| l.mixer == Mixer::Kda).count();
+        let (rec, conv) = kda_state_bytes(cfg, p.tp_share(t.linear_attn_config.num_heads).len(), kda);
+        let kda_state = rec + conv;
         let free = gpu_mem as i64 - weight_bytes as i64 - reserve as i64;
         let room = free.max(0) as u64;
         let seqs = |ctx: u64| room.checked_div(ctx * cache_bytes_per_token + kda_state).unwrap_or(u64::MAX);

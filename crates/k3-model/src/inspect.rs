@@ -154,6 +154,27 @@ pub fn shipped_bytes(spec: &TensorSpec) -> u64 {
     }
 }
 
+/// Cache bytes per token of one sequence over `layers`: `mla` per full-attention layer plus
+/// `indexer` more per DSA layer (KDA layers keep a fixed-size state instead).
+pub fn cache_bytes_per_token(layers: &[LayerSpec], mla: u64, indexer: u64) -> u64 {
+    layers
+        .iter()
+        .map(|l| match l.mixer {
+            Mixer::Kda => 0,
+            Mixer::Mla => mla,
+            Mixer::Dsa => mla + indexer,
+        })
+        .sum()
+}
+
+/// KDA state bytes per sequence of `layers` KDA layers holding `heads` heads each:
+/// `(recurrent state in f32, short-conv tails of q, k, v in bf16)`.
+pub fn kda_state_bytes(cfg: &Config, heads: usize, layers: usize) -> (u64, u64) {
+    let la = &cfg.text.linear_attn_config;
+    let (h, hd, k1) = (heads as u64, la.head_dim as u64, la.short_conv_kernel_size.saturating_sub(1) as u64);
+    (layers as u64 * h * hd * hd * 4, layers as u64 * 3 * h * hd * k1 * 2)
+}
+
 /// Dtype name as shipped.
 pub fn shipped_dtype(kind: Kind) -> &'static str {
     match kind {
@@ -203,14 +224,10 @@ pub fn report(cfg: &Config) -> Report {
     let layer_kinds = layer_kinds(cfg, &table);
     let lat = t.kv_lora_rank + t.qk_rope_head_dim;
     let idx = t.dsa_config.as_ref().map_or(0, |d| d.index_head_dim);
-    let full = (mla + dsa) as u64;
-    let kv_bf16 = full * 2 * lat as u64 + dsa as u64 * 2 * idx as u64;
-    let kv_fp8 = full * FP8_DS_MLA_BYTES + dsa as u64 * FP8_INDEXER_BYTES;
+    let kv_bf16 = cache_bytes_per_token(&cfg.layers, 2 * lat as u64, 2 * idx as u64);
+    let kv_fp8 = cache_bytes_per_token(&cfg.layers, FP8_DS_MLA_BYTES, FP8_INDEXER_BYTES);
     let ctx = cfg.max_context() as u64;
-    let la = &t.linear_attn_config;
-    let d = (la.num_heads * la.head_dim) as u64;
-    let rec = kda as u64 * (la.num_heads * la.head_dim * la.head_dim) as u64 * 4;
-    let conv = kda as u64 * 3 * d * la.short_conv_kernel_size.saturating_sub(1) as u64 * 2;
+    let (rec, conv) = kda_state_bytes(cfg, t.linear_attn_config.num_heads, kda);
 
     Report {
         num_hidden_layers: t.num_hidden_layers,
