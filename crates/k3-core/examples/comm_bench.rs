@@ -17,13 +17,17 @@
 //!     [--ranks 1,2,4,8] [--sizes 1K,8K,64K,1M] [--budget-ms 800]
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use k3_core::comm::nccl::{nccl_library, nccl_unique_id, CudaGroup};
+use k3_core::comm::nccl::{nccl_library, CudaGroup};
 use k3_core::cuda::{capture, CudaDevice, CudaTensor};
 use k3_core::DType;
+
+#[path = "../tests/cuda_common/nccl_id.rs"]
+mod nccl_id;
+use nccl_id::exchange_id;
 
 struct Args {
     ranks: Vec<usize>,
@@ -135,24 +139,6 @@ fn main() {
         }
         println!("{:>5}  ({} ranks: {:.1} s wall, start-up included)", "", w, t0.elapsed().as_secs_f64());
         let _ = std::fs::remove_dir_all(&dir);
-    }
-}
-
-fn exchange_id(rank: usize, dir: &Path) -> [u8; 128] {
-    let path: PathBuf = dir.join("nccl.id");
-    if rank == 0 {
-        let id = nccl_unique_id().expect("nccl id");
-        std::fs::write(dir.join("nccl.id.tmp"), id).unwrap();
-        std::fs::rename(dir.join("nccl.id.tmp"), &path).unwrap();
-        return id;
-    }
-    let t0 = Instant::now();
-    loop {
-        if let Ok(b) = std::fs::read(&path) {
-            return b.try_into().expect("128 bytes");
-        }
-        assert!(t0.elapsed() < Duration::from_secs(120), "rank {rank}: no NCCL id from rank 0");
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

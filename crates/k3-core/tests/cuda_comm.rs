@@ -18,7 +18,8 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, say};
+use cuda_common::nccl_id::exchange_id;
+use cuda_common::{device, say, skip};
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -45,13 +46,7 @@ fn nccl_device(test: &str) -> Option<CudaDevice> {
             say(&format!("{test}: NCCL {v} from {path}"));
             Some(dev)
         }
-        Err(CoreError::CudaUnavailable(why)) => {
-            if std::env::var("K3_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-                panic!("{test}: K3_REQUIRE_CUDA=1 but NCCL is unavailable: {why}");
-            }
-            say(&format!("{test}: skipped: NCCL unavailable ({why})"));
-            None
-        }
+        Err(CoreError::CudaUnavailable(why)) => skip(test, "NCCL is unavailable", "NCCL unavailable", &why),
         Err(e) => panic!("{test}: {e}"),
     }
 }
@@ -298,25 +293,6 @@ fn comm_child() {
             panic!("rank {rank}: every all-reduce succeeded although a peer stopped");
         }
         m => panic!("unknown mode {m}"),
-    }
-}
-
-/// Rank 0 makes the id and publishes it (write, then rename); the others wait for the file.
-fn exchange_id(rank: usize, dir: &Path) -> [u8; 128] {
-    let path = dir.join("nccl.id");
-    if rank == 0 {
-        let id = nccl_unique_id().expect("nccl id");
-        std::fs::write(dir.join("nccl.id.tmp"), id).unwrap();
-        std::fs::rename(dir.join("nccl.id.tmp"), &path).unwrap();
-        return id;
-    }
-    let t0 = Instant::now();
-    loop {
-        if let Ok(b) = std::fs::read(&path) {
-            return b.try_into().expect("128 bytes");
-        }
-        assert!(t0.elapsed() < Duration::from_secs(120), "rank {rank}: no NCCL id from rank 0");
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

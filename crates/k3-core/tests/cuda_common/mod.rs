@@ -3,6 +3,8 @@
 //! poison / relative-L2 helpers every suite uses.
 #![allow(dead_code)]
 
+pub mod nccl_id;
+
 use std::io::Write;
 
 use half::bf16;
@@ -17,18 +19,22 @@ pub fn say(msg: &str) {
     let _ = writeln!(std::io::stderr(), "{msg}");
 }
 
+/// `None` after printing `{test}: skipped: {skipped} ({why})`, or a panic naming `missing` when
+/// `K3_REQUIRE_CUDA=1` (a run on the GPU machine must not skip).
+pub fn skip<T>(test: &str, missing: &str, skipped: &str, why: &str) -> Option<T> {
+    if std::env::var("K3_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+        panic!("{test}: K3_REQUIRE_CUDA=1 but {missing}: {why}");
+    }
+    say(&format!("{test}: skipped: {skipped} ({why})"));
+    None
+}
+
 /// The GPU, or `None` after printing `skipped: no CUDA driver (...)` — unless
 /// `K3_REQUIRE_CUDA=1`, which turns the skip into a failure.
 pub fn device(test: &str) -> Option<CudaDevice> {
     match CudaDevice::new(0) {
         Ok(d) => Some(d),
-        Err(CoreError::CudaUnavailable(why)) => {
-            if std::env::var("K3_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-                panic!("{test}: K3_REQUIRE_CUDA=1 but CUDA is unavailable: {why}");
-            }
-            say(&format!("{test}: skipped: no CUDA driver ({why})"));
-            None
-        }
+        Err(CoreError::CudaUnavailable(why)) => skip(test, "CUDA is unavailable", "no CUDA driver", &why),
         Err(e) => panic!("{test}: a CUDA driver is present but the device failed: {e}"),
     }
 }
