@@ -70,17 +70,6 @@ fn wait_metrics(addr: SocketAddr, what: &str, limit: Duration, ok: impl Fn(&str)
     }
 }
 
-fn open_stream(addr: SocketAddr, content: &str) -> TcpStream {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    let body = json!({"messages": [{"role": "user", "content": content}], "stream": true}).to_string();
-    s.write_all(&request_bytes("POST", "/v1/chat/completions", &[], body.as_bytes())).expect("write");
-    s.set_read_timeout(Some(Duration::from_secs(20))).ok();
-    let mut buf = [0u8; 512];
-    let n = s.read(&mut buf).expect("first bytes");
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
-    s
-}
-
 /// Item 1: `--max-batch 1 --max-queue 4`, a queued stream killed: cancelled while the running
 /// request is still running (it used to wait for its first token), and its queue slot is free.
 #[test]

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -234,18 +234,6 @@ fn api_key_is_required_on_v1_routes() {
     let r = send(srv.addr, "POST", "/v1/chat/completions", &[("Authorization", "Bearer sekrit")], body.as_bytes());
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(get(srv.addr, "/health").status, 200);
-}
-
-/// Opens a streaming request and returns the socket after the first bytes arrived.
-fn open_stream(addr: std::net::SocketAddr, content: &str) -> TcpStream {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    let body = json!({"messages": [{"role": "user", "content": content}], "stream": true}).to_string();
-    s.write_all(&request_bytes("POST", "/v1/chat/completions", &[], body.as_bytes())).expect("write");
-    s.set_read_timeout(Some(Duration::from_secs(20))).ok();
-    let mut buf = [0u8; 512];
-    let n = s.read(&mut buf).expect("first bytes");
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
-    s
 }
 
 fn wait_metrics(addr: std::net::SocketAddr, what: &str, ok: impl Fn(&str) -> bool) -> String {

@@ -108,3 +108,15 @@ pub fn metric(text: &str, name: &str) -> f64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
 }
+
+/// Opens a streaming chat request and returns the socket after the first bytes arrived (a 200).
+pub fn open_stream(addr: SocketAddr, content: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    let body = serde_json::json!({"messages": [{"role": "user", "content": content}], "stream": true}).to_string();
+    s.write_all(&request_bytes("POST", "/v1/chat/completions", &[], body.as_bytes())).expect("write");
+    s.set_read_timeout(Some(Duration::from_secs(20))).ok();
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf).expect("first bytes");
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
+    s
+}
