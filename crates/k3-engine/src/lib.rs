@@ -3,10 +3,12 @@
 //! - [`sampler`]: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 //! - [`stop`]: stop strings on streamed text.
 //! - [`gpu`]: the GPU runner (feature `cuda`): the model on one CUDA device, decode graphs.
+//! - [`dist`]: ranks, launch and the per-step message of a parallel layout.
 //! - [`engine`]: per-sequence state and the continuous-batching scheduler ([`Engine::step`]).
 //!
 //! The server talks to this crate only, never to model internals.
 
+pub mod dist;
 pub mod engine;
 pub mod error;
 pub mod gpu;

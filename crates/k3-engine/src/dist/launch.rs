@@ -1,0 +1,1 @@
+//! One process per rank: launch, rendezvous and NCCL groups (to be written).

@@ -1,0 +1,11 @@
+//! Ranks, launch and the per-step message: everything that makes several model shards act as
+//! one model lives here, behind the engine's runner interface (`docs/parallel.md`).
+//!
+//! - [`runner`]: the runner interface the engine drives, and ranks as threads on the CPU
+//!   (`k3 run --tp N --device cpu`), each step sent to every rank.
+//! - [`launch`]: one process per GPU: the world from flags or the torchrun/Slurm environment,
+//!   local ranks started by the node's first process, the TCP rendezvous (digest check, NCCL
+//!   ids), and the NCCL groups of a rank.
+
+pub mod launch;
+pub mod runner;

@@ -1,0 +1,1 @@
+//! The runner interface and ranks as threads (to be written).
