@@ -257,6 +257,70 @@ impl Groups {
     }
 }
 
+/// The GPU model's groups (feature `cuda`): the three roles of [`Groups`], as NCCL
+/// communicators on the model's device (one process per rank). A role of one rank is
+/// [`CudaGroup::single`], whose verbs return at once.
+#[cfg(feature = "cuda")]
+#[derive(Clone)]
+pub struct CudaGroups {
+    pub tp: Arc<k3_core::comm::nccl::CudaGroup>,
+    pub stage: Arc<k3_core::comm::nccl::CudaGroup>,
+    pub world: Arc<k3_core::comm::nccl::CudaGroup>,
+}
+
+#[cfg(feature = "cuda")]
+impl CudaGroups {
+    /// One process that holds the whole model.
+    pub fn single() -> CudaGroups {
+        let one = Arc::new(k3_core::comm::nccl::CudaGroup::single());
+        CudaGroups { tp: one.clone(), stage: one.clone(), world: one }
+    }
+
+    /// How many NCCL ids a world of `par` hands out: the world's (used when `pp > 1`), then
+    /// one per stage.
+    pub fn ids_needed(par: Parallel) -> usize {
+        1 + par.pp
+    }
+
+    /// Joins this rank's communicators on `dev`, in the same order on every rank: the world
+    /// (when there are several stages), then its stage (when the stage has several ranks).
+    /// `ids` as [`CudaGroups::ids_needed`] orders them.
+    pub fn nccl(dev: &k3_core::cuda::CudaDevice, plan: &RankPlan, ids: &[[u8; 128]]) -> Result<CudaGroups> {
+        use k3_core::comm::nccl::CudaGroup;
+        let par = plan.par;
+        if ids.len() != Self::ids_needed(par) {
+            return Err(ModelError::Input(format!("{} NCCL ids for a world of {} stages (expected {})", ids.len(), par.pp, Self::ids_needed(par))));
+        }
+        let s = par.stage_ranks();
+        let world = match par.pp {
+            1 => None,
+            _ => Some(Arc::new(CudaGroup::nccl(dev, plan.rank, par.world(), ids[0])?)),
+        };
+        let stage = match s {
+            1 => Arc::new(CudaGroup::single()),
+            _ => Arc::new(CudaGroup::nccl(dev, plan.local, s, ids[1 + plan.stage])?),
+        };
+        let tp = if par.tp > 1 { stage.clone() } else { Arc::new(CudaGroup::single()) };
+        let world = world.unwrap_or_else(|| stage.clone());
+        Ok(CudaGroups { tp, stage, world })
+    }
+
+    /// Starts the watchdog's clock on work enqueued outside its view (a replayed CUDA graph).
+    pub fn watch(&self, op: &'static str) -> Result<()> {
+        for g in [&self.tp, &self.stage, &self.world] {
+            g.watch(op)?;
+        }
+        Ok(())
+    }
+
+    /// Aborts every communicator (a rank that fails calls this so its peers stop waiting).
+    pub fn abort(&self, why: &str) {
+        for g in [&self.tp, &self.stage, &self.world] {
+            g.abort(why);
+        }
+    }
+}
+
 /// Runs `f` on every rank of `par` as threads of this process (the CPU model's parallel mode,
 /// and the test of the plan): each thread loads its rank's model from `ck` over in-process
 /// groups and calls `f` on it. A rank that fails aborts the groups, so the others stop at

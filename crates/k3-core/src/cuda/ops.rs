@@ -295,6 +295,13 @@ pub fn add_assign(y: &CudaTensor, x: &CudaTensor) -> Result<()> {
 /// `out[i, :] = src[ids[i], :]`: `src` `[R, H]` (BF16 → F32/BF16, or F32 → F32), `ids` I32 `[n]`
 /// (values checked by the caller: device values are not read back), `out` `[n, H]`.
 pub fn gather_rows(src: &CudaTensor, ids: &CudaTensor, out: &CudaTensor) -> Result<()> {
+    gather_rows_from(src, ids, 0, out)
+}
+
+/// [`gather_rows`] where `src` holds rows `first..first + R` of a larger table (one
+/// tensor-parallel rank's vocabulary rows): `out[i, :] = src[ids[i] - first, :]`, and zero for
+/// ids outside that range (another rank's rows; the group's sum completes the lookup).
+pub fn gather_rows_from(src: &CudaTensor, ids: &CudaTensor, first: usize, out: &CudaTensor) -> Result<()> {
     const OP: &str = "cuda gather_rows";
     let h = src.last_dim();
     let n = ids.numel();
@@ -310,11 +317,31 @@ pub fn gather_rows(src: &CudaTensor, ids: &CudaTensor, out: &CudaTensor) -> Resu
     if n == 0 || h == 0 {
         return Ok(());
     }
+    let rows = src.numel() / h;
+    let (first32, rows32) = match (i32::try_from(first), i32::try_from(rows)) {
+        (Ok(f), Ok(r)) => (f, r),
+        _ => return Err(CoreError::Shape { op: OP, detail: format!("rows {first}..{} exceed i32", first + rows) }),
+    };
     let (sp, ip, op, n32, h32) = (src.ptr(), ids.ptr(), out.ptr(), n as i32, h as i32);
     // Threads move 8 elements each; a row spans h / (8·128) column blocks (7 for H = 7168).
     let block = 128usize;
     let grid = (h.div_ceil(8 * block) as u32, n.min(65_535) as u32, 1);
-    src.cuda_device().launch(COPY, name, grid, (block as u32, 1, 1), 0, &mut kargs![sp, ip, op, n32, h32])
+    src.cuda_device().launch(COPY, name, grid, (block as u32, 1, 1), 0, &mut kargs![sp, ip, op, n32, h32, first32, rows32])
+}
+
+/// `x += delta` in place on an I32 tensor (global expert ids to one rank's local ids).
+pub fn shift_i32(x: &CudaTensor, delta: i32) -> Result<()> {
+    if x.dtype() != DType::I32 {
+        return Err(CoreError::DType { op: "cuda shift_i32", dtype: x.dtype().to_string() });
+    }
+    let n = x.numel() as i64;
+    if n == 0 || delta == 0 {
+        return Ok(());
+    }
+    let dev = x.cuda_device();
+    let grid = dev.elementwise_grid(n as usize, EW_BLOCK);
+    let xp = x.ptr();
+    dev.launch(COPY, "shift_i32", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, delta, n])
 }
 
 /// Copies `rows` rows of `width` BF16 elements from device address `src` (row stride `src_stride`

@@ -2,6 +2,8 @@
 //! BF16 weights through cuBLAS. Serves the dense FFN (`mlp.*`) and the shared experts
 //! (`shared_experts.*`), as `layers/ffn.rs` does on the CPU.
 //!
+//! On a tensor-parallel rank `inter` is its share of the rows and the output a partial sum.
+//!
 //! Shapes: `x` BF16 `[N, H]` → F32 `[N, H]`; intermediate BF16 `[N, I]`.
 
 use k3_core::cuda::ops::situ_glu;
@@ -10,7 +12,7 @@ use k3_core::DType;
 
 use super::{lin, lin_many};
 use super::upload::matrix;
-use crate::checkpoint::Checkpoint;
+use crate::source::Tensors;
 use crate::error::Result;
 
 pub struct Mlp {
@@ -23,7 +25,7 @@ pub struct Mlp {
 
 impl Mlp {
     #[allow(clippy::too_many_arguments)]
-    pub fn load(dev: &CudaDevice, ck: &Checkpoint, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32, dt: DType) -> Result<Self> {
+    pub fn load<S: Tensors + ?Sized>(dev: &CudaDevice, ck: &S, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32, dt: DType) -> Result<Self> {
         Ok(Mlp {
             gate_proj: matrix(dev, ck, &format!("{p}gate_proj.weight"), inter, h, dt)?,
             up_proj: matrix(dev, ck, &format!("{p}up_proj.weight"), inter, h, dt)?,

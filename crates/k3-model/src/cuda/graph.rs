@@ -20,7 +20,8 @@ pub struct DecodeGraph {
     batch: usize,
     width: usize,
     step: Step,
-    logits: CudaTensor,
+    /// `None` on the pipeline stages between the first and the last.
+    logits: Option<CudaTensor>,
     graph: Graph,
 }
 
@@ -70,11 +71,12 @@ impl CudaModel {
         });
         super::TUNE_GEMMS.with(|t| t.set(false));
         let graph = graph?;
-        let logits = out.ok_or_else(|| ModelError::Input("graph capture produced no logits".into()))?;
+        let logits = out.ok_or_else(|| ModelError::Input("graph capture did not run the step".into()))?;
         Ok(DecodeGraph { batch, width, step, logits, graph })
     }
 
-    /// One decode token for each of `seqs` through `g`; returns logits `[B, vocab]` on the host.
+    /// One decode token for each of `seqs` through `g`; returns logits `[B, vocab]` on the host
+    /// (empty on the pipeline stages between the first and the last).
     pub fn decode_step(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<f32>> {
         if tokens.len() != g.batch || seqs.len() != g.batch {
             return Err(ModelError::Input(format!("decode graph for batch {} got {} tokens and {} sequences", g.batch, tokens.len(), seqs.len())));
@@ -94,7 +96,12 @@ impl CudaModel {
         st.block_table.write_bytes(bytemuck::cast_slice(&host.block_table))?;
         st.slots.write_bytes(bytemuck::cast_slice(&host.slots))?;
         g.graph.launch()?;
-        let out = g.logits.to_f32_vec()?;
+        // The graph's NCCL calls are outside the communicators' view: start their watchdog clock.
+        self.groups.watch("decode graph")?;
+        let out = match &g.logits {
+            Some(l) => l.to_f32_vec()?,
+            None => Vec::new(),
+        };
         for s in seqs.iter_mut() {
             s.pos += 1;
         }

@@ -3,7 +3,10 @@
 //! (`k3_core::cuda::kda`: chunked prefill, or the one-token decode step that CUDA graphs
 //! capture), then `o_proj`. Same weights, same names as `layers/kda.rs`.
 //!
-//! Shapes: `x` BF16 `[N, H]`; `D = num_heads · head_dim`; q/k/v/g/gate BF16 `[N, D]`, beta `[N, nh]`;
+//! On a tensor-parallel rank the layer holds its heads only (`nh` = its share; the kernels take
+//! the head count from the shapes) and its output is a partial `o_proj` sum.
+//!
+//! Shapes: `x` BF16 `[N, H]`; `D = nh · head_dim`; q/k/v/g/gate BF16 `[N, D]`, beta `[N, nh]`;
 //! state in this layer's pools (see `state.rs`); output F32 `[N, H]`.
 
 use k3_core::cuda::kda::{kda_decode, kda_prefill, KdaInputs, KdaWeights};
@@ -13,7 +16,7 @@ use k3_core::DType;
 use super::state::Step;
 use super::upload::{f32s, matrix, vector};
 use super::{lin, lin_many};
-use crate::checkpoint::Checkpoint;
+use crate::source::{Source, Tensors};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
@@ -40,9 +43,11 @@ pub struct Kda {
 }
 
 impl Kda {
-    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, max_seqs: usize, dt: DType) -> Result<Self> {
+    /// Layer `l`'s mixer: this rank's heads (all of them on one rank), pools for `max_seqs`.
+    pub fn load(dev: &CudaDevice, ck: &Source<'_>, cfg: &Config, l: usize, max_seqs: usize, dt: DType) -> Result<Self> {
         let la = &cfg.text.linear_attn_config;
-        let (h, nh, hd, kernel) = (cfg.text.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size);
+        let (h, hd, kernel) = (cfg.text.hidden_size, la.head_dim, la.short_conv_kernel_size);
+        let nh = ck.plan.tp_share(la.num_heads).len();
         let d = nh * hd;
         let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
         if kernel != 4 {
@@ -52,7 +57,7 @@ impl Kda {
         for x in ["q", "k", "v"] {
             conv.extend(crate::layers::vector(ck, &format!("{p}{x}_conv1d.weight"), d * kernel)?);
         }
-        let a_log = ck.a_log(&format!("{p}A_log"), nh)?;
+        let a_log = ck.a_log(&format!("{p}A_log"), la.num_heads)?;
         Ok(Kda {
             q_proj: matrix(dev, ck, &format!("{p}q_proj.weight"), d, h, dt)?,
             k_proj: matrix(dev, ck, &format!("{p}k_proj.weight"), d, h, dt)?,

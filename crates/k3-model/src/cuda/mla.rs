@@ -5,6 +5,10 @@
 //! indexer and keep the top-k (`k3_core::cuda::dsa`), so their core reads `index_topk` latents
 //! whatever the context. Same weights, same names as `layers/mla.rs` and `layers/dsa.rs`.
 //!
+//! On a tensor-parallel rank `nh` is its share of the heads (q_b/kv_b/g rows, o_proj columns);
+//! the latent projections, the latent cache and the indexer are whole on every rank, and the
+//! output is a partial `o_proj` sum.
+//!
 //! Shapes: `x` BF16 `[N, H]`; `c_q` `[N, q_lora]`; `q` `[N, nh, dn+dr]`; absorbed query
 //! `[N, nh, r+dr]`; latent output `[N, nh, r]`; `o` `[N, nh, dv]`; output F32 `[N, H]`.
 
@@ -18,7 +22,7 @@ use k3_core::DType;
 use super::{lin, lin_many};
 use super::state::Step;
 use super::upload::{matrix, vector};
-use crate::checkpoint::Checkpoint;
+use crate::source::Source;
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 
@@ -61,9 +65,13 @@ pub struct Mla {
 }
 
 impl Mla {
-    pub fn load(dev: &CudaDevice, ck: &Checkpoint, cfg: &Config, l: usize, dsa: bool, max_pages: usize, dt: DType) -> Result<Self> {
+    /// Layer `l`'s attention: this rank's heads (all of them on one rank), a latent cache of
+    /// `max_pages` pages.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(dev: &CudaDevice, ck: &Source<'_>, cfg: &Config, l: usize, dsa: bool, max_pages: usize, dt: DType) -> Result<Self> {
         let t = &cfg.text;
-        let (h, nh, dn, dr, dv, r) = (t.hidden_size, t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
+        let (h, dn, dr, dv, r) = (t.hidden_size, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
+        let nh = ck.plan.tp_share(t.num_attention_heads).len();
         let ql = t.q_lora_rank.unwrap_or(0);
         let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
         if r % 8 != 0 || dr % 8 != 0 {

@@ -14,12 +14,13 @@ mod graph;
 mod kda;
 mod mla;
 mod moe;
+mod stage;
 mod state;
 mod upload;
 
 use k3_core::cuda::blas::{gemm, Algo, GemmOptions, Layout};
 use k3_core::cuda::gemv::{gemv, gemv_fits};
-use k3_core::cuda::ops::{attn_res_norm, gather_rows, ResUpdate};
+use k3_core::cuda::ops::{attn_res_norm, gather_rows, gather_rows_from, ResUpdate};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -29,6 +30,8 @@ pub use state::{CacheConfig, CudaSeqState};
 use crate::checkpoint::Checkpoint;
 use crate::config::{Config, Ffn as FfnKind, LayerSpec, Mixer as MixerKind};
 use crate::error::{ModelError, Result};
+use crate::parallel::{CudaGroups, RankPlan};
+use crate::source::{Source, Tensors};
 use crate::weights::{layer_prefix, LM_HEAD, TEXT};
 use state::{Free, Step, StepHost};
 
@@ -85,7 +88,7 @@ pub struct AttnRes {
 }
 
 impl AttnRes {
-    fn load(dev: &CudaDevice, ck: &Checkpoint, prefix: &str, h: usize, eps: f32) -> Result<Self> {
+    fn load<S: Tensors + ?Sized>(dev: &CudaDevice, ck: &S, prefix: &str, h: usize, eps: f32) -> Result<Self> {
         let cpu = crate::layers::attn_res::AttnRes::load(ck, prefix, h, eps)?;
         Ok(AttnRes { c: upload::f32s(dev, &cpu.c, vec![h], prefix)?, eps })
     }
@@ -135,14 +138,29 @@ impl Precision {
     }
 }
 
-pub struct CudaModel {
-    pub config: Config,
-    pub dev: CudaDevice,
-    pub embed_tokens: CudaTensor,
-    pub layers: Vec<Layer>,
+/// The output side of the last pipeline stage: the output AttnRes, the final norm and this
+/// rank's vocabulary rows of the `lm_head`.
+pub struct Head {
     pub output_attn_res: AttnRes,
     pub norm: CudaTensor,
     pub lm_head: CudaTensor,
+}
+
+/// The model on one GPU: the whole model, or one rank of a parallel layout (`parallel.rs`):
+/// its stage's layers (global indices kept), its shards of them, and the NCCL groups its
+/// collectives go to — the same sites as the CPU model's (`model.rs`).
+pub struct CudaModel {
+    pub config: Config,
+    pub dev: CudaDevice,
+    pub plan: RankPlan,
+    pub groups: CudaGroups,
+    /// This rank's vocabulary rows (`plan.tp_share(vocab_size)`), on the first stage only.
+    pub embed_tokens: Option<CudaTensor>,
+    pub layers: Vec<Layer>,
+    /// On the last stage only.
+    pub head: Option<Head>,
+    /// Float weights' and GEMM inputs' dtype (the precision's).
+    pub dtype: DType,
     pub cache: CacheConfig,
     pub(crate) free: Free,
 }
@@ -156,47 +174,60 @@ impl CudaModel {
 
     /// [`CudaModel::load`] in the given precision.
     pub fn load_with(ck: &Checkpoint, dev: &CudaDevice, cache: CacheConfig, precision: Precision) -> Result<CudaModel> {
+        Self::load_rank(ck, dev, RankPlan::single(&ck.config), CudaGroups::single(), cache, precision)
+    }
+
+    /// One rank's model on `dev`: only the tensors `plan` gives it are read and uploaded (row
+    /// shards are views of the memory map, column shards copies of their columns).
+    pub fn load_rank(ck: &Checkpoint, dev: &CudaDevice, plan: RankPlan, groups: CudaGroups, cache: CacheConfig, precision: Precision) -> Result<CudaModel> {
         ck.check()?;
         let dt = precision.dtype();
         let cfg = ck.config.clone();
         let t = &cfg.text;
         let (h, v, eps) = (t.hidden_size, t.vocab_size, t.rms_norm_eps);
+        if v % plan.par.tp != 0 {
+            return Err(ModelError::Field { field: "text_config.vocab_size".into(), msg: format!("{v} does not split evenly over --tp {}: the GPU gathers the logits in equal parts", plan.par.tp) });
+        }
+        let src = Source::new(ck, plan);
+        let plan = &src.plan;
         let free = Free::new(&cache);
-        let layers = cfg
-            .layers
+        let layers = cfg.layers[plan.layers.clone()]
             .iter()
             .map(|spec| {
                 let l = spec.index;
                 let p = layer_prefix(l);
                 Ok(Layer {
                     spec: *spec,
-                    self_attention_res: AttnRes::load(dev, ck, &format!("{p}self_attention_res"), h, eps)?,
-                    input_layernorm: upload::vector(dev, ck, &format!("{p}input_layernorm.weight"), h)?,
+                    self_attention_res: AttnRes::load(dev, &src, &format!("{p}self_attention_res"), h, eps)?,
+                    input_layernorm: upload::vector(dev, &src, &format!("{p}input_layernorm.weight"), h)?,
                     mixer: match spec.mixer {
-                        MixerKind::Kda => Mixer::Kda(kda::Kda::load(dev, ck, &cfg, l, free.pool_slots(), dt)?),
-                        MixerKind::Mla => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, false, free.pool_pages(), dt)?),
-                        MixerKind::Dsa => Mixer::Mla(mla::Mla::load(dev, ck, &cfg, l, true, free.pool_pages(), dt)?),
+                        MixerKind::Kda => Mixer::Kda(kda::Kda::load(dev, &src, &cfg, l, free.pool_slots(), dt)?),
+                        MixerKind::Mla => Mixer::Mla(mla::Mla::load(dev, &src, &cfg, l, false, free.pool_pages(), dt)?),
+                        MixerKind::Dsa => Mixer::Mla(mla::Mla::load(dev, &src, &cfg, l, true, free.pool_pages(), dt)?),
                     },
-                    mlp_res: AttnRes::load(dev, ck, &format!("{p}mlp_res"), h, eps)?,
-                    post_attention_layernorm: upload::vector(dev, ck, &format!("{p}post_attention_layernorm.weight"), h)?,
+                    mlp_res: AttnRes::load(dev, &src, &format!("{p}mlp_res"), h, eps)?,
+                    post_attention_layernorm: upload::vector(dev, &src, &format!("{p}post_attention_layernorm.weight"), h)?,
                     ffn: match spec.ffn {
-                        FfnKind::Dense => Ffn::Dense(ffn::Mlp::load(dev, ck, &format!("{p}mlp."), h, t.intermediate_size, t.activation_situ_beta, t.activation_situ_linear_beta, dt)?),
-                        FfnKind::Moe => Ffn::Moe(moe::Moe::load(dev, ck, &cfg, l, dt)?),
+                        FfnKind::Dense => {
+                            let inter = plan.tp_share(t.intermediate_size).len();
+                            Ffn::Dense(ffn::Mlp::load(dev, &src, &format!("{p}mlp."), h, inter, t.activation_situ_beta, t.activation_situ_linear_beta, dt)?)
+                        }
+                        FfnKind::Moe => Ffn::Moe(moe::Moe::load(dev, &src, &cfg, l, dt)?),
                     },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let model = CudaModel {
-            embed_tokens: upload::matrix(dev, ck, &format!("{TEXT}embed_tokens.weight"), v, h, dt)?,
-            output_attn_res: AttnRes::load(dev, ck, &format!("{TEXT}output_attn_res"), h, eps)?,
-            norm: upload::vector(dev, ck, &format!("{TEXT}norm.weight"), h)?,
-            lm_head: upload::matrix(dev, ck, LM_HEAD, v, h, dt)?,
-            layers,
-            config: cfg,
-            dev: dev.clone(),
-            cache,
-            free,
+        let vl = plan.tp_share(v).len();
+        let embed_tokens = plan.first_stage().then(|| upload::matrix(dev, &src, &format!("{TEXT}embed_tokens.weight"), vl, h, dt)).transpose()?;
+        let head = match plan.last_stage() {
+            true => Some(Head {
+                output_attn_res: AttnRes::load(dev, &src, &format!("{TEXT}output_attn_res"), h, eps)?,
+                norm: upload::vector(dev, &src, &format!("{TEXT}norm.weight"), h)?,
+                lm_head: upload::matrix(dev, &src, LM_HEAD, vl, h, dt)?,
+            }),
+            false => None,
         };
+        let model = CudaModel { embed_tokens, head, layers, config: cfg, dev: dev.clone(), plan: src.plan.clone(), groups, dtype: dt, cache, free };
         dev.synchronize()?;
         Ok(model)
     }
@@ -223,7 +254,9 @@ impl CudaModel {
     }
 
     /// The packed forward: sequence i consumes `lens[i]` rows of `input`. Returns logits for every
-    /// row, or each sequence's last row with `last_only`, as F32 on the host.
+    /// row, or each sequence's last row with `last_only`, as F32 on the host (on the ranks of the
+    /// first and the last pipeline stage; empty on the stages between). Every rank of a
+    /// parallel layout must make the same call.
     pub fn forward_varlen(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], last_only: bool) -> Result<Vec<f32>> {
         self.forward_traced(input, lens, seqs, last_only, None)
     }
@@ -237,7 +270,10 @@ impl CudaModel {
         for (s, &n) in seqs.iter_mut().zip(lens) {
             s.pos += n;
         }
-        Ok(logits.to_f32_vec()?)
+        Ok(match logits {
+            Some(l) => l.to_f32_vec()?,
+            None => Vec::new(),
+        })
     }
 
     /// Errors on the first token id outside the vocabulary.
@@ -294,13 +330,14 @@ impl CudaModel {
         host.upload(&self.dev, lens, tokens)
     }
 
-    /// Every layer on the step; returns the logits tensor F32 `[N or B, vocab]` on the device.
+    /// Every layer on the step; returns the logits tensor F32 `[N or B, vocab]` on the device
+    /// (on the ranks of the first and the last pipeline stage; `None` on the stages between).
     /// Enqueues work only (no host synchronisation) when the input is token ids.
-    pub(crate) fn run(&self, step: &Step, input: &Input<'_>, last_only: bool) -> Result<CudaTensor> {
+    pub(crate) fn run(&self, step: &Step, input: &Input<'_>, last_only: bool) -> Result<Option<CudaTensor>> {
         self.run_traced(step, input, last_only, None)
     }
 
-    fn run_traced(&self, step: &Step, input: &Input<'_>, last_only: bool, mut trace: GpuTrace<'_>) -> Result<CudaTensor> {
+    fn run_traced(&self, step: &Step, input: &Input<'_>, last_only: bool, mut trace: GpuTrace<'_>) -> Result<Option<CudaTensor>> {
         let mut emit = |name: &dyn Fn() -> String, t: &CudaTensor| -> Result<()> {
             if let Some(f) = trace.as_mut() {
                 f(&name(), t)?;
@@ -310,66 +347,88 @@ impl CudaModel {
         let (h, n) = (self.config.text.hidden_size, step.n);
         let b = self.config.text.attn_res_block_size;
         let eps = self.config.text.rms_norm_eps;
-        let dev = &self.dev;
-        // The partial sum P starts as the embeddings.
-        let p = CudaTensor::uninit(dev, DType::F32, vec![n, h])?; // [N, H]
-        match (input, &step.tokens) {
-            (Input::Tokens(_), Some(ids)) => gather_rows(&self.embed_tokens, ids, &p)?,
-            (Input::Embeds(e), _) => p.write_bytes(bytemuck::cast_slice(e))?,
-            _ => return Err(ModelError::Input("token ids missing from the step".into())),
-        }
-        emit(&|| "embed".into(), &p)?;
-        let mut blocks: Vec<CudaTensor> = Vec::new();
-        let mut d: Option<CudaTensor> = None;
-        let x = CudaTensor::uninit(dev, self.lm_head.dtype(), vec![n, h])?; // normed mix, GEMM input (the weights' dtype)
+        let (dev, g) = (&self.dev, &self.groups);
+        // The residual state: P starts as the embeddings (or comes from the previous stage).
+        let mut res = match &self.embed_tokens {
+            Some(table) => {
+                let p = CudaTensor::uninit(dev, DType::F32, vec![n, h])?; // [N, H]
+                match (input, &step.tokens) {
+                    (Input::Tokens(_), Some(ids)) => {
+                        // Each rank looks up its vocabulary rows; the sum completes every row.
+                        gather_rows_from(table, ids, self.plan.tp_share(self.config.text.vocab_size).start, &p)?;
+                        g.tp.all_reduce_sum(&p)?;
+                    }
+                    (Input::Embeds(e), _) => p.write_bytes(bytemuck::cast_slice(e))?,
+                    _ => return Err(ModelError::Input("token ids missing from the step".into())),
+                }
+                emit(&|| "embed".into(), &p)?;
+                stage::Residual { p, blocks: Vec::new(), d: None }
+            }
+            None => stage::Residual::recv(self, n)?,
+        };
+        let x = CudaTensor::uninit(dev, self.dtype, vec![n, h])?; // normed mix, GEMM input (the weights' dtype)
         for layer in &self.layers {
             let l = layer.spec.index;
             let starts = l % b == 0;
             let nb = l.div_ceil(b);
             let snap = if starts { Some(CudaTensor::uninit(dev, DType::F32, vec![n, h])?) } else { None };
-            let srcs: Vec<&CudaTensor> = blocks[..nb].iter().collect();
-            let upd = if d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
+            let srcs: Vec<&CudaTensor> = res.blocks[..nb].iter().collect();
+            let upd = if res.d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
             let ar = &layer.self_attention_res;
-            attn_res_norm(&srcs, &p, upd, d.as_ref(), snap.as_ref(), &ar.c, ar.eps, &layer.input_layernorm, eps, &x)?;
-            blocks.extend(snap);
+            attn_res_norm(&srcs, &res.p, upd, res.d.as_ref(), snap.as_ref(), &ar.c, ar.eps, &layer.input_layernorm, eps, &x)?;
+            res.blocks.extend(snap);
             emit(&|| format!("blk.{l}.attn_in"), &x)?;
             let a = match &layer.mixer {
                 Mixer::Kda(m) => m.forward(&x, step)?,
                 Mixer::Mla(m) => m.forward(&x, step)?,
             };
+            g.tp.all_reduce_sum(&a)?; // reduction 1: the heads' partial o_proj sums
             emit(&|| format!("blk.{l}.{}.out", if matches!(layer.mixer, Mixer::Kda(_)) { "kda" } else { "mla" }), &a)?;
             let nb2 = nb + usize::from(starts);
-            let srcs: Vec<&CudaTensor> = blocks[..nb2].iter().collect();
+            let srcs: Vec<&CudaTensor> = res.blocks[..nb2].iter().collect();
             let upd = if starts { ResUpdate::Assign } else { ResUpdate::Add };
             let mr = &layer.mlp_res;
-            attn_res_norm(&srcs, &p, upd, Some(&a), None, &mr.c, mr.eps, &layer.post_attention_layernorm, eps, &x)?;
+            attn_res_norm(&srcs, &res.p, upd, Some(&a), None, &mr.c, mr.eps, &layer.post_attention_layernorm, eps, &x)?;
             emit(&|| format!("blk.{l}.ffn_in"), &x)?;
             let out = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&x)?,
-                Ffn::Moe(m) => m.forward(&x)?,
+                Ffn::Dense(m) => {
+                    let o = m.forward(&x)?;
+                    g.tp.all_reduce_sum(&o)?; // reduction 2 (dense layer)
+                    o
+                }
+                Ffn::Moe(m) => m.forward(&x, &g.stage)?, // reduction 2 is inside
             };
             emit(&|| format!("blk.{l}.ffn.out"), &out)?;
-            d = Some(out);
+            res.d = Some(out);
         }
-        let srcs: Vec<&CudaTensor> = blocks.iter().collect();
-        let upd = if d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
-        let o = &self.output_attn_res;
-        attn_res_norm(&srcs, &p, upd, d.as_ref(), None, &o.c, o.eps, &self.norm, eps, &x)?;
+        let rows = if last_only { step.lens.len() } else { n };
+        let Some(head) = &self.head else {
+            res.send(self)?;
+            return stage::logits_from_last(self, rows);
+        };
+        let srcs: Vec<&CudaTensor> = res.blocks.iter().collect();
+        let upd = if res.d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
+        let o = &head.output_attn_res;
+        attn_res_norm(&srcs, &res.p, upd, res.d.as_ref(), None, &o.c, o.eps, &head.norm, eps, &x)?;
         emit(&|| "output_norm".into(), &x)?;
-        if last_only {
-            let nb = step.lens.len();
-            let last = CudaTensor::uninit(dev, x.dtype(), vec![nb, h])?; // [B, H]
+        let local = if last_only {
+            let last = CudaTensor::uninit(dev, x.dtype(), vec![rows, h])?; // [B, H]
             gather_rows(&x, &step.last_rows, &last)?;
-            lin(&last, &self.lm_head, DType::F32)
+            lin(&last, &head.lm_head, DType::F32)?
         } else {
-            lin(&x, &self.lm_head, DType::F32)
-        }
+            lin(&x, &head.lm_head, DType::F32)?
+        }; // [rows, V / tp]
+        let logits = stage::gather_vocab(self, local)?;
+        stage::logits_to_first(self, &logits)?;
+        Ok(Some(logits))
     }
 
     /// Weight bytes one decode token reads (every non-expert matrix, `top_k` routed experts per
     /// MoE layer, one embedding row, the whole `lm_head`): the numerator of decode bandwidth.
     pub fn weight_bytes_per_token(&self) -> u64 {
-        let mut total = (self.lm_head.byte_len() + self.embed_tokens.byte_len() / self.embed_tokens.shape()[0].max(1)) as u64;
+        let head = self.head.as_ref().map_or(0, |o| o.lm_head.byte_len());
+        let embed = self.embed_tokens.as_ref().map_or(0, |e| e.byte_len() / e.shape()[0].max(1));
+        let mut total = (head + embed) as u64;
         for l in &self.layers {
             total += match &l.mixer {
                 Mixer::Kda(k) => k.weight_bytes(),

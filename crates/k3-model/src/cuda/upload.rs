@@ -1,4 +1,5 @@
-//! Moving checkpoint tensors into GPU memory (feature `cuda`): float matrices become BF16
+//! Moving checkpoint tensors (or one rank's shards of them, through [`Tensors`]) into GPU memory
+//! (feature `cuda`): float matrices become BF16
 //! (converted on the host when the file stores F32/F16; BF16 bytes go up as they are), or F32 in
 //! the reference precision ([`super::Precision::F32`]), small
 //! vectors (norm weights, biases, gates' constants) become F32, and MXFP4 expert bytes go up
@@ -9,7 +10,7 @@ use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use crate::checkpoint::Checkpoint;
+use crate::source::Tensors;
 use crate::error::{ModelError, Result};
 
 /// Names the tensor in a device error.
@@ -31,7 +32,7 @@ fn bf16_bytes(t: &Tensor, name: &str) -> Result<Vec<u8>> {
 }
 
 /// A float matrix `[rows, cols]` on the device as `dt` (BF16, or F32: the reference precision).
-pub(crate) fn matrix(dev: &CudaDevice, ck: &Checkpoint, name: &str, rows: usize, cols: usize, dt: DType) -> Result<CudaTensor> {
+pub(crate) fn matrix<S: Tensors + ?Sized>(dev: &CudaDevice, ck: &S, name: &str, rows: usize, cols: usize, dt: DType) -> Result<CudaTensor> {
     let t = ck.tensor(name)?;
     if t.shape() != [rows, cols] {
         return Err(ModelError::Tensor { name: name.into(), msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
@@ -56,7 +57,7 @@ pub(crate) fn f32s(dev: &CudaDevice, v: &[f32], shape: Vec<usize>, name: &str) -
 }
 
 /// A small float tensor of `n` elements as F32 `[n]` on the device.
-pub(crate) fn vector(dev: &CudaDevice, ck: &Checkpoint, name: &str, n: usize) -> Result<CudaTensor> {
+pub(crate) fn vector<S: Tensors + ?Sized>(dev: &CudaDevice, ck: &S, name: &str, n: usize) -> Result<CudaTensor> {
     let v = crate::layers::vector(ck, name, n)?;
     f32s(dev, &v, vec![n], name)
 }

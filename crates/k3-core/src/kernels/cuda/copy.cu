@@ -1,28 +1,36 @@
 // copy.cu: row gathers and strided copies the model needs between its GEMMs.
-// gather_rows_*: out[i, :] = src[ids[i], :] for i < n (embedding lookup from a bf16 table into
-// the f32 stream; picking each sequence's last row before lm_head). ids are I32 and were checked
+// gather_rows_*: out[i, :] = src[ids[i] - first, :] for i < n, zero where ids[i] - first is
+// outside 0..rows (embedding lookup from a bf16 table into the f32 stream, or from one
+// tensor-parallel rank's vocabulary rows; picking each sequence's last row before lm_head). ids are I32 and were checked
 // on the host. copy_strided_bf16: rows of `width` elements from src (row stride `ss`) to dst
 // (row stride `ds`), e.g. q_pe from q [N·nh, dn+dr] into the absorbed query [N·nh, r+dr].
 
 // Grid (column blocks of 8·blockDim, rows): each thread moves 8 consecutive elements, its 8 loads
 // issued together, so a decode step's single row is spread over several blocks.
 template <typename TI, typename TO>
-__device__ __forceinline__ void gather_impl(const TI* __restrict__ src, const int* __restrict__ ids, TO* __restrict__ out, int n, int h) {
+__device__ __forceinline__ void gather_impl(const TI* __restrict__ src, const int* __restrict__ ids, TO* __restrict__ out, int n, int h, int first, int rows) {
     const int j0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (j0 >= h) return;
     for (int i = blockIdx.y; i < n; i += gridDim.y) {
-        const long long s = (long long)ids[i] * h + j0, o = (long long)i * h + j0;
+        const int r = ids[i] - first;
+        const bool mine = r >= 0 && r < rows;
+        const long long s = (long long)(mine ? r : 0) * h + j0, o = (long long)i * h + j0;
         float v[8];
 #pragma unroll
-        for (int u = 0; u < 8; u++) v[u] = (j0 + u < h) ? ld(src, s + u) : 0.0f;
+        for (int u = 0; u < 8; u++) v[u] = (mine && j0 + u < h) ? ld(src, s + u) : 0.0f;
 #pragma unroll
         for (int u = 0; u < 8; u++) if (j0 + u < h) st(out, o + u, v[u]);
     }
 }
 
-extern "C" __global__ void gather_rows_bf16_f32(const bf16_t* src, const int* ids, float* out, int n, int h) { gather_impl(src, ids, out, n, h); }
-extern "C" __global__ void gather_rows_bf16_bf16(const bf16_t* src, const int* ids, bf16_t* out, int n, int h) { gather_impl(src, ids, out, n, h); }
-extern "C" __global__ void gather_rows_f32_f32(const float* src, const int* ids, float* out, int n, int h) { gather_impl(src, ids, out, n, h); }
+extern "C" __global__ void gather_rows_bf16_f32(const bf16_t* src, const int* ids, float* out, int n, int h, int first, int rows) { gather_impl(src, ids, out, n, h, first, rows); }
+extern "C" __global__ void gather_rows_bf16_bf16(const bf16_t* src, const int* ids, bf16_t* out, int n, int h, int first, int rows) { gather_impl(src, ids, out, n, h, first, rows); }
+extern "C" __global__ void gather_rows_f32_f32(const float* src, const int* ids, float* out, int n, int h, int first, int rows) { gather_impl(src, ids, out, n, h, first, rows); }
+
+// x[i] += delta (i32): global expert ids to this rank's local ids (others fall outside 0..E_local).
+extern "C" __global__ void shift_i32(int* x, int delta, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) x[i] += delta;
+}
 
 extern "C" __global__ void copy_strided_bf16(const bf16_t* src, long long ss, bf16_t* dst, long long ds, int rows, int width) {
     long long total = (long long)rows * width;
