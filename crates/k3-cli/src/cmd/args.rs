@@ -30,3 +30,26 @@ impl ParallelArgs {
         Ok((p.world() > 1).then_some(p))
     }
 }
+
+/// Where this process sits in a multi-process (multi-GPU, multi-node) world:
+/// `--nnodes/--node-rank/--master-addr`. Under torchrun, Slurm or Kubernetes the launcher's
+/// environment (`RANK`, `WORLD_SIZE`, ...) is used instead and these are ignored.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LaunchArgs {
+    /// Nodes in the world; this node runs (tp·pp)/nnodes ranks, one process per GPU.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's index, 0..nnodes (node 0 hosts rank 0).
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// HOST:PORT of rank 0 (an address of node 0 and a free port), the same on every node;
+    /// needed with --nnodes > 1.
+    #[arg(long)]
+    pub master_addr: Option<String>,
+}
+
+impl LaunchArgs {
+    pub fn node(&self) -> k3_engine::dist::launch::NodeArgs {
+        k3_engine::dist::launch::NodeArgs { nnodes: self.nnodes, node_rank: self.node_rank, master_addr: self.master_addr.clone() }
+    }
+}

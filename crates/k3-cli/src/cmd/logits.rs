@@ -2,7 +2,10 @@
 //! `[--device cuda[:N] [--precision bf16|f32]] [--tp N] [--ep N] [--pp N]`
 //!
 //! `--tp/--ep/--pp` on the CPU run the ranks of that layout as threads of this process
-//! (`k3_model::parallel::on_threads`): the same logits as one rank, within f32 rounding.
+//! (`k3_model::parallel::on_threads`): the same logits as one rank, within f32 rounding. With
+//! `--device cuda[:N]` each rank is a process on GPU `N + LOCAL_RANK` (`k3_engine::dist::launch`):
+//! started by torchrun/Slurm, or by this process for its node (`--nnodes --node-rank
+//! --master-addr` for several nodes); rank 0 writes the file.
 //!
 //! Writes float32 logits `[T, vocab]` for every position. `full` runs one pass over the whole
 //! sequence; `decode` feeds the tokens one at a time through the cache; `chunked:N` prefills in
@@ -50,6 +53,8 @@ pub struct Args {
     pub precision: Option<String>,
     #[command(flatten)]
     pub parallel: super::args::ParallelArgs,
+    #[command(flatten)]
+    pub launch: super::args::LaunchArgs,
 }
 
 /// `--precision` as an f32 flag: `bf16` → false, `f32` → true.
@@ -85,10 +90,51 @@ pub fn parse_mode(mode: &str) -> Result<Option<usize>> {
 /// through a CUDA graph when `step` is 1 and `graphs`).
 #[cfg(feature = "cuda")]
 fn gpu_logits(ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, step: usize, graphs: bool, f32: bool) -> Result<Vec<f32>> {
-    use k3_model::cuda::{CacheConfig, CudaModel, Input, Precision};
+    use k3_model::cuda::{CacheConfig, CudaModel};
     let dev = k3_core::cuda::CudaDevice::new(ord)?;
-    let precision = if f32 { Precision::F32 } else { Precision::Bf16 };
-    let mut m = CudaModel::load_with(ck, &dev, CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 }, precision)?;
+    let mut m = CudaModel::load_with(ck, &dev, CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 }, gpu_precision(f32))?;
+    gpu_pieces(&mut m, ids, emb, step, graphs)
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_precision(f32: bool) -> k3_model::cuda::Precision {
+    if f32 { k3_model::cuda::Precision::F32 } else { k3_model::cuda::Precision::Bf16 }
+}
+
+/// One rank of a multi-process GPU world: joins it, loads this rank's shards on GPU
+/// `ord + LOCAL_RANK`, runs the same pieces as every other rank; rank 0 gets the logits.
+#[cfg(feature = "cuda")]
+fn gpu_rank_logits(a: &Args, ck: &Checkpoint, par: k3_model::Parallel, ord: usize, ids: &[u32], step: usize, f32: bool) -> Result<Option<Vec<f32>>> {
+    use k3_engine::dist::launch::{load_gpu_rank, nccl_ids, world_digest, World};
+    let digest = world_digest(ck, par)?;
+    let world = World::start(par, &a.launch.node(), &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
+    let (rank, local) = (world.rank(), world.spec.local_rank);
+    let gpu = ord + local;
+    let dev = k3_core::cuda::CudaDevice::new(gpu).with_context(|| format!("rank {rank} (local rank {local}) runs on GPU {gpu}: give this node one GPU per local rank, or start one process per node"))?;
+    let cache = k3_model::cuda::CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 };
+    let mut m = load_gpu_rank(&world, ck, &dev, cache, gpu_precision(f32)).with_context(|| format!("rank {rank}: loading its shards"))?;
+    let groups = m.groups.clone();
+    world.on_child_failure(move |why| groups.abort(why));
+    let out = gpu_pieces(&mut m, ids, None, step, !a.no_cuda_graphs).with_context(|| format!("rank {rank}"));
+    if out.is_err() {
+        m.groups.abort(&format!("rank {rank} failed"));
+    }
+    let out = out?;
+    drop(m);
+    world.finish(std::time::Duration::from_secs(120))?;
+    Ok((rank == 0).then_some(out))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_rank_logits(_: &Args, _: &Checkpoint, _: k3_model::Parallel, _: usize, _: &[u32], _: usize, _: bool) -> Result<Option<Vec<f32>>> {
+    bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
+}
+
+/// Feeds `ids` through `m` in pieces of `step` rows (decode steps through a CUDA graph when
+/// `step` is 1 and `graphs`), collecting the logits.
+#[cfg(feature = "cuda")]
+fn gpu_pieces(m: &mut k3_model::cuda::CudaModel, ids: &[u32], emb: Option<&[f32]>, step: usize, graphs: bool) -> Result<Vec<f32>> {
+    use k3_model::cuda::Input;
     let h = m.config.text.hidden_size;
     let mut s = m.new_sequence()?;
     let mut out = Vec::with_capacity(ids.len() * m.config.text.vocab_size);
@@ -132,11 +178,15 @@ pub fn run(a: Args) -> Result<()> {
     let (vocab, hidden) = (ck.config.text.vocab_size, ck.config.text.hidden_size);
     let step = chunk.unwrap_or(ids.len());
     if let Some(par) = a.parallel.parallel()? {
-        if device.is_some() {
-            bail!("--tp/--ep/--pp run on the CPU (ranks as threads); the GPU model is one rank per process and not parallel yet: drop --device");
-        }
         if a.trace.is_some() || !a.images.is_empty() {
             bail!("--trace and --image run on one rank: drop --tp/--ep/--pp, or drop them");
+        }
+        if let Some(ord) = device {
+            if let Some(logits) = gpu_rank_logits(&a, &ck, par, ord, &ids, step, f32_gpu)? {
+                k3_core::npy::write_npy_f32(&a.out, &[ids.len(), vocab], &logits).with_context(|| format!("writing {}", a.out.display()))?;
+                eprintln!("wrote {} ({} × {vocab} f32; --tp {} --ep {} --pp {}: {} GPU ranks)", a.out.display(), ids.len(), par.tp, par.ep, par.pp, par.world());
+            }
+            return Ok(());
         }
         let mut runs = k3_model::parallel::on_threads(&ck, par, |m| {
             let mut st = m.new_state();
