@@ -13,6 +13,16 @@ pub enum EngineError {
     Unsupported(String),
     #[error("unknown sequence id {0}")]
     UnknownSeq(u64),
+    /// A per-step message (`dist::step`) that does not parse.
+    #[error("step message: {0}")]
+    Step(String),
+    /// A rank of a parallel layout failed (its own error, not a peer's abort).
+    #[error("rank {rank} failed: {msg}")]
+    Rank { rank: usize, msg: String },
+    /// Starting or joining a multi-process world (`dist::launch`): names the flag, variable or
+    /// rank at fault.
+    #[error("launch: {0}")]
+    Launch(String),
     #[error(transparent)]
     Model(#[from] k3_model::ModelError),
     #[error(transparent)]
