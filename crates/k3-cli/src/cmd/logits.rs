@@ -174,6 +174,9 @@ pub fn run(a: Args) -> Result<()> {
         (Some(p), Some(_)) => parse_precision(p)?,
         (Some(_), None) => bail!("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda"),
     };
+    if device.is_none() && (a.launch.nnodes != 1 || a.launch.node_rank != 0 || a.launch.master_addr.is_some()) {
+        bail!("--nnodes/--node-rank/--master-addr start one process per GPU: add --device cuda (on the CPU, --tp/--ep/--pp run as threads of one process)");
+    }
     let ck = Checkpoint::open(&a.model)?;
     let (vocab, hidden) = (ck.config.text.vocab_size, ck.config.text.hidden_size);
     let step = chunk.unwrap_or(ids.len());
