@@ -4,17 +4,23 @@
 //! waiting sequences within the step's token budget, so long prompts are prefilled in chunks
 //! interleaved with decoding and never stall running streams. Sequences join and leave the
 //! batch at token boundaries; a cancelled sequence's state is dropped at once.
+//!
+//! The forwards run on a [`Runner`] (`dist::runner`): one CPU model, the ranks of a parallel
+//! layout as threads, or the GPU. The engine plans each step as a [`Step`] (sequence ids and
+//! their new tokens, a prefill chunk's own input rows) and samples from the logits it returns;
+//! the model state of each sequence lives in the runner.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k3_model::{ForwardOpts, Model, SeqState};
+use k3_model::{Config, Model};
 use k3_tokenizer::Tokenizer;
 use serde::Serialize;
 
+use crate::dist::runner::{Runner, Step, StepSeq, ThreadRunner};
 use crate::error::{param, EngineError, Result};
-use crate::gpu::{GpuRunner, GpuSeq};
+use crate::gpu::GpuRunner;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::stop::{StopCheck, StopMatcher};
 
@@ -96,10 +102,8 @@ pub struct SeqStats {
 struct Sequence {
     id: SeqId,
     req: Request,
-    /// The CPU model's state; with a GPU runner only its `pos` is used (the layers live on the
-    /// device, in `gpu`).
-    state: SeqState,
-    gpu: Option<GpuSeq>,
+    /// Tokens the runner has consumed (its model state lives in the runner).
+    pos: usize,
     /// Prompt tokens already prefilled.
     done: usize,
     output: Vec<u32>,
@@ -111,10 +115,8 @@ struct Sequence {
 }
 
 pub struct Engine {
-    /// The model on the CPU (memory-mapped); also the config and embedding rows with a GPU runner.
-    pub model: Arc<Model>,
-    /// When set, forwards run on the GPU.
-    pub gpu: Option<Box<GpuRunner>>,
+    /// Where the forwards run (and the model's config and embedding rows come from).
+    pub runner: Box<dyn Runner>,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub config: EngineConfig,
     running: Vec<Sequence>,
@@ -124,14 +126,31 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// An engine over one CPU model (on the calling thread).
     pub fn new(model: Arc<Model>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
-        Engine { model, gpu: None, tokenizer, config, running: Vec::new(), waiting: VecDeque::new(), finished_stats: Vec::new(), next_id: 1 }
+        let runner = ThreadRunner::single(model, config.kda_state);
+        Self::with_runner(Box::new(runner), tokenizer, config)
     }
 
-    /// An engine whose forwards run on `gpu` (the CPU `model` still gives the config and the
-    /// embedding rows of requests with their own input rows).
-    pub fn with_gpu(model: Arc<Model>, gpu: GpuRunner, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
-        Engine { gpu: Some(Box::new(gpu)), ..Self::new(model, tokenizer, config) }
+    /// An engine whose forwards run on `gpu`.
+    pub fn with_gpu(gpu: GpuRunner, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
+        Self::with_runner(Box::new(gpu), tokenizer, config)
+    }
+
+    /// An engine whose forwards run on `runner` (e.g. `dist::runner::load`'s).
+    pub fn with_runner(runner: Box<dyn Runner>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
+        Engine { runner, tokenizer, config, running: Vec::new(), waiting: VecDeque::new(), finished_stats: Vec::new(), next_id: 1 }
+    }
+
+    /// The model's config.
+    pub fn model_config(&self) -> &Config {
+        self.runner.config()
+    }
+
+    /// Token embeddings `[ids.len(), hidden]` (the input rows into which image features are
+    /// spliced before a request with its own rows is added).
+    pub fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.runner.embed(ids)
     }
 
     /// Tokens a sequence can reach: its prompt plus `max_tokens`, capped at the context limit.
@@ -139,17 +158,16 @@ impl Engine {
         (s.req.prompt.len() + s.req.max_tokens).min(limit)
     }
 
-    /// Frees a sequence's GPU state (if it has one).
+    /// Frees a sequence's state in the runner.
     fn free(&mut self, s: Sequence) {
-        if let (Some(g), Some(gs)) = (self.gpu.as_mut(), s.gpu) {
-            g.release(gs);
-        }
+        self.runner.release(s.id);
     }
 
     /// Validates and queues a request; errors come before any work is done.
     pub fn add(&mut self, req: Request) -> Result<SeqId> {
         req.params.validate()?;
-        let limit = self.model.config.max_context();
+        let cfg = self.runner.config();
+        let limit = cfg.max_context();
         if req.prompt.is_empty() {
             return Err(param("prompt", "is empty"));
         }
@@ -159,33 +177,28 @@ impl Engine {
         if req.prompt.len() >= limit {
             return Err(EngineError::Context { prompt: req.prompt.len(), extra: String::new(), limit });
         }
-        let vocab = self.model.config.text.vocab_size as u32;
+        let vocab = cfg.text.vocab_size as u32;
         if let Some(&bad) = req.prompt.iter().find(|&&t| t >= vocab) {
             return Err(param("prompt", format!("token id {bad} is outside the vocabulary ({vocab})")));
         }
         if let Some(e) = &req.prompt_embeds {
-            let h = self.model.config.text.hidden_size;
+            let h = cfg.text.hidden_size;
             if e.len() != req.prompt.len() * h {
                 return Err(param("prompt_embeds", format!("holds {} values; the prompt needs {} × hidden_size {h}", e.len(), req.prompt.len())));
             }
         }
-        if let Some(g) = &self.gpu {
-            let need = (req.prompt.len() + req.max_tokens).min(limit);
-            if let Err(cap) = g.fits(need) {
-                return Err(param("max_tokens", format!("prompt ({}) + max_tokens ({}) = {need} tokens exceed the GPU cache of {cap} tokens; lower max_tokens or start the server with a larger --max-cache-tokens", req.prompt.len(), req.max_tokens)));
-            }
+        let need = (req.prompt.len() + req.max_tokens).min(limit);
+        if let Err(cap) = self.runner.fits(need) {
+            return Err(param("max_tokens", format!("prompt ({}) + max_tokens ({}) = {need} tokens exceed the GPU cache of {cap} tokens; lower max_tokens or start the server with a larger --max-cache-tokens", req.prompt.len(), req.max_tokens)));
         }
         if !req.stop.is_empty() && self.tokenizer.is_none() {
             return Err(param("stop", "stop strings need a tokenizer; this engine has none"));
         }
         let id = self.next_id;
         self.next_id += 1;
-        // With a GPU runner the state lives on the device; the host keeps only the position.
-        let state = if self.gpu.is_some() { SeqState { layers: Vec::new(), pos: 0 } } else { SeqState::with_kda_state(&self.model.config, self.config.kda_state) };
         let seq = Sequence {
             id,
-            state,
-            gpu: None,
+            pos: 0,
             done: 0,
             output: Vec::new(),
             sampler: Sampler::new(req.params.clone()),
@@ -221,9 +234,9 @@ impl Engine {
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
-    /// Bytes held by all live sequence states.
+    /// Bytes held by all live sequence states (as the runner last knew them).
     pub fn state_bytes(&self) -> usize {
-        self.running.iter().chain(self.waiting.iter()).map(|s| s.state.bytes()).sum()
+        self.runner.state_bytes()
     }
     /// Stats of sequences finished since the last call.
     pub fn take_finished_stats(&mut self) -> Vec<(SeqId, SeqStats)> {
@@ -233,18 +246,14 @@ impl Engine {
     /// Runs one batched forward pass and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<Event>> {
         // Admit waiting sequences while there is room (and, on the GPU, a free state slot).
+        let limit = self.runner.config().max_context();
         while self.running.len() < self.config.max_batch {
             match self.waiting.pop_front() {
-                Some(mut s) => {
-                    if let Some(g) = self.gpu.as_mut() {
-                        match g.new_seq(Self::worst_case(&s, self.model.config.max_context()))? {
-                            Some(gs) => s.gpu = Some(gs),
-                            None => {
-                                // The GPU cache is promised to running sequences: wait, in order.
-                                self.waiting.push_front(s);
-                                break;
-                            }
-                        }
+                Some(s) => {
+                    if !self.runner.admit(s.id, Self::worst_case(&s, limit))? {
+                        // The runner's room is promised to running sequences: wait, in order.
+                        self.waiting.push_front(s);
+                        break;
                     }
                     self.running.push(s)
                 }
@@ -277,48 +286,32 @@ impl Engine {
             return Ok(Vec::new());
         }
         let t0 = Instant::now();
-        let lens: Vec<usize> = plan.iter().map(|(_, t)| t.len()).collect();
-        // Input rows: token embeddings, or the request's own rows for a prefill chunk.
-        let own_rows = |s: &Sequence| s.req.prompt_embeds.is_some() && s.done < s.req.prompt.len();
-        let need_rows = self.gpu.is_none() || plan.iter().any(|(i, _)| own_rows(&self.running[*i]));
-        let h = self.model.config.text.hidden_size;
-        let mut emb = Vec::new();
-        if need_rows {
-            emb.reserve(plan.iter().map(|(_, t)| t.len()).sum::<usize>() * h);
-            for (i, toks) in &plan {
+        // The step every rank runs: ids and new tokens, and a prefill chunk's own input rows.
+        let h = self.runner.config().text.hidden_size;
+        let seqs = plan
+            .iter()
+            .map(|(i, toks)| {
                 let s = &self.running[*i];
-                match (&s.req.prompt_embeds, s.done < s.req.prompt.len()) {
-                    (Some(e), true) => emb.extend_from_slice(&e[s.done * h..(s.done + toks.len()) * h]),
-                    _ => emb.extend(self.model.embed(toks)?),
-                }
-            }
+                let rows = match (&s.req.prompt_embeds, s.done < s.req.prompt.len()) {
+                    (Some(e), true) => Some(e[s.done * h..(s.done + toks.len()) * h].to_vec()),
+                    _ => None,
+                };
+                StepSeq { id: s.id, tokens: toks.clone(), rows }
+            })
+            .collect();
+        let logits = self.runner.forward(Step { seqs, last_only: true, released: Vec::new() })?;
+        for (i, toks) in &plan {
+            self.running[*i].pos += toks.len();
         }
-        let logits = {
-            // Disjoint &mut borrows of the planned sequences, in plan order.
-            let mut by_index: Vec<Option<&mut Sequence>> = self.running.iter_mut().map(Some).collect();
-            let mut seqs: Vec<&mut Sequence> = plan.iter().map(|(i, _)| by_index[*i].take()).collect::<Option<Vec<_>>>().ok_or_else(|| param("batch", "a sequence was planned twice"))?;
-            match self.gpu.as_mut() {
-                None => {
-                    let mut states: Vec<&mut SeqState> = seqs.iter_mut().map(|s| &mut s.state).collect();
-                    self.model.forward_varlen(emb, &lens, &mut states, ForwardOpts { last_only: true, ..Default::default() }, None)?
-                }
-                Some(g) => {
-                    let tokens: Vec<u32> = plan.iter().flat_map(|(_, t)| t.iter().copied()).collect();
-                    let mut gs: Vec<&mut GpuSeq> = seqs.iter_mut().map(|s| s.gpu.as_mut()).collect::<Option<Vec<_>>>().ok_or_else(|| param("batch", "a running sequence has no GPU state"))?;
-                    let out = g.forward(&tokens, need_rows.then_some(emb.as_slice()), &lens, &mut gs)?;
-                    for (s, &n) in seqs.iter_mut().zip(&lens) {
-                        s.state.pos += n;
-                    }
-                    out
-                }
-            }
-        };
-        let vocab = self.model.config.text.vocab_size;
+        let vocab = self.runner.config().text.vocab_size;
+        if logits.len() != plan.len() * vocab {
+            return Err(EngineError::Unsupported(format!("the runner returned {} logits for {} sequences of vocabulary {vocab}", logits.len(), plan.len())));
+        }
         let logits: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
         let dt = t0.elapsed();
         let mut events = Vec::new();
         let mut finished: Vec<usize> = Vec::new();
-        let eos = self.model.config.eos_token_ids.clone();
+        let eos = self.runner.config().eos_token_ids.clone();
         for ((i, toks), lg) in plan.iter().zip(logits) {
             let s = &mut self.running[*i];
             let prefill = s.done < s.req.prompt.len();
@@ -356,7 +349,7 @@ impl Engine {
             if finish.is_none() {
                 if is_stop_tok {
                     finish = Some(FinishReason::Stop);
-                } else if s.output.len() >= s.req.max_tokens || s.state.pos + 1 >= self.model.config.max_context() {
+                } else if s.output.len() >= s.req.max_tokens || s.pos + 1 >= limit {
                     finish = Some(FinishReason::Length);
                 }
                 if finish.is_some() && self.tokenizer.is_some() {

@@ -1,6 +1,7 @@
 //! The engine's GPU runner: the whole model on one CUDA device (`k3_model::cuda::CudaModel`),
-//! its per-sequence states, and decode steps replayed from CUDA graphs captured once per batch
-//! size. With the `cuda` feature off, [`GpuRunner`] and [`GpuSeq`] are uninhabited types, so the
+//! its per-sequence states (by sequence id), and decode steps replayed from CUDA graphs
+//! captured once per batch size; it implements the engine's [`Runner`](crate::dist::runner::Runner).
+//! With the `cuda` feature off, [`GpuRunner`] and [`GpuSeq`] are uninhabited types, so the
 //! scheduler in `engine.rs` has one code path and no `cfg` branches.
 //!
 //! Admission control: the GPU latent cache is a fixed number of pages. A sequence is admitted
@@ -54,9 +55,12 @@ mod imp {
     use std::collections::HashMap;
 
     use k3_model::cuda::{CudaModel, CudaSeqState, DecodeGraph, Input};
+    use k3_model::{Config, Model};
 
     use super::CacheBudget;
-    use crate::error::Result;
+    use crate::dist::runner::{Runner, Step};
+    use crate::engine::SeqId;
+    use crate::error::{EngineError, Result};
 
     /// One sequence's place in the GPU pools and its cache reservation.
     pub struct GpuSeq {
@@ -70,40 +74,20 @@ mod imp {
         pub use_graphs: bool,
         graphs: HashMap<usize, DecodeGraph>,
         budget: CacheBudget,
+        /// The embedding table on the host (a view of the map), for steps with their own rows.
+        embedder: Model,
+        seqs: HashMap<SeqId, GpuSeq>,
     }
 
     impl GpuRunner {
-        pub fn new(model: CudaModel, use_graphs: bool) -> Self {
+        pub fn new(model: CudaModel, embedder: Model, use_graphs: bool) -> Self {
             let budget = CacheBudget::new(model.cache.max_tokens, k3_core::cuda::mla::PAGE);
-            GpuRunner { model, use_graphs, graphs: HashMap::new(), budget }
-        }
-
-        /// Whether a sequence of `tokens` tokens (prompt + generation) can ever be served.
-        pub fn fits(&self, tokens: usize) -> std::result::Result<(), usize> {
-            if self.budget.fits_ever(tokens) { Ok(()) } else { Err(self.budget.tokens()) }
-        }
-
-        /// A new sequence with room for `tokens` tokens, or `None` while the cache is promised to
-        /// running sequences.
-        pub fn new_seq(&mut self, tokens: usize) -> Result<Option<GpuSeq>> {
-            let Some(pages) = self.budget.try_reserve(tokens) else { return Ok(None) };
-            match self.model.new_sequence() {
-                Ok(state) => Ok(Some(GpuSeq { state, pages })),
-                Err(e) => {
-                    self.budget.release(pages);
-                    Err(e.into())
-                }
-            }
-        }
-
-        pub fn release(&mut self, s: GpuSeq) {
-            self.budget.release(s.pages);
-            self.model.release(s.state);
+            GpuRunner { model, use_graphs, graphs: HashMap::new(), budget, embedder, seqs: HashMap::new() }
         }
 
         /// One packed step; `emb` replaces the token embeddings when given. Returns each
         /// sequence's last-row logits `[B, vocab]`.
-        pub fn forward(&mut self, tokens: &[u32], emb: Option<&[f32]>, lens: &[usize], seqs: &mut [&mut GpuSeq]) -> Result<Vec<f32>> {
+        fn forward_packed(&mut self, tokens: &[u32], emb: Option<&[f32]>, lens: &[usize], seqs: &mut [&mut GpuSeq]) -> Result<Vec<f32>> {
             let mut seqs: Vec<&mut CudaSeqState> = seqs.iter_mut().map(|s| &mut s.state).collect();
             let seqs = seqs.as_mut_slice();
             let decode = emb.is_none() && lens.iter().all(|&l| l == 1);
@@ -124,7 +108,75 @@ mod imp {
             };
             Ok(self.model.forward_varlen(input, lens, seqs, true)?)
         }
+    }
 
+    impl Runner for GpuRunner {
+        fn config(&self) -> &Config {
+            &self.model.config
+        }
+        fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+            Ok(self.embedder.embed(ids)?)
+        }
+        fn fits(&self, tokens: usize) -> std::result::Result<(), usize> {
+            if self.budget.fits_ever(tokens) { Ok(()) } else { Err(self.budget.tokens()) }
+        }
+        fn admit(&mut self, id: SeqId, tokens: usize) -> Result<bool> {
+            let Some(pages) = self.budget.try_reserve(tokens) else { return Ok(false) };
+            match self.model.new_sequence() {
+                Ok(state) => {
+                    self.seqs.insert(id, GpuSeq { state, pages });
+                    Ok(true)
+                }
+                Err(e) => {
+                    self.budget.release(pages);
+                    Err(e.into())
+                }
+            }
+        }
+        fn release(&mut self, id: SeqId) {
+            if let Some(s) = self.seqs.remove(&id) {
+                self.budget.release(s.pages);
+                self.model.release(s.state);
+            }
+        }
+        fn forward(&mut self, step: Step) -> Result<Vec<f32>> {
+            for &id in &step.released {
+                self.release(id);
+            }
+            if !step.last_only {
+                return Err(EngineError::Unsupported("the GPU runner returns last-row logits only".into()));
+            }
+            let mut seen = std::collections::HashSet::new();
+            if let Some(s) = step.seqs.iter().find(|s| !self.seqs.contains_key(&s.id) || !seen.insert(s.id)) {
+                return Err(EngineError::Step(format!("sequence {} has no GPU state or is planned twice", s.id)));
+            }
+            let tokens: Vec<u32> = step.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+            let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
+            // Own rows for some sequence: every sequence's rows go in (token embeddings for the rest).
+            let emb = match step.seqs.iter().any(|s| s.rows.is_some()) {
+                false => None,
+                true => {
+                    let mut e = Vec::new();
+                    for s in &step.seqs {
+                        match &s.rows {
+                            Some(r) => e.extend_from_slice(r),
+                            None => e.extend(self.embedder.embed(&s.tokens)?),
+                        }
+                    }
+                    Some(e)
+                }
+            };
+            let mut taken: Vec<(SeqId, GpuSeq)> = step.seqs.iter().filter_map(|s| self.seqs.remove(&s.id).map(|g| (s.id, g))).collect();
+            let out = {
+                let mut refs: Vec<&mut GpuSeq> = taken.iter_mut().map(|(_, g)| g).collect();
+                self.forward_packed(&tokens, emb.as_deref(), &lens, &mut refs)
+            };
+            self.seqs.extend(taken);
+            out
+        }
+        fn state_bytes(&self) -> usize {
+            0 // the states live in the device pools, sized at start-up
+        }
     }
 
     /// Uploads the checkpoint to CUDA device `ordinal` with room for `max_seqs` live sequences
@@ -132,12 +184,16 @@ mod imp {
     pub fn load_gpu(ck: &k3_model::Checkpoint, ordinal: usize, max_seqs: usize, max_tokens: usize, graphs: bool) -> Result<GpuRunner> {
         let dev = k3_core::cuda::CudaDevice::new(ordinal).map_err(k3_model::ModelError::from)?;
         let model = CudaModel::load(ck, &dev, k3_model::cuda::CacheConfig { max_seqs, max_tokens })?;
-        Ok(GpuRunner::new(model, graphs))
+        Ok(GpuRunner::new(model, Model::load_embedding(ck)?, graphs))
     }
 }
 
 #[cfg(not(feature = "cuda"))]
 mod imp {
+    use k3_model::Config;
+
+    use crate::dist::runner::{Runner, Step};
+    use crate::engine::SeqId;
     use crate::error::Result;
 
     /// Uninhabited without the `cuda` feature.
@@ -145,17 +201,20 @@ mod imp {
     /// Uninhabited without the `cuda` feature: no value exists, so no method ever runs.
     pub enum GpuRunner {}
 
-    impl GpuRunner {
-        pub fn fits(&self, _: usize) -> std::result::Result<(), usize> {
+    impl Runner for GpuRunner {
+        fn config(&self) -> &Config {
             match *self {}
         }
-        pub fn new_seq(&mut self, _: usize) -> Result<Option<GpuSeq>> {
+        fn embed(&self, _: &[u32]) -> Result<Vec<f32>> {
             match *self {}
         }
-        pub fn release(&mut self, s: GpuSeq) {
-            match s {}
+        fn release(&mut self, _: SeqId) {
+            match *self {}
         }
-        pub fn forward(&mut self, _: &[u32], _: Option<&[f32]>, _: &[usize], _: &mut [&mut GpuSeq]) -> Result<Vec<f32>> {
+        fn forward(&mut self, _: Step) -> Result<Vec<f32>> {
+            match *self {}
+        }
+        fn state_bytes(&self) -> usize {
             match *self {}
         }
     }

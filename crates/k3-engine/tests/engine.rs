@@ -32,7 +32,7 @@ fn greedy_equals_full_pass_argmax() {
     assert_eq!(out.len(), 12);
     assert_eq!(stats.output_tokens, 12);
     // Reference: recompute the whole sequence each time and take the argmax.
-    let m = &e.model;
+    let m = model("k3_small_mxfp4");
     let mut seq = PROMPT.to_vec();
     for &tok in &out {
         let lg = m.forward(&seq, &mut m.new_state(), ForwardOpts { last_only: true, ..Default::default() }, None).unwrap();
@@ -115,7 +115,7 @@ fn cancel_frees_state() {
 #[test]
 fn errors_before_work() {
     let mut e = engine(EngineConfig::default());
-    let limit = e.model.config.max_context();
+    let limit = e.model_config().max_context();
     let err = e.add(Request::new(vec![1; limit], SamplingParams::greedy(), 1)).unwrap_err().to_string();
     assert!(err.contains("context limit"), "{err}");
     let err = e.add(Request::new(vec![1], SamplingParams { top_k: 0, top_p: 0.0, ..Default::default() }, 1)).unwrap_err().to_string();

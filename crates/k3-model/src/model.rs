@@ -140,6 +140,18 @@ impl Model {
         Self::load_rank(ck, RankPlan::single(&ck.config), Groups::single(), false)
     }
 
+    /// The embedding table alone, unsharded (a view of the memory map): no decoder layers, no
+    /// output head, world-1 groups. For a caller beside a parallel layout (or a GPU model)
+    /// that needs token embeddings, e.g. to splice image features into a prompt's input rows;
+    /// [`Model::forward_varlen`] refuses it.
+    pub fn load_embedding(ck: &Checkpoint) -> Result<Model> {
+        let cfg = ck.config.clone();
+        let plan = RankPlan::single(&cfg);
+        let (h, v) = (cfg.text.hidden_size, cfg.text.vocab_size);
+        let embed_tokens = Some(matrix(&Source::new(ck, plan.clone()), &format!("{TEXT}embed_tokens.weight"), v, h)?);
+        Ok(Model { config: cfg, plan, groups: Groups::single(), embed_tokens, layers: Vec::new(), head: None })
+    }
+
     /// One rank's model: only the tensors `plan` gives it are touched (row shards are views of
     /// the memory map, column shards copies). `scan_scales`: check every MXFP4 scale byte now.
     pub fn load_rank(ck: &Checkpoint, plan: RankPlan, groups: Groups, scan_scales: bool) -> Result<Model> {
@@ -286,6 +298,9 @@ impl Model {
         let h = self.config.text.hidden_size;
         let t: usize = lens.iter().sum();
         let first = self.plan.first_stage();
+        if self.layers.is_empty() {
+            return Err(ModelError::Input("this model holds only the embedding table (Model::load_embedding): it has no layers to run".into()));
+        }
         if t == 0 || (first && emb.len() != t * h) || lens.len() != states.len() {
             return Err(ModelError::Input(format!("packed input: {} values for {t} rows of hidden_size {h} and {} sequences", emb.len(), states.len())));
         }

@@ -61,13 +61,13 @@ impl Backend for Engine {
         Engine::state_bytes(self)
     }
     fn max_context(&self) -> usize {
-        self.model.config.max_context()
+        self.model_config().max_context()
     }
     fn vocab_size(&self) -> usize {
-        self.model.config.text.vocab_size
+        self.model_config().text.vocab_size
     }
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
-        Ok(self.model.embed(ids)?)
+        Engine::embed(self, ids)
     }
 }
 

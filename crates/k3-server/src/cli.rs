@@ -1,6 +1,7 @@
 //! `k3 serve`: the command-line arguments and the entry point the `k3` binary calls.
 //!
-//! Loads the model (and the tokenizer, by default the model directory's `tiktoken.model`, and
+//! Loads the model on the runner the flags ask for (one CPU model, the ranks of a `--tp/--ep/--pp`
+//! layout as threads, or one GPU; `k3_engine::dist::runner::load`), the tokenizer, by default the model directory's `tiktoken.model`, and
 //! the vision tower when `config.json` has a `vision_config`),
 //! starts the engine on its scheduler thread, binds `--host:--port` (loopback by default) and
 //! serves until Ctrl-C / SIGTERM, then gives open requests `--shutdown-timeout` seconds. The line `k3 serve: listening on http://ADDR` is printed to
@@ -9,8 +10,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use k3_engine::dist::runner::{self, RunnerSpec};
 use k3_engine::{Engine, EngineConfig};
-use k3_model::{Checkpoint, Model};
+use k3_model::{Checkpoint, Parallel};
 use k3_tokenizer::Tokenizer;
 use k3_vision::VisionModel;
 
@@ -111,12 +113,12 @@ pub fn parse_device(d: &str) -> std::result::Result<Option<usize>, String> {
     }
 }
 
-/// Runs `k3 serve` until interrupted.
-pub fn run_serve(a: ServeArgs) -> Result<()> {
+/// Runs `k3 serve` until interrupted, the model laid out as `par` (`--tp/--ep/--pp`, parsed by
+/// the `k3` binary's shared flag group).
+pub fn run_serve(a: ServeArgs, par: Parallel) -> Result<()> {
     let model_dir = a.model.clone().ok_or_else(|| ServerError::Config("no --model given".into()))?;
     let ck = Checkpoint::open(&model_dir)?;
     let device = parse_device(&a.device).map_err(ServerError::Config)?;
-    let model = Arc::new(if device.is_some() { Model::load_for_gpu(&ck)? } else { Model::load(&ck)? });
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| model_dir.clone());
     let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     if a.max_batch == 0 {
@@ -145,13 +147,9 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         }
         ok
     });
-    let engine = match device {
-        None => Engine::new(model, Some(tok.clone()), ecfg),
-        Some(ord) => {
-            let gpu = k3_engine::gpu::load_gpu(&ck, ord, a.max_batch, a.max_cache_tokens, !a.no_cuda_graphs).map_err(|e| ServerError::Config(format!("--device {}: {e}", a.device)))?;
-            Engine::with_gpu(model, gpu, Some(tok.clone()), ecfg)
-        }
-    };
+    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: !a.no_cuda_graphs };
+    let runner = runner::load(&ck, &spec).map_err(|e| ServerError::Config(if device.is_some() { format!("--device {}: {e}", a.device) } else { e.to_string() }))?;
+    let engine = Engine::with_runner(runner, Some(tok.clone()), ecfg);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());
         canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "k3".into())

@@ -3,12 +3,15 @@
 //! `--json`, one JSON object on stdout at the end). `--ids` takes token ids instead of text.
 //! On a terminal, loading shows a spinner and a prompt longer than `--prefill-chunk` a prefill
 //! progress bar (both on stderr, cleared before the text; nothing when stderr is not a TTY).
+//! `--tp/--ep/--pp` run the ranks of that layout as threads (`--device cpu`); the tokens are
+//! those of one rank.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use k3_engine::dist::runner::{self, RunnerSpec};
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
 use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
@@ -94,6 +97,8 @@ pub struct Args {
     /// GPU only: run decode steps eagerly instead of replaying a CUDA graph.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    #[command(flatten)]
+    pub parallel: super::args::ParallelArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -105,9 +110,9 @@ pub fn run(a: Args) -> Result<()> {
         sp.enable_steady_tick(std::time::Duration::from_millis(120));
         sp
     });
+    let par = a.parallel.layout()?;
     let ck = Checkpoint::open(&dir)?;
     let device = k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)?;
-    let model = Arc::new(if device.is_some() { Model::load_for_gpu(&ck)? } else { Model::load(&ck)? });
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| dir.clone());
     let tokenizer = if tok_dir.join("tiktoken.model").is_file() { Some(Arc::new(Tokenizer::from_dir(&tok_dir)?)) } else { None };
     let prompt: Vec<u32> = match (&a.ids, &a.prompt, &tokenizer) {
@@ -119,7 +124,7 @@ pub fn run(a: Args) -> Result<()> {
     let (prompt, embeds) = if a.image.is_empty() {
         (prompt, None)
     } else {
-        let (ids, emb) = with_images(&ck, &model, tokenizer.as_deref(), prompt, a.ids.is_some(), &a.image)?;
+        let (ids, emb) = with_images(&ck, &Model::load_embedding(&ck)?, tokenizer.as_deref(), prompt, a.ids.is_some(), &a.image)?;
         (ids, Some(Arc::new(emb)))
     };
     let mut req = Request::new(prompt.clone(), a.sampling.params(), a.max_tokens);
@@ -127,14 +132,13 @@ pub fn run(a: Args) -> Result<()> {
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
     let ecfg = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.into() };
-    let mut engine = match device {
-        None => Engine::new(model, tokenizer.clone(), ecfg),
-        Some(ord) => {
-            let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
-            let gpu = k3_engine::gpu::load_gpu(&ck, ord, 1, cache, !a.no_cuda_graphs).with_context(|| format!("--device {}", a.device))?;
-            Engine::with_gpu(model, gpu, tokenizer.clone(), ecfg)
-        }
+    let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
+    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs };
+    let runner = match device {
+        Some(_) => runner::load(&ck, &spec).with_context(|| format!("--device {}", a.device))?,
+        None => runner::load(&ck, &spec)?,
     };
+    let mut engine = Engine::with_runner(runner, tokenizer.clone(), ecfg);
     if let Some(sp) = spinner {
         sp.finish_and_clear();
     }

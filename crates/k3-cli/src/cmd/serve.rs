@@ -1,10 +1,18 @@
 //! `k3 serve`: the OpenAI-compatible server. Arguments and logic live in `k3-server`; this
-//! file only resolves the default model (the embedded k3-nano).
+//! file adds the shared `--tp/--ep/--pp` flags and resolves the default model (the embedded
+//! k3-nano).
 
-pub use k3_server::ServeArgs as Args;
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub serve: k3_server::ServeArgs,
+    #[command(flatten)]
+    pub parallel: super::args::ParallelArgs,
+}
 
 pub fn run(mut a: Args) -> anyhow::Result<()> {
-    a.model = Some(super::model_dir::resolve_model_dir(a.model.as_deref())?);
-    k3_server::run_serve(a)?;
+    let par = a.parallel.layout()?;
+    a.serve.model = Some(super::model_dir::resolve_model_dir(a.serve.model.as_deref())?);
+    k3_server::run_serve(a.serve, par)?;
     Ok(())
 }

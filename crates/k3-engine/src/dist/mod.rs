@@ -1,6 +1,8 @@
 //! Ranks, launch and the per-step message: everything that makes several model shards act as
 //! one model lives here, behind the engine's runner interface (`docs/parallel.md`).
 //!
+//! - [`step`]: the per-step message rank 0 sends every rank (the planned sequences, their new
+//!   tokens and own input rows, the released sequences) and its byte form.
 //! - [`runner`]: the runner interface the engine drives, and ranks as threads on the CPU
 //!   (`k3 run --tp N --device cpu`), each step sent to every rank.
 //! - [`launch`]: one process per GPU: the world from flags or the torchrun/Slurm environment,
@@ -9,3 +11,4 @@
 
 pub mod launch;
 pub mod runner;
+pub mod step;

@@ -1,1 +1,424 @@
-//! The runner interface and ranks as threads (to be written).
+//! The runner interface the engine drives, and ranks as threads on the CPU.
+//!
+//! - [`Runner`]: where the engine's forwards run. The engine plans a [`Step`] (which sequences,
+//!   which new tokens) and the runner returns the logits `[B, vocab]` (each sequence's last
+//!   row, in step order); per-sequence model state lives in the runner, keyed by sequence id.
+//!   Three implementations: [`ThreadRunner`] over one CPU model (one rank), the same over a
+//!   parallel layout (ranks as threads), and the GPU runner (`crate::gpu`, feature `cuda`).
+//!   [`load`] picks one from the flags.
+//! - [`Worker`]: one rank's model and its map sequence id → [`SeqState`]. [`Worker::apply`]
+//!   drops the released states, creates a state on a sequence's first sight, embeds the tokens
+//!   (or takes the step's own rows) and runs `Model::forward_varlen`. Every rank applies the
+//!   same steps in the same order, so their collectives pair up.
+//! - [`serve`]: a non-leader rank's loop: the next step from a [`StepSource`] (a channel of
+//!   encoded steps between threads, [`ChannelSource`]; the control plane between processes
+//!   later), apply it, reply with the outcome, until the source ends.
+//! - [`ThreadRunner`]: rank 0 is a [`Worker`] on the calling thread (it gets the logits: on a
+//!   pipeline layout the last stage sends them to the first); ranks 1.. are threads running
+//!   [`serve`]. A rank that fails or panics aborts the layout's groups, so no rank waits on it;
+//!   the caller gets the failing rank's own error ([`EngineError::Rank`]), and every later step
+//!   fails with it at once. Dropping the runner ends the threads.
+
+use std::collections::{HashMap, HashSet};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use k3_model::layers::kda::StateDType;
+use k3_model::parallel::{Groups, Parallel};
+use k3_model::{Checkpoint, Config, ForwardOpts, Model, ModelError, SeqState};
+
+pub use super::step::{Step, StepSeq};
+use crate::engine::SeqId;
+use crate::error::{EngineError, Result};
+use crate::gpu::load_gpu;
+
+/// Where the engine's forwards run (see the module doc).
+pub trait Runner: Send {
+    /// The model's config.
+    fn config(&self) -> &Config;
+    /// Token embeddings `[ids.len(), hidden]` (for splicing image features into a prompt).
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>>;
+    /// Whether a sequence of `tokens` tokens (prompt + generation) can ever be served; the
+    /// capacity in tokens when not (the GPU's latent cache).
+    fn fits(&self, tokens: usize) -> std::result::Result<(), usize> {
+        let _ = tokens;
+        Ok(())
+    }
+    /// Reserves room for sequence `id` of up to `tokens` tokens before its first step;
+    /// `false` while the room is promised to running sequences (it waits).
+    fn admit(&mut self, id: SeqId, tokens: usize) -> Result<bool> {
+        let _ = (id, tokens);
+        Ok(true)
+    }
+    /// Frees sequence `id`'s state (finished or cancelled).
+    fn release(&mut self, id: SeqId);
+    /// One batched forward: logits `[B, vocab]` with `step.last_only` (else `[N, vocab]`).
+    fn forward(&mut self, step: Step) -> Result<Vec<f32>>;
+    /// Bytes held by live sequence states (on a parallel layout, every rank's, as last reported).
+    fn state_bytes(&self) -> usize;
+}
+
+/// A deliberate failure, for the tests of the failure path: rank `rank` fails (or panics) at
+/// its `at_step`-th step (1-based), before its forward, while its peers wait in theirs.
+#[derive(Clone, Copy, Debug)]
+pub struct Fault {
+    pub rank: usize,
+    pub at_step: usize,
+    pub panic: bool,
+}
+
+/// A rank's failure as its leader learns it.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub rank: usize,
+    pub msg: String,
+    /// The rank stopped because a peer aborted the groups (not its own fault).
+    pub aborted: bool,
+}
+
+impl From<Failure> for EngineError {
+    fn from(f: Failure) -> Self {
+        EngineError::Rank { rank: f.rank, msg: f.msg }
+    }
+}
+
+/// A rank's answer to one step: its state bytes, or its failure.
+pub type Reply = std::result::Result<usize, Failure>;
+
+/// One rank's model and the states of the sequences it has seen.
+pub struct Worker {
+    model: Arc<Model>,
+    kda: StateDType,
+    states: HashMap<SeqId, SeqState>,
+    steps: usize,
+    fault: Option<Fault>,
+}
+
+impl Worker {
+    pub fn new(model: Arc<Model>, kda: StateDType) -> Worker {
+        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None }
+    }
+
+    /// The global rank.
+    pub fn rank(&self) -> usize {
+        self.model.plan.rank
+    }
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+    pub fn release(&mut self, id: SeqId) {
+        self.states.remove(&id);
+    }
+    pub fn state_bytes(&self) -> usize {
+        self.states.values().map(SeqState::bytes).sum()
+    }
+
+    /// Applies one step (see the module doc). Returns the logits on the first and last
+    /// pipeline stages, nothing on the stages between.
+    pub fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
+        for id in &step.released {
+            self.states.remove(id);
+        }
+        self.steps += 1;
+        if let Some(f) = self.fault.filter(|f| f.rank == self.rank() && f.at_step == self.steps) {
+            if f.panic {
+                panic!("injected panic at step {}", self.steps);
+            }
+            return Err(EngineError::Unsupported(format!("injected fault at step {}", self.steps)));
+        }
+        if step.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let h = self.model.config.text.hidden_size;
+        let mut seen = HashSet::new();
+        for s in &step.seqs {
+            if s.tokens.is_empty() {
+                return Err(EngineError::Step(format!("sequence {} has no tokens", s.id)));
+            }
+            if !seen.insert(s.id) {
+                return Err(EngineError::Step(format!("sequence {} is planned twice", s.id)));
+            }
+            if let Some(r) = s.rows.as_ref().filter(|r| r.len() != s.tokens.len() * h) {
+                return Err(EngineError::Step(format!("sequence {}: {} row values for {} tokens of hidden_size {h}", s.id, r.len(), s.tokens.len())));
+            }
+        }
+        // Input rows, on the first stage: the step's own rows, else the token embeddings (one
+        // lookup for the step; on a tensor-parallel stage a collective, the same on every rank).
+        let emb = if self.model.plan.first_stage() {
+            let toks: Vec<u32> = step.seqs.iter().filter(|s| s.rows.is_none()).flat_map(|s| s.tokens.iter().copied()).collect();
+            let looked_up = if toks.is_empty() { Vec::new() } else { self.model.embed(&toks)? };
+            let mut emb = Vec::with_capacity(step.num_tokens() * h);
+            let mut at = 0;
+            for s in &step.seqs {
+                match &s.rows {
+                    Some(r) => emb.extend_from_slice(r),
+                    None => {
+                        let n = s.tokens.len() * h;
+                        emb.extend_from_slice(&looked_up[at..at + n]);
+                        at += n;
+                    }
+                }
+            }
+            emb
+        } else {
+            Vec::new()
+        };
+        let mut taken: Vec<SeqState> = step.seqs.iter().map(|s| self.states.remove(&s.id).unwrap_or_else(|| self.model.new_state_with(self.kda))).collect();
+        let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
+        let out = {
+            let mut refs: Vec<&mut SeqState> = taken.iter_mut().collect();
+            self.model.forward_varlen(emb, &lens, &mut refs, ForwardOpts { last_only: step.last_only, ..Default::default() }, None)
+        };
+        for (s, st) in step.seqs.iter().zip(taken) {
+            self.states.insert(s.id, st);
+        }
+        Ok(out?)
+    }
+
+    /// [`Worker::apply`] that turns an error or a panic into a [`Failure`] and aborts the
+    /// rank's groups, so that its peers stop waiting for it.
+    pub fn run(&mut self, step: &Step) -> std::result::Result<Vec<f32>, Failure> {
+        let rank = self.rank();
+        let f = match catch_unwind(AssertUnwindSafe(|| self.apply(step))) {
+            Ok(Ok(v)) => return Ok(v),
+            Ok(Err(e)) => Failure { rank, aborted: is_abort(&e), msg: e.to_string() },
+            Err(p) => Failure { rank, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) },
+        };
+        self.fail(&f);
+        Err(f)
+    }
+
+    fn fail(&self, f: &Failure) {
+        self.model.groups.abort(&format!("rank {} failed: {}", f.rank, f.msg));
+    }
+}
+
+fn is_abort(e: &EngineError) -> bool {
+    matches!(e, EngineError::Model(ModelError::Core(k3_core::CoreError::Comm { msg, .. })) if msg.contains("aborted"))
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "(no message)".into())
+}
+
+/// Where a non-leader rank gets its steps and sends its replies.
+pub trait StepSource {
+    /// The next step, or `None` once the leader has stopped.
+    fn next(&mut self) -> Result<Option<Step>>;
+    /// Answers the step just applied.
+    fn reply(&mut self, r: Reply) -> Result<()>;
+}
+
+/// Steps as encoded bytes over a channel from the leader thread, replies back over another.
+pub struct ChannelSource {
+    pub steps: Receiver<Arc<Vec<u8>>>,
+    pub replies: Sender<Reply>,
+}
+
+impl StepSource for ChannelSource {
+    fn next(&mut self) -> Result<Option<Step>> {
+        match self.steps.recv() {
+            Ok(b) => Step::decode(&b).map(Some),
+            Err(_) => Ok(None), // the leader dropped its end
+        }
+    }
+    fn reply(&mut self, r: Reply) -> Result<()> {
+        // A leader that has gone is not this rank's error: its next `next` ends the loop.
+        let _ = self.replies.send(r);
+        Ok(())
+    }
+}
+
+/// A non-leader rank's loop: apply each step from `source` and reply, until the source ends
+/// (`Ok`) or this rank fails (its failure, after replying it and aborting its groups).
+pub fn serve(mut worker: Worker, source: &mut dyn StepSource) -> Result<()> {
+    loop {
+        let step = match source.next() {
+            Ok(Some(s)) => s,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                let f = Failure { rank: worker.rank(), msg: e.to_string(), aborted: false };
+                worker.fail(&f);
+                source.reply(Err(f.clone()))?;
+                return Err(f.into());
+            }
+        };
+        match worker.run(&step) {
+            Ok(_) => source.reply(Ok(worker.state_bytes()))?,
+            Err(f) => {
+                source.reply(Err(f.clone()))?;
+                return Err(f.into());
+            }
+        }
+    }
+}
+
+struct Peer {
+    rank: usize,
+    steps: Option<Sender<Arc<Vec<u8>>>>,
+    replies: Receiver<Reply>,
+    thread: Option<JoinHandle<Result<()>>>,
+    state_bytes: usize,
+}
+
+/// Rank 0 on the calling thread, the other ranks of the layout (none for one rank) as threads.
+pub struct ThreadRunner {
+    leader: Worker,
+    peers: Vec<Peer>,
+    /// Unsharded token embeddings for [`Runner::embed`] (rank 0's model on one rank).
+    embedder: Arc<Model>,
+    /// Released since the last step, for the peers (rank 0 drops states at once).
+    released: Vec<SeqId>,
+    /// The failure that stopped the layout.
+    failed: Option<Failure>,
+}
+
+impl ThreadRunner {
+    /// One rank: the whole model on the calling thread.
+    pub fn single(model: Arc<Model>, kda: StateDType) -> ThreadRunner {
+        ThreadRunner { leader: Worker::new(model.clone(), kda), peers: Vec::new(), embedder: model, released: Vec::new(), failed: None }
+    }
+
+    /// Every rank of `par` loaded from `ck` over in-process groups, ranks 1.. started as threads.
+    pub fn start(ck: &Checkpoint, par: Parallel, kda: StateDType) -> Result<ThreadRunner> {
+        Self::start_with_fault(ck, par, kda, None)
+    }
+
+    /// [`ThreadRunner::start`] with a deliberate [`Fault`] (for tests of the failure path).
+    #[doc(hidden)]
+    pub fn start_with_fault(ck: &Checkpoint, par: Parallel, kda: StateDType, fault: Option<Fault>) -> Result<ThreadRunner> {
+        let plans = par.plans(&ck.config)?;
+        let mut workers = Vec::with_capacity(plans.len());
+        for (plan, groups) in plans.into_iter().zip(Groups::host(par)) {
+            let rank = plan.rank;
+            let model = Model::load_rank(ck, plan, groups, true).map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") })?;
+            let mut w = Worker::new(Arc::new(model), kda);
+            w.fault = fault;
+            workers.push(w);
+        }
+        let mut workers = workers.into_iter();
+        let leader = workers.next().ok_or_else(|| EngineError::Unsupported("a parallel layout of no ranks".into()))?;
+        let embedder = if par.world() == 1 { leader.model.clone() } else { Arc::new(Model::load_embedding(ck)?) };
+        let mut peers = Vec::new();
+        for w in workers {
+            let rank = w.rank();
+            let (step_tx, step_rx) = channel();
+            let (reply_tx, reply_rx) = channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("k3-rank-{rank}"))
+                .spawn(move || serve(w, &mut ChannelSource { steps: step_rx, replies: reply_tx }))
+                .map_err(|e| EngineError::Rank { rank, msg: format!("could not start its thread: {e}") })?;
+            peers.push(Peer { rank, steps: Some(step_tx), replies: reply_rx, thread: Some(thread), state_bytes: 0 });
+        }
+        Ok(ThreadRunner { leader, peers, embedder, released: Vec::new(), failed: None })
+    }
+
+    /// Ranks in the layout.
+    pub fn world(&self) -> usize {
+        1 + self.peers.len()
+    }
+
+    fn stop(&mut self, failures: Vec<Failure>) -> EngineError {
+        // The root cause: the first rank that failed on its own, else the first failure.
+        let f = failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
+        self.leader.fail(&f);
+        self.failed = Some(f.clone());
+        f.into()
+    }
+}
+
+impl Runner for ThreadRunner {
+    fn config(&self) -> &Config {
+        &self.leader.model.config
+    }
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.embedder.embed(ids)?)
+    }
+    fn release(&mut self, id: SeqId) {
+        self.leader.release(id);
+        if !self.peers.is_empty() {
+            self.released.push(id);
+        }
+    }
+    fn forward(&mut self, mut step: Step) -> Result<Vec<f32>> {
+        if let Some(f) = &self.failed {
+            return Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) });
+        }
+        if !self.peers.is_empty() {
+            step.released.append(&mut self.released);
+            let bytes = Arc::new(step.encode());
+            for p in &self.peers {
+                if p.steps.as_ref().is_none_or(|tx| tx.send(bytes.clone()).is_err()) {
+                    let f = Failure { rank: p.rank, msg: "its thread has stopped".into(), aborted: false };
+                    return Err(self.stop(vec![f]));
+                }
+            }
+        }
+        let out = self.leader.run(&step);
+        let mut failures: Vec<Failure> = out.as_ref().err().cloned().into_iter().collect();
+        for p in &mut self.peers {
+            match p.replies.recv() {
+                Ok(Ok(bytes)) => p.state_bytes = bytes,
+                Ok(Err(f)) => failures.push(f),
+                Err(_) => failures.push(Failure { rank: p.rank, msg: "its thread stopped without answering".into(), aborted: false }),
+            }
+        }
+        if !failures.is_empty() {
+            return Err(self.stop(failures));
+        }
+        out.map_err(EngineError::from)
+    }
+    fn state_bytes(&self) -> usize {
+        self.leader.state_bytes() + self.peers.iter().map(|p| p.state_bytes).sum::<usize>()
+    }
+}
+
+impl Drop for ThreadRunner {
+    fn drop(&mut self) {
+        // Closing the step channels ends every peer's loop; a peer never waits on a collective
+        // here (each step was answered by every rank before `forward` returned).
+        for p in &mut self.peers {
+            p.steps = None;
+        }
+        for p in &mut self.peers {
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// What [`load`] builds.
+#[derive(Clone, Debug)]
+pub struct RunnerSpec {
+    /// `--tp/--ep/--pp`.
+    pub par: Parallel,
+    /// `None` for the CPU, `Some(ordinal)` for a CUDA device.
+    pub device: Option<usize>,
+    pub kda_state: StateDType,
+    /// GPU: live sequences at once.
+    pub max_seqs: usize,
+    /// GPU: tokens the latent caches hold.
+    pub max_cache_tokens: usize,
+    /// GPU: replay decode steps from CUDA graphs.
+    pub cuda_graphs: bool,
+}
+
+/// The runner for `spec`: one CPU model, ranks as threads, or the model on one GPU. A layout
+/// of several ranks on the GPU is refused (one process per GPU; the launcher is not built).
+pub fn load(ck: &Checkpoint, spec: &RunnerSpec) -> Result<Box<dyn Runner>> {
+    let p = spec.par;
+    Ok(match (spec.device, p.world() > 1) {
+        (None, false) => Box::new(ThreadRunner::single(Arc::new(Model::load(ck)?), spec.kda_state)),
+        (None, true) => Box::new(ThreadRunner::start(ck, p, spec.kda_state)?),
+        (Some(ord), false) => Box::new(load_gpu(ck, ord, spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs)?),
+        (Some(_), true) => {
+            return Err(EngineError::Unsupported(format!(
+                "--tp {} --ep {} --pp {} with --device cuda: multi-GPU serving launches one process per GPU, which is not built yet (see docs/parallel.md); drop --device to run the ranks as threads on the CPU",
+                p.tp, p.ep, p.pp
+            )))
+        }
+    })
+}

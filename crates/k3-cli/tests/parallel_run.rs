@@ -1,0 +1,120 @@
+//! `k3 run` and `k3 serve` over a parallel layout on the CPU (ranks as threads): the greedy
+//! tokens of `k3 run --tp 2`, `--tp 1 --ep 2`, `--pp 2` and `--tp 2 --pp 2` on the golden
+//! fixture are those of one rank; `k3 serve --tp 2` answers a chat completion with the same
+//! message as `--tp 1` (the embedded k3-nano); `--device cuda` with several ranks and a bad
+//! layout are refused naming the flags.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+#[path = "../../../tests/support/golden.rs"]
+mod golden;
+
+fn k3(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_k3")).args(args).output().expect("run k3")
+}
+
+fn run_ids(extra: &[&str]) -> Vec<u64> {
+    let model = golden::fixture("k3_small_mxfp4");
+    let mut args = vec!["run", "--model", model.to_str().unwrap(), "--ids", "1,5,9,22,7,100,3,250,17,64,8,8,30", "-n", "12", "--temperature", "0", "--prefill-chunk", "5", "--json"];
+    args.extend_from_slice(extra);
+    let o = k3(&args);
+    assert!(o.status.success(), "k3 {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("k3 {args:?}: not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)));
+    v["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+#[test]
+fn run_on_any_layout_gives_the_one_rank_tokens() {
+    let one = run_ids(&[]);
+    assert_eq!(one.len(), 12);
+    for extra in [&["--tp", "2"][..], &["--tp", "1", "--ep", "2"], &["--pp", "2"], &["--tp", "2", "--pp", "2"]] {
+        assert_eq!(run_ids(extra), one, "k3 run {extra:?}");
+    }
+}
+
+#[test]
+fn multi_gpu_and_bad_layouts_are_refused() {
+    let model = golden::fixture("k3_small_mxfp4");
+    let m = model.to_str().unwrap();
+    for (extra, want) in [
+        (&["--tp", "2", "--device", "cuda"][..], "one process per GPU"),
+        (&["--tp", "2", "--ep", "4"], "--tp 4 --ep 4"),
+        (&["--pp", "9"], "--pp 9"),
+    ] {
+        let mut args = vec!["run", "--model", m, "--ids", "1,2", "-n", "2"];
+        args.extend_from_slice(extra);
+        let o = k3(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "k3 {args:?}: {err}");
+    }
+    let o = k3(&["serve", "--port", "0", "--tp", "2", "--device", "cuda"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("one process per GPU"), "k3 serve --tp 2 --device cuda: {err}");
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `k3 serve` (the embedded k3-nano) with `extra`, returns it and its `host:port`.
+fn serve(extra: &[&str]) -> (Server, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--served-model-name", "k3"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn k3 serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let server = Server(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(url) = line.split_whitespace().find_map(|w| w.strip_prefix("http://")) {
+                let _ = tx.send(url.to_owned());
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("k3 serve {extra:?} printed no address"));
+    (server, addr)
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> Value {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    let b = body.to_string();
+    write!(s, "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()).expect("write");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).expect("read");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a response head");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+#[test]
+fn serve_tp2_answers_as_tp1() {
+    let req = json!({
+        "model": "k3", "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 12, "temperature": 0, "reasoning_effort": "none", "logprobs": true, "top_logprobs": 2,
+    });
+    let answer = |extra: &[&str]| {
+        let (_server, addr) = serve(extra);
+        let v = post(&addr, "/v1/chat/completions", &req);
+        (v["choices"][0]["message"].clone(), v["choices"][0]["logprobs"]["content"].as_array().map(|c| c.iter().map(|t| t["token"].clone()).collect::<Vec<_>>()), v["usage"].clone())
+    };
+    let one = answer(&["--tp", "1"]);
+    assert!(one.0["content"].as_str().is_some_and(|c| !c.is_empty()), "{:?}", one.0);
+    assert_eq!(answer(&["--tp", "2"]), one);
+    assert_eq!(answer(&["--tp", "2", "--pp", "2"]), one);
+}
