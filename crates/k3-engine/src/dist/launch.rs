@@ -13,15 +13,17 @@
 //! layout, `config.json` and the checkpoint's shard headers, so ranks running different builds
 //! or checkpoints refuse to start before any weight moves; rank 0 hands out its payload (the
 //! NCCL ids of the world's communicators). The node's first process watches the ranks it
-//! started: one that exits with an error aborts this process's communicators at once (the
-//! others see their peers fail within the NCCL timeout), and [`World::finish`] reports it by
-//! rank.
+//! started: one that exits before the world has formed ends [`World::start`] at once with an
+//! error naming it (it can never check in, so the rendezvous would otherwise wait out its
+//! timeout); one that exits with an error later runs [`World::on_child_failure`] (which aborts
+//! this process's communicators, so the others see their peers fail within the NCCL timeout),
+//! and [`World::finish`] reports it by rank.
 
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k3_core::comm::control::{self, node_specs, Control, WorldSpec};
@@ -83,6 +85,52 @@ impl Children {
             .map_err(|e| launch_err(format!("starting rank {} ({}): {e}", spec.rank, exe.display())))?;
         self.procs.lock().unwrap_or_else(|p| p.into_inner()).push((spec.rank, child));
         Ok(())
+    }
+
+    /// The first of these ranks that has exited (successfully or not), as `rank R exited with
+    /// STATUS`.
+    fn exited(&self) -> Option<String> {
+        let mut procs = self.procs.lock().unwrap_or_else(|p| p.into_inner());
+        procs.iter_mut().find_map(|(rank, c)| match c.try_wait() {
+            Ok(Some(st)) => Some(format!("rank {rank} exited with {st}")),
+            Ok(None) => None,
+            Err(e) => Some(format!("rank {rank}: checking on it failed: {e}")),
+        })
+    }
+
+    /// Runs the rendezvous `run` on a thread while watching these ranks: one that exits before
+    /// it ends can never check in, so that ends the wait at once with an error naming it. (A
+    /// rank may also finish quickly right after its go; the rendezvous result is due then and
+    /// wins if it comes within a second. A rendezvous thread left behind ends by its own
+    /// timeout.)
+    fn rendezvous(&self, run: impl FnOnce() -> k3_core::Result<Control> + Send + 'static) -> Result<Control> {
+        let comm = |e: k3_core::CoreError| launch_err(e.to_string());
+        if self.procs.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            return run().map_err(comm);
+        }
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("k3-rendezvous".into())
+            .spawn(move || {
+                let _ = tx.send(run());
+            })
+            .map_err(|e| launch_err(format!("starting the rendezvous thread: {e}")))?;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => return r.map_err(comm),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Err(launch_err("the rendezvous thread panicked")),
+            }
+            if let Some(why) = self.exited() {
+                return match rx.recv_timeout(Duration::from_secs(1)) {
+                    Ok(Ok(c)) => Ok(c),
+                    Ok(Err(e)) => Err(launch_err(format!("{e} ({why})"))),
+                    Err(_) => Err(launch_err(format!(
+                        "{why} before every rank had checked in: the world cannot form without it (its own output says why)"
+                    ))),
+                };
+            }
+        }
     }
 
     /// Polls the children every 100 ms; the first one to exit with an error is recorded and
@@ -219,7 +267,7 @@ impl World {
             let control = control::rendezvous(&spec, digest, p, timeout).map_err(|e| launch_err(e.to_string()))?;
             return Ok(World { spec, par, control, children: Children::none() });
         }
-        if node.nnodes == 0 || n % node.nnodes != 0 {
+        if node.nnodes == 0 || !n.is_multiple_of(node.nnodes) {
             return Err(launch_err(format!("--nnodes {}: the layout's {n} ranks must split evenly over the nodes", node.nnodes)));
         }
         let ppn = n / node.nnodes;
@@ -243,14 +291,14 @@ impl World {
         }
         let spec = specs[0].clone();
         let opts = control::Options::new(timeout);
+        let (s, d) = (spec.clone(), digest.to_string());
         let control = match listener {
             Some(l) => {
                 let p = payload()?;
-                control::lead(l, &spec, digest, Some(p), &opts)
+                children.rendezvous(move || control::lead(l, &s, &d, Some(p), &opts))?
             }
-            None => control::rendezvous_with(&spec, digest, None, &opts),
-        }
-        .map_err(|e| launch_err(e.to_string()))?;
+            None => children.rendezvous(move || control::rendezvous_with(&s, &d, None, &opts))?,
+        };
         Ok(World { spec, par, control, children })
     }
 
