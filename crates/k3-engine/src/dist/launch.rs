@@ -62,11 +62,14 @@ struct Children {
     procs: Arc<Mutex<Vec<(usize, Child)>>>,
     failed: Arc<Mutex<Option<String>>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    /// The watcher thread: joined before [`Children::wait`] returns, so what its callback holds
+    /// (a rank's NCCL communicators) is released before the process goes on to exit.
+    watcher: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Children {
     fn none() -> Children {
-        Children { procs: Arc::default(), failed: Arc::default(), stop: Arc::default() }
+        Children { procs: Arc::default(), failed: Arc::default(), stop: Arc::default(), watcher: Mutex::new(None) }
     }
 
     /// Starts rank `spec.rank` as a copy of this process.
@@ -137,7 +140,7 @@ impl Children {
     /// `on_fail` runs (it aborts this rank's communicators so it stops waiting for that peer).
     fn watch(&self, on_fail: impl Fn(&str) + Send + 'static) {
         let (procs, failed, stop) = (self.procs.clone(), self.failed.clone(), self.stop.clone());
-        std::thread::spawn(move || {
+        let h = std::thread::spawn(move || {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let mut why = None;
                 for (rank, c) in procs.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
@@ -155,12 +158,21 @@ impl Children {
                 std::thread::sleep(Duration::from_millis(100));
             }
         });
+        *self.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
+    }
+
+    /// Stops the watcher and waits for its thread (at most one poll interval).
+    fn stop_watching(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(h) = self.watcher.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = h.join();
+        }
     }
 
     /// Waits (up to `limit`) for every child; the first failure names its rank. Children still
     /// running after `limit` are killed.
     fn wait(&self, limit: Duration) -> Result<()> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop_watching();
         let t0 = Instant::now();
         let mut procs = std::mem::take(&mut *self.procs.lock().unwrap_or_else(|p| p.into_inner()));
         let mut first: Option<String> = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -196,7 +208,7 @@ impl Children {
 
 impl Drop for Children {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop_watching();
         for (_, c) in self.procs.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
             if let Ok(None) = c.try_wait() {
                 let _ = c.kill();
