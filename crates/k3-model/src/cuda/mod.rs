@@ -101,7 +101,7 @@ pub enum Mixer {
 
 pub enum Ffn {
     Dense(ffn::Mlp),
-    Moe(moe::Moe),
+    Moe(Box<moe::Moe>),
 }
 
 pub struct Layer {
@@ -212,7 +212,7 @@ impl CudaModel {
                             let inter = plan.tp_share(t.intermediate_size).len();
                             Ffn::Dense(ffn::Mlp::load(dev, &src, &format!("{p}mlp."), h, inter, t.activation_situ_beta, t.activation_situ_linear_beta, dt)?)
                         }
-                        FfnKind::Moe => Ffn::Moe(moe::Moe::load(dev, &src, &cfg, l, dt)?),
+                        FfnKind::Moe => Ffn::Moe(Box::new(moe::Moe::load(dev, &src, &cfg, l, dt)?)),
                     },
                 })
             })
