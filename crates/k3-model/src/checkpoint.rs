@@ -162,8 +162,12 @@ impl Checkpoint {
     /// Checks every tensor of the config's table: present, right shape, right dtype; and that no
     /// layer holds a tensor the table does not know (e.g. `self_attn.indexer.wk.bias`).
     pub fn check(&self) -> Result<()> {
-        let table = weights::tensor_table(&self.config);
-        for spec in &table {
+        self.check_table(&weights::tensor_table(&self.config))
+    }
+
+    /// [`Checkpoint::check`] against a table the caller already built from this config.
+    pub fn check_table(&self, table: &[TensorSpec]) -> Result<()> {
+        for spec in table {
             self.check_one(spec)?;
         }
         let known: std::collections::HashSet<&str> = table.iter().map(|s| s.name.as_str()).collect();

@@ -155,9 +155,8 @@ impl Model {
     /// One rank's model: only the tensors `plan` gives it are touched (row shards are views of
     /// the memory map, column shards copies). `scan_scales`: check every MXFP4 scale byte now.
     pub fn load_rank(ck: &Checkpoint, plan: RankPlan, groups: Groups, scan_scales: bool) -> Result<Model> {
-        ck.check()?;
         let cfg = ck.config.clone();
-        let src = Source::new(ck, plan);
+        let src = Source::checked(ck, plan)?;
         let t = &cfg.text;
         let (h, v, eps) = (t.hidden_size, t.vocab_size, t.rms_norm_eps);
         let plan = &src.plan;

@@ -42,7 +42,18 @@ pub struct Source<'a> {
 
 impl<'a> Source<'a> {
     pub fn new(ck: &'a Checkpoint, plan: RankPlan) -> Source<'a> {
-        let specs = tensor_table(&ck.config).into_iter().map(|s| (s.name.clone(), s)).collect();
+        Self::from_table(ck, plan, tensor_table(&ck.config))
+    }
+
+    /// [`Source::new`] after [`Checkpoint::check_table`] on the same table (built once).
+    pub fn checked(ck: &'a Checkpoint, plan: RankPlan) -> Result<Source<'a>> {
+        let table = tensor_table(&ck.config);
+        ck.check_table(&table)?;
+        Ok(Self::from_table(ck, plan, table))
+    }
+
+    fn from_table(ck: &'a Checkpoint, plan: RankPlan, table: Vec<TensorSpec>) -> Source<'a> {
+        let specs = table.into_iter().map(|s| (s.name.clone(), s)).collect();
         Source { ck, plan, specs }
     }
 

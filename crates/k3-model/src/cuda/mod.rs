@@ -180,7 +180,6 @@ impl CudaModel {
     /// One rank's model on `dev`: only the tensors `plan` gives it are read and uploaded (row
     /// shards are views of the memory map, column shards copies of their columns).
     pub fn load_rank(ck: &Checkpoint, dev: &CudaDevice, plan: RankPlan, groups: CudaGroups, cache: CacheConfig, precision: Precision) -> Result<CudaModel> {
-        ck.check()?;
         let dt = precision.dtype();
         let cfg = ck.config.clone();
         let t = &cfg.text;
@@ -188,7 +187,7 @@ impl CudaModel {
         if v % plan.par.tp != 0 {
             return Err(ModelError::Field { field: "text_config.vocab_size".into(), msg: format!("{v} does not split evenly over --tp {}: the GPU gathers the logits in equal parts", plan.par.tp) });
         }
-        let src = Source::new(ck, plan);
+        let src = Source::checked(ck, plan)?;
         let plan = &src.plan;
         let free = Free::new(&cache);
         let layers = cfg.layers[plan.layers.clone()]
