@@ -1,8 +1,9 @@
 //! `k3 run` and `k3 serve` over a parallel layout on the CPU (ranks as threads): the greedy
 //! tokens of `k3 run --tp 2`, `--tp 1 --ep 2`, `--pp 2` and `--tp 2 --pp 2` on the golden
 //! fixture are those of one rank; `k3 serve --tp 2` answers a chat completion with the same
-//! message as `--tp 1` (the embedded k3-nano); `--device cuda` with several ranks and a bad
-//! layout are refused naming the flags.
+//! message as `--tp 1` (the embedded k3-nano); `--device cuda` with several ranks in a build
+//! without CUDA, node flags and `--precision` on the CPU, and a bad layout are refused naming
+//! the flags (the GPU world itself: `scripts/gpu/parallel_serve.sh`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -42,20 +43,25 @@ fn run_on_any_layout_gives_the_one_rank_tokens() {
 fn multi_gpu_and_bad_layouts_are_refused() {
     let model = golden::fixture("k3_small_mxfp4");
     let m = model.to_str().unwrap();
-    for (extra, want) in [
-        (&["--tp", "2", "--device", "cuda"][..], "one process per GPU"),
-        (&["--tp", "2", "--ep", "4"], "--tp 4 --ep 4"),
+    // With CUDA built in, --device cuda --tp 2 would start a real world of processes.
+    let gpu: &[(&[&str], &str)] = if cfg!(feature = "cuda") { &[] } else { &[(&["--tp", "2", "--device", "cuda"], "no CUDA support")] };
+    for (extra, want) in gpu.iter().copied().chain([
+        (&["--tp", "2", "--ep", "4"][..], "--tp 4 --ep 4"),
         (&["--pp", "9"], "--pp 9"),
-    ] {
+        (&["--nnodes", "2"], "add --device cuda"),
+        (&["--precision", "f32"], "--precision applies to --device cuda"),
+    ]) {
         let mut args = vec!["run", "--model", m, "--ids", "1,2", "-n", "2"];
         args.extend_from_slice(extra);
         let o = k3(&args);
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success() && err.contains(want), "k3 {args:?}: {err}");
     }
-    let o = k3(&["serve", "--port", "0", "--tp", "2", "--device", "cuda"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("one process per GPU"), "k3 serve --tp 2 --device cuda: {err}");
+    if !cfg!(feature = "cuda") {
+        let o = k3(&["serve", "--port", "0", "--tp", "2", "--device", "cuda"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains("no CUDA support") && err.contains("one process per GPU"), "k3 serve --tp 2 --device cuda: {err}");
+    }
 }
 
 struct Server(Child);

@@ -1,6 +1,11 @@
-//! The engine's GPU runner: the whole model on one CUDA device (`k3_model::cuda::CudaModel`),
-//! its per-sequence states (by sequence id), and decode steps replayed from CUDA graphs
-//! captured once per batch size; it implements the engine's [`Runner`](crate::dist::runner::Runner).
+//! The engine's GPU runner: the model on one CUDA device (`k3_model::cuda::CudaModel`: the
+//! whole model, or one rank's shards), its per-sequence states (by sequence id), and decode
+//! steps replayed from CUDA graphs captured once per batch size; it implements the engine's
+//! [`Runner`](crate::dist::runner::Runner) and, for the ranks ≠ 0 of a multi-process world,
+//! [`RankWorker`](crate::dist::runner::RankWorker) (`GpuRunner::worker`: a sequence's state
+//! is made on its first step, as the CPU worker does; rank 0 alone decides admission). Every
+//! rank decides graph or eager, and captures, from the step alone (a decode step without own
+//! rows, its batch size seen before or not), so all ranks make the same collective calls.
 //! With the `cuda` feature off, [`GpuRunner`] and [`GpuSeq`] are uninhabited types, so the
 //! scheduler in `engine.rs` has one code path and no `cfg` branches.
 //!
@@ -58,7 +63,7 @@ mod imp {
     use k3_model::{Config, Model};
 
     use super::CacheBudget;
-    use crate::dist::runner::{Runner, Step};
+    use crate::dist::runner::{RankWorker, Runner, Step};
     use crate::engine::SeqId;
     use crate::error::{EngineError, Result};
 
@@ -77,12 +82,22 @@ mod imp {
         /// The embedding table on the host (a view of the map), for steps with their own rows.
         embedder: Model,
         seqs: HashMap<SeqId, GpuSeq>,
+        /// A rank ≠ 0: sequences get their state on first sight (rank 0 admitted them).
+        on_sight: bool,
     }
 
     impl GpuRunner {
         pub fn new(model: CudaModel, embedder: Model, use_graphs: bool) -> Self {
             let budget = CacheBudget::new(model.cache.max_tokens, k3_core::cuda::mla::PAGE);
-            GpuRunner { model, use_graphs, graphs: HashMap::new(), budget, embedder, seqs: HashMap::new() }
+            GpuRunner { model, use_graphs, graphs: HashMap::new(), budget, embedder, seqs: HashMap::new(), on_sight: false }
+        }
+
+        /// A rank ≠ 0 of a multi-process world: it applies rank 0's steps ([`RankWorker`]);
+        /// a sequence's state is made the first time a step plans it, in step order. Its pools
+        /// equal rank 0's and it only holds sequences rank 0 holds, so whatever rank 0 admitted
+        /// fits here too.
+        pub fn worker(model: CudaModel, embedder: Model, use_graphs: bool) -> Self {
+            GpuRunner { on_sight: true, ..Self::new(model, embedder, use_graphs) }
         }
 
         /// One packed step; `emb` replaces the token embeddings when given. Returns each
@@ -146,6 +161,14 @@ mod imp {
             if !step.last_only {
                 return Err(EngineError::Unsupported("the GPU runner returns last-row logits only".into()));
             }
+            if self.on_sight {
+                for s in &step.seqs {
+                    if !self.seqs.contains_key(&s.id) {
+                        let state = self.model.new_sequence()?;
+                        self.seqs.insert(s.id, GpuSeq { state, pages: 0 });
+                    }
+                }
+            }
             let mut seen = std::collections::HashSet::new();
             if let Some(s) = step.seqs.iter().find(|s| !self.seqs.contains_key(&s.id) || !seen.insert(s.id)) {
                 return Err(EngineError::Step(format!("sequence {} has no GPU state or is planned twice", s.id)));
@@ -177,14 +200,38 @@ mod imp {
         fn state_bytes(&self) -> usize {
             0 // the states live in the device pools, sized at start-up
         }
+        fn abort(&self, why: &str) {
+            self.model.groups.abort(why);
+        }
+    }
+
+    impl RankWorker for GpuRunner {
+        fn rank(&self) -> usize {
+            self.model.plan.rank
+        }
+        fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
+            Runner::forward(self, step.clone())
+        }
+        fn abort(&self, why: &str) {
+            self.model.groups.abort(why);
+        }
+        fn state_bytes(&self) -> usize {
+            0
+        }
     }
 
     /// Uploads the checkpoint to CUDA device `ordinal` with room for `max_seqs` live sequences
-    /// and `max_tokens` cached tokens; decode steps use CUDA graphs when `graphs`.
-    pub fn load_gpu(ck: &k3_model::Checkpoint, ordinal: usize, max_seqs: usize, max_tokens: usize, graphs: bool) -> Result<GpuRunner> {
+    /// and `max_tokens` cached tokens, in bf16 (or f32 when `f32`); decode steps use CUDA
+    /// graphs when `graphs`.
+    pub fn load_gpu(ck: &k3_model::Checkpoint, ordinal: usize, max_seqs: usize, max_tokens: usize, graphs: bool, f32: bool) -> Result<GpuRunner> {
         let dev = k3_core::cuda::CudaDevice::new(ordinal).map_err(k3_model::ModelError::from)?;
-        let model = CudaModel::load(ck, &dev, k3_model::cuda::CacheConfig { max_seqs, max_tokens })?;
+        let model = CudaModel::load_with(ck, &dev, k3_model::cuda::CacheConfig { max_seqs, max_tokens }, precision(f32))?;
         Ok(GpuRunner::new(model, Model::load_embedding(ck)?, graphs))
+    }
+
+    /// The GPU precision of an `--precision f32` flag.
+    pub fn precision(f32: bool) -> k3_model::cuda::Precision {
+        if f32 { k3_model::cuda::Precision::F32 } else { k3_model::cuda::Precision::Bf16 }
     }
 }
 
@@ -220,11 +267,13 @@ mod imp {
     }
 
     /// Always an error: this build has no CUDA support.
-    pub fn load_gpu(_: &k3_model::Checkpoint, _: usize, _: usize, _: usize, _: bool) -> Result<GpuRunner> {
+    pub fn load_gpu(_: &k3_model::Checkpoint, _: usize, _: usize, _: usize, _: bool, _: bool) -> Result<GpuRunner> {
         Err(crate::error::EngineError::Unsupported("this build has no CUDA support: rebuild with `cargo build --release --features cuda`".into()))
     }
 }
 
+#[cfg(feature = "cuda")]
+pub use imp::precision;
 pub use imp::{load_gpu, GpuRunner, GpuSeq};
 
 #[cfg(test)]

@@ -1,16 +1,21 @@
 //! `k3 serve`: the command-line arguments and the entry point the `k3` binary calls.
 //!
 //! Loads the model on the runner the flags ask for (one CPU model, the ranks of a `--tp/--ep/--pp`
-//! layout as threads, or one GPU; `k3_engine::dist::runner::load`), the tokenizer, by default the model directory's `tiktoken.model`, and
+//! layout as threads, one GPU, or with `--device cuda` one process per GPU;
+//! `k3_engine::dist::process::launch`: only rank 0 goes on to serve, the other ranks run rank
+//! 0's steps until it stops, then exit 0), the tokenizer, by default the model directory's `tiktoken.model`, and
 //! the vision tower when `config.json` has a `vision_config`),
 //! starts the engine on its scheduler thread, binds `--host:--port` (loopback by default) and
-//! serves until Ctrl-C / SIGTERM, then gives open requests `--shutdown-timeout` seconds. The line `k3 serve: listening on http://ADDR` is printed to
+//! serves until Ctrl-C / SIGTERM (or a rank of its world fails: then it stops and exits with
+//! that rank's error), then gives open requests `--shutdown-timeout` seconds. The line `k3 serve: listening on http://ADDR` is printed to
 //! stdout once the socket is bound, so scripts can wait for it.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use k3_engine::dist::runner::{self, RunnerSpec};
+use k3_engine::dist::launch::NodeArgs;
+use k3_engine::dist::process::{self, Finish, Role, FINISH_LIMIT};
+use k3_engine::dist::runner::RunnerSpec;
 use k3_engine::{Engine, EngineConfig};
 use k3_model::{Checkpoint, Parallel};
 use k3_tokenizer::Tokenizer;
@@ -102,6 +107,9 @@ pub struct ServeArgs {
     /// GPU only: run decode steps eagerly instead of replaying CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// GPU precision: bf16 (the serving path) or f32 (the reference path: slow, for checks).
+    #[arg(long)]
+    pub precision: Option<String>,
 }
 
 /// Parses `--device`: `None` for the CPU, `Some(ordinal)` for `cuda` / `cuda:N`.
@@ -114,13 +122,20 @@ pub fn parse_device(d: &str) -> std::result::Result<Option<usize>, String> {
 }
 
 /// Runs `k3 serve` until interrupted, the model laid out as `par` (`--tp/--ep/--pp`, parsed by
-/// the `k3` binary's shared flag group).
-pub fn run_serve(a: ServeArgs, par: Parallel) -> Result<()> {
+/// the `k3` binary's shared flag group), this process placed in its world by `node`
+/// (`--nnodes --node-rank --master-addr`). A rank ≠ 0 returns once rank 0 has stopped.
+pub fn run_serve(a: ServeArgs, par: Parallel, node: &NodeArgs) -> Result<()> {
     let model_dir = a.model.clone().ok_or_else(|| ServerError::Config("no --model given".into()))?;
     let ck = Checkpoint::open(&model_dir)?;
     let device = parse_device(&a.device).map_err(ServerError::Config)?;
+    let gpu_f32 = match (a.precision.as_deref(), device) {
+        (None, _) => false,
+        (Some(_), None) => return Err(ServerError::Config("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda".into())),
+        (Some("bf16"), Some(_)) => false,
+        (Some("f32"), Some(_)) => true,
+        (Some(p), Some(_)) => return Err(ServerError::Config(format!("--precision `{p}` is not one of bf16, f32"))),
+    };
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| model_dir.clone());
-    let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     if a.max_batch == 0 {
         return Err(ServerError::Config("--max-batch must be at least 1".into()));
     }
@@ -134,6 +149,13 @@ pub fn run_serve(a: ServeArgs, par: Parallel) -> Result<()> {
     let read_timeout = secs("--read-timeout", a.read_timeout)?;
     let shutdown_timeout = secs("--shutdown-timeout", a.shutdown_timeout)?;
     let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1), kda_state: a.kda_state.into() };
+    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };
+    let (runner, finish) = match process::launch(&ck, &spec, node) {
+        Ok(Role::Leader(r, f)) => (r, f),
+        Ok(Role::Worker) => return Ok(()), // rank 0 served; it has stopped
+        Err(e) => return Err(ServerError::Config(if device.is_some() { format!("--device {}: {e}", a.device) } else { e.to_string() })),
+    };
+    let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     let vision = match ck.config.vision_config {
         Some(_) => Some(Arc::new(VisionModel::load(&ck).map_err(|e| ServerError::Config(format!("loading the vision tower: {e}")))?)),
         None => None,
@@ -147,8 +169,6 @@ pub fn run_serve(a: ServeArgs, par: Parallel) -> Result<()> {
         }
         ok
     });
-    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: !a.no_cuda_graphs };
-    let runner = runner::load(&ck, &spec).map_err(|e| ServerError::Config(if device.is_some() { format!("--device {}: {e}", a.device) } else { e.to_string() }))?;
     let engine = Engine::with_runner(runner, Some(tok.clone()), ecfg);
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());
@@ -169,22 +189,37 @@ pub fn run_serve(a: ServeArgs, par: Parallel) -> Result<()> {
     };
     let io = |what: String| move |source| ServerError::Io { what, source };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the async runtime".into()))?;
-    let r = rt.block_on(async move {
+    let finish_limit = shutdown_timeout + FINISH_LIMIT;
+    let world = Arc::new(finish);
+    let stopped = world.clone();
+    let r: Result<()> = rt.block_on(async move {
         let router = build_with_vision(Box::new(engine), tok, cfg.clone(), vision)?;
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.map_err(io(format!("binding {addr} (--host/--port)")))?;
         let bound = listener.local_addr().map_err(io("reading the bound address".into()))?;
         println!("k3 serve: listening on http://{bound} (model `{}`)", cfg.served_model_name);
-        serve_connections(listener, router, &cfg, shutdown_signal()).await?;
+        serve_connections(listener, router, &cfg, shutdown_signal(stopped)).await?;
         eprintln!("k3 serve: stopped");
         Ok(())
     });
     // Image encodes still running on blocking threads must not hold the exit.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
-    r
+    // The engine goes when its scheduler thread sees the last handle gone; that shuts a world
+    // of processes down (its workers exit), or this does after the limit.
+    let failed = world.failed();
+    let finished = world.wait(finish_limit);
+    r?;
+    finished.map_err(|e| if failed { ServerError::Engine(e) } else { ServerError::Config(format!("stopping the workers: {e}")) })
 }
 
-async fn shutdown_signal() {
+/// Ctrl-C, SIGTERM, or the end of the world this server leads (a rank failed).
+async fn shutdown_signal(world: Arc<Finish>) {
+    let failed = async move {
+        while !world.failed() {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        eprintln!("k3 serve: a rank of the parallel world failed; stopping");
+    };
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -199,5 +234,5 @@ async fn shutdown_signal() {
     };
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tokio::select! { _ = ctrl_c => {}, _ = term => {}, _ = failed => {} }
 }

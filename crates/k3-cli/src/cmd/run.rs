@@ -3,15 +3,19 @@
 //! `--json`, one JSON object on stdout at the end). `--ids` takes token ids instead of text.
 //! On a terminal, loading shows a spinner and a prompt longer than `--prefill-chunk` a prefill
 //! progress bar (both on stderr, cleared before the text; nothing when stderr is not a TTY).
-//! `--tp/--ep/--pp` run the ranks of that layout as threads (`--device cpu`); the tokens are
-//! those of one rank.
+//! `--tp/--ep/--pp` run the ranks of that layout as threads (`--device cpu`), or with
+//! `--device cuda` as one process per GPU (`k3_engine::dist::process::launch`: started by
+//! torchrun/Slurm, or by this process for its node; `--nnodes --node-rank --master-addr` for
+//! several nodes): rank 0 prints the text, the other ranks print nothing and exit 0 once it
+//! is done. The tokens are those of one rank (within the precision's rounding on the GPU).
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use k3_engine::dist::runner::{self, RunnerSpec};
+use k3_engine::dist::process::{self, Role, FINISH_LIMIT};
+use k3_engine::dist::runner::RunnerSpec;
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
 use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
@@ -97,8 +101,14 @@ pub struct Args {
     /// GPU only: run decode steps eagerly instead of replaying a CUDA graph.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// GPU precision: bf16 (the serving path) or f32 (the reference path; for comparing
+    /// layouts exactly). The CPU computes in f32.
+    #[arg(long)]
+    pub precision: Option<String>,
     #[command(flatten)]
     pub parallel: super::args::ParallelArgs,
+    #[command(flatten)]
+    pub launch: super::args::LaunchArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -113,6 +123,11 @@ pub fn run(a: Args) -> Result<()> {
     let par = a.parallel.layout()?;
     let ck = Checkpoint::open(&dir)?;
     let device = k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)?;
+    let gpu_f32 = match (&a.precision, device) {
+        (None, _) => false,
+        (Some(p), Some(_)) => super::logits::parse_precision(p)?,
+        (Some(_), None) => bail!("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda"),
+    };
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| dir.clone());
     let tokenizer = if tok_dir.join("tiktoken.model").is_file() { Some(Arc::new(Tokenizer::from_dir(&tok_dir)?)) } else { None };
     let prompt: Vec<u32> = match (&a.ids, &a.prompt, &tokenizer) {
@@ -133,15 +148,18 @@ pub fn run(a: Args) -> Result<()> {
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
     let ecfg = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.into() };
     let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
-    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs };
-    let runner = match device {
-        Some(_) => runner::load(&ck, &spec).with_context(|| format!("--device {}", a.device))?,
-        None => runner::load(&ck, &spec)?,
-    };
-    let mut engine = Engine::with_runner(runner, tokenizer.clone(), ecfg);
+    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };
+    let role = process::launch(&ck, &spec, &a.launch.node());
     if let Some(sp) = spinner {
         sp.finish_and_clear();
     }
+    let (runner, world) = match role {
+        Ok(Role::Leader(r, f)) => (r, f),
+        Ok(Role::Worker) => return Ok(()), // rank 0 printed the text
+        Err(e) if device.is_some() => return Err(anyhow::Error::new(e).context(format!("--device {}", a.device))),
+        Err(e) => return Err(e.into()),
+    };
+    let mut engine = Engine::with_runner(runner, tokenizer.clone(), ecfg);
     let mut text = String::new();
     let stdout = std::io::stdout();
     // On a terminal, a bar while a long prompt is prefilled (nothing when stderr is not a TTY).
@@ -167,6 +185,8 @@ pub fn run(a: Args) -> Result<()> {
             let _ = o.flush();
         }
     }, &mut prefilled)?;
+    drop(engine); // shuts a world of processes down: its workers exit
+    world.wait(FINISH_LIMIT)?;
     let tps = |n: usize, d: std::time::Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { 0.0 };
     let prefill_tps = tps(stats.prompt_tokens, stats.prefill_time);
     let decode_tps = tps(stats.output_tokens.saturating_sub(1), stats.decode_time);

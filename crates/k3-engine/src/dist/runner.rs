@@ -10,9 +10,11 @@
 //!   drops the released states, creates a state on a sequence's first sight, embeds the tokens
 //!   (or takes the step's own rows) and runs `Model::forward_varlen`. Every rank applies the
 //!   same steps in the same order, so their collectives pair up.
+//! - [`RankWorker`]: what the worker loop drives — one rank that applies steps: the CPU
+//!   [`Worker`], or the GPU runner of a rank ≠ 0 (`crate::gpu`).
 //! - [`serve`]: a non-leader rank's loop: the next step from a [`StepSource`] (a channel of
-//!   encoded steps between threads, [`ChannelSource`]; the control plane between processes
-//!   later), apply it, reply with the outcome, until the source ends.
+//!   encoded steps between threads, [`ChannelSource`]; the control plane between processes,
+//!   `dist::process::ControlSource`), apply it, reply with the outcome, until the source ends.
 //! - [`ThreadRunner`]: rank 0 is a [`Worker`] on the calling thread (it gets the logits: on a
 //!   pipeline layout the last stage sends them to the first); ranks 1.. are threads running
 //!   [`serve`]. A rank that fails or panics aborts the layout's groups, so no rank waits on it;
@@ -58,6 +60,37 @@ pub trait Runner: Send {
     fn forward(&mut self, step: Step) -> Result<Vec<f32>>;
     /// Bytes held by live sequence states (on a parallel layout, every rank's, as last reported).
     fn state_bytes(&self) -> usize;
+    /// Aborts this runner's collectives with `why` (a peer failed: whatever waits on it stops).
+    fn abort(&self, why: &str) {
+        let _ = why;
+    }
+}
+
+/// One rank that applies steps: what [`serve`] and [`run_step`] drive. Every rank of a layout
+/// applies the same steps in the same order, so their collectives pair up.
+pub trait RankWorker {
+    /// The global rank (named in failures).
+    fn rank(&self) -> usize;
+    /// Applies one step: drops the released states, makes states on first sight, runs the
+    /// forward. Returns the logits where this rank gets them (may be empty).
+    fn apply(&mut self, step: &Step) -> Result<Vec<f32>>;
+    /// Aborts this rank's collectives, so that its peers stop waiting for it.
+    fn abort(&self, why: &str);
+    /// Bytes held by this rank's live sequence states.
+    fn state_bytes(&self) -> usize;
+}
+
+/// [`RankWorker::apply`] that turns an error or a panic into a [`Failure`] and aborts the
+/// rank's collectives, so that its peers stop waiting for it.
+pub fn run_step<W: RankWorker + ?Sized>(w: &mut W, step: &Step) -> std::result::Result<Vec<f32>, Failure> {
+    let rank = w.rank();
+    let f = match catch_unwind(AssertUnwindSafe(|| w.apply(step))) {
+        Ok(Ok(v)) => return Ok(v),
+        Ok(Err(e)) => Failure { rank, aborted: is_abort(&e), msg: e.to_string() },
+        Err(p) => Failure { rank, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) },
+    };
+    w.abort(&format!("rank {} failed: {}", f.rank, f.msg));
+    Err(f)
 }
 
 /// A deliberate failure, for the tests of the failure path: rank `rank` fails (or panics) at
@@ -177,17 +210,10 @@ impl Worker {
         Ok(out?)
     }
 
-    /// [`Worker::apply`] that turns an error or a panic into a [`Failure`] and aborts the
-    /// rank's groups, so that its peers stop waiting for it.
+    /// [`Worker::apply`] through [`run_step`]: an error or a panic becomes a [`Failure`] and
+    /// aborts the rank's groups.
     pub fn run(&mut self, step: &Step) -> std::result::Result<Vec<f32>, Failure> {
-        let rank = self.rank();
-        let f = match catch_unwind(AssertUnwindSafe(|| self.apply(step))) {
-            Ok(Ok(v)) => return Ok(v),
-            Ok(Err(e)) => Failure { rank, aborted: is_abort(&e), msg: e.to_string() },
-            Err(p) => Failure { rank, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) },
-        };
-        self.fail(&f);
-        Err(f)
+        run_step(self, step)
     }
 
     fn fail(&self, f: &Failure) {
@@ -195,11 +221,28 @@ impl Worker {
     }
 }
 
-fn is_abort(e: &EngineError) -> bool {
-    matches!(e, EngineError::Model(ModelError::Core(k3_core::CoreError::Comm { msg, .. })) if msg.contains("aborted"))
+impl RankWorker for Worker {
+    fn rank(&self) -> usize {
+        Worker::rank(self)
+    }
+    fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
+        Worker::apply(self, step)
+    }
+    fn abort(&self, why: &str) {
+        self.model.groups.abort(why);
+    }
+    fn state_bytes(&self) -> usize {
+        Worker::state_bytes(self)
+    }
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+/// A rank that stopped in a collective (aborted by a peer, or a peer died or never came):
+/// usually a consequence of another rank's failure, so the leader reports that one first.
+pub(crate) fn is_abort(e: &EngineError) -> bool {
+    matches!(e, EngineError::Model(ModelError::Core(k3_core::CoreError::Comm { .. })))
+}
+
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "(no message)".into())
 }
 
@@ -233,19 +276,19 @@ impl StepSource for ChannelSource {
 
 /// A non-leader rank's loop: apply each step from `source` and reply, until the source ends
 /// (`Ok`) or this rank fails (its failure, after replying it and aborting its groups).
-pub fn serve(mut worker: Worker, source: &mut dyn StepSource) -> Result<()> {
+pub fn serve<W: RankWorker>(mut worker: W, source: &mut dyn StepSource) -> Result<()> {
     loop {
         let step = match source.next() {
             Ok(Some(s)) => s,
             Ok(None) => return Ok(()),
             Err(e) => {
                 let f = Failure { rank: worker.rank(), msg: e.to_string(), aborted: false };
-                worker.fail(&f);
+                worker.abort(&format!("rank {} failed: {}", f.rank, f.msg));
                 source.reply(Err(f.clone()))?;
                 return Err(f.into());
             }
         };
-        match worker.run(&step) {
+        match run_step(&mut worker, &step) {
             Ok(_) => source.reply(Ok(worker.state_bytes()))?,
             Err(f) => {
                 source.reply(Err(f.clone()))?;
@@ -373,6 +416,9 @@ impl Runner for ThreadRunner {
     fn state_bytes(&self) -> usize {
         self.leader.state_bytes() + self.peers.iter().map(|p| p.state_bytes).sum::<usize>()
     }
+    fn abort(&self, why: &str) {
+        self.leader.model.groups.abort(why);
+    }
 }
 
 impl Drop for ThreadRunner {
@@ -404,19 +450,22 @@ pub struct RunnerSpec {
     pub max_cache_tokens: usize,
     /// GPU: replay decode steps from CUDA graphs.
     pub cuda_graphs: bool,
+    /// GPU: the f32 reference precision instead of bf16 (`--precision f32`).
+    pub gpu_f32: bool,
 }
 
-/// The runner for `spec`: one CPU model, ranks as threads, or the model on one GPU. A layout
-/// of several ranks on the GPU is refused (one process per GPU; the launcher is not built).
+/// The runner for `spec` in this process: one CPU model, ranks as threads, or the model on one
+/// GPU. A layout of several ranks on the GPU is refused here: it runs one process per GPU,
+/// which `dist::process::launch` starts (`k3 run` / `k3 serve` call that).
 pub fn load(ck: &Checkpoint, spec: &RunnerSpec) -> Result<Box<dyn Runner>> {
     let p = spec.par;
     Ok(match (spec.device, p.world() > 1) {
         (None, false) => Box::new(ThreadRunner::single(Arc::new(Model::load(ck)?), spec.kda_state)),
         (None, true) => Box::new(ThreadRunner::start(ck, p, spec.kda_state)?),
-        (Some(ord), false) => Box::new(load_gpu(ck, ord, spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs)?),
+        (Some(ord), false) => Box::new(load_gpu(ck, ord, spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs, spec.gpu_f32)?),
         (Some(_), true) => {
             return Err(EngineError::Unsupported(format!(
-                "--tp {} --ep {} --pp {} with --device cuda: multi-GPU serving launches one process per GPU, which is not built yet (see docs/parallel.md); drop --device to run the ranks as threads on the CPU",
+                "--tp {} --ep {} --pp {} with --device cuda runs one process per GPU: start it with dist::process::launch (k3 run / k3 serve do; see docs/parallel.md), not in one process",
                 p.tp, p.ep, p.pp
             )))
         }

@@ -1,0 +1,389 @@
+//! Ranks as processes: the leader's runner and the workers' loop over the control plane
+//! (`k3_core::comm::control`), one process per GPU (`docs/parallel.md`, "The runner").
+//!
+//! - [`ProcessRunner`]: rank 0's runner. Its own rank is a local [`Runner`] (the GPU runner of
+//!   rank 0's shards; any runner in the tests); per step it [`Control::broadcast`]s the
+//!   [`Step`]'s bytes (with the ids released since the last step), runs its own forward, then
+//!   reads every worker's reply ([`Control::recv_from`], rank by rank, so each failure keeps
+//!   its rank). Admission (`fits`/`admit`) is rank 0's alone: every rank's pools are equal and
+//!   a worker only holds sequences rank 0 holds. A failure anywhere aborts rank 0's collectives
+//!   and the control plane (every worker's next `recv` fails with the reason), is returned as
+//!   `rank R failed: …` (the rank that failed on its own, not one that only saw a collective
+//!   abort), and every later step fails with it at once. Dropping the runner shuts the world
+//!   down: workers' `recv` returns `None` and they exit 0.
+//! - [`ControlSource`]: a worker's [`StepSource`] over its control link: the runner's
+//!   [`serve`] loop, unchanged, drives any [`RankWorker`] (the GPU runner of a rank ≠ 0,
+//!   the CPU `Worker` in the tests) from it. Replies are [`encode_reply`]'s bytes.
+//! - [`launch`]: what `k3 run` / `k3 serve` call: one process's part of the runner for a
+//!   [`RunnerSpec`]. One process (CPU, ranks as threads, or one GPU) is [`Role::Leader`] of
+//!   `runner::load`'s runner; with `--device cuda` and several ranks, every process joins the
+//!   world (`dist::launch`: the node's first process starts the others), loads its shards,
+//!   and either leads ([`Role::Leader`], rank 0) or serves rank 0's steps until it shuts the
+//!   world down ([`Role::Worker`], after the loop ended).
+//!
+//! The rendezvous digest covers the runner spec (pools, graphs, precision) as well as binary,
+//! layout and checkpoint, so every rank's pools and decode-graph choice equal rank 0's: each
+//! rank decides eager or graph, and when to capture, from the step alone, so the collectives
+//! inside (a capture's warm-up step too) pair up.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k3_core::comm::control::Control;
+use k3_model::{Checkpoint, Config};
+
+use super::launch::{NodeArgs, World};
+use super::runner::{self, panic_message, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
+use crate::engine::SeqId;
+use crate::error::{EngineError, Result};
+
+/// How long the end of a run waits for the ranks this process started.
+pub const FINISH_LIMIT: Duration = Duration::from_secs(120);
+
+/// A reply's bytes: `0 | u64 state bytes`, or `1 | u8 aborted | utf-8 message`.
+pub fn encode_reply(r: &Reply) -> Vec<u8> {
+    match r {
+        Ok(bytes) => [&[0u8][..], &(*bytes as u64).to_le_bytes()].concat(),
+        Err(f) => [&[1u8, f.aborted as u8][..], f.msg.as_bytes()].concat(),
+    }
+}
+
+/// Parses [`encode_reply`]'s bytes from worker `rank` (a bad frame is that rank's failure).
+pub fn decode_reply(b: &[u8], rank: usize) -> Reply {
+    let bad = |why: String| Failure { rank, msg: format!("sent a bad reply ({why}; are all ranks the same k3?)"), aborted: false };
+    match b.split_first() {
+        Some((0, rest)) => rest.try_into().map(|x| u64::from_le_bytes(x) as usize).map_err(|_| bad(format!("{} bytes after an ok", rest.len()))),
+        Some((1, rest)) => match rest.split_first() {
+            Some((&a, msg)) if a <= 1 => Err(Failure { rank, msg: String::from_utf8_lossy(msg).into_owned(), aborted: a == 1 }),
+            _ => Err(bad("a failure without its flag".into())),
+        },
+        Some((t, _)) => Err(bad(format!("tag {t}"))),
+        None => Err(bad("empty".into())),
+    }
+}
+
+/// A worker's steps from rank 0 over the control plane, its replies back.
+pub struct ControlSource<'a> {
+    pub control: &'a Control,
+}
+
+impl StepSource for ControlSource<'_> {
+    fn next(&mut self) -> Result<Option<Step>> {
+        match self.control.recv().map_err(|e| EngineError::Launch(format!("waiting for rank 0's next step: {e}")))? {
+            Some(b) => Step::decode(&b).map(Some),
+            None => Ok(None),
+        }
+    }
+    fn reply(&mut self, r: Reply) -> Result<()> {
+        self.control.send_to_leader(&encode_reply(&r)).map_err(|e| EngineError::Launch(format!("answering rank 0: {e}")))
+    }
+}
+
+/// What the leader talks to the workers through, and how the world ends: a [`World`] (its
+/// `finish` also waits for the ranks this process started) or a bare [`Control`] (tests).
+pub trait Plane: Send {
+    fn control(&self) -> &Control;
+    /// Shuts the world down (workers' `recv` returns `None`), then waits for this process's
+    /// children where it has any.
+    fn finish(self: Box<Self>) -> Result<()>;
+}
+
+impl Plane for World {
+    fn control(&self) -> &Control {
+        &self.control
+    }
+    fn finish(self: Box<Self>) -> Result<()> {
+        World::finish(*self, FINISH_LIMIT)
+    }
+}
+
+impl Plane for Control {
+    fn control(&self) -> &Control {
+        self
+    }
+    fn finish(self: Box<Self>) -> Result<()> {
+        self.shutdown().map_err(|e| EngineError::Launch(format!("shutting the world down: {e}")))
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    plane: Mutex<Option<Box<dyn Plane>>>,
+    outcome: Mutex<Option<std::result::Result<(), String>>>,
+    failed: AtomicBool,
+}
+
+impl Shared {
+    fn end(&self) {
+        let plane = self.plane.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(p) = plane {
+            let r = p.finish().map_err(|e| e.to_string());
+            self.outcome.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(r);
+        }
+    }
+}
+
+/// The end of a leader's world, for the command that started it: whether it stopped at a
+/// failure, and [`Finish::wait`] for the shutdown once the engine is gone.
+pub struct Finish(Option<Arc<Shared>>);
+
+impl Finish {
+    /// Nothing to finish (one process).
+    pub fn none() -> Finish {
+        Finish(None)
+    }
+    /// The world stopped at a rank's failure (a server stops serving then).
+    pub fn failed(&self) -> bool {
+        self.0.as_ref().is_some_and(|s| s.failed.load(Ordering::Acquire))
+    }
+    /// Waits up to `limit` for the runner to be dropped (it shuts the world down), then shuts
+    /// it down itself (after any step in flight); the shutdown's outcome: a rank this process
+    /// started that failed, or the failure the world stopped at.
+    pub fn wait(&self, limit: Duration) -> Result<()> {
+        let Some(s) = &self.0 else { return Ok(()) };
+        let t0 = Instant::now();
+        while s.outcome.lock().unwrap_or_else(|p| p.into_inner()).is_none() && s.plane.lock().unwrap_or_else(|p| p.into_inner()).is_some() && t0.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s.end();
+        let out = s.outcome.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or(Ok(()));
+        out.map_err(EngineError::Launch)
+    }
+}
+
+/// Rank 0's runner over a world of processes (see the module doc).
+pub struct ProcessRunner {
+    local: Box<dyn Runner>,
+    shared: Arc<Shared>,
+    world: usize,
+    released: Vec<SeqId>,
+    peer_bytes: Vec<usize>,
+    failed: Option<Failure>,
+}
+
+impl ProcessRunner {
+    /// Rank 0's runner: `local` runs rank 0's shards, `plane` reaches ranks `1..world`.
+    pub fn new(local: Box<dyn Runner>, plane: Box<dyn Plane>) -> (ProcessRunner, Finish) {
+        let world = plane.control().world();
+        let shared = Arc::new(Shared { plane: Mutex::new(Some(plane)), ..Default::default() });
+        let r = ProcessRunner { local, shared: shared.clone(), world, released: Vec::new(), peer_bytes: vec![0; world], failed: None };
+        (r, Finish(Some(shared)))
+    }
+
+    /// Waits for every worker's "loaded" reply (sent by [`worker_ready`]), so a rank that could
+    /// not load its shards is reported by rank before anything is served.
+    pub fn wait_ready(&mut self) -> Result<()> {
+        let shared = self.shared.clone();
+        let failures = {
+            let guard = shared.plane.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world was already shut down".into())) };
+            self.gather(plane.control())
+        };
+        match failures.is_empty() {
+            true => Ok(()),
+            false => Err(self.stop(failures)),
+        }
+    }
+
+    /// Every worker's next reply; their failures (a dead link is its rank's).
+    fn gather(&mut self, c: &Control) -> Vec<Failure> {
+        let mut failures = Vec::new();
+        for rank in 1..self.world {
+            match c.recv_from(rank) {
+                Ok(b) => match decode_reply(&b, rank) {
+                    Ok(bytes) => self.peer_bytes[rank] = bytes,
+                    Err(f) => failures.push(f),
+                },
+                Err(e) => failures.push(Failure { rank, msg: format!("no answer from its process: {e}"), aborted: false }),
+            }
+        }
+        failures
+    }
+
+    /// Stops the world at `failures`: rank 0's collectives and the control plane are aborted
+    /// with the root cause (the first rank that failed on its own, else the first failure).
+    fn stop(&mut self, failures: Vec<Failure>) -> EngineError {
+        let f = failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
+        let why = format!("rank {} failed: {}", f.rank, f.msg);
+        self.local.abort(&why);
+        if let Some(p) = self.shared.plane.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            p.control().abort(&why);
+        }
+        self.shared.outcome.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(Err(why));
+        self.shared.failed.store(true, Ordering::Release);
+        self.failed = Some(f.clone());
+        f.into()
+    }
+}
+
+impl Runner for ProcessRunner {
+    fn config(&self) -> &Config {
+        self.local.config()
+    }
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.local.embed(ids)
+    }
+    fn fits(&self, tokens: usize) -> std::result::Result<(), usize> {
+        self.local.fits(tokens)
+    }
+    fn admit(&mut self, id: SeqId, tokens: usize) -> Result<bool> {
+        self.local.admit(id, tokens)
+    }
+    fn release(&mut self, id: SeqId) {
+        self.local.release(id);
+        self.released.push(id);
+    }
+    fn forward(&mut self, mut step: Step) -> Result<Vec<f32>> {
+        if let Some(f) = &self.failed {
+            return Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) });
+        }
+        let shared = self.shared.clone();
+        let guard = shared.plane.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world has been shut down".into())) };
+        let c = plane.control();
+        step.released.append(&mut self.released);
+        if let Err(e) = c.broadcast(&step.encode()) {
+            // Some workers may have the step and wait in its collectives: abort them.
+            drop(guard);
+            let msg = e.to_string();
+            let rank = unreachable_peer(&msg).unwrap_or(0);
+            return Err(self.stop(vec![Failure { rank, msg: format!("its process cannot be reached (rank 0 sending it the step: {msg})"), aborted: false }]));
+        }
+        let out = match catch_unwind(AssertUnwindSafe(|| self.local.forward(step))) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Failure { rank: 0, aborted: runner::is_abort(&e), msg: e.to_string() }),
+            Err(p) => Err(Failure { rank: 0, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) }),
+        };
+        if let Err(f) = &out {
+            // Workers still inside this step's collectives stop now, and answer.
+            self.local.abort(&format!("rank 0 failed: {}", f.msg));
+        }
+        let mut failures: Vec<Failure> = self.gather(c);
+        drop(guard);
+        if let Err(f) = &out {
+            // A worker's own failure is the likelier cause of rank 0's (rank 0 then waited on it).
+            failures.push(f.clone());
+        }
+        if !failures.is_empty() {
+            return Err(self.stop(failures));
+        }
+        out.map_err(EngineError::from)
+    }
+    fn state_bytes(&self) -> usize {
+        self.local.state_bytes() + self.peer_bytes.iter().sum::<usize>()
+    }
+    fn abort(&self, why: &str) {
+        self.local.abort(why);
+    }
+}
+
+impl Drop for ProcessRunner {
+    fn drop(&mut self) {
+        self.shared.end();
+    }
+}
+
+/// The worker a failed send names (the control plane's `could not send frame N to rank P`).
+fn unreachable_peer(msg: &str) -> Option<usize> {
+    let rest = &msg[msg.find("to rank ")? + 8..];
+    rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len())].parse().ok()
+}
+
+/// A worker's "loaded" reply for [`ProcessRunner::wait_ready`]: `Ok` once its shards are in,
+/// its failure otherwise (and that failure is returned).
+pub fn worker_ready<T>(c: &Control, loaded: Result<T>) -> Result<T> {
+    let reply = match &loaded {
+        Ok(_) => Ok(0),
+        Err(e) => Err(Failure { rank: c.rank(), msg: e.to_string(), aborted: false }),
+    };
+    let sent = c.send_to_leader(&encode_reply(&reply)).map_err(|e| EngineError::Launch(format!("telling rank 0 this rank is loaded: {e}")));
+    let v = loaded?;
+    sent?;
+    Ok(v)
+}
+
+/// A worker's whole life after loading: [`runner::serve`] over its control link until rank 0
+/// shuts the world down (`Ok`) or a step fails (its failure, already sent to rank 0).
+pub fn work<W: RankWorker>(worker: W, c: &Control) -> Result<()> {
+    runner::serve(worker, &mut ControlSource { control: c })
+}
+
+/// This process's part of the runner for `spec` (see the module doc).
+pub enum Role {
+    /// This process drives the engine: its runner, and the end of its world.
+    Leader(Box<dyn Runner>, Finish),
+    /// This process was a worker; rank 0 has shut the world down and its loop has ended.
+    Worker,
+}
+
+/// Starts this process's part of the runner for `spec` (see the module doc).
+pub fn launch(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs) -> Result<Role> {
+    match (spec.device, spec.par.world() > 1) {
+        (Some(ord), true) => launch_gpu(ck, spec, node, ord),
+        _ => {
+            if node.nnodes != 1 || node.node_rank != 0 || node.master_addr.is_some() {
+                return Err(EngineError::Launch("--nnodes/--node-rank/--master-addr start one process per GPU: add --device cuda and --tp/--ep/--pp (on the CPU, --tp/--ep/--pp run as threads of one process)".into()));
+            }
+            Ok(Role::Leader(runner::load(ck, spec)?, Finish::none()))
+        }
+    }
+}
+
+/// What every rank must agree on besides binary, layout and checkpoint: the runner's pools,
+/// graphs and precision (a mismatch would make the decode-graph choices or capacity differ).
+pub fn spec_digest(spec: &RunnerSpec) -> String {
+    format!("max_seqs={} max_cache_tokens={} cuda_graphs={} gpu_f32={} kda={:?}", spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs, spec.gpu_f32, spec.kda_state)
+}
+
+#[cfg(feature = "cuda")]
+fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -> Result<Role> {
+    use super::launch::{load_gpu_rank, nccl_ids, world_digest};
+    use crate::gpu::{precision, GpuRunner};
+    let par = spec.par;
+    let digest = k3_core::comm::control::digest(&[world_digest(ck, par)?.as_bytes(), spec_digest(spec).as_bytes()]);
+    let world = World::start(par, node, &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
+    let (rank, local) = (world.rank(), world.spec.local_rank);
+    let gpu = ord + local;
+    let cache = k3_model::cuda::CacheConfig { max_seqs: spec.max_seqs, max_tokens: spec.max_cache_tokens };
+    let loaded = k3_core::cuda::CudaDevice::new(gpu)
+        .map_err(|e| EngineError::Rank { rank, msg: format!("runs on GPU {gpu} (local rank {local}) and cannot open it: {e}; give this node one GPU per local rank") })
+        .and_then(|dev| load_gpu_rank(&world, ck, &dev, cache, precision(spec.gpu_f32)).map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") }))
+        .and_then(|m| Ok((m, k3_model::Model::load_embedding(ck)?)));
+    if rank != 0 {
+        let (model, embedder) = worker_ready(&world.control, loaded)?;
+        let groups = model.groups.clone();
+        world.on_child_failure(move |why| groups.abort(why));
+        let served = work(GpuRunner::worker(model, embedder, spec.cuda_graphs), &world.control);
+        let finished = world.finish(FINISH_LIMIT);
+        return served.and(finished).map(|_| Role::Worker);
+    }
+    let (model, embedder) = match loaded {
+        Ok(g) => g,
+        Err(e) => {
+            world.control.abort(&format!("rank 0 failed: {e}"));
+            return Err(e);
+        }
+    };
+    let groups = model.groups.clone();
+    world.on_child_failure(move |why| groups.abort(why));
+    let gpu = GpuRunner::new(model, embedder, spec.cuda_graphs);
+    let (mut r, finish) = ProcessRunner::new(Box::new(gpu), Box::new(world));
+    r.wait_ready()?;
+    Ok(Role::Leader(Box::new(r), finish))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn launch_gpu(_: &Checkpoint, _: &RunnerSpec, _: &NodeArgs, _: usize) -> Result<Role> {
+    Err(EngineError::Unsupported("this build has no CUDA support (several ranks with --device cuda run one process per GPU): rebuild with `cargo build --release --features cuda`".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_failed_send_names_its_peer() {
+        assert_eq!(super::unreachable_peer("broadcast: rank 0: could not send frame 3 to rank 12: broken pipe"), Some(12));
+        assert_eq!(super::unreachable_peer("broadcast: the world was already shut down"), None);
+    }
+}

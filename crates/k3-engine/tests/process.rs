@@ -1,0 +1,298 @@
+//! The leader's runner and a worker over a real control plane (`dist::process`): two
+//! `Control`s on loopback (rank 0 leads, rank 1 joins), no GPU. There are no cross-process
+//! CPU collectives, so each side holds the whole golden K3 fixture `k3_small_mxfp4` as a
+//! world-1 CPU model — this checks the byte flow, not sharding (the sharded forward is
+//! `tests/dist.rs` on threads and `scripts/gpu/parallel_serve.sh` on the GPU):
+//!
+//! - five concurrent requests (chunked prefill between decodes, own input rows, releases):
+//!   the engine's tokens equal a plain engine's, and the worker computed bit-identical logits
+//!   and held the same state bytes at every step — it received every step, created and
+//!   dropped its states in rank 0's order;
+//!   dropping the engine shuts the world down and the worker's loop ends `Ok` (exit 0);
+//! - a worker that errors or panics: the step fails with `rank 1 failed: …`, later steps fail
+//!   at once with it, the world reports the failure, the worker's loop ends with its error;
+//! - rank 0 failing: the worker's loop ends with an error naming rank 0;
+//! - a worker that vanishes mid-step (its socket closes unanswered): the step fails naming
+//!   rank 1 at once, not after a timeout;
+//! - a worker that cannot load: `wait_ready` reports it by rank;
+//! - reply bytes round trip and bad ones are that rank's failure.
+
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k3_core::comm::control::{self, Control, Options, WorldSpec};
+use k3_engine::dist::process::{self, decode_reply, encode_reply, ProcessRunner};
+use k3_engine::dist::runner::{Failure, RankWorker, Runner, Step, ThreadRunner, Worker};
+use k3_engine::{Engine, EngineConfig, EngineError, Event, Request, SamplingParams};
+use k3_model::layers::kda::StateDType;
+use k3_model::{Checkpoint, Config, Model};
+
+#[path = "../../../tests/support/golden.rs"]
+mod golden;
+
+fn model() -> Arc<Model> {
+    Arc::new(Model::load(&Checkpoint::open(&golden::fixture("k3_small_mxfp4")).unwrap()).unwrap())
+}
+
+/// A world of two on loopback: (rank 0's control, rank 1's control).
+fn pair() -> (Control, Control) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let mut opts = Options::new(Duration::from_secs(20));
+    opts.io_timeout = Duration::from_secs(30);
+    let (s0, s1) = (WorldSpec::new(0, 2, 0, 2, &addr).unwrap(), WorldSpec::new(1, 2, 1, 2, &addr).unwrap());
+    let o = opts.clone();
+    let join = std::thread::spawn(move || control::rendezvous_with(&s1, "test", None, &o).unwrap());
+    let lead = control::lead(l, &s0, "test", None, &opts).unwrap();
+    (lead, join.join().unwrap())
+}
+
+/// Per step: the logits and the bytes of the states held right after the forward.
+type Log = Arc<Mutex<Vec<(Vec<f32>, usize)>>>;
+
+/// A failure to inject at the `at`-th step (1-based).
+#[derive(Clone, Copy)]
+struct Inject {
+    at: usize,
+    panic: bool,
+}
+
+/// The worker side: the CPU worker playing control rank `rank`, recording its logits.
+struct RecWorker {
+    inner: Worker,
+    rank: usize,
+    log: Log,
+    steps: usize,
+    fault: Option<Inject>,
+}
+
+impl RankWorker for RecWorker {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn apply(&mut self, step: &Step) -> k3_engine::Result<Vec<f32>> {
+        self.steps += 1;
+        if let Some(f) = self.fault.filter(|f| f.at == self.steps) {
+            if f.panic {
+                panic!("injected worker panic");
+            }
+            return Err(EngineError::Unsupported("injected worker fault".into()));
+        }
+        let out = self.inner.apply(step)?;
+        self.log.lock().unwrap().push((out.clone(), self.inner.state_bytes()));
+        Ok(out)
+    }
+    fn abort(&self, why: &str) {
+        RankWorker::abort(&self.inner, why)
+    }
+    fn state_bytes(&self) -> usize {
+        self.inner.state_bytes()
+    }
+}
+
+/// The leader's own rank: one CPU model, recording its logits, optionally failing.
+struct RecRunner {
+    inner: ThreadRunner,
+    log: Log,
+    steps: usize,
+    fault: Option<usize>,
+}
+
+impl Runner for RecRunner {
+    fn config(&self) -> &Config {
+        self.inner.config()
+    }
+    fn embed(&self, ids: &[u32]) -> k3_engine::Result<Vec<f32>> {
+        self.inner.embed(ids)
+    }
+    fn release(&mut self, id: u64) {
+        self.inner.release(id)
+    }
+    fn forward(&mut self, step: Step) -> k3_engine::Result<Vec<f32>> {
+        self.steps += 1;
+        if self.fault == Some(self.steps) {
+            return Err(EngineError::Unsupported("injected leader fault".into()));
+        }
+        let out = self.inner.forward(step)?;
+        self.log.lock().unwrap().push((out.clone(), self.inner.state_bytes()));
+        Ok(out)
+    }
+    fn state_bytes(&self) -> usize {
+        self.inner.state_bytes()
+    }
+}
+
+/// Rank 0's engine over a [`ProcessRunner`] and rank 1's loop on a thread (its result comes
+/// back on the channel); the two logs.
+struct World {
+    engine: Engine,
+    finish: process::Finish,
+    worker: mpsc::Receiver<k3_engine::Result<()>>,
+    leader_log: Log,
+    worker_log: Log,
+}
+
+fn world(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usize>) -> World {
+    let (c0, c1) = pair();
+    let (leader_log, worker_log) = (Log::default(), Log::default());
+    let w = RecWorker { inner: Worker::new(m.clone(), StateDType::F32), rank: 1, log: worker_log.clone(), steps: 0, fault: worker_fault };
+    let (tx, worker) = mpsc::channel();
+    std::thread::spawn(move || {
+        let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
+        let _ = tx.send(r);
+    });
+    let local = RecRunner { inner: ThreadRunner::single(m.clone(), StateDType::F32), log: leader_log.clone(), steps: 0, fault: leader_fault };
+    let (mut r, finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
+    r.wait_ready().unwrap();
+    let engine = Engine::with_runner(Box::new(r), None, cfg());
+    World { engine, finish, worker, leader_log, worker_log }
+}
+
+fn cfg() -> EngineConfig {
+    EngineConfig { max_batch: 3, prefill_chunk: 5, max_step_tokens: 8, ..Default::default() }
+}
+
+/// Five concurrent requests of 4..40 tokens, one with its own input rows, in small chunks.
+fn run_all(e: &mut Engine) -> Vec<(u64, u32, bool)> {
+    let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (0..4 + 9 * i).map(|j| (5 + 31 * i + 17 * j) % 384).collect()).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut req = Request::new(p.clone(), SamplingParams::greedy(), 6 + i);
+        if i == 2 {
+            let rows: Vec<f32> = e.embed(p).unwrap().iter().map(|x| -x * 1.5).collect();
+            req.prompt_embeds = Some(Arc::new(rows));
+        }
+        e.add(req).unwrap();
+    }
+    let mut events = Vec::new();
+    let mut steps = 0;
+    while e.has_work() {
+        events.extend(e.step().unwrap().iter().map(|ev: &Event| (ev.seq, ev.token, ev.finish.is_some())));
+        steps += 1;
+        assert!(steps < 1000);
+    }
+    events
+}
+
+/// Runs `f` on a thread and fails the test if it takes longer than `secs` (a hang).
+fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(secs)).unwrap_or_else(|_| panic!("{what}: no answer within {secs} s (a hang, or the thread panicked)"))
+}
+
+#[test]
+fn leader_and_worker_apply_the_same_steps_and_shut_down() {
+    let m = model();
+    let plain = run_all(&mut Engine::new(m.clone(), None, cfg()));
+    assert_eq!(plain.iter().filter(|e| e.2).count(), 5);
+    let (got, worker, leader_log, worker_log) = within(120, "the process runner", move || {
+        let mut w = world(&m, None, None);
+        let got = run_all(&mut w.engine);
+        // Rank 0 dropped every state; the worker drops the last ones with the next step.
+        assert!(w.engine.state_bytes() > 0, "the worker's last reported state bytes count");
+        drop(w.engine);
+        w.finish.wait(Duration::from_secs(10)).unwrap();
+        assert!(!w.finish.failed());
+        let worker = w.worker.recv_timeout(Duration::from_secs(10)).expect("the worker's loop ends after the shutdown");
+        (got, worker, w.leader_log, w.worker_log)
+    });
+    assert_eq!(got, plain, "the engine over the process runner emits the plain engine's tokens");
+    worker.expect("the worker's loop ends Ok on the shutdown");
+    let (l, w) = (leader_log.lock().unwrap(), worker_log.lock().unwrap());
+    assert!(l.len() > 10, "{} steps", l.len());
+    assert_eq!(l.len(), w.len(), "the worker applied every step");
+    for (i, (a, b)) in l.iter().zip(w.iter()).enumerate() {
+        assert!(a.0 == b.0, "step {i}: the worker's logits differ from rank 0's (a state made, kept or dropped out of order)");
+        assert_eq!(a.1, b.1, "step {i}: the worker holds other states than rank 0 (a release not delivered)");
+    }
+}
+
+#[test]
+fn a_failing_worker_is_named_and_the_world_stops() {
+    for panic in [false, true] {
+        let m = model();
+        let (first, again, failed, outcome, worker) = within(120, "a failing worker", move || {
+            let mut w = world(&m, Some(Inject { at: 3, panic }), None);
+            let first = w.engine.generate(Request::new(vec![5, 17, 200, 3], SamplingParams::greedy(), 8), |_| {}).unwrap_err().to_string();
+            w.engine.add(Request::new(vec![1, 2], SamplingParams::greedy(), 2)).unwrap();
+            let again = w.engine.step().unwrap_err().to_string();
+            let failed = w.finish.failed();
+            drop(w.engine);
+            let outcome = w.finish.wait(Duration::from_secs(10)).unwrap_err().to_string();
+            (first, again, failed, outcome, w.worker.recv_timeout(Duration::from_secs(10)).unwrap())
+        });
+        let why = if panic { "panicked: injected worker panic" } else { "injected worker fault" };
+        assert!(first.contains("rank 1 failed") && first.contains(why), "{first}");
+        assert!(again.contains("rank 1 failed") && again.contains("stopped"), "{again}");
+        assert!(failed, "the world reports the failure (a server stops on it)");
+        assert!(outcome.contains("rank 1 failed") && outcome.contains(why), "{outcome}");
+        let worker = worker.unwrap_err().to_string();
+        assert!(worker.contains(why), "{worker}");
+    }
+}
+
+#[test]
+fn a_failing_leader_stops_the_worker() {
+    let m = model();
+    let (err, worker) = within(120, "a failing leader", move || {
+        let mut w = world(&m, None, Some(2));
+        let err = w.engine.generate(Request::new(vec![5, 17, 200, 3], SamplingParams::greedy(), 8), |_| {}).unwrap_err().to_string();
+        let worker = w.worker.recv_timeout(Duration::from_secs(30)).expect("the worker's loop ends on the abort");
+        (err, worker)
+    });
+    assert!(err.contains("rank 0 failed") && err.contains("injected leader fault"), "{err}");
+    let worker = worker.unwrap_err().to_string();
+    assert!(worker.contains("rank 0") && worker.contains("injected leader fault"), "{worker}");
+}
+
+#[test]
+fn a_vanished_worker_fails_the_step_at_once() {
+    let m = model();
+    let (err, took) = within(60, "a vanished worker", move || {
+        let (c0, c1) = pair();
+        std::thread::spawn(move || {
+            process::worker_ready(&c1, Ok(())).unwrap();
+            let _ = c1.recv(); // takes the first step, then dies without answering
+            drop(c1);
+        });
+        let local = ThreadRunner::single(m, StateDType::F32);
+        let (mut r, _finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
+        r.wait_ready().unwrap();
+        let mut e = Engine::with_runner(Box::new(r), None, cfg());
+        let t0 = Instant::now();
+        let err = e.generate(Request::new(vec![5, 17, 200, 3], SamplingParams::greedy(), 8), |_| {}).unwrap_err().to_string();
+        (err, t0.elapsed())
+    });
+    assert!(err.contains("rank 1 failed") && err.contains("no answer from its process"), "{err}");
+    assert!(took < Duration::from_secs(10), "took {took:?}: the closed link must fail the step at once");
+}
+
+#[test]
+fn a_worker_that_cannot_load_is_named() {
+    let m = model();
+    let err = within(60, "a worker failing to load", move || {
+        let (c0, c1) = pair();
+        std::thread::spawn(move || {
+            let loaded: k3_engine::Result<()> = Err(EngineError::Rank { rank: 1, msg: "loading its shards: out of memory".into() });
+            let _ = process::worker_ready(&c1, loaded);
+        });
+        let (mut r, finish) = ProcessRunner::new(Box::new(ThreadRunner::single(m, StateDType::F32)), Box::new(c0));
+        let err = r.wait_ready().unwrap_err().to_string();
+        assert!(finish.failed());
+        err
+    });
+    assert!(err.contains("rank 1 failed") && err.contains("out of memory"), "{err}");
+}
+
+#[test]
+fn replies_round_trip_and_bad_ones_name_the_rank() {
+    assert_eq!(decode_reply(&encode_reply(&Ok(12345)), 3).unwrap(), 12345);
+    let f = decode_reply(&encode_reply(&Err(Failure { rank: 3, msg: "boom ü".into(), aborted: true })), 3).unwrap_err();
+    assert_eq!((f.rank, f.msg.as_str(), f.aborted), (3, "boom ü", true));
+    for bad in [&[][..], &[0, 1, 2][..], &[7, 0][..], &[1][..], &[1, 9, b'x'][..]] {
+        let f = decode_reply(bad, 5).unwrap_err();
+        assert!(f.rank == 5 && f.msg.contains("bad reply") && !f.aborted, "{bad:?}: {f:?}");
+    }
+}

@@ -1,0 +1,192 @@
+#!/bin/bash
+# k3rs: `k3 run` and `k3 serve` with --device cuda --tp/--pp as one process per GPU rank, on ONE
+# H200 — the processes share the GPU, each with its own NCCL_HOSTID (NCCL then treats them as
+# separate hosts and talks over sockets: slow, but the same collectives) — against the one-GPU
+# run of the same checkpoint (the real-width 4-layer K3 of parallel_run.sh: dense layer 0, then
+# MoE with 64 MXFP4 experts; its vocabulary of 32768 splits evenly).
+# Staging: build here (no CUDA needed) —
+#   cargo build --release -p k3-cli --features cuda && mkdir -p .dev/par && cp target/release/k3 .dev/par/ && strip .dev/par/k3
+# then `bash scripts/gpu/parallel_serve.sh [run|serve|fault|all]` on the device with .dev carried.
+# Ranks are started as a launcher would (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); ranks ≠ 0
+# print nothing and must exit 0 once rank 0 is done. Logs in $PAR_LOGS (default /tmp/k3serve).
+#   run:   k3 run --temperature 0 -n 24: --tp 2 and --tp 2 --pp 2 (4 processes) print the ids of
+#          --tp 1; exact in --precision f32; in bf16 (noisy on this random checkpoint: near-tied
+#          expert choices flip) the number of matching leading ids is reported, not failed.
+#   serve: k3 serve --tp 2 (f32) answers two concurrent /v1/completions (temperature 0) with the
+#          text and logprobs of --tp 1; SIGTERM to rank 0 stops it and both ranks exit 0.
+#   fault: k3 serve --tp 2, rank 1 killed with SIGKILL: the next request fails with an error
+#          naming rank 1 within a bound (no hang), and rank 0 stops with a non-zero status.
+set -o pipefail
+D=.dev/par
+L=${PAR_LOGS:-/tmp/k3serve}; mkdir -p $L
+# Never NVLink multicast (kept off as the machines' own environment does); one GPU anyway.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export K3_REQUIRE_CUDA=1 K3_NCCL_TIMEOUT_S=60 K3_RENDEZVOUS_TIMEOUT_S=120
+M=/tmp/k3r4par
+TOK=models/k3-nano # the checkpoint has no tokenizer; served text is decoded with k3-nano's (ids in)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ ! -d $M ]; then
+  /usr/bin/time -f "init %e s" $D/k3 init --config k3 --num-hidden-layers 4 --num-experts 64 --set vocab_size=32768 --set first_k_dense_replace=1 --experts mxfp4 --out $M 2>&1 | tail -2
+fi
+du -sh $M
+IDS=$(python3 -c "import random; random.seed(7); print(','.join(str(random.randrange(32768)) for _ in range(40)))")
+FAILS=0
+fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
+
+# world N TP PP TAG CMD...: N processes of `k3 CMD... --tp TP --pp PP`; rank 0's stdout to
+# $L/TAG.out; waits for every rank and checks each exit status.
+world() {
+  local n=$1 tp=$2 pp=$3 tag=$4; shift 4
+  local port=$((20000 + RANDOM % 20000)) pids=() i
+  local t0=$(date +%s%N)
+  for ((i = 1; i < n; i++)); do
+    RANK=$i WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=k3host$i timeout 300 $D/k3 "$@" --tp $tp --pp $pp > $L/$tag.rank$i.out 2> $L/$tag.rank$i.log &
+    pids+=($!)
+  done
+  RANK=0 WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=k3host0 timeout 300 $D/k3 "$@" --tp $tp --pp $pp > $L/$tag.out 2> $L/$tag.rank0.log
+  local rc=$? rcs=""
+  for p in "${pids[@]}"; do wait $p; rcs="$rcs $?"; done
+  printf "%-28s ranks %d  rc0 %d  others:%s  %d ms\n" "$tag" $n $rc "$rcs" $((($(date +%s%N) - t0) / 1000000))
+  [ $rc -eq 0 ] || { fail "$tag: rank 0 exited with $rc"; tail -5 $L/$tag.rank0.log; }
+  for r in $rcs; do [ $r -eq 0 ] || { fail "$tag: a worker exited with $r"; tail -3 $L/$tag.rank1.log; break; }; done
+  for ((i = 1; i < n; i++)); do [ -s $L/$tag.rank$i.out ] && fail "$tag: rank $i printed to stdout"; done
+}
+# ids FILE: the "ids" of a `k3 run --json` output, comma separated.
+ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['ids'])))" "$1" 2>/dev/null; }
+# same REF TAG EXACT: compares the ids; EXACT=1 fails on any difference, else reports the prefix.
+same() {
+  python3 - "$L/$1.out" "$L/$2.out" "$3" "$2 vs $1" <<'EOF' || FAILS=$((FAILS + 1))
+import json, sys
+try:
+    a, b = (json.load(open(p))["ids"] for p in sys.argv[1:3])
+except Exception as e:
+    print(f"FAIL {sys.argv[4]}: no ids ({e})"); sys.exit(1)
+n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+ok = a == b
+print(f"{sys.argv[4]}: {n}/{len(a)} leading ids match{'' if ok else f' (first difference at {n}: {a[n:n+3]} vs {b[n:n+3]})'}")
+sys.exit(0 if ok or sys.argv[3] != "1" else 1)
+EOF
+}
+
+# serve_up TAG N TP [extra serve flags]: starts N processes of k3 serve (ranks ≠ 0 in the
+# background), waits for rank 0's "listening" line; sets ADDR and PIDS (rank 0 first).
+serve_up() {
+  local tag=$1 n=$2 tp=$3; shift 3
+  local port=$((20000 + RANDOM % 20000)) i
+  local args=(serve --model $M --tokenizer $TOK --device cuda --port 0 --max-batch 4 --max-cache-tokens 8192 --tp $tp "$@")
+  PIDS=()
+  if [ $n -eq 1 ]; then
+    $D/k3 "${args[@]}" > $L/$tag.rank0.out 2> $L/$tag.rank0.log &
+    PIDS=($!)
+  else
+    RANK=0 WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=s0 $D/k3 "${args[@]}" > $L/$tag.rank0.out 2> $L/$tag.rank0.log &
+    PIDS=($!)
+    for ((i = 1; i < n; i++)); do
+      RANK=$i WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=s$i $D/k3 "${args[@]}" > $L/$tag.rank$i.out 2> $L/$tag.rank$i.log &
+      PIDS+=($!)
+    done
+  fi
+  ADDR=""
+  for ((i = 0; i < 600; i++)); do
+    ADDR=$(grep -o 'http://[0-9.:]*' $L/$tag.rank0.out 2>/dev/null | head -1)
+    [ -n "$ADDR" ] && break
+    kill -0 ${PIDS[0]} 2>/dev/null || break
+    sleep 0.5
+  done
+  [ -n "$ADDR" ] || { fail "$tag: rank 0 never listened"; tail -5 $L/$tag.rank0.log; }
+  echo "$tag: $n process(es), listening on $ADDR"
+}
+# complete TAG NAME PROMPT_IDS: one /v1/completions (temperature 0, 24 tokens, logprobs) to $L/TAG.NAME.json.
+complete() {
+  curl -s -m 150 -o $L/$1.$2.json -w "%{http_code}" $ADDR/v1/completions -H 'content-type: application/json' \
+    -d "{\"prompt\": [$3], \"max_tokens\": 24, \"temperature\": 0, \"ignore_eos\": true, \"logprobs\": 1}" > $L/$1.$2.code
+}
+# stop_all TAG: SIGTERM to rank 0, then every process must exit 0 within 60 s.
+stop_all() {
+  local tag=$1 i rc t0=$(date +%s)
+  kill -TERM ${PIDS[0]}
+  for i in "${!PIDS[@]}"; do
+    while kill -0 ${PIDS[$i]} 2>/dev/null && [ $(($(date +%s) - t0)) -lt 60 ]; do sleep 0.2; done
+    if kill -0 ${PIDS[$i]} 2>/dev/null; then fail "$tag: rank $i still running 60 s after SIGTERM to rank 0"; kill -9 ${PIDS[$i]}; fi
+    wait ${PIDS[$i]}; rc=$?
+    echo "$tag: rank $i exited $rc"
+    [ $rc -eq 0 ] || { fail "$tag: rank $i exited with $rc"; tail -3 $L/$tag.rank$i.log; }
+  done
+}
+
+P1=$(python3 -c "print(','.join(str((7 + 131 * j) % 4352) for j in range(30)))")
+P2=$(python3 -c "print(','.join(str((1000 + 17 * j) % 4352) for j in range(11)))")
+
+case "${1:-all}" in
+run | all)
+  echo "=== k3 run --temperature 0 -n 24: --tp 2 and --tp 2 --pp 2 print the ids of --tp 1 ==="
+  for p in f32 bf16; do
+    a=(run --model $M --device cuda --precision $p --ids $IDS --temperature 0 -n 24 --json)
+    t0=$(date +%s%N)
+    timeout 300 $D/k3 "${a[@]}" > $L/run1_$p.out 2> $L/run1_$p.log || { fail "run --tp 1 $p"; tail -3 $L/run1_$p.log; }
+    echo "run1_$p: $((($(date +%s%N) - t0) / 1000000)) ms  ids $(ids $L/run1_$p.out)"
+    world 2 2 1 run_tp2_$p "${a[@]}"
+    world 4 2 2 run_tp2pp2_$p "${a[@]}"
+    exact=$([ $p = f32 ] && echo 1 || echo 0)
+    same run1_$p run_tp2_$p $exact
+    same run1_$p run_tp2pp2_$p $exact
+  done
+  echo "--- eager decode (--no-cuda-graphs), f32 ---"
+  world 2 2 1 run_tp2_f32_eager run --model $M --device cuda --precision f32 --ids $IDS --temperature 0 -n 24 --json --no-cuda-graphs
+  same run1_f32 run_tp2_f32_eager 1
+  ;;&
+serve | all)
+  echo "=== k3 serve --tp 2 (f32): two concurrent completions = --tp 1's; SIGTERM to rank 0 ends every rank with 0 ==="
+  for w in 1 2; do
+    tag=serve_tp$w
+    serve_up $tag $w $w --precision f32
+    [ -n "$ADDR" ] || continue
+    complete $tag a "$P1" & ca=$!
+    complete $tag b "$P2" & cb=$!
+    wait $ca $cb
+    for r in a b; do
+      code=$(cat $L/$tag.$r.code); echo "$tag request $r: HTTP $code $(head -c 300 $L/$tag.$r.json)"
+      [ "$code" = 200 ] || fail "$tag request $r: HTTP $code"
+    done
+    stop_all $tag
+  done
+  python3 - $L <<'EOF' || FAILS=$((FAILS + 1))
+import json, sys
+L = sys.argv[1]; bad = 0
+for r in "ab":
+    try:
+        a, b = (json.load(open(f"{L}/serve_tp{w}.{r}.json"))["choices"][0] for w in (1, 2))
+    except Exception as e:
+        print(f"FAIL request {r}: no answer to compare ({e})"); bad += 1; continue
+    la, lb = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
+    d = max((abs(x - y) for x, y in zip(la, lb)), default=float("inf"))
+    ok = a["text"] == b["text"] and len(la) == len(lb) == 24 and d <= 1e-3
+    print(f"request {r}: --tp 2 vs --tp 1: same text {a['text'] == b['text']}, {len(lb)} tokens, max |Δ logprob| {d:.2e}  {'ok' if ok else 'FAIL'}")
+    bad += not ok
+sys.exit(bad > 0)
+EOF
+  ;;&
+fault | all)
+  echo "=== k3 serve --tp 2, rank 1 killed: the next request fails naming rank 1, rank 0 stops ==="
+  tag=serve_fault
+  serve_up $tag 2 2
+  if [ -n "$ADDR" ]; then
+    complete $tag warm "$P2"; echo "$tag warm-up: HTTP $(cat $L/$tag.warm.code)"
+    kill -9 ${PIDS[1]}; wait ${PIDS[1]} 2>/dev/null; echo "killed rank 1 (pid ${PIDS[1]})"
+    t0=$(date +%s%N)
+    complete $tag dead "$P1"
+    ms=$((($(date +%s%N) - t0) / 1000000)); code=$(cat $L/$tag.dead.code)
+    echo "$tag after the kill: HTTP $code in $ms ms: $(head -c 400 $L/$tag.dead.json)"
+    [ "$code" = 200 ] && fail "$tag: a request succeeded without rank 1"
+    [ "$code" = 000 ] && fail "$tag: no answer within curl's 150 s (a hang)"
+    grep -q "rank 1" $L/$tag.dead.json || fail "$tag: the error does not name rank 1"
+    t1=$(date +%s)
+    while kill -0 ${PIDS[0]} 2>/dev/null && [ $(($(date +%s) - t1)) -lt 60 ]; do sleep 0.2; done
+    if kill -0 ${PIDS[0]} 2>/dev/null; then fail "$tag: rank 0 still serving 60 s after its world failed"; kill -9 ${PIDS[0]}; fi
+    wait ${PIDS[0]}; rc=$?
+    echo "$tag: rank 0 exited $rc: $(tail -1 $L/$tag.rank0.log)"
+    [ $rc -eq 0 ] && fail "$tag: rank 0 exited 0 after its world failed"
+  fi
+  ;;
+esac
+echo "FAILS=$FAILS"
