@@ -157,6 +157,12 @@ impl RankPlan {
         part(n, self.par.tp, self.tp_rank)
     }
 
+    /// This rank's share of `n` rows split over every rank of its stage (the router and the
+    /// latent down-projection, [`crate::weights::Split::StageRows`]).
+    pub fn stage_share(&self, n: usize) -> Range<usize> {
+        part(n, self.par.stage_ranks(), self.local)
+    }
+
     /// The routed experts this rank computes (all of them without expert parallelism).
     pub fn experts(&self, n: usize) -> Range<usize> {
         part(n, self.par.ep, self.ep_rank)
@@ -196,6 +202,10 @@ impl RankPlan {
         };
         Some(match spec.split {
             Split::Replicated => Shard::Whole,
+            Split::StageRows(u) => {
+                let r = self.stage_share(spec.shape[0] / u);
+                Shard::Rows(r.start * u..r.end * u)
+            }
             Split::ExpertRows(_) | Split::ExpertCols(_) if ep => Shard::Whole,
             Split::Rows(u) | Split::ExpertRows(u) => Shard::Rows(split(0, u)),
             Split::Cols(u) | Split::ExpertCols(u) => Shard::Cols(split(1, u)),

@@ -57,9 +57,13 @@ pub enum Kind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Split {
-    /// Whole on every rank (norms, AttnRes, the low-rank `a` projections, router, latent
-    /// projections, the DSA indexer).
+    /// Whole on every rank (norms, AttnRes, the low-rank `a` projections, the router's bias, the
+    /// latent up-projection, the DSA indexer).
     Replicated,
+    /// Dim 0 over all ranks of the pipeline stage (tensor- and expert-parallel alike), `unit`
+    /// rows at a time: the router and the latent down-projection, whose row blocks the MoE
+    /// all-gathers (one collective for both) instead of every rank reading them whole.
+    StageRows(usize),
     /// Dim 0 over the tensor-parallel ranks, `unit` rows at a time (column-parallel
     /// projections by head, FFN rows, embedding and `lm_head` by vocabulary).
     Rows(usize),
@@ -192,9 +196,9 @@ pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
             Ffn::Moe => {
                 let m = format!("{p}block_sparse_moe.");
                 let (e, lat, fi) = (t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
-                tb.add(format!("{m}gate.weight"), &[e, h], Float, C::MoeRouter);
+                tb.split(Split::StageRows(1), format!("{m}gate.weight"), &[e, h], Float, C::MoeRouter);
                 tb.add(format!("{m}gate.e_score_correction_bias"), &[e], Float32, C::MoeRouter);
-                tb.add(format!("{m}routed_expert_down_proj.weight"), &[lat, h], Float, C::MoeLatent);
+                tb.split(Split::StageRows(1), format!("{m}routed_expert_down_proj.weight"), &[lat, h], Float, C::MoeLatent);
                 if t.latent_moe_use_norm {
                     tb.add(format!("{m}routed_expert_norm.weight"), &[lat], Float, C::MoeLatent);
                 }

@@ -329,6 +329,33 @@ pub fn gather_rows_from(src: &CudaTensor, ids: &CudaTensor, first: usize, out: &
     src.cuda_device().launch(COPY, name, grid, (block as u32, 1, 1), 0, &mut kargs![sp, ip, op, n32, h32, first32, rows32])
 }
 
+/// `dst[t, r·w + c] = src[r, t, c]`: rank-major all-gathered blocks `src` `[S, T, w]` back to
+/// rows `dst` `[T, S·w]` (BF16 or F32, same dtype).
+pub fn unblock(src: &CudaTensor, dst: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda unblock";
+    let (s, t, w) = match src.shape() {
+        [s, t, w] => (*s, *t, *w),
+        _ => return Err(CoreError::Shape { op: OP, detail: format!("src {src:?} must be [S, T, w]") }),
+    };
+    if dst.shape() != [t, s * w] || dst.dtype() != src.dtype() || !dst.cuda_device().same(src.cuda_device()) {
+        return Err(CoreError::Shape { op: OP, detail: format!("dst {dst:?} must be [{t}, {}] of {}", s * w, src.dtype()) });
+    }
+    let name = match src.dtype() {
+        DType::F32 => "unblock_f32",
+        DType::BF16 => "unblock_bf16",
+        d => return Err(CoreError::DType { op: OP, dtype: d.to_string() }),
+    };
+    if src.numel() == 0 {
+        return Ok(());
+    }
+    let big = |v: usize| i32::try_from(v).map_err(|_| CoreError::Shape { op: OP, detail: format!("{src:?} exceeds i32") });
+    let (s32, t32, w32) = (big(s)?, big(t)?, big(w)?);
+    let dev = src.cuda_device();
+    let grid = dev.elementwise_grid(src.numel(), EW_BLOCK);
+    let (sp, dp) = (src.ptr(), dst.ptr());
+    dev.launch(COPY, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![sp, dp, s32, t32, w32])
+}
+
 /// `x += delta` in place on an I32 tensor (global expert ids to one rank's local ids).
 pub fn shift_i32(x: &CudaTensor, delta: i32) -> Result<()> {
     if x.dtype() != DType::I32 {

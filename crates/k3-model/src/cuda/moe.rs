@@ -4,8 +4,9 @@
 //! (`k3_core::cuda::moe::experts_forward`), the latent RMSNorm, the up-projection, plus the
 //! shared experts. Same weights, same names as `layers/moe.rs`.
 //!
-//! On a parallel rank (`parallel.rs`) the router and the latent projections are whole, the
-//! routed experts its own (`first_expert..`; ids are shifted so the others' add nothing) or
+//! On a parallel rank (`parallel.rs`) the router and the latent down-projection hold this rank's
+//! rows of the stage's split (one NCCL group of two all-gathers joins the logits and `z`), the
+//! up-projection is whole, the routed experts its own (`first_expert..`; ids are shifted so the others' add nothing) or
 //! every expert's share of the intermediate dim, and one grouped NCCL reduction over the stage
 //! sums the routed partials (and the shared experts' when they are split too).
 //!
@@ -16,7 +17,7 @@
 
 use k3_core::cuda::moe::{experts_forward, route, ExpertFormat, ExpertWeights};
 use k3_core::comm::nccl::CudaGroup;
-use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols, shift_i32};
+use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols, shift_i32, unblock};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -28,6 +29,7 @@ use crate::config::Config;
 use crate::error::{ModelError, Result};
 
 pub struct Moe {
+    /// This rank's rows of the router; `routed_expert_down_proj` likewise (`plan.stage_share`).
     pub gate: CudaTensor,
     pub e_score_correction_bias: CudaTensor,
     pub routed_expert_down_proj: CudaTensor,
@@ -87,6 +89,28 @@ fn upload_experts(dev: &CudaDevice, ck: &Source<'_>, p: &str, experts: std::ops:
     }
 }
 
+/// The stage's row blocks of the router logits and the latent joined into whole rows: one NCCL
+/// group of two all-gathers (rank-major `[S, N, w]`), then one kernel each puts the blocks in
+/// place. World 1 returns its inputs.
+fn join_blocks(stage: &CudaGroup, logits: CudaTensor, z: CudaTensor) -> Result<(CudaTensor, CudaTensor)> {
+    let s = stage.world();
+    if s == 1 {
+        return Ok((logits, z));
+    }
+    let dev = logits.cuda_device();
+    let (n, el, zl) = (logits.shape()[0], logits.shape()[1], z.shape()[1]);
+    let lg_all = CudaTensor::uninit(dev, logits.dtype(), vec![s, n, el])?;
+    let z_all = CudaTensor::uninit(dev, z.dtype(), vec![s, n, zl])?;
+    stage.group(|g| {
+        g.all_gather(&logits, &lg_all)?;
+        g.all_gather(&z, &z_all)
+    })?;
+    let (lg, zz) = (CudaTensor::uninit(dev, logits.dtype(), vec![n, s * el])?, CudaTensor::uninit(dev, z.dtype(), vec![n, s * zl])?);
+    unblock(&lg_all, &lg)?;
+    unblock(&z_all, &zz)?;
+    Ok((lg, zz))
+}
+
 impl Moe {
     /// Layer `l`'s MoE on this rank: its routed experts (or, without expert parallelism, every
     /// expert's share of the intermediate dim) and its share of the shared experts.
@@ -111,14 +135,21 @@ impl Moe {
             (false, DType::F32) => ExpertFormat::F32,
             (false, _) => ExpertFormat::Bf16,
         };
+        let s = plan.par.stage_ranks();
+        if e % s != 0 || lat % s != 0 {
+            return Err(ModelError::Field {
+                field: "text_config.num_experts / routed_expert_hidden_size".into(),
+                msg: format!("{e} / {lat} do not split evenly over the stage's {s} ranks: the GPU all-gathers the router and latent blocks in equal parts"),
+            });
+        }
         let si = plan.tp_share(t.moe_intermediate_size * t.num_shared_experts).len();
         let shared = (t.num_shared_experts > 0)
             .then(|| Mlp::load(dev, ck, &format!("{p}shared_experts."), h, si, t.activation_situ_beta, t.activation_situ_linear_beta, dt))
             .transpose()?;
         Ok(Moe {
-            gate: matrix(dev, ck, &format!("{p}gate.weight"), e, h, dt)?,
+            gate: matrix(dev, ck, &format!("{p}gate.weight"), e / s, h, dt)?,
             e_score_correction_bias: vector(dev, ck, &format!("{p}gate.e_score_correction_bias"), e)?,
-            routed_expert_down_proj: matrix(dev, ck, &format!("{p}routed_expert_down_proj.weight"), lat, h, dt)?,
+            routed_expert_down_proj: matrix(dev, ck, &format!("{p}routed_expert_down_proj.weight"), lat / s, h, dt)?,
             routed_expert_norm: t.latent_moe_use_norm.then(|| vector(dev, ck, &format!("{p}routed_expert_norm.weight"), lat)).transpose()?,
             routed_expert_up_proj: matrix(dev, ck, &format!("{p}routed_expert_up_proj.weight"), h, lat, dt)?,
             shared_experts: shared,
@@ -150,7 +181,8 @@ impl Moe {
                 let [logits, z] = lin_many(x, [(&self.gate, f32), (&self.routed_expert_down_proj, bf)])?;
                 (logits, z, None)
             }
-        }; // logits F32 [N, E], z BF16 [N, lat], g/u BF16 [N, I·shared]
+        }; // this rank's blocks: logits F32 [N, E/S], z BF16 [N, lat/S]; g/u BF16 [N, I·shared]
+        let (logits, z) = join_blocks(stage, logits, z)?; // [N, E], [N, lat]
         let ids = CudaTensor::uninit(dev, DType::I32, vec![n, self.top_k])?;
         let wts = CudaTensor::uninit(dev, DType::F32, vec![n, self.top_k])?;
         route(&logits, &self.e_score_correction_bias, self.top_k, self.renormalize, &ids, &wts)?;

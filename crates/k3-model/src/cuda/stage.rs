@@ -6,7 +6,7 @@
 //! Shapes: every residual tensor F32 `[N, H]` (`P`, the completed blocks, the pending FFN
 //! output `d`); local logits F32 `[rows, V / tp]`; logits F32 `[rows, V]`.
 
-use k3_core::cuda::ops::copy_strided;
+use k3_core::cuda::ops::unblock;
 use k3_core::cuda::CudaTensor;
 use k3_core::DType;
 
@@ -55,7 +55,8 @@ impl Residual {
 }
 
 /// Joins the tensor-parallel ranks' vocabulary shards `[rows, V / tp]` (rank order) into
-/// `[rows, V]` on every rank of the group: one all-gather, then one strided copy per shard.
+/// `[rows, V]` on every rank of the group: one all-gather, then one kernel puts the blocks in
+/// place.
 pub(crate) fn gather_vocab(m: &CudaModel, local: CudaTensor) -> Result<CudaTensor> {
     let tp = m.groups.tp.world();
     if tp == 1 {
@@ -65,9 +66,7 @@ pub(crate) fn gather_vocab(m: &CudaModel, local: CudaTensor) -> Result<CudaTenso
     let parts = CudaTensor::uninit(&m.dev, DType::F32, vec![tp, rows, w])?; // [tp, rows, V/tp]
     m.groups.tp.all_gather(&local, &parts)?;
     let out = CudaTensor::uninit(&m.dev, DType::F32, vec![rows, tp * w])?;
-    for r in 0..tp {
-        copy_strided(&m.dev, DType::F32, parts.ptr() + (4 * r * rows * w) as u64, w, out.ptr() + (4 * r * w) as u64, tp * w, rows, w)?;
-    }
+    unblock(&parts, &out)?;
     Ok(out)
 }
 

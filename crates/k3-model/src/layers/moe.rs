@@ -7,13 +7,14 @@
 //! `RMSNorm_lat(r)`, `W_up r` `[T, H]`. Plus the shared experts on the full-width `x`.
 //! Expert weights are F32/BF16 or MXFP4, multiplied in place.
 //!
-//! Parallel (`parallel.rs`): the router and the latent projections are whole on every rank; a
-//! rank runs only its experts (`first_expert..`, or every expert's share of the intermediate
+//! Parallel (`parallel.rs`): the router and the latent down-projection are split by rows over
+//! the stage's ranks (each computes its block of the logits and of `z`; one all-gather joins
+//! both), the up-projection is whole on every rank; a rank runs only its experts (`first_expert..`, or every expert's share of the intermediate
 //! dim without expert parallelism), so its `r` is a partial sum. One all-reduce over the stage
 //! adds the partials — of `r` and, when they are split over the same ranks, of the shared
 //! experts' output in the same buffer — before the latent RMSNorm, which is not linear.
 
-use k3_core::comm::{Group, Single};
+use k3_core::comm::{part, Group, Single};
 use k3_core::kernels::cpu::act::{sigmoid, situ_glu_slice};
 use k3_core::kernels::cpu::matmul::Matrix;
 use k3_core::kernels::cpu::norm::rms_norm_inplace;
@@ -32,6 +33,8 @@ pub struct Expert {
 }
 
 pub struct Moe {
+    /// This rank's rows of the router (`plan.stage_share(num_experts)`); the down-projection
+    /// likewise holds `plan.stage_share(routed_expert_hidden_size)` rows.
     pub gate: Matrix,
     pub e_score_correction_bias: Vec<f32>,
     pub routed_expert_down_proj: Matrix,
@@ -42,6 +45,10 @@ pub struct Moe {
     pub experts: Vec<Expert>,
     pub first_expert: usize,
     num_experts: usize,
+    /// Width of the latent space (all ranks).
+    latent: usize,
+    /// Ranks of the stage, over which the router and down-projection rows are split.
+    stage_ranks: usize,
     /// The shared experts' output is a partial sum to add up with the routed one.
     shared_in_reduce: bool,
     top_k: usize,
@@ -101,15 +108,17 @@ impl Moe {
         let si = plan.tp_share(t.moe_intermediate_size * t.num_shared_experts).len();
         let shared = (t.num_shared_experts > 0).then(|| Mlp::load(ck, &format!("{p}shared_experts."), h, si, t.activation_situ_beta, t.activation_situ_linear_beta)).transpose()?;
         Ok(Moe {
-            gate: matrix(ck, &format!("{p}gate.weight"), e, h)?,
+            gate: matrix(ck, &format!("{p}gate.weight"), plan.stage_share(e).len(), h)?,
             e_score_correction_bias: vector(ck, &format!("{p}gate.e_score_correction_bias"), e)?,
-            routed_expert_down_proj: matrix(ck, &format!("{p}routed_expert_down_proj.weight"), lat, h)?,
+            routed_expert_down_proj: matrix(ck, &format!("{p}routed_expert_down_proj.weight"), plan.stage_share(lat).len(), h)?,
             routed_expert_norm: t.latent_moe_use_norm.then(|| vector(ck, &format!("{p}routed_expert_norm.weight"), lat)).transpose()?,
             routed_expert_up_proj: matrix(ck, &format!("{p}routed_expert_up_proj.weight"), h, lat)?,
             shared_experts: shared,
             experts,
             first_expert: mine.start,
             num_experts: e,
+            latent: lat,
+            stage_ranks: plan.par.stage_ranks(),
             shared_in_reduce: plan.shared_in_moe_reduce(),
             top_k: t.num_experts_per_token,
             renormalize: t.moe_renormalize,
@@ -120,11 +129,47 @@ impl Moe {
         })
     }
 
-    /// Router: per token, the top-k experts by biased score, weighted by renormalised raw scores.
+    /// The router logits `[T, E]` and the latent `z` `[T, lat]` of `x`: this rank's row blocks
+    /// of both, joined over the stage by one all-gather (rank r's blocks are rows
+    /// `part(E, S, r)` and `part(lat, S, r)`).
+    pub fn front(&self, x: &[f32], t: usize, stage: &dyn Group) -> Result<(Vec<f32>, Vec<f32>)> {
+        let logits = lin(x, t, &self.gate)?; // [T, E_r]
+        let z = lin(x, t, &self.routed_expert_down_proj)?; // [T, lat_r]
+        let (e, lat, s) = (self.num_experts, self.latent, self.stage_ranks);
+        if s == 1 {
+            return Ok((logits, z));
+        }
+        let mut mine = logits;
+        mine.extend_from_slice(&z);
+        let parts = stage.all_gather(&mine)?;
+        if parts.len() != s {
+            return Err(ModelError::Input(format!("MoE all-gather over {} ranks: this layer's router is split over the stage's {s} ranks", parts.len())));
+        }
+        let (mut lg, mut zz) = (vec![0f32; t * e], vec![0f32; t * lat]);
+        for (r, p) in parts.iter().enumerate() {
+            let (er, lr) = (part(e, s, r), part(lat, s, r));
+            if p.len() != t * (er.len() + lr.len()) {
+                return Err(ModelError::Input(format!("MoE all-gather: rank {r} sent {} values, expected {}", p.len(), t * (er.len() + lr.len()))));
+            }
+            let (pl, pz) = p.split_at(t * er.len());
+            for tok in 0..t {
+                lg[tok * e + er.start..tok * e + er.end].copy_from_slice(&pl[tok * er.len()..(tok + 1) * er.len()]);
+                zz[tok * lat + lr.start..tok * lat + lr.end].copy_from_slice(&pz[tok * lr.len()..(tok + 1) * lr.len()]);
+            }
+        }
+        Ok((lg, zz))
+    }
+
+    /// Router on a rank that holds the whole router: per token, the top-k experts by biased
+    /// score, weighted by renormalised raw scores.
     pub fn route(&self, x: &[f32], t: usize) -> Result<Vec<Route>> {
-        let logits = lin(x, t, &self.gate)?; // [T, E] f32
+        Ok(self.route_logits(&self.front(x, t, &Single)?.0))
+    }
+
+    /// [`Moe::route`] from the logits `[T, E]`.
+    pub fn route_logits(&self, logits: &[f32]) -> Vec<Route> {
         let e = self.num_experts;
-        Ok(logits
+        logits
             .chunks_exact(e)
             .map(|row| {
                 let s: Vec<f32> = row.iter().map(|&v| sigmoid(v)).collect();
@@ -136,7 +181,7 @@ impl Moe {
                 let sum: f32 = idx.iter().map(|&i| s[i]).sum();
                 idx.into_iter().map(|i| (i, if self.renormalize { s[i] / sum } else { s[i] })).collect()
             })
-            .collect())
+            .collect()
     }
 
     /// One expert on `n` latent rows `z` `[n, lat]` → `[n, lat]`.
@@ -155,9 +200,9 @@ impl Moe {
 
     /// `x` `[T, H]` → `[T, H]`, this rank's experts summed with the other ranks' of `stage`.
     pub fn forward_in(&self, x: &[f32], t: usize, stage: &dyn Group) -> Result<Vec<f32>> {
-        let routes = self.route(x, t)?;
-        let z = lin(x, t, &self.routed_expert_down_proj)?; // [T, lat]
-        let lat = self.routed_expert_down_proj.rows();
+        let (logits, z) = self.front(x, t, stage)?; // [T, E], [T, lat]
+        let routes = self.route_logits(&logits);
+        let lat = self.latent;
         // Group tokens by local expert: for each, the (token, weight) pairs routed to it.
         let mut groups: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
         for (tok, r) in routes.iter().enumerate() {

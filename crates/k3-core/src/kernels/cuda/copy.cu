@@ -47,3 +47,17 @@ extern "C" __global__ void copy_strided_f32(const float* src, long long ss, floa
         dst[r * ds + c] = src[r * ss + c];
     }
 }
+
+// unblock_*: dst[t, r·w + c] = src[r, t, c] — rank-major all-gathered blocks [S, T, w] back to
+// rows [T, S·w] (the column blocks of the router logits, the latent, the vocabulary).
+template <typename T>
+__device__ __forceinline__ void unblock_impl(const T* __restrict__ src, T* __restrict__ dst, int s, int t, int w) {
+    const long long total = (long long)s * t * w;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (long long)gridDim.x * blockDim.x) {
+        const long long c = k % w, rest = k / w;
+        const long long row = rest % t, r = rest / t;
+        dst[(row * s + r) * w + c] = src[k];
+    }
+}
+extern "C" __global__ void unblock_f32(const float* src, float* dst, int s, int t, int w) { unblock_impl(src, dst, s, t, w); }
+extern "C" __global__ void unblock_bf16(const bf16_t* src, bf16_t* dst, int s, int t, int w) { unblock_impl(src, dst, s, t, w); }
