@@ -17,7 +17,7 @@
 #   fault: k3 serve --tp 2, rank 1 killed with SIGKILL: the next request fails with an error
 #          naming rank 1 within a bound (no hang), and rank 0 stops with a non-zero status.
 set -o pipefail
-D=.dev/par
+D=${K3_DIR:-.dev/par} # the staged binary (K3_DIR to use another folder)
 L=${PAR_LOGS:-/tmp/k3serve}; mkdir -p $L
 # Never NVLink multicast (kept off as the machines' own environment does); one GPU anyway.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,7 +37,7 @@ fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
 # $L/TAG.out; waits for every rank and checks each exit status.
 world() {
   local n=$1 tp=$2 pp=$3 tag=$4; shift 4
-  local port=$((20000 + RANDOM % 20000)) pids=() i
+  local port=$((20000 + RANDOM % 20000)) pids=() i q
   local t0=$(date +%s%N)
   for ((i = 1; i < n; i++)); do
     RANK=$i WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=k3host$i timeout 300 $D/k3 "$@" --tp $tp --pp $pp > $L/$tag.rank$i.out 2> $L/$tag.rank$i.log &
@@ -45,7 +45,7 @@ world() {
   done
   RANK=0 WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=k3host0 timeout 300 $D/k3 "$@" --tp $tp --pp $pp > $L/$tag.out 2> $L/$tag.rank0.log
   local rc=$? rcs=""
-  for p in "${pids[@]}"; do wait $p; rcs="$rcs $?"; done
+  for q in "${pids[@]}"; do wait $q; rcs="$rcs $?"; done
   printf "%-28s ranks %d  rc0 %d  others:%s  %d ms\n" "$tag" $n $rc "$rcs" $((($(date +%s%N) - t0) / 1000000))
   [ $rc -eq 0 ] || { fail "$tag: rank 0 exited with $rc"; tail -5 $L/$tag.rank0.log; }
   for r in $rcs; do [ $r -eq 0 ] || { fail "$tag: a worker exited with $r"; tail -3 $L/$tag.rank1.log; break; }; done
