@@ -74,10 +74,13 @@ mod imp {
     }
 
     pub struct GpuRunner {
+        /// Declared before `model`, so it drops first (fields drop in declaration order): a
+        /// captured graph holds NCCL work of the model's communicators and must be destroyed
+        /// before they are.
+        graphs: HashMap<usize, DecodeGraph>,
         pub model: CudaModel,
         /// Replay decode steps from CUDA graphs (one captured per batch size on first use).
         pub use_graphs: bool,
-        graphs: HashMap<usize, DecodeGraph>,
         budget: CacheBudget,
         /// The embedding table on the host (a view of the map), for steps with their own rows.
         embedder: Model,

@@ -41,7 +41,8 @@ impl DecodeGraph {
 
 impl CudaModel {
     /// Captures the decode step of `batch` sequences whose contexts stay within `max_context`
-    /// tokens.
+    /// tokens. On a parallel rank the graph holds the step's NCCL calls: drop it before the
+    /// model (whose communicators it uses).
     pub fn capture_decode(&mut self, batch: usize, max_context: usize) -> Result<DecodeGraph> {
         if batch == 0 || batch > self.cache.max_seqs {
             return Err(ModelError::Input(format!("decode graph batch {batch}: must be 1..={} (CacheConfig.max_seqs)", self.cache.max_seqs)));
