@@ -5,7 +5,7 @@
 # same checkpoint: a real-width 4-layer K3 (dense layer 0, then MoE with 64 MXFP4 experts).
 # Staging: build here (no CUDA needed) —
 #   cargo build --release -p k3-cli --features cuda && mkdir -p .dev/par && cp target/release/k3 .dev/par/ && strip .dev/par/k3
-# then `bash scripts/gpu/parallel_run.sh [parity|launch|fault|all]` on the device with .dev carried.
+# then `bash scripts/gpu/parallel_run.sh [quick|parity|launch|fault|all]` on the device with .dev carried.
 # Ranks are started as a launcher would (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, one "node"
 # each), or as two `--nnodes 2 --node-rank R` launches. Logs in $OUT (or /tmp).
 set -o pipefail
@@ -45,6 +45,17 @@ world() {
 cmp() { python3 $S/parallel_cmp.py $L/$1.npy $L/$2.npy --tol $3 --label "$2 vs $1" || FAILS=$((FAILS + 1)); }
 
 case "${1:-all}" in
+quick)
+  # A re-check after a change: the f32 reference and the main layouts.
+  $D/k3 logits --model $M --device cuda --precision f32 --ids $IDS --out $L/ref_f32_full.npy > $L/ref_f32_full.log 2>&1 || { FAILS=$((FAILS + 1)); tail -3 $L/ref_f32_full.log; }
+  world 2 2 2 1 f32 full tp2_f32
+  world 2 1 2 1 f32 full tp1ep2_f32
+  world 8 8 8 1 f32 full tp8_f32
+  world 4 2 2 2 f32 full tp2pp2_f32
+  world 2 2 2 1 bf16 decode tp2_bf16_decode
+  for t in tp2_f32 tp1ep2_f32 tp8_f32 tp2pp2_f32; do cmp ref_f32_full $t 1e-4; done
+  cmp ref_f32_full tp2_bf16_decode 0.75
+  ;;
 parity | all)
   echo "=== one-GPU references ==="
   for p in f32 bf16; do for m in full decode; do
