@@ -14,7 +14,8 @@
 use std::path::PathBuf;
 
 /// What `tests/golden/` carries (everything else needs `K3_GOLDEN_DIR`).
-pub const IN_REPO: &[&str] = &["manifest.json", "k3-configs.json", "tokenizer", "chat", "k3_small_mxfp4", "vision_small_f32 (configs, meta.json and PNGs only)"];
+pub const IN_REPO: &[&str] =
+    &["manifest.json", "k3-configs.json", "tokenizer", "chat", "k3_small_mxfp4", "vision_small_f32 (configs, meta.json and PNGs only)"];
 
 /// The repository's `tests/golden/`.
 pub fn repo_golden() -> PathBuf {
@@ -34,10 +35,9 @@ pub fn golden_path(rel: &str) -> PathBuf {
     let p = golden_dir().join(rel);
     if !p.exists() {
         let why = match std::env::var_os("K3_GOLDEN_DIR") {
-            Some(d) if !d.is_empty() => format!(
-                "K3_GOLDEN_DIR is {} but it holds no `{rel}`: point it at a complete copy of shared/golden",
-                PathBuf::from(d).display()
-            ),
+            Some(d) if !d.is_empty() => {
+                format!("K3_GOLDEN_DIR is {} but it holds no `{rel}`: point it at a complete copy of shared/golden", PathBuf::from(d).display())
+            }
             _ => format!(
                 "the repository's tests/golden carries only {IN_REPO:?}; this test needs the full golden set: \
                  K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"

@@ -100,7 +100,21 @@ fn init_then_inspect_then_logits() {
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--dtype"));
     // Few-layer, real-width config with overrides (config only: inspect the written config.json).
     let small = d.path().join("s");
-    ok(&["init", "--config", "tiny", "--out", small.to_str().unwrap(), "--num-hidden-layers", "2", "--num-experts", "4", "--set", "vocab_size=128", "--dtype", "f32"]);
+    ok(&[
+        "init",
+        "--config",
+        "tiny",
+        "--out",
+        small.to_str().unwrap(),
+        "--num-hidden-layers",
+        "2",
+        "--num-experts",
+        "4",
+        "--set",
+        "vocab_size=128",
+        "--dtype",
+        "f32",
+    ]);
     let j = inspect_json(small.join("config.json").to_str().unwrap());
     assert_eq!(j["layers"].as_array().unwrap().len(), 2);
     assert_eq!(j["layers"][1]["mixer"], "mla");

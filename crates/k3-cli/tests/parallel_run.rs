@@ -22,7 +22,20 @@ fn k3(args: &[&str]) -> Output {
 
 fn run_ids(extra: &[&str]) -> Vec<u64> {
     let model = golden::fixture("k3_small_mxfp4");
-    let mut args = vec!["run", "--model", model.to_str().unwrap(), "--ids", "1,5,9,22,7,100,3,250,17,64,8,8,30", "-n", "12", "--temperature", "0", "--prefill-chunk", "5", "--json"];
+    let mut args = vec![
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--ids",
+        "1,5,9,22,7,100,3,250,17,64,8,8,30",
+        "-n",
+        "12",
+        "--temperature",
+        "0",
+        "--prefill-chunk",
+        "5",
+        "--json",
+    ];
     args.extend_from_slice(extra);
     let o = k3(&args);
     assert!(o.status.success(), "k3 {args:?}: {}", String::from_utf8_lossy(&o.stderr));
@@ -100,7 +113,8 @@ fn post(addr: &str, path: &str, body: &Value) -> Value {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(120))).ok();
     let b = body.to_string();
-    write!(s, "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()).expect("write");
+    write!(s, "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len())
+        .expect("write");
     let mut raw = String::new();
     s.read_to_string(&mut raw).expect("read");
     let (head, body) = raw.split_once("\r\n\r\n").expect("a response head");
@@ -117,7 +131,11 @@ fn serve_tp2_answers_as_tp1() {
     let answer = |extra: &[&str]| {
         let (_server, addr) = serve(extra);
         let v = post(&addr, "/v1/chat/completions", &req);
-        (v["choices"][0]["message"].clone(), v["choices"][0]["logprobs"]["content"].as_array().map(|c| c.iter().map(|t| t["token"].clone()).collect::<Vec<_>>()), v["usage"].clone())
+        (
+            v["choices"][0]["message"].clone(),
+            v["choices"][0]["logprobs"]["content"].as_array().map(|c| c.iter().map(|t| t["token"].clone()).collect::<Vec<_>>()),
+            v["usage"].clone(),
+        )
     };
     let one = answer(&["--tp", "1"]);
     assert!(one.0["content"].as_str().is_some_and(|c| !c.is_empty()), "{:?}", one.0);

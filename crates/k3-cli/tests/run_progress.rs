@@ -19,7 +19,11 @@ fn prefill_progress_on_a_terminal_only() {
         n.parse::<u32>().is_ok_and(|n| n > 0)
     });
     assert!(tty.contains("prefill") && moved, "no moving prefill bar on a terminal:\n{tty}");
-    let plain = Command::new(bin).args(["run", "--ids", &ids, "--prefill-chunk", "2", "--max-tokens", "2", "--temperature", "0"]).env_remove("K3_MODEL_DIR").output().unwrap();
+    let plain = Command::new(bin)
+        .args(["run", "--ids", &ids, "--prefill-chunk", "2", "--max-tokens", "2", "--temperature", "0"])
+        .env_remove("K3_MODEL_DIR")
+        .output()
+        .unwrap();
     assert!(plain.status.success());
     let err = String::from_utf8_lossy(&plain.stderr);
     assert!(!err.contains("tokens ETA") && !err.contains("loading"), "progress output without a terminal: {err}");

@@ -31,7 +31,10 @@ fn python_with_openai() -> bool {
 #[test]
 #[ignore = "needs python3 with the openai package (pip install openai): cargo test -p k3-cli --test serve -- --ignored"]
 fn serve_with_openai_python_client() {
-    assert!(python_with_openai(), "serve_with_openai_python_client: python3 with the `openai` package is not installed (pip install openai); this check cannot run");
+    assert!(
+        python_with_openai(),
+        "serve_with_openai_python_client: python3 with the `openai` package is not installed (pip install openai); this check cannot run"
+    );
     let nano = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
     let key = "test-key-123";
     let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))

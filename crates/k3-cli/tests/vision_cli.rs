@@ -30,15 +30,21 @@ fn vision_writes_every_stage() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("v1.safetensors");
     let st = Command::new(env!("CARGO_BIN_EXE_k3"))
-        .args(["vision", "--model"]).arg(fixture())
-        .arg("--image").arg(fixture().join("v1_rgb_wide_resize.png"))
-        .arg("--out").arg(&out)
-        .status().unwrap();
+        .args(["vision", "--model"])
+        .arg(fixture())
+        .arg("--image")
+        .arg(fixture().join("v1_rgb_wide_resize.png"))
+        .arg("--out")
+        .arg(&out)
+        .status()
+        .unwrap();
     assert!(st.success());
     let got = open_tensors_only(&out).unwrap();
     let r = open_tensors_only(&fixture().join("reference.safetensors")).unwrap();
     assert_eq!(&*got.tensor("grid_thw").unwrap().as_i64().unwrap(), &[1, 4, 10]);
-    for (k, shape, tol) in [("pixel_values", vec![40, 3, 14, 14], 0.0), ("vit_out", vec![40, 32], 1e-4), ("merged", vec![10, 4, 32], 1e-4), ("projected", vec![10, 96], 1e-4)] {
+    for (k, shape, tol) in
+        [("pixel_values", vec![40, 3, 14, 14], 0.0), ("vit_out", vec![40, 32], 1e-4), ("merged", vec![10, 4, 32], 1e-4), ("projected", vec![10, 96], 1e-4)]
+    {
         let t = got.tensor(k).unwrap();
         assert_eq!(t.shape(), shape.as_slice(), "{k}");
         let m = max_abs(&t.to_f32().unwrap(), &r.tensor(&format!("{k}_1")).unwrap().to_f32().unwrap());
@@ -88,12 +94,27 @@ fn run_with_image_continues_like_logits() {
     let img = f.join("v0_rgba_resize.png");
     let d = tempfile::tempdir().unwrap();
     let npy = d.path().join("l.npy");
-    let st = Command::new(env!("CARGO_BIN_EXE_k3")).args(["logits", "--model"]).arg(&f).args(["--ids", &ids, "--image"]).arg(&img).arg("--out").arg(&npy).status().unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(["logits", "--model"])
+        .arg(&f)
+        .args(["--ids", &ids, "--image"])
+        .arg(&img)
+        .arg("--out")
+        .arg(&npy)
+        .status()
+        .unwrap();
     assert!(st.success());
     let lg = read_npy_f32(&npy);
     let last = &lg[lg.len() - 384..];
     let want = last.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
-    let out = Command::new(env!("CARGO_BIN_EXE_k3")).args(["run", "--model"]).arg(&f).args(["--ids", &ids, "--image"]).arg(&img).args(["-n", "3", "--temperature", "0", "--json"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(["run", "--model"])
+        .arg(&f)
+        .args(["--ids", &ids, "--image"])
+        .arg(&img)
+        .args(["-n", "3", "--temperature", "0", "--json"])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["ids"][0].as_u64(), Some(want as u64));

@@ -190,7 +190,13 @@ fn child(a: &Args, rank: usize, world: usize, dir: &Path) {
             let replay = median((0..reps).map(|_| timed(&|| graph.launch().unwrap())).collect()) / k as f64;
             g.barrier().unwrap();
             if rank == 0 {
-                rows += &format!("{world:>5}  {op:<14} {:>7}  {:>12.1}  {:>12.1}  {:>14}\n", human(bytes), eager * 1e6, replay * 1e6, format!("{iters} / {k}×{reps}"));
+                rows += &format!(
+                    "{world:>5}  {op:<14} {:>7}  {:>12.1}  {:>12.1}  {:>14}\n",
+                    human(bytes),
+                    eager * 1e6,
+                    replay * 1e6,
+                    format!("{iters} / {k}×{reps}")
+                );
                 std::fs::write(dir.join("rows"), &rows).unwrap();
             }
         }

@@ -68,7 +68,11 @@ fn main() {
         let flag = args[i].clone();
         if flag == "--warmup" || flag == "--repeats" {
             let Some(v) = args.get(i + 1).and_then(|s| s.parse().ok()) else { usage() };
-            if flag == "--warmup" { warmup = v } else { repeats = v }
+            if flag == "--warmup" {
+                warmup = v
+            } else {
+                repeats = v
+            }
             args.drain(i..i + 2);
         } else {
             i += 1;

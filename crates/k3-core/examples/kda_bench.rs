@@ -29,7 +29,11 @@ impl Rng {
         // Uniform in ±[0.05, 1).
         let u = (self.0 >> 40) as f32 / (1u64 << 24) as f32;
         let m = 0.05 + 0.95 * u;
-        if self.0 & 1 == 0 { m } else { -m }
+        if self.0 & 1 == 0 {
+            m
+        } else {
+            -m
+        }
     }
     fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| self.next() * scale).collect()

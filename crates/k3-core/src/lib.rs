@@ -11,9 +11,9 @@
 //!
 //! Imports point one way: this crate knows nothing of Kimi K3's config or checkpoint names.
 
+pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -54,10 +54,7 @@ impl Tensor {
     pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<Self> {
         let want = numel(&shape) * dtype.size_in_bytes();
         if want != bytes.len() {
-            return Err(CoreError::Shape {
-                op: "Tensor::from_bytes",
-                detail: format!("{dtype} {shape:?} needs {want} bytes, got {}", bytes.len()),
-            });
+            return Err(CoreError::Shape { op: "Tensor::from_bytes", detail: format!("{dtype} {shape:?} needs {want} bytes, got {}", bytes.len()) });
         }
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
@@ -103,10 +100,7 @@ impl Tensor {
     /// Same bytes, another shape with the same element count.
     pub fn reshape(&self, shape: Vec<usize>) -> Result<Self> {
         if numel(&shape) != self.numel() {
-            return Err(CoreError::Shape {
-                op: "reshape",
-                detail: format!("{:?} -> {shape:?} changes the element count", self.shape),
-            });
+            return Err(CoreError::Shape { op: "reshape", detail: format!("{:?} -> {shape:?} changes the element count", self.shape) });
         }
         Ok(Tensor { dtype: self.dtype, shape, storage: self.storage.clone() })
     }
@@ -136,7 +130,9 @@ impl Tensor {
         let mut shape = self.shape.clone();
         shape[0] = n;
         match &self.storage {
-            Storage::Mapped { map, start, .. } => Ok(Tensor { dtype: self.dtype, shape, storage: Storage::Mapped { map: map.clone(), start: start + r0 * row_bytes, len: n * row_bytes } }),
+            Storage::Mapped { map, start, .. } => {
+                Ok(Tensor { dtype: self.dtype, shape, storage: Storage::Mapped { map: map.clone(), start: start + r0 * row_bytes, len: n * row_bytes } })
+            }
             Storage::Owned(..) => Self::from_bytes(self.dtype, shape, &self.bytes()[r0 * row_bytes..(r0 + n) * row_bytes]),
         }
     }

@@ -372,13 +372,7 @@ fn env_torchrun_and_kubernetes() {
     let s = WorldSpec::from_env(env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h:1234")]));
     assert_eq!(s.unwrap().unwrap().master, "h:1234");
     // torchrun inside srun: torchrun's variables win.
-    let s = WorldSpec::from_env(env(&[
-        ("RANK", "3"),
-        ("WORLD_SIZE", "4"),
-        ("MASTER_ADDR", "h"),
-        ("SLURM_PROCID", "0"),
-        ("SLURM_NTASKS", "1"),
-    ]));
+    let s = WorldSpec::from_env(env(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]));
     assert_eq!(s.unwrap().unwrap().rank, 3);
     assert_eq!(WorldSpec::from_env(env(&[])).unwrap(), None);
     assert_eq!(WorldSpec::from_env(env(&[("RANK", "0"), ("WORLD_SIZE", "1")])).unwrap(), Some(WorldSpec::single()));

@@ -173,7 +173,11 @@ fn world1_verbs_and_graph_capture() {
         g.wait("timing").unwrap();
         dev.synchronize().unwrap();
         let replay = t.elapsed().as_secs_f64() / (20 * reps) as f64;
-        say(&format!("  world 1 {name:<6}: eager all_reduce {:.2} µs/op (enqueue rate, 16 KB f32); graph replay {:.2} µs per (add + all_reduce)", eager * 1e6, replay * 1e6));
+        say(&format!(
+            "  world 1 {name:<6}: eager all_reduce {:.2} µs/op (enqueue rate, 16 KB f32); graph replay {:.2} µs per (add + all_reduce)",
+            eager * 1e6,
+            replay * 1e6
+        ));
         x.write_bytes(bytemuck::cast_slice(&vals)).unwrap();
     }
 }

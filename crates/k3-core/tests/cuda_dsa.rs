@@ -55,7 +55,11 @@ fn key_append_and_index_scores() {
         let (lwt, lbt) = (up_f32(&dev, vec![id], &lw), up_f32(&dev, vec![id], &lb));
         for dt in [DType::F32, DType::BF16] {
             let kc = CudaTensor::zeros(&dev, DType::F32, vec![pages, PAGE, id]).expect("alloc");
-            let kt = if dt == DType::F32 { up_f32(&dev, vec![n, id], &k) } else { CudaTensor::from_bf16(&dev, vec![n, id], &k.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).expect("up") };
+            let kt = if dt == DType::F32 {
+                up_f32(&dev, vec![n, id], &k)
+            } else {
+                CudaTensor::from_bf16(&dev, vec![n, id], &k.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).expect("up")
+            };
             index_key_append(&kt, &lwt, &lbt, eps, &batch, &kc).expect("append");
             let e = rel_l2(&kc.to_f32_vec().expect("read"), &keys);
             say(&format!("  key append ih={ih} id={id} {dt}: rel L2 {e:.2e} (tol 1e-5)"));

@@ -57,7 +57,14 @@ fn gemv_matches_cpu_every_row_count_and_shape() {
         run_case(&dev, &mut r, m, 200, &[96, 131, 1], &[DType::F32, DType::BF16, DType::F32]);
     }
     run_case(&dev, &mut r, 1, 8, &[33], &[DType::F32]);
-    run_case(&dev, &mut r, 3, 1544, &[1000, 7, 64, 2, 5, 300, 17, 8], &[DType::BF16, DType::F32, DType::F32, DType::BF16, DType::F32, DType::BF16, DType::F32, DType::F32]);
+    run_case(
+        &dev,
+        &mut r,
+        3,
+        1544,
+        &[1000, 7, 64, 2, 5, 300, 17, 8],
+        &[DType::BF16, DType::F32, DType::F32, DType::BF16, DType::F32, DType::BF16, DType::F32, DType::F32],
+    );
     run_case(&dev, &mut r, 8, 3584, &[515], &[DType::F32]);
 }
 

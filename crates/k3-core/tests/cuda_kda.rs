@@ -269,7 +269,8 @@ fn prefill_parity() {
     let mut r = rng(T);
     // Includes a long sequence (chunks far from the sequence start) and sequences shorter than
     // the conv width.
-    let cases: [(usize, &[usize]); 9] = [(2, &[1]), (2, &[64]), (3, &[100]), (2, &[2, 64, 130, 7]), (4, &[200]), (1, &[1, 1, 3]), (8, &[129, 300, 65]), (2, &[1000, 3]), (3, &[5, 70, 1])];
+    let cases: [(usize, &[usize]); 9] =
+        [(2, &[1]), (2, &[64]), (3, &[100]), (2, &[2, 64, 130, 7]), (4, &[200]), (1, &[1, 1, 3]), (8, &[129, 300, 65]), (2, &[1000, 3]), (3, &[5, 70, 1])];
     for (h, lens) in cases {
         prefill_case(&dev, &mut r, h, 128, lens);
     }
@@ -324,7 +325,8 @@ fn prefill_without_chunk_states_matches() {
 fn decode_reference(p: &Problem, b: usize, steps: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (h, d) = (p.h, p.d());
     // Reorder the problem into b sequences of `steps` tokens for the CPU.
-    let reorder = |v: &Vec<f32>, w: usize| -> Vec<f32> { (0..b).flat_map(|i| (0..steps).flat_map(move |s| v[(s * b + i) * w..(s * b + i + 1) * w].to_vec())).collect() };
+    let reorder =
+        |v: &Vec<f32>, w: usize| -> Vec<f32> { (0..b).flat_map(|i| (0..steps).flat_map(move |s| v[(s * b + i) * w..(s * b + i + 1) * w].to_vec())).collect() };
     let q = Problem {
         h,
         hd: p.hd,
@@ -344,7 +346,8 @@ fn decode_reference(p: &Problem, b: usize, steps: usize) -> (Vec<f32>, Vec<f32>,
     };
     let (o_ref, conv_ref, s_ref, _) = cpu_reference(&q, false);
     // Back to step-major order: row s·b + i.
-    let o_step: Vec<f32> = (0..steps).flat_map(|s| (0..b).map(move |i| (s, i))).flat_map(|(s, i)| o_ref[(i * steps + s) * d..(i * steps + s + 1) * d].to_vec()).collect();
+    let o_step: Vec<f32> =
+        (0..steps).flat_map(|s| (0..b).map(move |i| (s, i))).flat_map(|(s, i)| o_ref[(i * steps + s) * d..(i * steps + s + 1) * d].to_vec()).collect();
     (o_step, conv_ref, s_ref)
 }
 
@@ -354,7 +357,19 @@ fn decode_parity() {
     let Some(dev) = device(T) else { return };
     let mut r = rng(T);
     // (head dim, H, B); at 16 heads x 100 sequences the grid is 1600 blocks, several waves.
-    let cases = [(128usize, 2usize, 1usize), (128, 3, 5), (128, 4, 64), (128, 3, 3), (128, 16, 100), (32, 2, 1), (32, 3, 5), (64, 2, 1), (64, 4, 5), (64, 2, 3), (96, 2, 5)];
+    let cases = [
+        (128usize, 2usize, 1usize),
+        (128, 3, 5),
+        (128, 4, 64),
+        (128, 3, 3),
+        (128, 16, 100),
+        (32, 2, 1),
+        (32, 3, 5),
+        (64, 2, 1),
+        (64, 4, 5),
+        (64, 2, 3),
+        (96, 2, 5),
+    ];
     for (hd, h, b) in cases {
         let steps = 3;
         let (slots, npool) = slots_for(b);
@@ -419,7 +434,14 @@ fn decode_graph_follows_slots() {
         let p1 = Problem::new(&mut r, h, hd, &[1, 1], &[2, 0, 1, 3], 4);
         let d = p1.d();
         let dup = |v: &Vec<f32>| [v.clone(), v.clone()].concat();
-        let p = Problem { lens: vec![1; 4], raw: [dup(&p1.raw[0]), dup(&p1.raw[1]), dup(&p1.raw[2])], g: dup(&p1.g), beta: dup(&p1.beta), gate: dup(&p1.gate), ..p1 };
+        let p = Problem {
+            lens: vec![1; 4],
+            raw: [dup(&p1.raw[0]), dup(&p1.raw[1]), dup(&p1.raw[2])],
+            g: dup(&p1.g),
+            beta: dup(&p1.beta),
+            gate: dup(&p1.gate),
+            ..p1
+        };
         let x = Gpu::new(&dev, &p, 0..b);
         let (conv, st) = p.pools(&dev);
         let sl = slot_tensor(&dev, &[2, 0]);

@@ -97,10 +97,13 @@ fn reference(p: &Attend, scale: f32) -> Vec<f32> {
         };
         for h in 0..nh {
             let qh = &p.q[(i * nh + h) * w..][..w];
-            let sc: Vec<f32> = keys.iter().map(|&s| {
-                let row = &p.cache[slot(&p.bt, p.mp, *seq, s) * w..][..w];
-                qh.iter().zip(row).map(|(a, b)| a * b).sum::<f32>() * scale
-            }).collect();
+            let sc: Vec<f32> = keys
+                .iter()
+                .map(|&s| {
+                    let row = &p.cache[slot(&p.bt, p.mp, *seq, s) * w..][..w];
+                    qh.iter().zip(row).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
             let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = sc.iter().map(|s| (s - m).exp()).collect();
             let z: f32 = e.iter().sum();
@@ -272,7 +275,11 @@ fn strided_batched_gemm_absorb_and_unabsorb() {
         let q = rvec(&mut r, n * nh * (dn + dr), 0.05, 1.0); // [N, nh, dn+dr]
         let kvb = rvec(&mut r, nh * (dn + dv) * rr, 0.01, 0.2); // [nh*(dn+dv), r]
         let o_lat = rvec(&mut r, n * nh * rr, 0.05, 1.0); // [N, nh, r]
-        let (qt, kt, ot) = (up(&dev, DType::BF16, vec![n, nh, dn + dr], &q), up(&dev, DType::BF16, vec![nh * (dn + dv), rr], &kvb), up(&dev, DType::BF16, vec![n, nh, rr], &o_lat));
+        let (qt, kt, ot) = (
+            up(&dev, DType::BF16, vec![n, nh, dn + dr], &q),
+            up(&dev, DType::BF16, vec![nh * (dn + dv), rr], &kvb),
+            up(&dev, DType::BF16, vec![n, nh, rr], &o_lat),
+        );
         // Absorb: q_abs[:, h, :r] = q_nope_h [N, dn] · W_uk_h [dn, r].
         let mut want = vec![0f32; n * nh * rr];
         for i in 0..n {
@@ -287,13 +294,19 @@ fn strided_batched_gemm_absorb_and_unabsorb() {
         for out_dt in [DType::BF16, DType::F32] {
             let c = poisoned(&dev, out_dt, vec![n, nh, rr + dr]);
             gemm_strided_batched(
-                &dev, n, rr, dn, nh,
+                &dev,
+                n,
+                rr,
+                dn,
+                nh,
                 Strided { ptr: qt.ptr(), ld: nh * (dn + dr), stride: dn + dr },
                 Strided { ptr: kt.ptr(), ld: rr, stride: (dn + dv) * rr },
                 Layout::B,
                 Strided { ptr: c.ptr(), ld: nh * (rr + dr), stride: rr + dr },
-                DType::BF16, out_dt,
-            ).expect("absorb gemm");
+                DType::BF16,
+                out_dt,
+            )
+            .expect("absorb gemm");
             let got_all = c.to_f32_vec().expect("read");
             let got: Vec<f32> = (0..n * nh).flat_map(|ih| got_all[ih * (rr + dr)..][..rr].to_vec()).collect();
             let tol = if out_dt == DType::F32 { 1e-5 } else { 5e-3 };
@@ -315,13 +328,19 @@ fn strided_batched_gemm_absorb_and_unabsorb() {
         for out_dt in [DType::BF16, DType::F32] {
             let c = poisoned(&dev, out_dt, vec![n, nh, dv]);
             gemm_strided_batched(
-                &dev, n, dv, rr, nh,
+                &dev,
+                n,
+                dv,
+                rr,
+                nh,
                 Strided { ptr: ot.ptr(), ld: nh * rr, stride: rr },
                 Strided { ptr: kt.ptr() + (dn * rr * 2) as u64, ld: rr, stride: (dn + dv) * rr },
                 Layout::BT,
                 Strided { ptr: c.ptr(), ld: nh * dv, stride: dv },
-                DType::BF16, out_dt,
-            ).expect("unabsorb gemm");
+                DType::BF16,
+                out_dt,
+            )
+            .expect("unabsorb gemm");
             let tol = if out_dt == DType::F32 { 1e-5 } else { 5e-3 };
             check(&format!("un-absorb N={n} nh={nh} r={rr} dv={dv} -> {out_dt}"), &c.to_f32_vec().expect("read"), &want, tol);
         }

@@ -104,8 +104,32 @@ fn attn_res_norm_parity() {
     // Too many blocks and a missing d are errors, not launches.
     let t = up(&dev, DType::F32, vec![1, 8], &[1.0; 8]);
     let many: Vec<&CudaTensor> = std::iter::repeat_n(&t, ops::ATTN_RES_MAX_BLOCKS + 1).collect();
-    assert!(ops::attn_res_norm(&many, &t, ResUpdate::Keep, None, None, &up(&dev, DType::F32, vec![8], &[1.0; 8]), 1e-6, &up(&dev, DType::F32, vec![8], &[1.0; 8]), 1e-5, &t).is_err());
-    assert!(ops::attn_res_norm(&[], &t, ResUpdate::Add, None, None, &up(&dev, DType::F32, vec![8], &[1.0; 8]), 1e-6, &up(&dev, DType::F32, vec![8], &[1.0; 8]), 1e-5, &t).is_err());
+    assert!(ops::attn_res_norm(
+        &many,
+        &t,
+        ResUpdate::Keep,
+        None,
+        None,
+        &up(&dev, DType::F32, vec![8], &[1.0; 8]),
+        1e-6,
+        &up(&dev, DType::F32, vec![8], &[1.0; 8]),
+        1e-5,
+        &t
+    )
+    .is_err());
+    assert!(ops::attn_res_norm(
+        &[],
+        &t,
+        ResUpdate::Add,
+        None,
+        None,
+        &up(&dev, DType::F32, vec![8], &[1.0; 8]),
+        1e-6,
+        &up(&dev, DType::F32, vec![8], &[1.0; 8]),
+        1e-5,
+        &t
+    )
+    .is_err());
 }
 
 #[test]
@@ -131,7 +155,8 @@ fn rms_norm_cols_gather_copy_gate_add() {
     check("rms_norm_cols f32 [6,40] first 32 -> bf16", &out.to_f32_vec().unwrap(), &want, 5e-3);
     ops::rms_norm_cols(&xt, cols, &wt, 1e-6, &xt).unwrap();
     let back = xt.to_f32_vec().unwrap();
-    let (head, tail): (Vec<f32>, Vec<f32>) = (back.chunks_exact(wide).flat_map(|r| r[..cols].to_vec()).collect(), back.chunks_exact(wide).flat_map(|r| r[cols..].to_vec()).collect());
+    let (head, tail): (Vec<f32>, Vec<f32>) =
+        (back.chunks_exact(wide).flat_map(|r| r[..cols].to_vec()).collect(), back.chunks_exact(wide).flat_map(|r| r[cols..].to_vec()).collect());
     check("rms_norm_cols in place, f32", &head, &want, 1e-5);
     assert_eq!(tail, x.chunks_exact(wide).flat_map(|r| r[cols..].to_vec()).collect::<Vec<_>>(), "columns past `cols` must be untouched");
     // Gather rows of a bf16 table into f32, in the order of the ids (repeats allowed); widths

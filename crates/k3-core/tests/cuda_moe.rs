@@ -120,14 +120,40 @@ fn layer(dev: &CudaDevice, r: &mut impl Rng, format: ExpertFormat, e: usize, l: 
             let w13 = rv(e * 2 * f * l, 2.0 / (l as f32).sqrt());
             let w2 = rv(e * l * f, 2.0 / (f as f32).sqrt());
             let b = |shape: Vec<usize>, v: &[f32]| CudaTensor::from_f32(dev, shape, v).unwrap();
-            Layer { w: ExpertWeights { format, num_experts: e, latent: l, inter: f, w13: b(vec![e, 2 * f, l], &w13), w13_scale: None, w2: b(vec![e, l, f], &w2), w2_scale: None }, w13, w2 }
+            Layer {
+                w: ExpertWeights {
+                    format,
+                    num_experts: e,
+                    latent: l,
+                    inter: f,
+                    w13: b(vec![e, 2 * f, l], &w13),
+                    w13_scale: None,
+                    w2: b(vec![e, l, f], &w2),
+                    w2_scale: None,
+                },
+                w13,
+                w2,
+            }
         }
         ExpertFormat::Bf16 => {
             let mut rv = |n: usize, a: f32| -> Vec<f32> { (0..n).map(|_| bf16::from_f32(r.random_range(-a..a)).to_f32()).collect() };
             let w13 = rv(e * 2 * f * l, 2.0 / (l as f32).sqrt());
             let w2 = rv(e * l * f, 2.0 / (f as f32).sqrt());
             let b = |shape: Vec<usize>, v: &[f32]| CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).unwrap();
-            Layer { w: ExpertWeights { format, num_experts: e, latent: l, inter: f, w13: b(vec![e, 2 * f, l], &w13), w13_scale: None, w2: b(vec![e, l, f], &w2), w2_scale: None }, w13, w2 }
+            Layer {
+                w: ExpertWeights {
+                    format,
+                    num_experts: e,
+                    latent: l,
+                    inter: f,
+                    w13: b(vec![e, 2 * f, l], &w13),
+                    w13_scale: None,
+                    w2: b(vec![e, l, f], &w2),
+                    w2_scale: None,
+                },
+                w13,
+                w2,
+            }
         }
     }
 }
@@ -226,7 +252,8 @@ fn experts_reference_precision_match_cpu() {
         // F32 weights refuse BF16 inputs with an error naming the reference precision.
         if format == ExpertFormat::F32 {
             let zb = CudaTensor::from_bf16(&dev, vec![1, l], &vec![bf16::from_f32(0.5); l]).unwrap();
-            let (idd, wd) = (CudaTensor::from_pod(&dev, DType::I32, vec![1, k], &[0i32, 1, 2, 3]).unwrap(), CudaTensor::from_f32(&dev, vec![1, k], &[0.25; 4]).unwrap());
+            let (idd, wd) =
+                (CudaTensor::from_pod(&dev, DType::I32, vec![1, k], &[0i32, 1, 2, 3]).unwrap(), CudaTensor::from_f32(&dev, vec![1, k], &[0.25; 4]).unwrap());
             let e = moe::experts_forward(&zb, &idd, &wd, &ly.w, BETA, LBETA, 1.0, &poisoned(&dev, DType::F32, vec![1, l])).unwrap_err().to_string();
             assert!(e.contains("reference precision"), "{e}");
         }

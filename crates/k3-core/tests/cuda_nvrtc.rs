@@ -10,7 +10,10 @@ use k3_core::kernels::cuda::ALL;
 #[test]
 fn every_kernel_source_compiles_for_sm_90() {
     if !library_report().nvrtc {
-        assert!(std::env::var("K3_REQUIRE_NVRTC").map_or(true, |v| v != "1"), "K3_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded (put its directory on LD_LIBRARY_PATH)");
+        assert!(
+            std::env::var("K3_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
+            "K3_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded (put its directory on LD_LIBRARY_PATH)"
+        );
         eprintln!("every_kernel_source_compiles_for_sm_90: skipped: libnvrtc not found");
         return;
     }

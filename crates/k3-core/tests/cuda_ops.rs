@@ -83,7 +83,11 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
 }
 
 fn tol_for(d: DType) -> f64 {
-    if d == DType::F32 { TOL_F32 } else { TOL_BF16 }
+    if d == DType::F32 {
+        TOL_F32
+    } else {
+        TOL_BF16
+    }
 }
 
 /// Softmax rows of width `d` computed in f64 (all -inf row -> zeros), rounded to f32.
@@ -315,11 +319,7 @@ fn gemm_parity() {
     let Some(dev) = device("gemm_parity") else { return };
     let mut r = rng("gemm_parity");
     let shapes = [(1usize, 67usize, 96usize), (5, 130, 200), (70, 257, 333), (128, 512, 1024), (33, 1000, 7168)];
-    let cases = [
-        (DType::BF16, DType::F32, TOL_GEMM_BF16_F32OUT),
-        (DType::BF16, DType::BF16, TOL_BF16),
-        (DType::F32, DType::F32, TOL_F32),
-    ];
+    let cases = [(DType::BF16, DType::F32, TOL_GEMM_BF16_F32OUT), (DType::BF16, DType::BF16, TOL_BF16), (DType::F32, DType::F32, TOL_F32)];
     let opts = [
         GemmOptions { backend: Backend::Lt, algo: Algo::Auto },
         GemmOptions { backend: Backend::Lt, algo: Algo::Tuned },

@@ -383,7 +383,12 @@ impl Engine {
 
     /// [`Engine::generate`] that also reports the prefill's progress after every step that
     /// prefilled part of the prompt: `on_prefill(tokens done, prompt tokens)`.
-    pub fn generate_with_progress(&mut self, req: Request, mut on_event: impl FnMut(&Event), mut on_prefill: impl FnMut(usize, usize)) -> Result<(Vec<u32>, FinishReason, SeqStats)> {
+    pub fn generate_with_progress(
+        &mut self,
+        req: Request,
+        mut on_event: impl FnMut(&Event),
+        mut on_prefill: impl FnMut(usize, usize),
+    ) -> Result<(Vec<u32>, FinishReason, SeqStats)> {
         let id = self.add(req)?;
         let mut out = Vec::new();
         loop {

@@ -136,7 +136,11 @@ mod imp {
             Ok(self.embedder.embed(ids)?)
         }
         fn fits(&self, tokens: usize) -> std::result::Result<(), usize> {
-            if self.budget.fits_ever(tokens) { Ok(()) } else { Err(self.budget.tokens()) }
+            if self.budget.fits_ever(tokens) {
+                Ok(())
+            } else {
+                Err(self.budget.tokens())
+            }
         }
         fn admit(&mut self, id: SeqId, tokens: usize) -> Result<bool> {
             let Some(pages) = self.budget.try_reserve(tokens) else { return Ok(false) };
@@ -234,7 +238,11 @@ mod imp {
 
     /// The GPU precision of an `--precision f32` flag.
     pub fn precision(f32: bool) -> k3_model::cuda::Precision {
-        if f32 { k3_model::cuda::Precision::F32 } else { k3_model::cuda::Precision::Bf16 }
+        if f32 {
+            k3_model::cuda::Precision::F32
+        } else {
+            k3_model::cuda::Precision::Bf16
+        }
     }
 }
 

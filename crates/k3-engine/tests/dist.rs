@@ -40,7 +40,8 @@ fn seq(id: u64, tokens: &[u32]) -> StepSeq {
 fn script(r: &mut dyn Runner) -> Vec<Vec<f32>> {
     let own: Vec<f32> = r.embed(&[9, 8, 7, 6]).unwrap().iter().enumerate().map(|(i, x)| x * 0.5 + (i % 7) as f32 * 0.01).collect();
     let mut out = Vec::new();
-    let mut step = |r: &mut dyn Runner, seqs: Vec<StepSeq>, last_only: bool, released: Vec<u64>| out.push(r.forward(Step { seqs, last_only, released }).unwrap());
+    let mut step =
+        |r: &mut dyn Runner, seqs: Vec<StepSeq>, last_only: bool, released: Vec<u64>| out.push(r.forward(Step { seqs, last_only, released }).unwrap());
     step(r, vec![seq(1, &[5, 17, 200, 3, 99, 42, 7]), seq(2, &[300, 12, 1])], true, vec![]);
     step(r, vec![seq(1, &[11]), StepSeq { id: 2, tokens: vec![9, 8, 7, 6], rows: Some(own.clone()) }, seq(3, &[4, 4, 100, 250, 31])], true, vec![]);
     r.release(2);
@@ -157,7 +158,8 @@ fn bad_layouts_and_multi_gpu_are_refused() {
     let ck = ck();
     let err = ThreadRunner::start(&ck, par(1, None, 9), StateDType::F32).err().unwrap().to_string();
     assert!(err.contains("--pp 9"), "{err}");
-    let spec = RunnerSpec { par: par(2, None, 1), device: Some(0), kda_state: StateDType::F32, max_seqs: 1, max_cache_tokens: 64, cuda_graphs: false, gpu_f32: false };
+    let spec =
+        RunnerSpec { par: par(2, None, 1), device: Some(0), kda_state: StateDType::F32, max_seqs: 1, max_cache_tokens: 64, cuda_graphs: false, gpu_f32: false };
     let err = runner::load(&ck, &spec).err().unwrap().to_string();
     assert!(err.contains("--tp 2") && err.contains("one process per GPU") && err.contains("docs/parallel.md"), "{err}");
 }

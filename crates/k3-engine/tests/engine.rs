@@ -44,10 +44,8 @@ fn greedy_equals_full_pass_argmax() {
 #[test]
 fn continuous_batching_equals_solo() {
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| PROMPT.iter().map(|&t| (t + 31 * i) % 384).cycle().take(4 + 9 * i as usize).collect()).collect();
-    let solo: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| engine(EngineConfig::default()).generate(Request::new(p.clone(), SamplingParams::greedy(), 8), |_| {}).unwrap().0)
-        .collect();
+    let solo: Vec<Vec<u32>> =
+        prompts.iter().map(|p| engine(EngineConfig::default()).generate(Request::new(p.clone(), SamplingParams::greedy(), 8), |_| {}).unwrap().0).collect();
     // Small chunks and a small budget force interleaved prefill and decode.
     let mut e = engine(EngineConfig { max_batch: 3, prefill_chunk: 5, max_step_tokens: 8, ..Default::default() });
     let ids: Vec<u64> = prompts.iter().map(|p| e.add(Request::new(p.clone(), SamplingParams::greedy(), 8)).unwrap()).collect();

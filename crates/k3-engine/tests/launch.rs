@@ -278,7 +278,9 @@ fn one_node_starts_its_local_ranks() {
 #[test]
 fn two_nodes_form_one_node_major_world() {
     let master = format!("127.0.0.1:{}", free_port());
-    let env = |n: usize| vec![("K3_LAUNCH_TP", "4".to_string()), ("K3_LAUNCH_NNODES", "2".into()), ("K3_LAUNCH_NODE_RANK", n.to_string()), ("K3_LAUNCH_MASTER", master.clone())];
+    let env = |n: usize| {
+        vec![("K3_LAUNCH_TP", "4".to_string()), ("K3_LAUNCH_NNODES", "2".into()), ("K3_LAUNCH_NODE_RANK", n.to_string()), ("K3_LAUNCH_MASTER", master.clone())]
+    };
     // Node 1 first: its ranks must wait for rank 0's node.
     let n1 = node("exchange", "two_nodes_1", &env(1));
     let n0 = node("exchange", "two_nodes_0", &env(0));
@@ -362,7 +364,14 @@ fn a_child_on_a_worker_node_that_exits_early_is_named() {
 #[test]
 fn a_child_that_exits_after_the_rendezvous_is_named() {
     let e = node("exit_after", "exit_after", &[("K3_LAUNCH_TP", "4".into()), ("K3_LAUNCH_FAULT_RANK", "1".into())]).wait();
-    assert_failed_naming(&e, &["K3_LAUNCH_CHILD_FAILURE rank 1 exited with exit status: 3", "K3_LAUNCH_FAIL rank (first of its node)", "finish: launch: rank 1 exited with exit status: 3"]);
+    assert_failed_naming(
+        &e,
+        &[
+            "K3_LAUNCH_CHILD_FAILURE rank 1 exited with exit status: 3",
+            "K3_LAUNCH_FAIL rank (first of its node)",
+            "finish: launch: rank 1 exited with exit status: 3",
+        ],
+    );
     let bound = Duration::from_secs(RENDEZVOUS_S);
     assert!(e.elapsed < bound, "took {:.1?} (bound {bound:?}): {}", e.elapsed, e.show());
 }

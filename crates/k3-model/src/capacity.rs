@@ -109,13 +109,40 @@ pub fn capacity(cfg: &Config, par: Parallel, gpu_mem: u64, reserve: u64, kv: KvD
     let worst_seq = ranks.iter().min_by_key(|r| r.sequences_128k).expect("a world has a rank");
     let (fits, reason) = if worst_free.free_bytes < 0 {
         let r = worst_free;
-        (false, format!("rank {} (stage {}) holds {:.1} GiB of weights; with the {:.1} GiB reserve that is {:.1} GiB more than --gpu-mem {:.1} GiB", r.rank, r.stage, gib(r.weight_bytes as f64), gib(reserve as f64), gib(-r.free_bytes as f64), gib(gpu_mem as f64)))
+        (
+            false,
+            format!(
+                "rank {} (stage {}) holds {:.1} GiB of weights; with the {:.1} GiB reserve that is {:.1} GiB more than --gpu-mem {:.1} GiB",
+                r.rank,
+                r.stage,
+                gib(r.weight_bytes as f64),
+                gib(reserve as f64),
+                gib(-r.free_bytes as f64),
+                gib(gpu_mem as f64)
+            ),
+        )
     } else if worst_seq.sequences_128k == 0 {
         let r = worst_seq;
-        (false, format!("rank {} (stage {}) has {:.1} GiB left after its weights and the reserve, less than one 128K-token sequence needs", r.rank, r.stage, gib(r.free_bytes as f64)))
+        (
+            false,
+            format!(
+                "rank {} (stage {}) has {:.1} GiB left after its weights and the reserve, less than one 128K-token sequence needs",
+                r.rank,
+                r.stage,
+                gib(r.free_bytes as f64)
+            ),
+        )
     } else {
         let s1m = ranks.iter().map(|r| r.sequences_1m).min().unwrap_or(0);
-        (true, format!("every rank holds its weights (at most {:.1} GiB) with at least {:.1} GiB left: {} sequences of 128K tokens, or {s1m} of 1M", gib(max_weight_bytes as f64), gib(worst_free.free_bytes as f64), worst_seq.sequences_128k))
+        (
+            true,
+            format!(
+                "every rank holds its weights (at most {:.1} GiB) with at least {:.1} GiB left: {} sequences of 128K tokens, or {s1m} of 1M",
+                gib(max_weight_bytes as f64),
+                gib(worst_free.free_bytes as f64),
+                worst_seq.sequences_128k
+            ),
+        )
     };
     Ok(Capacity { layout: par, world: par.world(), gpu_mem_bytes: gpu_mem, reserve_bytes: reserve, kv_cache_dtype: kv, ranks, max_weight_bytes, fits, reason })
 }

@@ -56,13 +56,18 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let cfg_path = dir.join("config.json");
         if !cfg_path.is_file() {
-            return Err(ModelError::Config { path: cfg_path.display().to_string(), msg: "missing: a model directory must contain config.json (and model.safetensors or model.safetensors.index.json)".into() });
+            return Err(ModelError::Config {
+                path: cfg_path.display().to_string(),
+                msg: "missing: a model directory must contain config.json (and model.safetensors or model.safetensors.index.json)".into(),
+            });
         }
         let config = Config::from_file(&cfg_path)?;
         let files = Self::weight_files(dir)?;
         let pb = if files.len() > 1 {
             let pb = indicatif::ProgressBar::new(files.len() as u64);
-            pb.set_style(indicatif::ProgressStyle::with_template("opening shards {bar:30} {pos}/{len}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+            pb.set_style(
+                indicatif::ProgressStyle::with_template("opening shards {bar:30} {pos}/{len}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
             pb
         } else {
             indicatif::ProgressBar::hidden()
@@ -89,8 +94,12 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         if index.is_file() {
             let s = std::fs::read_to_string(&index).map_err(io_err(&index))?;
-            let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| ModelError::Checkpoint { path: index.display().to_string(), msg: format!("not valid JSON: {e}") })?;
-            let wm = v.get("weight_map").and_then(|w| w.as_object()).ok_or_else(|| ModelError::Checkpoint { path: index.display().to_string(), msg: "has no `weight_map` object".into() })?;
+            let v: serde_json::Value =
+                serde_json::from_str(&s).map_err(|e| ModelError::Checkpoint { path: index.display().to_string(), msg: format!("not valid JSON: {e}") })?;
+            let wm = v
+                .get("weight_map")
+                .and_then(|w| w.as_object())
+                .ok_or_else(|| ModelError::Checkpoint { path: index.display().to_string(), msg: "has no `weight_map` object".into() })?;
             let mut names: Vec<String> = wm.values().filter_map(|x| x.as_str().map(str::to_string)).collect();
             names.sort();
             names.dedup();
@@ -101,7 +110,10 @@ impl Checkpoint {
                 }
                 let p = dir.join(&n);
                 if !p.is_file() {
-                    return Err(ModelError::Checkpoint { path: p.display().to_string(), msg: format!("shard named in {} is absent: download it or fix the index", index.display()) });
+                    return Err(ModelError::Checkpoint {
+                        path: p.display().to_string(),
+                        msg: format!("shard named in {} is absent: download it or fix the index", index.display()),
+                    });
                 }
                 files.push(p);
             }
@@ -122,7 +134,8 @@ impl Checkpoint {
         let base = 8 + n;
         let mut out = Vec::new();
         for (name, info) in meta.tensors() {
-            let dtype = map_dtype(info.dtype).ok_or_else(|| bad(format!("tensor `{name}` has dtype {:?}, which k3rs does not read (F32, BF16, F16, U8, I64)", info.dtype)))?;
+            let dtype = map_dtype(info.dtype)
+                .ok_or_else(|| bad(format!("tensor `{name}` has dtype {:?}, which k3rs does not read (F32, BF16, F16, U8, I64)", info.dtype)))?;
             let (s, e) = info.data_offsets;
             if base + e > map.len() {
                 return Err(bad(format!("tensor `{name}` ends past the end of the file: the file is truncated")));
@@ -206,7 +219,9 @@ impl Checkpoint {
             return Err(terr(format!("has dtype {}, expected {want}", e.dtype)));
         }
         if spec.name.ends_with("self_attn.A_log") {
-            return a_log_shape_ok(&e.shape, spec.shape[0]).then_some(()).ok_or_else(|| terr(format!("has shape {:?}; expected [{n}], a zero-padded [≥{n}] or [1, 1, {n}, 1]", e.shape, n = spec.shape[0])));
+            return a_log_shape_ok(&e.shape, spec.shape[0])
+                .then_some(())
+                .ok_or_else(|| terr(format!("has shape {:?}; expected [{n}], a zero-padded [≥{n}] or [1, 1, {n}, 1]", e.shape, n = spec.shape[0])));
         }
         if e.shape != spec.shape {
             return Err(terr(format!("has shape {:?}, expected {:?}", e.shape, spec.shape)));

@@ -239,14 +239,20 @@ pub enum Ffn {
 fn check_dims(t: &RawTextConfig, vision: Option<&VisionConfig>, q: Option<&QuantizationConfig>) -> Result<()> {
     if let Some(kv) = t.num_key_value_heads {
         if kv != t.num_attention_heads {
-            return Err(field("text_config.num_key_value_heads", format!("is {kv} but num_attention_heads is {}: MLA has one K/V head per query head (no GQA), so they must be equal", t.num_attention_heads)));
+            return Err(field(
+                "text_config.num_key_value_heads",
+                format!("is {kv} but num_attention_heads is {}: MLA has one K/V head per query head (no GQA), so they must be equal", t.num_attention_heads),
+            ));
         }
     }
     let mxfp4 = q.is_some_and(|q| q.format.as_deref() == Some("mxfp4-pack-quantized") || q.quant_method.as_deref() == Some("mxfp4"));
     if mxfp4 {
         for (f, v) in [("routed_expert_hidden_size", t.routed_expert_hidden_size), ("moe_intermediate_size", t.moe_intermediate_size)] {
             if v % 32 != 0 {
-                return Err(field(&format!("text_config.{f}"), format!("is {v}: MXFP4 experts need both expert dimensions to be multiples of 32 (one E8M0 scale per 32 inputs)")));
+                return Err(field(
+                    &format!("text_config.{f}"),
+                    format!("is {v}: MXFP4 experts need both expert dimensions to be multiples of 32 (one E8M0 scale per 32 inputs)"),
+                ));
             }
         }
     }
@@ -254,11 +260,17 @@ fn check_dims(t: &RawTextConfig, vision: Option<&VisionConfig>, q: Option<&Quant
         let heads = v.vt_num_attention_heads;
         let qkv = v.qkv_hidden_size.unwrap_or(v.vt_hidden_size);
         if heads == 0 || qkv % heads != 0 {
-            return Err(field("vision_config.qkv_hidden_size", format!("{qkv} is not divisible by vt_num_attention_heads {heads}: inconsistent vision head dimension")));
+            return Err(field(
+                "vision_config.qkv_hidden_size",
+                format!("{qkv} is not divisible by vt_num_attention_heads {heads}: inconsistent vision head dimension"),
+            ));
         }
         if let Some(th) = v.text_hidden_size {
             if th != t.hidden_size {
-                return Err(field("vision_config.text_hidden_size", format!("is {th} but text_config.hidden_size is {}: the projector must output the text width", t.hidden_size)));
+                return Err(field(
+                    "vision_config.text_hidden_size",
+                    format!("is {th} but text_config.hidden_size is {}: the projector must output the text width", t.hidden_size),
+                ));
             }
         }
         if let Some(mm) = v.mm_hidden_size {
@@ -320,16 +332,26 @@ fn check_ranges(t: &RawTextConfig, vision: Option<&VisionConfig>) -> Result<()> 
     }
     if let Some(g) = t.linear_attn_config.gate_lower_bound {
         if !(g.is_finite() && g < 0.0) {
-            return Err(field("text_config.linear_attn_config.gate_lower_bound", format!("is {g}; the decay gate's lower bound must be a negative number (K3: -5.0)")));
+            return Err(field(
+                "text_config.linear_attn_config.gate_lower_bound",
+                format!("is {g}; the decay gate's lower bound must be a negative number (K3: -5.0)"),
+            ));
         }
     }
     if let Some(v) = vision {
-        for (f, n) in [("patch_size", v.patch_size), ("vt_hidden_size", v.vt_hidden_size), ("vt_num_hidden_layers", v.vt_num_hidden_layers), ("vt_num_attention_heads", v.vt_num_attention_heads), ("vt_intermediate_size", v.vt_intermediate_size)] {
+        for (f, n) in [
+            ("patch_size", v.patch_size),
+            ("vt_hidden_size", v.vt_hidden_size),
+            ("vt_num_hidden_layers", v.vt_num_hidden_layers),
+            ("vt_num_attention_heads", v.vt_num_attention_heads),
+            ("vt_intermediate_size", v.vt_intermediate_size),
+        ] {
             if n == 0 {
                 return Err(field(&format!("vision_config.{f}"), "must be > 0"));
             }
         }
-        for (f, n) in [("init_pos_emb_height", v.init_pos_emb_height), ("init_pos_emb_width", v.init_pos_emb_width), ("init_pos_emb_time", v.init_pos_emb_time)] {
+        for (f, n) in [("init_pos_emb_height", v.init_pos_emb_height), ("init_pos_emb_width", v.init_pos_emb_width), ("init_pos_emb_time", v.init_pos_emb_time)]
+        {
             if n == Some(0) {
                 return Err(field(&format!("vision_config.{f}"), "must be > 0"));
             }
@@ -385,7 +407,8 @@ impl Config {
     }
 
     pub fn from_json_str(s: &str) -> Result<Config> {
-        let v: serde_json::Value = serde_json::from_str(s).map_err(|e| ModelError::Config { path: "config.json".into(), msg: format!("not valid JSON: {e}") })?;
+        let v: serde_json::Value =
+            serde_json::from_str(s).map_err(|e| ModelError::Config { path: "config.json".into(), msg: format!("not valid JSON: {e}") })?;
         Self::from_json(v)
     }
 
@@ -394,7 +417,17 @@ impl Config {
             from_value(v)?
         } else if v.get("hidden_size").is_some() {
             let text: RawTextConfig = from_value(v)?;
-            RawConfig { architectures: None, model_type: None, vision_config: None, quantization_config: None, bos_token_id: text.bos_token_id, eos_token_id: text.eos_token_id.clone(), pad_token_id: text.pad_token_id, media_placeholder_token_id: None, text_config: text }
+            RawConfig {
+                architectures: None,
+                model_type: None,
+                vision_config: None,
+                quantization_config: None,
+                bos_token_id: text.bos_token_id,
+                eos_token_id: text.eos_token_id.clone(),
+                pad_token_id: text.pad_token_id,
+                media_placeholder_token_id: None,
+                text_config: text,
+            }
         } else {
             return Err(ModelError::Config { path: "config.json".into(), msg: "has neither `text_config` nor `hidden_size`: not a Kimi K3 config".into() });
         };
@@ -414,7 +447,21 @@ impl Config {
                 if t.$f == 0 { return Err(field(concat!("text_config.", stringify!($f)), "must be > 0")); }
             )*};
         }
-        positive!(vocab_size, hidden_size, num_hidden_layers, num_attention_heads, kv_lora_rank, qk_nope_head_dim, v_head_dim, attn_res_block_size, num_experts, num_experts_per_token, moe_intermediate_size, routed_expert_hidden_size, intermediate_size);
+        positive!(
+            vocab_size,
+            hidden_size,
+            num_hidden_layers,
+            num_attention_heads,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            v_head_dim,
+            attn_res_block_size,
+            num_experts,
+            num_experts_per_token,
+            moe_intermediate_size,
+            routed_expert_hidden_size,
+            intermediate_size
+        );
         check_ranges(&t, raw.vision_config.as_ref())?;
         if t.q_lora_rank.unwrap_or(0) == 0 {
             return Err(field("text_config.q_lora_rank", "must be set and > 0 (K3's MLA has a low-rank q path)"));
@@ -465,7 +512,10 @@ impl Config {
             return Err(field("text_config.linear_attn_config.use_full_rank_gate", "false is unsupported: K3's KDA output gate is a full-rank Linear"));
         }
         if la.gate_lower_bound.is_none() {
-            return Err(field("text_config.linear_attn_config.gate_lower_bound", "is missing: k3rs implements K3's lower-bounded decay gate (gate_lower_bound = -5.0); the unbounded Kimi-Linear-48B gate is not supported"));
+            return Err(field(
+                "text_config.linear_attn_config.gate_lower_bound",
+                "is missing: k3rs implements K3's lower-bounded decay gate (gate_lower_bound = -5.0); the unbounded Kimi-Linear-48B gate is not supported",
+            ));
         }
         // Layer lists: 1-based, together covering 1..=n exactly once.
         let mut owner = vec![0u8; n];
@@ -482,7 +532,10 @@ impl Config {
             }
         }
         if let Some(missing) = owner.iter().position(|&o| o == 0) {
-            return Err(field("text_config.linear_attn_config", format!("layer {} (1-based) is in neither kda_layers nor full_attn_layers; together they must cover 1..={n} exactly once", missing + 1)));
+            return Err(field(
+                "text_config.linear_attn_config",
+                format!("layer {} (1-based) is in neither kda_layers nor full_attn_layers; together they must cover 1..={n} exactly once", missing + 1),
+            ));
         }
         if let Some(d) = &t.dsa_config {
             let mut a = d.dsa_layers.clone();
@@ -490,10 +543,19 @@ impl Config {
             a.sort_unstable();
             b.sort_unstable();
             if a != b {
-                return Err(field("text_config.dsa_config.dsa_layers", format!("{:?} differs from linear_attn_config.full_attn_layers {:?}; K3.1 makes every full-attention layer DSA", d.dsa_layers, la.full_attn_layers)));
+                return Err(field(
+                    "text_config.dsa_config.dsa_layers",
+                    format!(
+                        "{:?} differs from linear_attn_config.full_attn_layers {:?}; K3.1 makes every full-attention layer DSA",
+                        d.dsa_layers, la.full_attn_layers
+                    ),
+                ));
             }
             if d.index_topk_freq != 1 {
-                return Err(field("text_config.dsa_config.index_topk_freq", format!("is {}; only 1 (every DSA layer runs its own indexer) is supported, as in vLLM and SGLang", d.index_topk_freq)));
+                return Err(field(
+                    "text_config.dsa_config.index_topk_freq",
+                    format!("is {}; only 1 (every DSA layer runs its own indexer) is supported, as in vLLM and SGLang", d.index_topk_freq),
+                ));
             }
             match d.index_k_norm_type.as_deref() {
                 Some("layernorm") | None => {}
@@ -507,7 +569,10 @@ impl Config {
         if let Some(q) = &quantization_config {
             if let Some(f) = &q.format {
                 if f != "mxfp4-pack-quantized" {
-                    return Err(field("text_config.quantization_config.format", format!("`{f}` is unsupported: k3rs reads `mxfp4-pack-quantized` routed experts")));
+                    return Err(field(
+                        "text_config.quantization_config.format",
+                        format!("`{f}` is unsupported: k3rs reads `mxfp4-pack-quantized` routed experts"),
+                    ));
                 }
             }
         }
@@ -517,7 +582,13 @@ impl Config {
         let layers = (0..n)
             .map(|l| LayerSpec {
                 index: l,
-                mixer: if owner[l] == 1 { Mixer::Kda } else if dsa { Mixer::Dsa } else { Mixer::Mla },
+                mixer: if owner[l] == 1 {
+                    Mixer::Kda
+                } else if dsa {
+                    Mixer::Dsa
+                } else {
+                    Mixer::Mla
+                },
                 ffn: if l >= t.first_k_dense_replace && l % t.moe_layer_freq == 0 { Ffn::Moe } else { Ffn::Dense },
                 attn_res_block_start: l % b == 0,
             })
@@ -568,9 +639,15 @@ pub fn builtin_names() -> Vec<String> {
 
 /// The built-in config `name` as raw JSON (notes — keys starting with `_` — removed).
 pub fn builtin_config(name: &str) -> Result<serde_json::Value> {
-    let all: serde_json::Map<String, serde_json::Value> = serde_json::from_str(BUILTIN_CONFIGS).map_err(|e| ModelError::Config { path: "configs/k3-configs.json".into(), msg: format!("embedded file is not valid JSON: {e}") })?;
+    let all: serde_json::Map<String, serde_json::Value> = serde_json::from_str(BUILTIN_CONFIGS)
+        .map_err(|e| ModelError::Config { path: "configs/k3-configs.json".into(), msg: format!("embedded file is not valid JSON: {e}") })?;
     match all.get(name) {
-        Some(serde_json::Value::Object(m)) if !name.starts_with('_') => Ok(serde_json::Value::Object(m.iter().filter(|(k, _)| !k.starts_with('_')).map(|(k, v)| (k.clone(), v.clone())).collect())),
-        _ => Err(ModelError::Config { path: name.into(), msg: format!("is neither a file nor a built-in config name (built-in: {})", builtin_names().join(", ")) }),
+        Some(serde_json::Value::Object(m)) if !name.starts_with('_') => {
+            Ok(serde_json::Value::Object(m.iter().filter(|(k, _)| !k.starts_with('_')).map(|(k, v)| (k.clone(), v.clone())).collect()))
+        }
+        _ => Err(ModelError::Config {
+            path: name.into(),
+            msg: format!("is neither a file nor a built-in config name (built-in: {})", builtin_names().join(", ")),
+        }),
     }
 }

@@ -160,7 +160,11 @@ pub fn prepare_config(source: Value, ov: &Overrides, opts: &InitOptions) -> Resu
         set_dotted(t, key, v.clone())?;
     }
     let q = match opts.experts {
-        ExpertFormat::Mxfp4 => builtin_config("k3")?.get("text_config").and_then(|t| t.get("quantization_config")).cloned().ok_or_else(|| cfg_err("built-in k3 config has no quantization_config"))?,
+        ExpertFormat::Mxfp4 => builtin_config("k3")?
+            .get("text_config")
+            .and_then(|t| t.get("quantization_config"))
+            .cloned()
+            .ok_or_else(|| cfg_err("built-in k3 config has no quantization_config"))?,
         ExpertFormat::Float(_) => Value::Null,
     };
     t.insert("quantization_config".into(), q);
@@ -272,10 +276,19 @@ const CHUNK: usize = 1 << 20;
 
 #[derive(Clone, Copy, Debug)]
 enum Dist {
-    Normal { mean: f32, std: f32 },
-    Uniform { lo: f32, hi: f32 },
+    Normal {
+        mean: f32,
+        std: f32,
+    },
+    Uniform {
+        lo: f32,
+        hi: f32,
+    },
     /// `ln U(lo, hi)` (KDA `A_log`: decay rates e^A in [1, 16]).
-    LnUniform { lo: f32, hi: f32 },
+    LnUniform {
+        lo: f32,
+        hi: f32,
+    },
 }
 
 /// The distribution of a float tensor, by name and shape.
@@ -354,9 +367,20 @@ pub fn quantize_block(v: &[f32], packed: &mut [u8]) -> u8 {
 /// How one tensor's bytes are produced.
 #[derive(Clone, Debug)]
 enum Source {
-    Float { dist: Dist, dtype: DType, numel: usize, seed: u64 },
+    Float {
+        dist: Dist,
+        dtype: DType,
+        numel: usize,
+        seed: u64,
+    },
     /// One half of an MXFP4 pair, generated from the same normal `[rows, cols]` matrix.
-    Mxfp4 { scale: bool, rows: usize, cols: usize, std: f32, seed: u64 },
+    Mxfp4 {
+        scale: bool,
+        rows: usize,
+        cols: usize,
+        std: f32,
+        seed: u64,
+    },
 }
 
 struct Planned {
@@ -378,7 +402,10 @@ fn plan(cfg: &Config, opts: &InitOptions) -> Vec<Planned> {
                     let rows = s.shape[0];
                     let cols = if s.kind == Kind::Mxfp4Packed { s.shape[1] * 2 } else { s.shape[1] * 32 };
                     let base = s.name.trim_end_matches("weight_packed").trim_end_matches("weight_scale");
-                    (DType::U8, Source::Mxfp4 { scale: s.kind == Kind::Mxfp4Scale, rows, cols, std: 1.0 / (cols as f32).sqrt(), seed: name_seed(opts.seed, base) })
+                    (
+                        DType::U8,
+                        Source::Mxfp4 { scale: s.kind == Kind::Mxfp4Scale, rows, cols, std: 1.0 / (cols as f32).sqrt(), seed: name_seed(opts.seed, base) },
+                    )
                 }
                 k => {
                     let dtype = match (k, s.component, opts.experts) {
@@ -531,7 +558,10 @@ fn progress(total: u64) -> ProgressBar {
 pub fn write_checkpoint(config_json: &Value, out: &Path, opts: &InitOptions) -> Result<InitSummary> {
     let cfg = Config::from_json(config_json.clone())?;
     if out.exists() && std::fs::read_dir(out).map_err(io(out))?.next().is_some() {
-        return Err(ModelError::Checkpoint { path: out.display().to_string(), msg: "exists and is not empty; k3 init will not overwrite it (remove it or pick another --out)".into() });
+        return Err(ModelError::Checkpoint {
+            path: out.display().to_string(),
+            msg: "exists and is not empty; k3 init will not overwrite it (remove it or pick another --out)".into(),
+        });
     }
     let name = out.file_name().ok_or_else(|| ModelError::Input(format!("--out {} has no directory name", out.display())))?;
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -563,7 +593,11 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, opts: &InitOptions) -> 
         s.sort_by_key(|p| std::cmp::Reverse(p.dtype.size_in_bytes()));
     }
     let total = shards.len();
-    let names: Vec<String> = if opts.shard_size.is_none() { vec!["model.safetensors".into()] } else { (1..=total).map(|i| format!("model-{i:05}-of-{total:06}.safetensors")).collect() };
+    let names: Vec<String> = if opts.shard_size.is_none() {
+        vec!["model.safetensors".into()]
+    } else {
+        (1..=total).map(|i| format!("model-{i:05}-of-{total:06}.safetensors")).collect()
+    };
     let data_bytes: u64 = planned.iter().map(|p| p.bytes).sum();
     let pb = progress(data_bytes);
     for (s, n) in shards.iter().zip(&names) {

@@ -82,7 +82,13 @@ impl SeqState {
     }
     /// Bytes held by the caches and states.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| match l { LayerState::Kda(s) => s.bytes(), LayerState::Mla(c) => c.bytes() }).sum()
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kda(s) => s.bytes(),
+                LayerState::Mla(c) => c.bytes(),
+            })
+            .sum()
     }
 }
 
@@ -226,7 +232,10 @@ impl Model {
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let (v, h) = (self.config.text.vocab_size, self.config.text.hidden_size);
         let Some(table) = &self.embed_tokens else {
-            return Err(ModelError::Input(format!("rank {} (pipeline stage {}) holds no embedding: only the first stage embeds tokens", self.plan.rank, self.plan.stage)));
+            return Err(ModelError::Input(format!(
+                "rank {} (pipeline stage {}) holds no embedding: only the first stage embeds tokens",
+                self.plan.rank, self.plan.stage
+            )));
         };
         let mine = self.plan.tp_share(v);
         let mut x = vec![0f32; tokens.len() * h];
@@ -309,7 +318,11 @@ impl Model {
                 return Err(ModelError::Input(format!("sequence {i}: {} tokens exceed the context limit of {max} (max_position_embeddings)", st.pos + n)));
             }
             if st.layers.len() != self.config.layers.len() {
-                return Err(ModelError::Input(format!("sequence {i}: its state was made for another model ({} layers, this one has {})", st.layers.len(), self.config.layers.len())));
+                return Err(ModelError::Input(format!(
+                    "sequence {i}: its state was made for another model ({} layers, this one has {})",
+                    st.layers.len(),
+                    self.config.layers.len()
+                )));
             }
         }
         let eps = self.config.text.rms_norm_eps;
@@ -335,11 +348,23 @@ impl Model {
             let mismatch = || ModelError::Input(format!("sequence state does not match layer {l}: it was made for another model"));
             let mut a = match &layer.mixer {
                 Mixer::Kda(m) => {
-                    let mut ss = states.iter_mut().map(|s| match &mut s.layers[l] { LayerState::Kda(k) => Ok(k), _ => Err(mismatch()) }).collect::<Result<Vec<_>>>()?;
+                    let mut ss = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[l] {
+                            LayerState::Kda(k) => Ok(k),
+                            _ => Err(mismatch()),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
                     m.forward_varlen(&hx, lens, &mut ss, opts.kda)?
                 }
                 Mixer::Mla(m) => {
-                    let mut ss = states.iter_mut().map(|s| match &mut s.layers[l] { LayerState::Mla(c) => Ok(c), _ => Err(mismatch()) }).collect::<Result<Vec<_>>>()?;
+                    let mut ss = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[l] {
+                            LayerState::Mla(c) => Ok(c),
+                            _ => Err(mismatch()),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
                     m.forward_varlen(&hx, lens, &mut ss, opts.mla)?
                 }
             };
@@ -430,7 +455,11 @@ impl Model {
                     // The average expert this rank holds, times the share of routed pairs it gets.
                     let avg = e.experts.iter().map(ex).sum::<u64>() / e.experts.len().max(1) as u64;
                     let sh = e.shared_experts.as_ref().map_or(0, |f| m(&f.gate_proj) + m(&f.up_proj) + m(&f.down_proj));
-                    m(&e.gate) + m(&e.routed_expert_down_proj) + m(&e.routed_expert_up_proj) + sh + avg * self.config.text.num_experts_per_token as u64 * e.experts.len() as u64 / self.config.text.num_experts.max(1) as u64
+                    m(&e.gate)
+                        + m(&e.routed_expert_down_proj)
+                        + m(&e.routed_expert_up_proj)
+                        + sh
+                        + avg * self.config.text.num_experts_per_token as u64 * e.experts.len() as u64 / self.config.text.num_experts.max(1) as u64
                 }
             };
         }

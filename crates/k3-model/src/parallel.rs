@@ -221,7 +221,6 @@ impl RankPlan {
             Some(Shard::Cols(c)) => bytes * c.len() as u64 / spec.shape[1].max(1) as u64,
         }
     }
-
 }
 
 /// The groups one rank's forward talks to.

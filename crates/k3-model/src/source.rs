@@ -63,13 +63,19 @@ impl<'a> Source<'a> {
     }
 
     fn spec(&self, name: &str) -> Result<&TensorSpec> {
-        self.specs.get(name).ok_or_else(|| ModelError::Tensor { name: name.into(), msg: "is not in the K3 tensor table (a loader asked for a name the table does not define)".into() })
+        self.specs.get(name).ok_or_else(|| ModelError::Tensor {
+            name: name.into(),
+            msg: "is not in the K3 tensor table (a loader asked for a name the table does not define)".into(),
+        })
     }
 
     fn shard(&self, spec: &TensorSpec) -> Result<Shard> {
         self.plan.shard(spec).ok_or_else(|| ModelError::Tensor {
             name: spec.name.clone(),
-            msg: format!("is not held by rank {} (stage {} of {}, layers {:?}): a loader asked for another rank's tensor", self.plan.rank, self.plan.stage, self.plan.par.pp, self.plan.layers),
+            msg: format!(
+                "is not held by rank {} (stage {} of {}, layers {:?}): a loader asked for another rank's tensor",
+                self.plan.rank, self.plan.stage, self.plan.par.pp, self.plan.layers
+            ),
         })
     }
 }

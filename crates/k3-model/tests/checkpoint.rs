@@ -25,7 +25,8 @@ fn rewrite(path: &Path, f: impl FnOnce(&mut Vec<Entry>)) {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let mut v: Vec<Entry> = st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
     f(&mut v);
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = v.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        v.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 

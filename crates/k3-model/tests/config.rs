@@ -27,7 +27,11 @@ fn every_shared_config_validates() {
 #[test]
 fn embedded_copy_matches_the_shared_spec() {
     let embedded: Value = serde_json::from_str(k3_model::config::BUILTIN_CONFIGS).unwrap();
-    assert_eq!(embedded, Value::Object(shared_configs()), "crates/k3-model/configs/k3-configs.json drifted from tests/golden/k3-configs.json (the copy of shared/spec/k3-configs.json)");
+    assert_eq!(
+        embedded,
+        Value::Object(shared_configs()),
+        "crates/k3-model/configs/k3-configs.json drifted from tests/golden/k3-configs.json (the copy of shared/spec/k3-configs.json)"
+    );
     assert_eq!(builtin_names(), vec!["k3", "k3_1_pro", "tiny", "tiny_dsa"]);
     let e = builtin_config("k4").unwrap_err().to_string();
     assert!(e.contains("k4") && e.contains("k3_1_pro"), "{e}");
@@ -65,7 +69,9 @@ fn k3_schedule() {
     let cfg = Config::from_json(builtin_config("k3").unwrap()).unwrap();
     let kda = cfg.layers.iter().filter(|l| l.mixer == Mixer::Kda).count();
     assert_eq!((kda, cfg.layers.len() - kda), (69, 24));
-    assert!(cfg.layers[3].mixer == Mixer::Mla && cfg.layers[91].mixer == Mixer::Mla && cfg.layers[92].mixer == Mixer::Mla && cfg.layers[90].mixer == Mixer::Kda);
+    assert!(
+        cfg.layers[3].mixer == Mixer::Mla && cfg.layers[91].mixer == Mixer::Mla && cfg.layers[92].mixer == Mixer::Mla && cfg.layers[90].mixer == Mixer::Kda
+    );
     assert_eq!(cfg.layers[0].ffn, Ffn::Dense);
     assert!(cfg.layers[1..].iter().all(|l| l.ffn == Ffn::Moe));
     let starts: Vec<usize> = cfg.layers.iter().filter(|l| l.attn_res_block_start).map(|l| l.index).collect();
@@ -232,7 +238,13 @@ fn errors_from_a_file_name_the_file_and_the_field() {
 #[test]
 fn type_errors_name_the_json_path_and_the_expected_type() {
     let huge: Value = serde_json::from_str("18446744073709551616").unwrap();
-    for (k, bad) in [("hidden_size", json!(-256)), ("vocab_size", json!("512")), ("num_experts", json!(2.5)), ("kv_lora_rank", Value::Null), ("intermediate_size", huge.clone())] {
+    for (k, bad) in [
+        ("hidden_size", json!(-256)),
+        ("vocab_size", json!("512")),
+        ("num_experts", json!(2.5)),
+        ("kv_lora_rank", Value::Null),
+        ("intermediate_size", huge.clone()),
+    ] {
         let e = err_of("tiny", |v| v["text_config"][k] = bad.clone());
         assert_names(&e, &[&format!("text_config.{k}"), "expected a non-negative integer"]);
         assert!(!e.contains("schema: invalid"), "{e}");

@@ -113,7 +113,8 @@ fn run_pieces(m: &mut CudaModel, toks: &[u32], step: usize, graph: bool) -> Vec<
 fn bf16_copy(src: &std::path::Path, dir: &std::path::Path) -> Checkpoint {
     use safetensors::tensor::{Dtype, TensorView};
     let ck = Checkpoint::open(src).unwrap();
-    let kinds: std::collections::HashMap<String, k3_model::weights::Kind> = k3_model::weights::tensor_table(&ck.config).into_iter().map(|t| (t.name, t.kind)).collect();
+    let kinds: std::collections::HashMap<String, k3_model::weights::Kind> =
+        k3_model::weights::tensor_table(&ck.config).into_iter().map(|t| (t.name, t.kind)).collect();
     let mut data: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
     for name in ck.names() {
         let t = ck.tensor(name).unwrap();
@@ -122,7 +123,14 @@ fn bf16_copy(src: &std::path::Path, dir: &std::path::Path) -> Checkpoint {
             let v: Vec<half::bf16> = t.to_f32().unwrap().iter().map(|&x| half::bf16::from_f32(x)).collect();
             (Dtype::BF16, bytemuck::cast_slice(&v).to_vec())
         } else {
-            (match t.dtype() { k3_core::DType::U8 => Dtype::U8, k3_core::DType::BF16 => Dtype::BF16, _ => Dtype::F32 }, t.bytes().to_vec())
+            (
+                match t.dtype() {
+                    k3_core::DType::U8 => Dtype::U8,
+                    k3_core::DType::BF16 => Dtype::BF16,
+                    _ => Dtype::F32,
+                },
+                t.bytes().to_vec(),
+            )
         };
         data.push((name.to_string(), t.shape().to_vec(), dt, bytes));
     }
@@ -154,7 +162,10 @@ fn golden_fixtures_on_gpu() {
             // A wrong layer, weight layout or cache position moves every position by O(1)
             // (median 0.5–1.4); bf16 rounding on these fixtures gives ≤ 6e-2 (measured).
             let bound = (3.0 * bm).max(GOLDEN_GROSS);
-            assert!(gm <= bound, "{name} L{l}: GPU median per-position relative L2 {gm:.3e} > {bound:.2} (bf16 baseline {bm:.3e}): not rounding, a wrong computation");
+            assert!(
+                gm <= bound,
+                "{name} L{l}: GPU median per-position relative L2 {gm:.3e} > {bound:.2} (bf16 baseline {bm:.3e}): not rounding, a wrong computation"
+            );
         }
     }
 }
@@ -214,10 +225,13 @@ fn gpu_batched_equals_one_by_one() {
     let vocab = m.config.text.vocab_size;
     let toks: Vec<u32> = (0..160).map(|i| ((i * 131 + 17) % vocab) as u32).collect();
     let lens = [1usize, 70, 33];
-    let prompts: Vec<&[u32]> = lens.iter().scan(0, |o, &n| {
-        *o += n;
-        Some(&toks[*o - n..*o])
-    }).collect();
+    let prompts: Vec<&[u32]> = lens
+        .iter()
+        .scan(0, |o, &n| {
+            *o += n;
+            Some(&toks[*o - n..*o])
+        })
+        .collect();
     // One by one: prefill, then 5 decode tokens each.
     let mut alone = Vec::new();
     for p in &prompts {
@@ -271,7 +285,12 @@ fn gpu_vs_cpu(ck: &Checkpoint, dev: &CudaDevice, n: usize, tol: f32, top1: Optio
 /// random model is chaotic: a near-tie flip moves one position's logits by O(1).)
 fn random_cases(dir: &std::path::Path) -> Vec<(Checkpoint, usize, &'static str)> {
     let all = |e: usize| [("num_experts", json!(e)), ("num_experts_per_token", json!(e))];
-    let mut hd128 = vec![("linear_attn_config.head_dim", json!(128)), ("linear_attn_config.num_heads", json!(2)), ("routed_expert_hidden_size", json!(64)), ("moe_intermediate_size", json!(64))];
+    let mut hd128 = vec![
+        ("linear_attn_config.head_dim", json!(128)),
+        ("linear_attn_config.num_heads", json!(2)),
+        ("routed_expert_hidden_size", json!(64)),
+        ("moe_intermediate_size", json!(64)),
+    ];
     hd128.extend(all(4));
     // index_topk above the length: the GPU indexer scores and top-k run, and keep every position
     // (selection itself is checked exactly against a full sort in k3-core's cuda_dsa tests).

@@ -97,7 +97,15 @@ fn schedule_and_layer_kinds() {
     assert!(dsa.weights.iter().any(|w| w.name == "self_attn.indexer.wq_b.weight" && w.shape == vec![4096, 1536]));
     assert!(dsa.weights.iter().any(|w| w.name == "block_sparse_moe.experts.{e}.w2.weight_scale" && w.shape == vec![3584, 96] && w.dtype == "U8"));
     let json = serde_json::to_value(&r).unwrap();
-    for k in ["total_params", "active_params", "disk_bytes", "kv_bytes_per_token_bf16", "kv_bytes_at_max_context_bf16", "kv_bytes_at_max_context_fp8", "kda_state_bytes_per_sequence"] {
+    for k in [
+        "total_params",
+        "active_params",
+        "disk_bytes",
+        "kv_bytes_per_token_bf16",
+        "kv_bytes_at_max_context_bf16",
+        "kv_bytes_at_max_context_fp8",
+        "kda_state_bytes_per_sequence",
+    ] {
         assert!(json[k].is_u64(), "{k}");
     }
     assert_eq!(json["layers"][3], json!({"index": 3, "mixer": "dsa", "ffn": "moe", "attn_res_block_start": false}));

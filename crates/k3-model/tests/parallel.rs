@@ -81,7 +81,8 @@ fn check_layouts(dir: &Path, toks: &[u32], chunk: usize, layouts: &[(usize, Opti
             }
             // Every trace of this rank equals the one-rank trace of that name.
             for (name, x, t) in &run.trace {
-                let (_, want, _) = single.trace.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("{what} rank {r}: trace {name} has no one-rank twin"));
+                let (_, want, _) =
+                    single.trace.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("{what} rank {r}: trace {name} has no one-rank twin"));
                 let e = rel_l2_rows(x, want, x.len() / t);
                 assert!(e <= TRACE_BOUND, "{what} rank {r}: trace {name} rel-L2 {e}");
             }

@@ -18,7 +18,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use k3_engine::stop::{StopCheck, StopMatcher};
 use k3_engine::{Event, FinishReason, Request};
-use k3_tokenizer::{render_chat, ChatRequest, OutputDelta, OutputParser, ParsedOutput, ToolCall, Tokenizer};
+use k3_tokenizer::{render_chat, ChatRequest, OutputDelta, OutputParser, ParsedOutput, Tokenizer, ToolCall};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -32,9 +32,23 @@ use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppStat
 
 /// Chat-only fields (renderer options included: they may also sit at the top level).
 const CHAT_FIELDS: &[&str] = &[
-    "messages", "tools", "tool_choice", "response_format", "reasoning_effort", "chat_template_kwargs",
-    "max_completion_tokens", "logprobs", "top_logprobs", "parallel_tool_calls", "thinking", "enable_thinking",
-    "thinking_effort", "add_generation_prompt", "response_schema", "modalities", "skip_special_tokens",
+    "messages",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "thinking",
+    "enable_thinking",
+    "thinking_effort",
+    "add_generation_prompt",
+    "response_schema",
+    "modalities",
+    "skip_special_tokens",
 ];
 
 pub async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
@@ -86,15 +100,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let (prompt, max_tokens) = s.prepare_prompt(rendered.ids, g.max_tokens, "messages", g.max_tokens_param)?;
     let mut stop_token_ids = g.stop_token_ids.clone();
     stop_token_ids.extend(["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| s.tok.special_id(n)));
-    let request = Request {
-        prompt,
-        params: g.sampling.clone(),
-        max_tokens,
-        stop: Vec::new(),
-        stop_token_ids,
-        ignore_eos: g.ignore_eos,
-        prompt_embeds: None,
-    };
+    let request = Request { prompt, params: g.sampling.clone(), max_tokens, stop: Vec::new(), stop_token_ids, ignore_eos: g.ignore_eos, prompt_embeds: None };
     let prep = (!feats.is_empty()).then(|| media::splice_prep(feats, pad_id));
     let sub = s.sched.submit_with(request, prep).await?;
     let ctx = Ctx { id: new_id("chatcmpl"), created: now_secs(), prompt_tokens, thinking, tools, stop: g.stop, want_logprobs };

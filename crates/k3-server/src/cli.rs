@@ -21,8 +21,8 @@ use k3_model::{Checkpoint, Parallel};
 use k3_tokenizer::Tokenizer;
 use k3_vision::VisionModel;
 
-use crate::error::{Result, ServerError};
 use crate::conn::serve_connections;
+use crate::error::{Result, ServerError};
 use crate::server::{build_with_vision, ServerConfig};
 
 /// `--kda-state f32|bf16`.
@@ -130,7 +130,9 @@ pub fn run_serve(a: ServeArgs, par: Parallel, node: &NodeArgs) -> Result<()> {
     let device = parse_device(&a.device).map_err(ServerError::Config)?;
     let gpu_f32 = match (a.precision.as_deref(), device) {
         (None, _) => false,
-        (Some(_), None) => return Err(ServerError::Config("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda".into())),
+        (Some(_), None) => {
+            return Err(ServerError::Config("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda".into()))
+        }
         (Some("bf16"), Some(_)) => false,
         (Some("f32"), Some(_)) => true,
         (Some(p), Some(_)) => return Err(ServerError::Config(format!("--precision `{p}` is not one of bf16, f32"))),
@@ -148,8 +150,21 @@ pub fn run_serve(a: ServeArgs, par: Parallel, node: &NodeArgs) -> Result<()> {
     };
     let read_timeout = secs("--read-timeout", a.read_timeout)?;
     let shutdown_timeout = secs("--shutdown-timeout", a.shutdown_timeout)?;
-    let ecfg = EngineConfig { max_batch: a.max_batch, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.max_step_tokens.max(a.max_batch + 1), kda_state: a.kda_state.into() };
-    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };
+    let ecfg = EngineConfig {
+        max_batch: a.max_batch,
+        prefill_chunk: a.prefill_chunk.max(1),
+        max_step_tokens: a.max_step_tokens.max(a.max_batch + 1),
+        kda_state: a.kda_state.into(),
+    };
+    let spec = RunnerSpec {
+        par,
+        device,
+        kda_state: ecfg.kda_state,
+        max_seqs: a.max_batch,
+        max_cache_tokens: a.max_cache_tokens,
+        cuda_graphs: !a.no_cuda_graphs,
+        gpu_f32,
+    };
     let (runner, finish) = match process::launch(&ck, &spec, node) {
         Ok(Role::Leader(r, f)) => (r, f),
         Ok(Role::Worker) => return Ok(()), // rank 0 served; it has stopped
@@ -165,7 +180,10 @@ pub fn run_serve(a: ServeArgs, par: Parallel, node: &NodeArgs) -> Result<()> {
         let pad = tok.special_id("<|media_pad|>");
         let ok = pad == Some(v.pad_id);
         if !ok {
-            eprintln!("k3 serve: warning: the tokenizer's <|media_pad|> is {pad:?} but the model's media_placeholder_token_id is {}; image inputs are disabled", v.pad_id);
+            eprintln!(
+                "k3 serve: warning: the tokenizer's <|media_pad|> is {pad:?} but the model's media_placeholder_token_id is {}; image inputs are disabled",
+                v.pad_id
+            );
         }
         ok
     });

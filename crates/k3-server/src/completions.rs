@@ -75,7 +75,15 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let (prompt, room) = s.prepare_prompt(ids, g.max_tokens, "prompt", g.max_tokens_param)?;
     // OpenAI's default for completions is 16 tokens (clipped to the context, not refused).
     let max_tokens = if g.max_tokens.is_some() { room } else { room.min(16) };
-    let request = Request { prompt, params: g.sampling.clone(), max_tokens, stop: g.stop.clone(), stop_token_ids: g.stop_token_ids.clone(), prompt_embeds: None, ignore_eos: g.ignore_eos };
+    let request = Request {
+        prompt,
+        params: g.sampling.clone(),
+        max_tokens,
+        stop: g.stop.clone(),
+        stop_token_ids: g.stop_token_ids.clone(),
+        prompt_embeds: None,
+        ignore_eos: g.ignore_eos,
+    };
     let sub = s.sched.submit(request).await?;
     let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some() };
     if g.stream {

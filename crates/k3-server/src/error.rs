@@ -82,9 +82,7 @@ impl ServerError {
             Busy { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None, Some("queue_full".into())),
             Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None, None),
             Engine(EngineError::Param { param, .. }) => (StatusCode::BAD_REQUEST, inv, Some((*param).into()), None),
-            Engine(EngineError::Context { .. }) => {
-                (StatusCode::BAD_REQUEST, inv, Some("messages".into()), Some("context_length_exceeded".into()))
-            }
+            Engine(EngineError::Context { .. }) => (StatusCode::BAD_REQUEST, inv, Some("messages".into()), Some("context_length_exceeded".into())),
             Tokenizer(k3_tokenizer::Error::InvalidRequest { field, .. }) => (StatusCode::BAD_REQUEST, inv, Some(field.clone()), None),
             Tokenizer(k3_tokenizer::Error::UnknownId { .. }) => (StatusCode::BAD_REQUEST, inv, Some("prompt".into()), None),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, None),

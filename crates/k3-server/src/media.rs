@@ -187,7 +187,10 @@ fn data_uri(field: &str, uri: &str, limit: usize) -> Result<Vec<u8>> {
 /// Reads a local image, if `limits` allow its path (blocking).
 fn local_file(field: &str, url: &str, limits: &MediaLimits) -> Result<Vec<u8>> {
     let Some(dir) = &limits.allowed_local_media_path else {
-        return Err(bad_param(field, "local image paths are disabled on this server (start it with --allowed-local-media-path DIR); send the image as a data: URI"));
+        return Err(bad_param(
+            field,
+            "local image paths are disabled on this server (start it with --allowed-local-media-path DIR); send the image as a data: URI",
+        ));
     };
     let raw = match url.strip_prefix("file://") {
         Some(p) => p.strip_prefix("localhost").unwrap_or(p),

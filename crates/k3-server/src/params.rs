@@ -12,9 +12,28 @@ use crate::error::{bad_param, bad_request, Result};
 
 /// Fields both endpoints accept.
 const COMMON: &[&str] = &[
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "n", "user",
-    "logit_bias", "best_of", "metadata", "store", "service_tier",
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "logit_bias",
+    "best_of",
+    "metadata",
+    "store",
+    "service_tier",
 ];
 
 /// Parses a body into a JSON object: bad UTF-8 and malformed JSON are 400s.

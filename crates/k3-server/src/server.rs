@@ -157,7 +157,13 @@ const DRAIN_CAP: u64 = 64 << 20;
 pub async fn read_body(headers: &HeaderMap, body: Body, cfg: &ServerConfig) -> Result<Vec<u8>> {
     let idle = cfg.read_timeout;
     let whole = tokio::time::Instant::now() + idle * 4;
-    let slow = || ServerError::Timeout(format!("the request body did not arrive in time (no data for {} s, or not all of it within {} s)", idle.as_secs_f32(), (idle * 4).as_secs_f32()));
+    let slow = || {
+        ServerError::Timeout(format!(
+            "the request body did not arrive in time (no data for {} s, or not all of it within {} s)",
+            idle.as_secs_f32(),
+            (idle * 4).as_secs_f32()
+        ))
+    };
     let limit = cfg.max_body_bytes;
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64 + DRAIN_CAP) {
@@ -353,7 +359,12 @@ pub fn spawn_background(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: Ser
 }
 
 /// [`spawn_background`] with an optional vision tower.
-pub fn spawn_background_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: ServerConfig, vision: Option<Arc<VisionModel>>) -> Result<BackgroundServer> {
+pub fn spawn_background_with_vision(
+    backend: Box<dyn Backend>,
+    tok: Arc<Tokenizer>,
+    cfg: ServerConfig,
+    vision: Option<Arc<VisionModel>>,
+) -> Result<BackgroundServer> {
     let io = |what: &str| {
         let what = what.to_owned();
         move |source| ServerError::Io { what, source }

@@ -58,7 +58,9 @@ fn check_tools(tools: Option<&Value>) -> Result<Vec<String>> {
             Some(_) => return Err(bad_param(at(".type"), "must be the string \"function\"")),
             None => return Err(bad_param(at(".type"), "is required (\"function\")")),
         }
-        let Some(Value::Object(fun)) = t.get("function") else { return Err(bad_param(at(".function"), "is required: an object with `name` and optional `description`, `parameters`, `strict`")) };
+        let Some(Value::Object(fun)) = t.get("function") else {
+            return Err(bad_param(at(".function"), "is required: an object with `name` and optional `description`, `parameters`, `strict`"));
+        };
         let name = match fun.get("name") {
             Some(Value::String(n)) if !n.is_empty() => n,
             _ => return Err(bad_param(at(".function.name"), "is required (a non-empty string)")),

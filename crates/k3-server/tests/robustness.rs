@@ -130,12 +130,23 @@ fn tools_tool_choice_and_response_format_are_validated() {
     let srv = start(cfg(), Duration::ZERO);
     let a = srv.addr;
     let p = "/v1/chat/completions";
-    let weather = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let weather =
+        json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
     assert_400(a, p, &chat(json!({"tools": [{"type": "bogus", "function": {"name": "f", "parameters": "notobject"}}]})), "tools[0].type");
     assert_400(a, p, &chat(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "notobject"}}]})), "tools[0].function.parameters");
-    assert_400(a, p, &chat(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]})), "tools[0].function.parameters.type");
+    assert_400(
+        a,
+        p,
+        &chat(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]})),
+        "tools[0].function.parameters.type",
+    );
     let nested = json!({"type": "object", "properties": {"x": {"type": "strnig"}}});
-    assert_400(a, p, &chat(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested}}]})), "tools[0].function.parameters.properties.x.type");
+    assert_400(
+        a,
+        p,
+        &chat(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested}}]})),
+        "tools[0].function.parameters.properties.x.type",
+    );
     assert_400(a, p, &chat(json!({"tools": [weather, {"function": {"name": "g"}}]})), "tools[1].type");
     assert_400(a, p, &chat(json!({"tools": [weather, weather]})), "tools[1].function.name");
     assert_400(a, p, &chat(json!({"tools": [{"type": "function"}]})), "tools[0].function");
@@ -145,7 +156,12 @@ fn tools_tool_choice_and_response_format_are_validated() {
     assert_400(a, p, &chat(json!({"tool_choice": 5})), "tool_choice");
     assert_400(a, p, &chat(json!({"response_format": {"type": "json_schema"}})), "response_format.json_schema");
     assert_400(a, p, &chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})), "response_format.json_schema.schema");
-    assert_400(a, p, &chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}})), "response_format.json_schema.schema.type");
+    assert_400(
+        a,
+        p,
+        &chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}})),
+        "response_format.json_schema.schema.type",
+    );
     assert_400(a, p, &chat(json!({"response_format": {"type": "bogus"}})), "response_format.type");
     assert_400(a, p, &chat(json!({"response_format": "json"})), "response_format");
     // Valid requests still pass.
@@ -156,7 +172,9 @@ fn tools_tool_choice_and_response_format_are_validated() {
     ok(chat(json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})));
     ok(chat(json!({"tools": [weather], "tool_choice": "required"})));
     ok(chat(json!({"tool_choice": "none"})));
-    ok(chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "cat", "schema": {"type": "object", "properties": {"age": {"type": ["integer", "null"]}}, "required": ["age"]}}}})));
+    ok(chat(
+        json!({"response_format": {"type": "json_schema", "json_schema": {"name": "cat", "schema": {"type": "object", "properties": {"age": {"type": ["integer", "null"]}}, "required": ["age"]}}}}),
+    ));
     ok(chat(json!({"response_format": {"type": "json_object"}})));
 }
 
@@ -165,9 +183,19 @@ fn tools_tool_choice_and_response_format_are_validated() {
 fn chat_template_kwargs_do_not_bypass_the_checks() {
     let srv = start(cfg(), Duration::ZERO);
     let p = "/v1/chat/completions";
-    assert_400(srv.addr, p, &chat(json!({"chat_template_kwargs": {"response_format": {"type": "bogus"}, "tool_choice": 5}})), "chat_template_kwargs.tool_choice");
+    assert_400(
+        srv.addr,
+        p,
+        &chat(json!({"chat_template_kwargs": {"response_format": {"type": "bogus"}, "tool_choice": 5}})),
+        "chat_template_kwargs.tool_choice",
+    );
     assert_400(srv.addr, p, &chat(json!({"chat_template_kwargs": {"response_format": {"type": "bogus"}}})), "chat_template_kwargs.response_format.type");
-    assert_400(srv.addr, p, &chat(json!({"chat_template_kwargs": {"response_format": {"type": "json_schema"}}})), "chat_template_kwargs.response_format.json_schema");
+    assert_400(
+        srv.addr,
+        p,
+        &chat(json!({"chat_template_kwargs": {"response_format": {"type": "json_schema"}}})),
+        "chat_template_kwargs.response_format.json_schema",
+    );
     assert_400(srv.addr, p, &chat(json!({"chat_template_kwargs": {"thinking": "no"}})), "chat_template_kwargs.thinking");
     assert_eq!(post(srv.addr, p, &chat(json!({"chat_template_kwargs": {"thinking": false, "tool_choice": "none"}}))).status, 200);
 }
@@ -209,7 +237,8 @@ fn tokenizer_without_the_chat_specials_is_refused_at_start() {
     use base64::Engine as _;
     let b64 = base64::engine::general_purpose::STANDARD;
     let model: String = (0u8..=255).map(|b| format!("{} {b}\n", b64.encode([b]))).collect();
-    let added: Vec<(u32, String, bool)> = [(256, "[EOS]"), (257, "<|open|>"), (258, "<|close|>"), (259, "<|sep|>")].iter().map(|&(i, n)| (i, n.to_owned(), true)).collect();
+    let added: Vec<(u32, String, bool)> =
+        [(256, "[EOS]"), (257, "<|open|>"), (258, "<|close|>"), (259, "<|sep|>")].iter().map(|&(i, n)| (i, n.to_owned(), true)).collect();
     let tok = Arc::new(Tokenizer::from_parts(&model, &PathBuf::from("tiny.tiktoken"), &added).expect("tiny tokenizer"));
     let t = tok.clone();
     let b = Scripted::new(tok.clone(), Box::new(move |_: &[u32]| t.encode("ok", true)));

@@ -16,7 +16,8 @@ use k3_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
 const TOOL_OUT: &str = "Need the weather tool.<|close|>think<|sep|><|open|>response<|sep|>Let me check.<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument<|sep|><|open|>argument key=\"unit\" type=\"string\"<|sep|>c<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>";
-const PLAIN_OUT: &str = "Hi there.<|close|>think<|sep|><|open|>response<|sep|>Hello! How can I help?<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>";
+const PLAIN_OUT: &str =
+    "Hi there.<|close|>think<|sep|><|open|>response<|sep|>Hello! How can I help?<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>";
 const STOP_OUT: &str = "alpha beta STOP gamma delta<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>";
 
 fn script(tok: Arc<Tokenizer>) -> k3_server::backend::Script {
@@ -159,7 +160,12 @@ fn stop_strings_cut_content_and_cancel() {
         .collect();
     assert_eq!(content, "alpha beta ");
     // max_tokens cuts with finish_reason length.
-    let v = post(srv.addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "KEY_STOP"}], "max_tokens": 2, "chat_template_kwargs": {"thinking": false}})).json();
+    let v = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "KEY_STOP"}], "max_tokens": 2, "chat_template_kwargs": {"thinking": false}}),
+    )
+    .json();
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 2);
 }
@@ -182,7 +188,12 @@ fn errors_have_openai_shape_and_status() {
         ("/v1/chat/completions", json!({"messages": msgs, "max_tokens": -3}).to_string().into_bytes(), 400, Some("max_tokens")),
         ("/v1/chat/completions", json!({"messages": msgs, "n": 3}).to_string().into_bytes(), 400, Some("n")),
         ("/v1/chat/completions", json!({"messages": msgs, "stop": 5}).to_string().into_bytes(), 400, Some("stop")),
-        ("/v1/chat/completions", json!({"messages": msgs, "stream_options": {"include_usage": "yes"}}).to_string().into_bytes(), 400, Some("stream_options.include_usage")),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "stream_options": {"include_usage": "yes"}}).to_string().into_bytes(),
+            400,
+            Some("stream_options.include_usage"),
+        ),
         ("/v1/chat/completions", json!({"messages": msgs, "reasoning_effort": "ultra"}).to_string().into_bytes(), 400, Some("reasoning_effort")),
         ("/v1/chat/completions", json!({"messages": msgs, "response_format": {"type": "xml"}}).to_string().into_bytes(), 400, Some("response_format.type")),
         ("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string().into_bytes(), 400, Some("messages[0].role")),

@@ -183,7 +183,8 @@ fn bad_images_are_400s_naming_the_field() {
     assert_400(&post_url(&format!("file://{}", outside.display())), "outside");
     assert_400(&post_url("../vision_small_f32/../tokenizer/tiktoken.model"), "outside");
     assert_400(&post_url("/etc/hostname"), "");
-    let missing = post(srv.addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}]}));
+    let missing =
+        post(srv.addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}]}));
     assert_400(&missing, "required");
     // The server still works afterwards.
     assert_eq!(get(srv.addr, "/health").status, 200);

@@ -17,10 +17,7 @@ fn checksum(ids: &[u32]) -> u64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
     let (Some(dir), Some(file)) = (args.first(), args.get(1)) else {
         eprintln!("usage: encode TOKENIZER_DIR TEXT_FILE");
         std::process::exit(2);

@@ -102,15 +102,7 @@ impl Bpe {
         // bounds[i] = start of part i; pair_rank[i] = rank of parts i and i+1 joined.
         let n = word.len();
         let mut bounds: Vec<usize> = (0..=n).collect();
-        let mut pair_rank: Vec<u32> = (0..n)
-            .map(|i| {
-                if i + 2 <= n {
-                    self.rank(&word[i..i + 2])
-                } else {
-                    u32::MAX
-                }
-            })
-            .collect();
+        let mut pair_rank: Vec<u32> = (0..n).map(|i| if i + 2 <= n { self.rank(&word[i..i + 2]) } else { u32::MAX }).collect();
         loop {
             let mut best = (u32::MAX, 0usize);
             for (i, &r) in pair_rank.iter().enumerate() {
@@ -125,11 +117,7 @@ impl Bpe {
             bounds.remove(i + 1);
             pair_rank.remove(i + 1);
             let parts = bounds.len() - 1;
-            pair_rank[i] = if i + 2 <= parts {
-                self.rank(&word[bounds[i]..bounds[i + 2]])
-            } else {
-                u32::MAX
-            };
+            pair_rank[i] = if i + 2 <= parts { self.rank(&word[bounds[i]..bounds[i + 2]]) } else { u32::MAX };
             if i > 0 {
                 pair_rank[i - 1] = self.rank(&word[bounds[i - 1]..bounds[i + 1]]);
             }
@@ -148,8 +136,7 @@ impl Bpe {
         let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
         let mut alive = vec![true; n];
         // Heap entries: (rank, left start, right start, end of right part).
-        let mut heap: BinaryHeap<Reverse<(u32, usize, usize, usize)>> =
-            BinaryHeap::with_capacity(n);
+        let mut heap: BinaryHeap<Reverse<(u32, usize, usize, usize)>> = BinaryHeap::with_capacity(n);
         for i in 0..n.saturating_sub(1) {
             let r = self.rank(&word[i..i + 2]);
             if r != u32::MAX {
@@ -157,12 +144,7 @@ impl Bpe {
             }
         }
         while let Some(Reverse((_, left, right, end))) = heap.pop() {
-            if !alive[left]
-                || next[left] != right
-                || right >= n
-                || !alive[right]
-                || next[right] != end
-            {
+            if !alive[left] || next[left] != right || right >= n || !alive[right] || next[right] != end {
                 continue; // stale entry
             }
             alive[right] = false;
@@ -213,10 +195,7 @@ mod tests {
             byte_rank[b as usize] = b as u32;
             ranks.insert(vec![b], b as u32);
         }
-        for (i, t) in ["ab", "bc", "abc", "cd", "abcd", "aa", "aaaa"]
-            .iter()
-            .enumerate()
-        {
+        for (i, t) in ["ab", "bc", "abc", "cd", "abcd", "aa", "aaaa"].iter().enumerate() {
             ranks.insert(t.as_bytes().to_vec(), 256 + i as u32);
         }
         Bpe::new(ranks, byte_rank)
@@ -230,9 +209,7 @@ mod tests {
             for _ in 0..20 {
                 let word: Vec<u8> = (0..len)
                     .map(|_| {
-                        rng = rng
-                            .wrapping_mul(6364136223846793005)
-                            .wrapping_add(1442695040888963407);
+                        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                         b"abcd"[(rng >> 33) as usize % 4]
                     })
                     .collect();

@@ -59,44 +59,26 @@ pub struct RenderOptions {
 impl ChatRequest {
     /// Parses a request from JSON text.
     pub fn from_json_str(text: &str) -> Result<ChatRequest> {
-        let raw: Json = serde_json::from_str(text)
-            .map_err(|e| Error::request("<request>", format!("not valid JSON: {e}")))?;
+        let raw: Json = serde_json::from_str(text).map_err(|e| Error::request("<request>", format!("not valid JSON: {e}")))?;
         ChatRequest::from_json(raw)
     }
 
     /// Builds a request from an already parsed JSON object.
     pub fn from_json(raw: Json) -> Result<ChatRequest> {
         if !matches!(raw, Json::Object(_)) {
-            return Err(Error::request(
-                "<request>",
-                "the request must be a JSON object",
-            ));
+            return Err(Error::request("<request>", "the request must be a JSON object"));
         }
         let messages = match raw.get("messages") {
             Some(Json::Array(m)) => m.clone(),
-            Some(_) => {
-                return Err(Error::request(
-                    "messages",
-                    "must be an array of message objects",
-                ))
-            }
+            Some(_) => return Err(Error::request("messages", "must be an array of message objects")),
             None => return Err(Error::request("messages", "is required")),
         };
         let tools = match raw.get("tools") {
             None | Some(Json::Null) => None,
             Some(Json::Array(t)) => Some(t.clone()),
-            Some(_) => {
-                return Err(Error::request(
-                    "tools",
-                    "must be an array of tool declarations",
-                ))
-            }
+            Some(_) => return Err(Error::request("tools", "must be an array of tool declarations")),
         };
-        let request = ChatRequest {
-            messages,
-            tools,
-            raw,
-        };
+        let request = ChatRequest { messages, tools, raw };
         request.options()?; // reject invalid options at parse time
         Ok(request)
     }
@@ -104,11 +86,7 @@ impl ChatRequest {
     /// A request with just these messages and default options.
     pub fn from_messages(messages: Vec<Json>) -> ChatRequest {
         let raw = Json::Object(vec![("messages".into(), Json::Array(messages.clone()))]);
-        ChatRequest {
-            messages,
-            tools: None,
-            raw,
-        }
+        ChatRequest { messages, tools: None, raw }
     }
 
     /// Sets the `image_prompts` option (a serving layer that encodes the images itself decides
@@ -131,11 +109,7 @@ impl ChatRequest {
     /// Looks an option up in `chat_template_kwargs`, then at the top level.
     /// Returns the value and the field path it came from.
     fn lookup(&self, key: &str) -> Option<(&Json, String)> {
-        if let Some(v) = self
-            .raw
-            .get("chat_template_kwargs")
-            .and_then(|kw| kw.get(key))
-        {
+        if let Some(v) = self.raw.get("chat_template_kwargs").and_then(|kw| kw.get(key)) {
             return Some((v, format!("chat_template_kwargs.{key}")));
         }
         self.raw.get(key).map(|v| (v, key.to_owned()))
@@ -177,10 +151,7 @@ impl ChatRequest {
         if thinking {
             if let (Some(e), field) = &effort {
                 if !VALID_EFFORTS.contains(&e.as_str()) {
-                    return Err(Error::request(
-                        field.clone(),
-                        format!("unsupported thinking effort {e:?}; K3 supports low, high and max"),
-                    ));
+                    return Err(Error::request(field.clone(), format!("unsupported thinking effort {e:?}; K3 supports low, high and max")));
                 }
             }
         }
@@ -190,20 +161,12 @@ impl ChatRequest {
                 items
                     .iter()
                     .enumerate()
-                    .map(|(i, p)| {
-                        p.as_str().map(str::to_owned).ok_or_else(|| {
-                            Error::request(format!("{field}[{i}]"), "must be a string")
-                        })
-                    })
+                    .map(|(i, p)| p.as_str().map(str::to_owned).ok_or_else(|| Error::request(format!("{field}[{i}]"), "must be a string")))
                     .collect::<Result<Vec<_>>>()?,
             ),
             Some((_, field)) => return Err(Error::request(field, "must be an array of strings")),
         };
-        let non_null = |key: &str| {
-            self.lookup(key)
-                .map(|(v, _)| v.clone())
-                .filter(|v| *v != Json::Null)
-        };
+        let non_null = |key: &str| self.lookup(key).map(|(v, _)| v.clone()).filter(|v| *v != Json::Null);
         Ok(RenderOptions {
             thinking,
             thinking_effort: if thinking { effort.0 } else { None },
@@ -259,18 +222,9 @@ mod tests {
     #[test]
     fn ultra_is_rejected_naming_the_field() {
         for (body, field) in [
-            (
-                r#"{"messages": [], "thinking_effort": "ultra"}"#,
-                "`thinking_effort`",
-            ),
-            (
-                r#"{"messages": [], "reasoning_effort": "ultra"}"#,
-                "`reasoning_effort`",
-            ),
-            (
-                r#"{"messages": [], "chat_template_kwargs": {"thinking_effort": "medium"}}"#,
-                "`chat_template_kwargs.thinking_effort`",
-            ),
+            (r#"{"messages": [], "thinking_effort": "ultra"}"#, "`thinking_effort`"),
+            (r#"{"messages": [], "reasoning_effort": "ultra"}"#, "`reasoning_effort`"),
+            (r#"{"messages": [], "chat_template_kwargs": {"thinking_effort": "medium"}}"#, "`chat_template_kwargs.thinking_effort`"),
         ] {
             let msg = req(body).unwrap_err().to_string();
             assert!(msg.contains(field), "{msg}");
@@ -279,41 +233,21 @@ mod tests {
 
     #[test]
     fn effort_sources_and_overrides() {
-        let o = req(r#"{"messages": [], "reasoning_effort": "low"}"#)
-            .unwrap()
-            .options()
-            .unwrap();
+        let o = req(r#"{"messages": [], "reasoning_effort": "low"}"#).unwrap().options().unwrap();
         assert_eq!(o.thinking_effort.as_deref(), Some("low"));
-        let o = req(r#"{"messages": [], "reasoning_effort": "none"}"#)
-            .unwrap()
-            .options()
-            .unwrap();
+        let o = req(r#"{"messages": [], "reasoning_effort": "none"}"#).unwrap().options().unwrap();
         assert!(!o.thinking);
-        let o = req(r#"{"messages": [], "thinking_effort": null}"#)
-            .unwrap()
-            .options()
-            .unwrap();
+        let o = req(r#"{"messages": [], "thinking_effort": null}"#).unwrap().options().unwrap();
         assert_eq!(o.thinking_effort, None);
-        let o = req(r#"{"messages": [], "thinking": true, "chat_template_kwargs": {"thinking": false, "thinking_effort": "bogus"}}"#)
-            .unwrap()
-            .options()
-            .unwrap();
+        let o =
+            req(r#"{"messages": [], "thinking": true, "chat_template_kwargs": {"thinking": false, "thinking_effort": "bogus"}}"#).unwrap().options().unwrap();
         assert!(!o.thinking);
     }
 
     #[test]
     fn bad_shapes_name_their_field() {
-        assert!(req(r#"{"messages": [], "thinking": "yes"}"#)
-            .unwrap_err()
-            .to_string()
-            .contains("`thinking`"));
-        assert!(req(r#"{"tools": []}"#)
-            .unwrap_err()
-            .to_string()
-            .contains("`messages`"));
-        assert!(req(r#"{"messages": [], "image_prompts": [1]}"#)
-            .unwrap_err()
-            .to_string()
-            .contains("image_prompts[0]"));
+        assert!(req(r#"{"messages": [], "thinking": "yes"}"#).unwrap_err().to_string().contains("`thinking`"));
+        assert!(req(r#"{"tools": []}"#).unwrap_err().to_string().contains("`messages`"));
+        assert!(req(r#"{"messages": [], "image_prompts": [1]}"#).unwrap_err().to_string().contains("image_prompts[0]"));
     }
 }

@@ -27,11 +27,7 @@ pub struct TokenizeArgs {
     #[arg(long)]
     pub allow_special: bool,
     /// The text to encode.
-    #[arg(
-        value_name = "TEXT",
-        conflicts_with = "file",
-        required_unless_present = "file"
-    )]
+    #[arg(value_name = "TEXT", conflicts_with = "file", required_unless_present = "file")]
     pub text: Option<String>,
     /// Read the text from a file (`-` for stdin).
     #[arg(long, value_name = "PATH")]
@@ -88,9 +84,7 @@ pub fn load_tokenizer(dir: Option<&Path>) -> Result<Tokenizer> {
             .iter()
             .find_map(std::env::var_os)
             .map(PathBuf::from)
-            .ok_or_else(|| {
-                Error::Cli("no tokenizer: pass --tokenizer DIR (or set K3_MODEL_DIR)".into())
-            })?,
+            .ok_or_else(|| Error::Cli("no tokenizer: pass --tokenizer DIR (or set K3_MODEL_DIR)".into()))?,
     };
     Tokenizer::from_dir(&dir)
 }
@@ -99,18 +93,10 @@ pub fn load_tokenizer(dir: Option<&Path>) -> Result<Tokenizer> {
 fn read_input(path: &Path) -> Result<String> {
     if path.as_os_str() == "-" {
         let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .map_err(|source| Error::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        std::io::stdin().read_to_string(&mut s).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
         return Ok(s);
     }
-    std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
 }
 
 /// Parses `1,2,3` (spaces and surrounding `[` `]` allowed).
@@ -119,10 +105,7 @@ pub fn parse_ids(list: &str) -> Result<Vec<u32>> {
     inner
         .split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<u32>()
-                .map_err(|_| Error::Cli(format!("--ids: {s:?} is not a token id")))
-        })
+        .map(|s| s.parse::<u32>().map_err(|_| Error::Cli(format!("--ids: {s:?} is not a token id"))))
         .collect()
 }
 
@@ -161,11 +144,7 @@ pub fn run_parse_output(args: &ParseOutputArgs) -> Result<Value> {
         return Err(Error::UnknownId { id, vocab_size: tok.vocab_size() });
     }
     let parsed = parse_output(&tok, &ids, args.thinking, args.tools_declared);
-    let calls: Vec<Value> = parsed
-        .tool_calls
-        .iter()
-        .map(|c| json!({ "name": c.name, "arguments": c.arguments }))
-        .collect();
+    let calls: Vec<Value> = parsed.tool_calls.iter().map(|c| json!({ "name": c.name, "arguments": c.arguments })).collect();
     Ok(json!({
         "reasoning_content": parsed.reasoning_content,
         "content": parsed.content,

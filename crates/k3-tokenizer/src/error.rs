@@ -73,9 +73,6 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// Builds an [`Error::InvalidRequest`].
     pub(crate) fn request(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidRequest {
-            field: field.into(),
-            reason: reason.into(),
-        }
+        Error::InvalidRequest { field: field.into(), reason: reason.into() }
     }
 }

@@ -70,10 +70,7 @@ impl Json {
         match self {
             Json::Array(items) => Json::Array(items.iter().map(Json::deep_sorted).collect()),
             Json::Object(fields) => {
-                let mut sorted: Vec<(String, Json)> = fields
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.deep_sorted()))
-                    .collect();
+                let mut sorted: Vec<(String, Json)> = fields.iter().map(|(k, v)| (k.clone(), v.deep_sorted())).collect();
                 sorted.sort_by(|a, b| a.0.cmp(&b.0));
                 Json::Object(sorted)
             }
@@ -177,11 +174,7 @@ pub fn python_float_repr(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
+        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
     }
     // `{:e}` gives the shortest round-trip digits, e.g. "-1.2345e17" or "1e-5".
     let sci = format!("{:e}", f);
@@ -305,16 +298,9 @@ mod tests {
 
     #[test]
     fn dumps_keeps_order_and_python_separators() {
-        let v =
-            Json::parse(r#"{"b": [1, 2.0, "x\u0001\n"], "a": {"z": null, "y": true}}"#).unwrap();
-        assert_eq!(
-            v.dumps(),
-            r#"{"b": [1, 2.0, "x\u0001\n"], "a": {"z": null, "y": true}}"#
-        );
-        assert_eq!(
-            v.deep_sorted().dumps_compact(),
-            r#"{"a":{"y":true,"z":null},"b":[1,2.0,"x\u0001\n"]}"#
-        );
+        let v = Json::parse(r#"{"b": [1, 2.0, "x\u0001\n"], "a": {"z": null, "y": true}}"#).unwrap();
+        assert_eq!(v.dumps(), r#"{"b": [1, 2.0, "x\u0001\n"], "a": {"z": null, "y": true}}"#);
+        assert_eq!(v.deep_sorted().dumps_compact(), r#"{"a":{"y":true,"z":null},"b":[1,2.0,"x\u0001\n"]}"#);
     }
 
     #[test]

@@ -76,12 +76,7 @@ pub enum OutputDelta {
 
 /// Parses a complete output. `thinking`: the prompt's stub opened `think` (else `response`).
 /// `tools_declared`: the request declared tools and `tool_choice` is not `none`.
-pub fn parse_output(
-    tok: &Tokenizer,
-    ids: &[u32],
-    thinking: bool,
-    tools_declared: bool,
-) -> ParsedOutput {
+pub fn parse_output(tok: &Tokenizer, ids: &[u32], thinking: bool, tools_declared: bool) -> ParsedOutput {
     let mut p = OutputParser::new(tok, thinking, tools_declared);
     for &id in ids {
         p.push(id);
@@ -145,11 +140,7 @@ impl<'a> OutputParser<'a> {
             ids: [OPEN, CLOSE, SEP, END_OF_MSG].map(|n| tok.special_id(n)),
             tools_declared,
             id_prefix: "call_".into(),
-            phase: if thinking {
-                Phase::Reasoning
-            } else {
-                Phase::Response
-            },
+            phase: if thinking { Phase::Reasoning } else { Phase::Response },
             header: None,
             reasoning_stream: Utf8Stream::new(),
             content_stream: Utf8Stream::new(),
@@ -174,14 +165,7 @@ impl<'a> OutputParser<'a> {
         let is = |x: Option<u32>| x == Some(id);
         if is(open) || is(close) {
             self.abort_header();
-            self.header = Some((
-                if is(open) {
-                    Marker::Open
-                } else {
-                    Marker::Close
-                },
-                Vec::new(),
-            ));
+            self.header = Some((if is(open) { Marker::Open } else { Marker::Close }, Vec::new()));
         } else if is(sep) {
             match self.header.take() {
                 Some((kind, bytes)) => self.tag(kind, &bytes),
@@ -281,9 +265,7 @@ impl<'a> OutputParser<'a> {
     }
 
     fn marker_text(kind: Marker, header: &[u8], with_sep: bool) -> Vec<u8> {
-        let mut v = if kind == Marker::Open { OPEN } else { CLOSE }
-            .as_bytes()
-            .to_vec();
+        let mut v = if kind == Marker::Open { OPEN } else { CLOSE }.as_bytes().to_vec();
         v.extend_from_slice(header);
         if with_sep {
             v.extend_from_slice(SEP.as_bytes());
@@ -354,11 +336,7 @@ impl<'a> OutputParser<'a> {
             }
             (Tools | Call | Between | Response, Open, "call") => {
                 let name = attr(&attrs, "tool");
-                self.call = Some(CallBuilder {
-                    name,
-                    args: Vec::new(),
-                    json_raw: None,
-                });
+                self.call = Some(CallBuilder { name, args: Vec::new(), json_raw: None });
                 self.set_phase(Call);
             }
             (Call, Open, "argument") => {
@@ -394,20 +372,12 @@ impl<'a> OutputParser<'a> {
         if !self.tools_declared {
             return;
         }
-        let arguments = match (
-            call.args.is_empty(),
-            call.json_raw.as_deref().and_then(Json::parse),
-        ) {
+        let arguments = match (call.args.is_empty(), call.json_raw.as_deref().and_then(Json::parse)) {
             (true, Some(obj @ Json::Object(_))) => obj.dumps(),
             _ => Json::Object(call.args).dumps(),
         };
         let index = self.out.tool_calls.len();
-        let tc = ToolCall {
-            id: format!("{}{index}", self.id_prefix),
-            index,
-            name,
-            arguments,
-        };
+        let tc = ToolCall { id: format!("{}{index}", self.id_prefix), index, name, arguments };
         self.out.tool_calls.push(tc.clone());
         self.pending.push(OutputDelta::ToolCall(tc));
     }
@@ -416,9 +386,7 @@ impl<'a> OutputParser<'a> {
 /// Splits a tag header into its name and `key="value"` attributes (values unescaped).
 fn parse_header(header: &str) -> (&str, Vec<(String, String)>) {
     let header = header.trim();
-    let (name, mut rest) = header
-        .split_once(char::is_whitespace)
-        .unwrap_or((header, ""));
+    let (name, mut rest) = header.split_once(char::is_whitespace).unwrap_or((header, ""));
     let mut attrs = Vec::new();
     while let Some(eq) = rest.find('=') {
         let key = rest[..eq].trim();
@@ -452,13 +420,7 @@ mod tests {
     fn header_parsing_tolerates_whitespace_and_unescapes() {
         let (name, attrs) = parse_header(" call  tool = \"a&amp;b&quot;c\" index=\"1\" ");
         assert_eq!(name, "call");
-        assert_eq!(
-            attrs,
-            vec![
-                ("tool".into(), "a&b\"c".into()),
-                ("index".into(), "1".into())
-            ]
-        );
+        assert_eq!(attrs, vec![("tool".into(), "a&b\"c".into()), ("index".into(), "1".into())]);
         assert_eq!(parse_header("think").0, "think");
         assert_eq!(unescape_attr("&amp;quot;"), "&quot;");
     }

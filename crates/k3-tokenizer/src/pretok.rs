@@ -77,10 +77,7 @@ pub fn presplit(text: &str) -> Vec<&str> {
 }
 
 fn regex_error(e: impl std::fmt::Display) -> Error {
-    Error::BadVocab {
-        path: PathBuf::from("<pat_str>"),
-        reason: format!("cannot compile the pre-tokenisation regex: {e}"),
-    }
+    Error::BadVocab { path: PathBuf::from("<pat_str>"), reason: format!("cannot compile the pre-tokenisation regex: {e}") }
 }
 
 /// The production pre-tokenizer: `pat_str` on the linear-time `regex` engine (see module docs).
@@ -137,9 +134,7 @@ fn lookahead_fixup(text: &str, start: usize, end: usize) -> usize {
     if !last.is_whitespace() || last_pos == 0 {
         return end;
     }
-    if m.chars()
-        .all(|c| c.is_whitespace() && c != '\r' && c != '\n')
-    {
+    if m.chars().all(|c| c.is_whitespace() && c != '\r' && c != '\n') {
         start + last_pos
     } else {
         end
@@ -176,9 +171,7 @@ mod tests {
 
     #[test]
     fn isspace_matches_python_on_file_separators() {
-        for c in [
-            '\u{1c}', '\u{1d}', '\u{1e}', '\u{1f}', ' ', '\u{3000}', '\u{85}',
-        ] {
+        for c in ['\u{1c}', '\u{1d}', '\u{1e}', '\u{1f}', ' ', '\u{3000}', '\u{85}'] {
             assert!(py_isspace(c), "{:?}", c);
         }
         assert!(!py_isspace('\u{200b}'));
@@ -207,14 +200,7 @@ mod tests {
     fn fast_matches_reference_on_tricky_whitespace() {
         let fast = Pretokenizer::new().unwrap();
         let slow = ReferencePretokenizer::new().unwrap();
-        for text in [
-            "a  b   c\t\td\n\n e \r\n  \n f",
-            "   x",
-            "x   ",
-            " \u{3000}y",
-            "\t \n",
-            "a \u{a0}b",
-        ] {
+        for text in ["a  b   c\t\td\n\n e \r\n  \n f", "   x", "x   ", " \u{3000}y", "\t \n", "a \u{a0}b"] {
             assert_eq!(fast.split(text), slow.split(text).unwrap(), "{text:?}");
         }
     }

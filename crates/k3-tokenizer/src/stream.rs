@@ -36,9 +36,7 @@ impl Utf8Stream {
                 Err(e) => {
                     let valid = e.valid_up_to();
                     // The prefix is valid UTF-8 by construction.
-                    out.push_str(&String::from_utf8_lossy(
-                        &self.pending[start..start + valid],
-                    ));
+                    out.push_str(&String::from_utf8_lossy(&self.pending[start..start + valid]));
                     start += valid;
                     match e.error_len() {
                         Some(bad) => {
@@ -77,20 +75,13 @@ pub struct StreamDecoder<'a> {
 impl<'a> StreamDecoder<'a> {
     /// A decoder; `skip_special` drops ids as [`Tokenizer::decode`] does.
     pub fn new(tokenizer: &'a Tokenizer, skip_special: bool) -> Self {
-        StreamDecoder {
-            tokenizer,
-            skip_special,
-            utf8: Utf8Stream::new(),
-        }
+        StreamDecoder { tokenizer, skip_special, utf8: Utf8Stream::new() }
     }
 
     /// Adds one id and returns the text it completes (possibly empty).
     /// An unknown id is an error and leaves the decoder unchanged.
     pub fn push(&mut self, id: u32) -> Result<String> {
-        let bytes = self.tokenizer.token_bytes(id).ok_or(Error::UnknownId {
-            id,
-            vocab_size: self.tokenizer.vocab_size(),
-        })?;
+        let bytes = self.tokenizer.token_bytes(id).ok_or(Error::UnknownId { id, vocab_size: self.tokenizer.vocab_size() })?;
         if self.skip_special && self.tokenizer.skips_on_decode(id) {
             return Ok(String::new());
         }

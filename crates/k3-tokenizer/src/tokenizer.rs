@@ -48,19 +48,13 @@ pub struct Tokenizer {
 }
 
 fn read(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
 }
 
 impl Tokenizer {
     /// Loads `dir/tiktoken.model` and `dir/tokenizer_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
-        Tokenizer::from_files(
-            &dir.join("tiktoken.model"),
-            &dir.join("tokenizer_config.json"),
-        )
+        Tokenizer::from_files(&dir.join("tiktoken.model"), &dir.join("tokenizer_config.json"))
     }
 
     /// Loads from explicit file paths.
@@ -73,11 +67,7 @@ impl Tokenizer {
 
     /// Builds from the text of `tiktoken.model` (`model_path` is only used in messages) and
     /// the `added_tokens_decoder` entries as `(id, name, special)`.
-    pub fn from_parts(
-        model_text: &str,
-        model_path: &Path,
-        added: &[(u32, String, bool)],
-    ) -> Result<Tokenizer> {
+    pub fn from_parts(model_text: &str, model_path: &Path, added: &[(u32, String, bool)]) -> Result<Tokenizer> {
         let (bpe, mut token_bytes) = parse_model(model_text, model_path)?;
         let n_ranks = token_bytes.len();
         let mut specials = Vec::with_capacity(NUM_SPECIAL_TOKENS);
@@ -87,11 +77,7 @@ impl Tokenizer {
                 Some((_, name, special)) => (name.clone(), *special),
                 None => (format!("<|reserved_token_{id}|>"), false),
             };
-            specials.push(SpecialToken {
-                id,
-                name,
-                skip_on_decode: skip,
-            });
+            specials.push(SpecialToken { id, name, skip_on_decode: skip });
         }
         let mut special_by_name: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
         let mut special_first = [false; 256];
@@ -99,10 +85,7 @@ impl Tokenizer {
         for s in &specials {
             let bytes = s.name.as_bytes();
             if bytes.is_empty() {
-                return Err(Error::BadConfig {
-                    path: PathBuf::from("tokenizer_config.json"),
-                    reason: format!("special token {} has an empty name", s.id),
-                });
+                return Err(Error::BadConfig { path: PathBuf::from("tokenizer_config.json"), reason: format!("special token {} has an empty name", s.id) });
             }
             special_by_name.insert(bytes.to_vec(), s.id);
             special_first[bytes[0] as usize] = true;
@@ -112,16 +95,7 @@ impl Tokenizer {
             token_bytes.push(bytes.to_vec().into_boxed_slice());
         }
         special_lens.sort_unstable();
-        Ok(Tokenizer {
-            bpe,
-            pretok: Pretokenizer::new()?,
-            token_bytes,
-            n_ranks,
-            specials,
-            special_by_name,
-            special_lens,
-            special_first,
-        })
+        Ok(Tokenizer { bpe, pretok: Pretokenizer::new()?, token_bytes, n_ranks, specials, special_by_name, special_lens, special_first })
     }
 
     /// Number of ids: ranks plus the 256 special ids.
@@ -179,8 +153,7 @@ impl Tokenizer {
     }
 
     fn encode_ordinary(&self, text: &str, out: &mut Vec<u32>) {
-        self.pretok
-            .for_each(text, |word| self.bpe.encode_word(word.as_bytes(), out));
+        self.pretok.for_each(text, |word| self.bpe.encode_word(word.as_bytes(), out));
     }
 
     fn encode_with_specials(&self, text: &str, out: &mut Vec<u32>) {
@@ -206,21 +179,14 @@ impl Tokenizer {
 
     /// The longest special name that `rest` starts with.
     fn special_at(&self, rest: &[u8]) -> Option<(u32, usize)> {
-        self.special_lens
-            .iter()
-            .rev()
-            .filter(|&&len| len <= rest.len())
-            .find_map(|&len| self.special_by_name.get(&rest[..len]).map(|&id| (id, len)))
+        self.special_lens.iter().rev().filter(|&&len| len <= rest.len()).find_map(|&len| self.special_by_name.get(&rest[..len]).map(|&id| (id, len)))
     }
 
     /// The concatenated bytes of `ids`. Errors on an id outside the vocabulary.
     pub fn decode_bytes(&self, ids: &[u32], skip_special: bool) -> Result<Vec<u8>> {
         let mut out = Vec::new();
         for &id in ids {
-            let bytes = self.token_bytes(id).ok_or(Error::UnknownId {
-                id,
-                vocab_size: self.vocab_size(),
-            })?;
+            let bytes = self.token_bytes(id).ok_or(Error::UnknownId { id, vocab_size: self.vocab_size() })?;
             if !(skip_special && self.skips_on_decode(id)) {
                 out.extend_from_slice(bytes);
             }
@@ -240,11 +206,7 @@ impl Tokenizer {
 
 /// Parses `tiktoken.model`: returns the BPE table and the id → bytes list for the ranks.
 fn parse_model(text: &str, path: &Path) -> Result<(Bpe, Vec<Box<[u8]>>)> {
-    let bad = |line: usize, reason: String| Error::BadModelLine {
-        path: path.to_path_buf(),
-        line,
-        reason,
-    };
+    let bad = |line: usize, reason: String| Error::BadModelLine { path: path.to_path_buf(), line, reason };
     let mut ranks: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
     let mut by_rank: Vec<Option<Box<[u8]>>> = Vec::new();
     for (n, line) in text.lines().enumerate() {
@@ -253,27 +215,16 @@ fn parse_model(text: &str, path: &Path) -> Result<(Bpe, Vec<Box<[u8]>>)> {
             continue;
         }
         let mut fields = line.split_whitespace();
-        let (Some(b64), Some(rank_text), None) = (fields.next(), fields.next(), fields.next())
-        else {
-            return Err(bad(
-                line_no,
-                format!("expected `base64_token rank`, got {line:?}"),
-            ));
+        let (Some(b64), Some(rank_text), None) = (fields.next(), fields.next(), fields.next()) else {
+            return Err(bad(line_no, format!("expected `base64_token rank`, got {line:?}")));
         };
-        let token = base64::engine::general_purpose::STANDARD
-            .decode(b64)
-            .map_err(|e| bad(line_no, format!("invalid base64 {b64:?}: {e}")))?;
-        let rank: u32 = rank_text
-            .parse()
-            .map_err(|_| bad(line_no, format!("invalid rank {rank_text:?}")))?;
+        let token = base64::engine::general_purpose::STANDARD.decode(b64).map_err(|e| bad(line_no, format!("invalid base64 {b64:?}: {e}")))?;
+        let rank: u32 = rank_text.parse().map_err(|_| bad(line_no, format!("invalid rank {rank_text:?}")))?;
         if token.is_empty() {
             return Err(bad(line_no, "empty token".into()));
         }
         if let Some(prev) = ranks.insert(token.clone(), rank) {
-            return Err(bad(
-                line_no,
-                format!("token {b64:?} already has rank {prev}"),
-            ));
+            return Err(bad(line_no, format!("token {b64:?} already has rank {prev}")));
         }
         let idx = rank as usize;
         if idx >= by_rank.len() {
@@ -284,61 +235,35 @@ fn parse_model(text: &str, path: &Path) -> Result<(Bpe, Vec<Box<[u8]>>)> {
         }
         by_rank[idx] = Some(token.into_boxed_slice());
     }
-    let vocab_err = |reason: String| Error::BadVocab {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let vocab_err = |reason: String| Error::BadVocab { path: path.to_path_buf(), reason };
     let mut token_bytes = Vec::with_capacity(by_rank.len() + NUM_SPECIAL_TOKENS);
     for (rank, t) in by_rank.into_iter().enumerate() {
-        token_bytes.push(t.ok_or_else(|| {
-            vocab_err(format!(
-                "rank {rank} is missing (ranks must be 0..n, the ids)"
-            ))
-        })?);
+        token_bytes.push(t.ok_or_else(|| vocab_err(format!("rank {rank} is missing (ranks must be 0..n, the ids)")))?);
     }
     if token_bytes.is_empty() {
         return Err(vocab_err("no tokens".into()));
     }
     let mut byte_rank = [0u32; 256];
     for b in 0..=255u8 {
-        byte_rank[b as usize] = *ranks
-            .get(&[b][..])
-            .ok_or_else(|| vocab_err(format!("no single-byte token for byte 0x{b:02x}")))?;
+        byte_rank[b as usize] = *ranks.get(&[b][..]).ok_or_else(|| vocab_err(format!("no single-byte token for byte 0x{b:02x}")))?;
     }
     Ok((Bpe::new(ranks, byte_rank), token_bytes))
 }
 
 /// Reads `added_tokens_decoder` as `(id, content, special)`.
 fn parse_added_tokens(text: &str, path: &Path) -> Result<Vec<(u32, String, bool)>> {
-    let bad = |reason: String| Error::BadConfig {
-        path: PathBuf::from(path),
-        reason,
-    };
-    let config: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+    let bad = |reason: String| Error::BadConfig { path: PathBuf::from(path), reason };
+    let config: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
     let Some(decoder) = config.get("added_tokens_decoder") else {
         return Ok(Vec::new());
     };
-    let decoder = decoder
-        .as_object()
-        .ok_or_else(|| bad("`added_tokens_decoder` is not an object".into()))?;
+    let decoder = decoder.as_object().ok_or_else(|| bad("`added_tokens_decoder` is not an object".into()))?;
     let mut out = Vec::with_capacity(decoder.len());
     for (key, entry) in decoder {
-        let id: u32 = key
-            .parse()
-            .map_err(|_| bad(format!("`added_tokens_decoder` key {key:?} is not an id")))?;
-        let content = entry
-            .get("content")
-            .and_then(|c| c.as_str())
-            .ok_or_else(|| {
-                bad(format!(
-                    "`added_tokens_decoder.{key}.content` is missing or not a string"
-                ))
-            })?;
-        let special = entry
-            .get("special")
-            .and_then(|s| s.as_bool())
-            .unwrap_or(false);
+        let id: u32 = key.parse().map_err(|_| bad(format!("`added_tokens_decoder` key {key:?} is not an id")))?;
+        let content =
+            entry.get("content").and_then(|c| c.as_str()).ok_or_else(|| bad(format!("`added_tokens_decoder.{key}.content` is missing or not a string")))?;
+        let special = entry.get("special").and_then(|s| s.as_bool()).unwrap_or(false);
         out.push((id, content.to_owned(), special));
     }
     Ok(out)

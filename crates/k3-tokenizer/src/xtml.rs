@@ -59,10 +59,7 @@ pub struct Rendered {
 /// `<|media_begin|>image {W}x{H}<|media_content|>` + `<|media_pad|>` × `n_pads` + `<|media_end|>`,
 /// with the original upload width and height.
 pub fn image_prompt(width: u32, height: u32, n_pads: usize) -> String {
-    format!(
-        "<|media_begin|>image {width}x{height}<|media_content|>{}<|media_end|>",
-        "<|media_pad|>".repeat(n_pads)
-    )
+    format!("<|media_begin|>image {width}x{height}<|media_content|>{}<|media_end|>", "<|media_pad|>".repeat(n_pads))
 }
 
 /// Renders `request` and encodes it segment by segment with `tok`.
@@ -79,22 +76,14 @@ pub fn render_chat(tok: &Tokenizer, request: &ChatRequest) -> Result<Rendered> {
         text.push_str(&s.text);
         tok.encode_into(&s.text, s.control, &mut ids);
     }
-    Ok(Rendered {
-        text,
-        ids,
-        segments,
-    })
+    Ok(Rendered { text, ids, segments })
 }
 
 /// Builds the segment list of `request` (the tokenizer-independent half of [`render_chat`]).
 pub fn build_segments(request: &ChatRequest) -> Result<Vec<Segment>> {
     let opts = request.options()?;
     let messages = reorder_tool_results(&request.messages);
-    let mut b = Builder {
-        out: Vec::new(),
-        prompts: opts.image_prompts.clone(),
-        consumed: 0,
-    };
+    let mut b = Builder { out: Vec::new(), prompts: opts.image_prompts.clone(), consumed: 0 };
 
     if let Some(tools) = request.tools.as_ref().filter(|t| !t.is_empty()) {
         b.tool_declare(&Json::Array(tools.clone()).deep_sorted(), false);
@@ -117,14 +106,7 @@ pub fn build_segments(request: &ChatRequest) -> Result<Vec<Segment>> {
     }
     if let Some(p) = &b.prompts {
         if b.consumed != p.len() {
-            return Err(Error::request(
-                "image_prompts",
-                format!(
-                    "{} image prompts were given but the messages hold {} images",
-                    p.len(),
-                    b.consumed
-                ),
-            ));
+            return Err(Error::request("image_prompts", format!("{} image prompts were given but the messages hold {} images", p.len(), b.consumed)));
         }
     }
     Ok(b.out)
@@ -133,14 +115,8 @@ pub fn build_segments(request: &ChatRequest) -> Result<Vec<Segment>> {
 /// The `tool-choice` and `response-format` system notes.
 fn notes(b: &mut Builder, opts: &RenderOptions) {
     match opts.tool_choice.as_ref().and_then(Json::as_str) {
-        Some("required") => b.system_note(
-            "tool-choice",
-            "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
-        ),
-        Some("none") => b.system_note(
-            "tool-choice",
-            "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
-        ),
+        Some("required") => b.system_note("tool-choice", "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message."),
+        Some("none") => b.system_note("tool-choice", "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message."),
         _ => {}
     }
     let rf = opts.response_format.as_ref();
@@ -151,16 +127,9 @@ fn notes(b: &mut Builder, opts: &RenderOptions) {
     };
     const RAW_JSON: &str = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting.";
     match rf_type {
-        Some("json_object") => b.system_note(
-            "response-format",
-            &format!("The system is invoked with `response_format=json_object`.\n{RAW_JSON}"),
-        ),
+        Some("json_object") => b.system_note("response-format", &format!("The system is invoked with `response_format=json_object`.\n{RAW_JSON}")),
         Some("json_schema") => {
-            let schema = opts
-                .response_schema
-                .clone()
-                .or_else(|| rf.and_then(response_schema))
-                .unwrap_or(Json::Null);
+            let schema = opts.response_schema.clone().or_else(|| rf.and_then(response_schema)).unwrap_or(Json::Null);
             b.system_note(
                 "response-format",
                 &format!(
@@ -180,12 +149,7 @@ fn response_schema(rf: &Json) -> Option<Json> {
     if !matches!(js, Json::Object(_)) {
         return Some(js.clone());
     }
-    Some(
-        js.get("schema")
-            .or_else(|| js.get("json_schema"))
-            .unwrap_or(js)
-            .clone(),
-    )
+    Some(js.get("schema").or_else(|| js.get("json_schema")).unwrap_or(js).clone())
 }
 
 /// `&` → `&amp;`, then `"` → `&quot;`.
@@ -216,20 +180,13 @@ fn reorder_tool_results(messages: &[Json]) -> Vec<Json> {
                 index.clear();
                 if let Some(Json::Array(calls)) = messages[i].get("tool_calls") {
                     for (pos, call) in calls.iter().enumerate() {
-                        let Some(id) = call
-                            .get("id")
-                            .filter(|v| **v != Json::Null)
-                            .map(Json::python_str)
-                        else {
+                        let Some(id) = call.get("id").filter(|v| **v != Json::Null).map(Json::python_str) else {
                             continue;
                         };
                         if index.iter().any(|(k, _, _)| *k == id) {
                             continue;
                         }
-                        let f = call
-                            .get("function")
-                            .filter(|f| matches!(f, Json::Object(_)))
-                            .unwrap_or(call);
+                        let f = call.get("function").filter(|f| matches!(f, Json::Object(_))).unwrap_or(call);
                         index.push((id, pos + 1, f.get("name").cloned()));
                     }
                 }
@@ -247,15 +204,8 @@ fn reorder_tool_results(messages: &[Json]) -> Vec<Json> {
             .iter()
             .enumerate()
             .map(|(offset, m)| {
-                let id = m
-                    .get("tool_call_id")
-                    .or_else(|| m.get("id"))
-                    .filter(|v| **v != Json::Null)?
-                    .python_str();
-                index
-                    .iter()
-                    .find(|(k, _, _)| *k == id)
-                    .map(|(_, pos, name)| (*pos, offset, name.clone()))
+                let id = m.get("tool_call_id").or_else(|| m.get("id")).filter(|v| **v != Json::Null)?.python_str();
+                index.iter().find(|(k, _, _)| *k == id).map(|(_, pos, name)| (*pos, offset, name.clone()))
             })
             .collect();
         let Some(mut matched) = matched else {
@@ -265,8 +215,7 @@ fn reorder_tool_results(messages: &[Json]) -> Vec<Json> {
         matched.sort_by_key(|(pos, offset, _)| (*pos, *offset));
         for (_, offset, name) in matched {
             let mut m = run[offset].clone();
-            if let (Some(name), Json::Object(fields)) = (name.filter(|n| *n != Json::Null), &mut m)
-            {
+            if let (Some(name), Json::Object(fields)) = (name.filter(|n| *n != Json::Null), &mut m) {
                 crate::json::insert_ordered(fields, "tool".into(), name.clone());
                 if let Some(slot) = fields.iter_mut().find(|(k, _)| k == "name") {
                     slot.1 = name;
@@ -291,16 +240,10 @@ fn normalize_arguments(args: Option<&Json>, field: String) -> Result<Arguments> 
         Some(Json::Str(s)) if py_strip(s).is_empty() => Ok(Arguments::Object(Vec::new())),
         Some(Json::Str(s)) => match Json::parse(s) {
             Some(Json::Object(fields)) => Ok(Arguments::Object(fields)),
-            Some(_) => Err(field_err(
-                field,
-                "must be a JSON object (or a string holding one)",
-            )),
+            Some(_) => Err(field_err(field, "must be a JSON object (or a string holding one)")),
             None => Ok(Arguments::RawJson(s.clone())),
         },
-        Some(_) => Err(field_err(
-            field,
-            "must be an object or a JSON object string",
-        )),
+        Some(_) => Err(field_err(field, "must be an object or a JSON object string")),
     }
 }
 
@@ -324,10 +267,7 @@ struct Builder {
 impl Builder {
     fn seg(&mut self, text: &str, control: bool) {
         if !text.is_empty() {
-            self.out.push(Segment {
-                text: text.to_owned(),
-                control,
-            });
+            self.out.push(Segment { text: text.to_owned(), control });
         }
     }
 
@@ -358,12 +298,10 @@ impl Builder {
         let Some(prompts) = &self.prompts else {
             return Ok(IMAGE_PLACEHOLDER.to_owned());
         };
-        let p = prompts.get(self.consumed).cloned().ok_or_else(|| {
-            field_err(
-                field.to_owned(),
-                &format!("more images than the {} image prompts given", prompts.len()),
-            )
-        })?;
+        let p = prompts
+            .get(self.consumed)
+            .cloned()
+            .ok_or_else(|| field_err(field.to_owned(), &format!("more images than the {} image prompts given", prompts.len())))?;
         self.consumed += 1;
         Ok(p)
     }
@@ -405,18 +343,12 @@ impl Builder {
                 }
                 Ok(())
             }
-            Some(_) => Err(field_err(
-                field.to_owned(),
-                "must be a string, an array of content parts, or null",
-            )),
+            Some(_) => Err(field_err(field.to_owned(), "must be a string, an array of content parts, or null")),
         }
     }
 
     fn system_note(&mut self, kind: &str, body: &str) {
-        self.open(
-            "message",
-            &[("role", "system".into()), ("type", kind.into())],
-        );
+        self.open("message", &[("role", "system".into()), ("type", kind.into())]);
         self.seg(py_strip(body), false);
         self.end_message();
     }
@@ -431,10 +363,7 @@ impl Builder {
         } else {
             format!("# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{json}\n```")
         };
-        self.open(
-            "message",
-            &[("role", "system".into()), ("type", "tool-declare".into())],
-        );
+        self.open("message", &[("role", "system".into()), ("type", "tool-declare".into())]);
         self.seg(&body, false);
         self.end_message();
     }
@@ -447,10 +376,7 @@ impl Builder {
             if !matches!(m, Json::Object(_)) {
                 return Err(field_err(field, "must be an object"));
             }
-            let role = m
-                .get("role")
-                .and_then(Json::as_str)
-                .ok_or_else(|| field_err(format!("{field}.role"), "is required"))?;
+            let role = m.get("role").and_then(Json::as_str).ok_or_else(|| field_err(format!("{field}.role"), "is required"))?;
             let name = m.get("name").filter(|n| n.truthy()).map(Json::python_str);
             let content_field = format!("{field}.content");
             match role {
@@ -468,28 +394,18 @@ impl Builder {
                 }
                 "tool" => {
                     tool_index += 1;
-                    let explicit = m
-                        .get("tool")
-                        .or_else(|| m.get("name"))
-                        .filter(|n| **n != Json::Null);
+                    let explicit = m.get("tool").or_else(|| m.get("name")).filter(|n| **n != Json::Null);
                     let tool_name = match explicit {
                         Some(n) => n.python_str(),
                         None => {
                             let call = last_calls.and_then(|c| c.get(tool_index - 1));
                             let f = call.map(|c| c.get("function").unwrap_or(c));
-                            f.and_then(|f| f.get("name")).map(Json::python_str).ok_or_else(|| {
-                                field_err(field.clone(), "a tool message needs `tool`/`name` or a matching assistant tool_call")
-                            })?
+                            f.and_then(|f| f.get("name"))
+                                .map(Json::python_str)
+                                .ok_or_else(|| field_err(field.clone(), "a tool message needs `tool`/`name` or a matching assistant tool_call"))?
                         }
                     };
-                    self.open(
-                        "message",
-                        &[
-                            ("role", "tool".into()),
-                            ("tool", tool_name),
-                            ("index", tool_index.to_string()),
-                        ],
-                    );
+                    self.open("message", &[("role", "tool".into()), ("tool", tool_name), ("index", tool_index.to_string())]);
                     self.content(m.get("content"), &content_field)?;
                     self.end_message();
                 }
@@ -505,12 +421,7 @@ impl Builder {
                     self.assistant(m, thinking, &field)?;
                     self.end_message();
                 }
-                other => {
-                    return Err(field_err(
-                        format!("{field}.role"),
-                        &format!("unsupported role {other:?}"),
-                    ))
-                }
+                other => return Err(field_err(format!("{field}.role"), &format!("unsupported role {other:?}"))),
             }
         }
         Ok(())
@@ -518,10 +429,7 @@ impl Builder {
 
     fn assistant(&mut self, m: &Json, thinking: bool, field: &str) -> Result<()> {
         if thinking {
-            let reasoning = m
-                .get("reasoning_content")
-                .filter(|r| r.truthy())
-                .or_else(|| m.get("reasoning"));
+            let reasoning = m.get("reasoning_content").filter(|r| r.truthy()).or_else(|| m.get("reasoning"));
             self.open("think", &[]);
             if let Some(r) = reasoning.filter(|r| **r != Json::Null) {
                 let r = r.python_str();
@@ -550,15 +458,9 @@ impl Builder {
                 Some(f @ Json::Object(_)) => (f, format!("{cf}.function")),
                 _ => (call, cf.clone()),
             };
-            let name = f
-                .get("name")
-                .filter(|n| **n != Json::Null)
-                .ok_or_else(|| field_err(format!("{ff}.name"), "is required"))?;
+            let name = f.get("name").filter(|n| **n != Json::Null).ok_or_else(|| field_err(format!("{ff}.name"), "is required"))?;
             let args = normalize_arguments(f.get("arguments"), format!("{ff}.arguments"))?;
-            self.open(
-                "call",
-                &[("tool", name.python_str()), ("index", (i + 1).to_string())],
-            );
+            self.open("call", &[("tool", name.python_str()), ("index", (i + 1).to_string())]);
             match args {
                 Arguments::RawJson(raw) => {
                     self.open("json", &[("type", "object".into())]);
@@ -567,10 +469,7 @@ impl Builder {
                 }
                 Arguments::Object(fields) => {
                     for (key, value) in fields {
-                        self.open(
-                            "argument",
-                            &[("key", key), ("type", xtml_type(&value).into())],
-                        );
+                        self.open("argument", &[("key", key), ("type", xtml_type(&value).into())]);
                         let text = match &value {
                             Json::Str(s) => s.clone(),
                             other => other.dumps(),

@@ -38,41 +38,20 @@ fn tokenize_and_detokenize_round_trip() {
     std::fs::write(&file, "Hello world").unwrap();
     let from_file = run(&["tokenize", "--file", file.to_str().unwrap()]).unwrap();
     assert_eq!(from_file, run(&["tokenize", "Hello world"]).unwrap());
-    let ids: Vec<String> = from_file["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
-    assert_eq!(
-        run(&["detokenize", "--ids", &ids.join(",")]).unwrap(),
-        json!({"text": "Hello world"})
-    );
-    assert_eq!(
-        run(&["detokenize", "--skip-special", "--ids", "39,72,8194"]).unwrap(),
-        json!({"text": "Hi"})
-    );
-    assert!(run(&["detokenize", "--ids", "1,x"])
-        .unwrap_err()
-        .to_string()
-        .contains("\"x\""));
+    let ids: Vec<String> = from_file["ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    assert_eq!(run(&["detokenize", "--ids", &ids.join(",")]).unwrap(), json!({"text": "Hello world"}));
+    assert_eq!(run(&["detokenize", "--skip-special", "--ids", "39,72,8194"]).unwrap(), json!({"text": "Hi"}));
+    assert!(run(&["detokenize", "--ids", "1,x"]).unwrap_err().to_string().contains("\"x\""));
 }
 
 #[test]
 fn render_chat_and_reject_invalid_effort() {
     let dir = tempfile::tempdir().unwrap();
     let req = dir.path().join("r.json");
-    std::fs::write(
-        &req,
-        r#"{"messages":[{"role":"user","content":"Hello"}],"thinking":false}"#,
-    )
-    .unwrap();
+    std::fs::write(&req, r#"{"messages":[{"role":"user","content":"Hello"}],"thinking":false}"#).unwrap();
     let out = run(&["render-chat", "--request", req.to_str().unwrap()]).unwrap();
     assert_eq!(out["ids"].as_array().unwrap().len(), 22); // spec §6.5 check
-    assert!(out["text"]
-        .as_str()
-        .unwrap()
-        .ends_with("<|open|>response<|sep|>"));
+    assert!(out["text"].as_str().unwrap().ends_with("<|open|>response<|sep|>"));
     std::fs::write(&req, r#"{"messages":[],"reasoning_effort":"ultra"}"#).unwrap();
     let err = run(&["render-chat", "--request", req.to_str().unwrap()]).unwrap_err();
     assert!(err.to_string().contains("reasoning_effort"), "{err}");
@@ -82,25 +61,10 @@ fn render_chat_and_reject_invalid_effort() {
 fn parse_output_flags() {
     // "Hi" then a `<|close|>` cut off by a length stop: the partial marker is dropped.
     let out = run(&["parse-output", "--ids", "39,72,8196"]).unwrap();
-    assert_eq!(
-        out,
-        json!({"reasoning_content": "Hi", "content": null, "tool_calls": []})
-    );
+    assert_eq!(out, json!({"reasoning_content": "Hi", "content": null, "tool_calls": []}));
     let out = run(&["parse-output", "--ids", "39,72", "--thinking", "false"]).unwrap();
-    assert_eq!(
-        out,
-        json!({"reasoning_content": null, "content": "Hi", "tool_calls": []})
-    );
-    let out = run(&[
-        "parse-output",
-        "--ids",
-        "39,72",
-        "--thinking",
-        "true",
-        "--tools-declared",
-        "true",
-    ])
-    .unwrap();
+    assert_eq!(out, json!({"reasoning_content": null, "content": "Hi", "tool_calls": []}));
+    let out = run(&["parse-output", "--ids", "39,72", "--thinking", "true", "--tools-declared", "true"]).unwrap();
     assert_eq!(out["reasoning_content"], json!("Hi"));
 }
 

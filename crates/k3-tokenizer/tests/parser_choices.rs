@@ -15,11 +15,7 @@ const CALL: &str = "<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep
 
 #[test]
 fn choice1_unclosed_think_then_response_keeps_reasoning() {
-    let p = parse(
-        "mulling<|open|>response<|sep|>Answer.<|close|>response<|sep|><|close|>message<|sep|>",
-        true,
-        false,
-    );
+    let p = parse("mulling<|open|>response<|sep|>Answer.<|close|>response<|sep|><|close|>message<|sep|>", true, false);
     assert_eq!(p.reasoning_content.as_deref(), Some("mulling"));
     assert_eq!(p.content.as_deref(), Some("Answer."));
 }
@@ -32,22 +28,12 @@ fn choice2_undeclared_tools_channel_is_dropped_not_leaked() {
     assert!(p.tool_calls.is_empty());
     let p = parse(&text, true, true);
     assert_eq!(p.tool_calls.len(), 1);
-    assert_eq!(
-        (
-            p.tool_calls[0].name.as_str(),
-            p.tool_calls[0].arguments.as_str()
-        ),
-        ("f", "{\"x\": 2}")
-    );
+    assert_eq!((p.tool_calls[0].name.as_str(), p.tool_calls[0].arguments.as_str()), ("f", "{\"x\": 2}"));
 }
 
 #[test]
 fn choice3_partial_marker_at_length_stop_is_dropped() {
-    let p = parse(
-        "r<|close|>think<|sep|><|open|>response<|sep|>Body<|close|>response",
-        true,
-        false,
-    );
+    let p = parse("r<|close|>think<|sep|><|open|>response<|sep|>Body<|close|>response", true, false);
     assert_eq!(p.content.as_deref(), Some("Body"));
     let p = parse("thinking hard<|close|>thi", true, false);
     assert_eq!(p.reasoning_content.as_deref(), Some("thinking hard"));
@@ -55,11 +41,7 @@ fn choice3_partial_marker_at_length_stop_is_dropped() {
 
 #[test]
 fn choice4_answer_closed_as_response_without_think_close_is_content() {
-    let p = parse(
-        "Direct answer.<|close|>response<|sep|><|close|>message<|sep|>",
-        true,
-        false,
-    );
+    let p = parse("Direct answer.<|close|>response<|sep|><|close|>message<|sep|>", true, false);
     assert_eq!(p.reasoning_content, None);
     assert_eq!(p.content.as_deref(), Some("Direct answer."));
 }
@@ -76,14 +58,8 @@ fn json_block_object_is_used_and_broken_block_gives_empty_object() {
     let block = |raw: &str| {
         format!("r<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"g\" index=\"1\"<|sep|><|open|>json type=\"object\"<|sep|>{raw}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>")
     };
-    assert_eq!(
-        parse(&block("{\"b\":1,\"a\":[true]}"), true, true).tool_calls[0].arguments,
-        "{\"b\": 1, \"a\": [true]}"
-    );
-    assert_eq!(
-        parse(&block("{\"b\":"), true, true).tool_calls[0].arguments,
-        "{}"
-    );
+    assert_eq!(parse(&block("{\"b\":1,\"a\":[true]}"), true, true).tool_calls[0].arguments, "{\"b\": 1, \"a\": [true]}");
+    assert_eq!(parse(&block("{\"b\":"), true, true).tool_calls[0].arguments, "{}");
 }
 
 #[test]
@@ -92,10 +68,7 @@ fn literal_markup_typed_as_text_is_text() {
     let tok = tokenizer();
     let ids = tok.encode("a<|close|>think<|sep|>b", false);
     let p = parse_output(&tok, &ids, true, false);
-    assert_eq!(
-        p.reasoning_content.as_deref(),
-        Some("a<|close|>think<|sep|>b")
-    );
+    assert_eq!(p.reasoning_content.as_deref(), Some("a<|close|>think<|sep|>b"));
 }
 
 #[test]
@@ -105,14 +78,7 @@ fn tolerant_whitespace_in_markers_and_ids_are_sequential() {
         <|open|>call tool=\"b\"<|sep|><|open|>argument key=\"s\" type=\"string\"<|sep|> 007 <|close|>argument<|sep|><|close|>call<|sep|>";
     let p = parse(text, true, true);
     assert_eq!(p.content.as_deref(), Some("ok"));
-    let calls: Vec<(&str, &str, &str)> = p
-        .tool_calls
-        .iter()
-        .map(|c| (c.id.as_str(), c.name.as_str(), c.arguments.as_str()))
-        .collect();
+    let calls: Vec<(&str, &str, &str)> = p.tool_calls.iter().map(|c| (c.id.as_str(), c.name.as_str(), c.arguments.as_str())).collect();
     // The call without `tool=` is dropped; string values stay raw (spaces and leading zeros).
-    assert_eq!(
-        calls,
-        vec![("call_0", "a", "{}"), ("call_1", "b", "{\"s\": \" 007 \"}")]
-    );
+    assert_eq!(calls, vec![("call_0", "a", "{}"), ("call_1", "b", "{\"s\": \" 007 \"}")]);
 }

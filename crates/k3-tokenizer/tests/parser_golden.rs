@@ -15,12 +15,7 @@ fn as_json(p: &ParsedOutput) -> Value {
     })
 }
 
-fn streamed(
-    tok: &k3_tokenizer::Tokenizer,
-    ids: &[u32],
-    thinking: bool,
-    tools: bool,
-) -> (String, String, usize) {
+fn streamed(tok: &k3_tokenizer::Tokenizer, ids: &[u32], thinking: bool, tools: bool) -> (String, String, usize) {
     let mut p = OutputParser::new(tok, thinking, tools);
     let mut deltas: Vec<OutputDelta> = ids.iter().flat_map(|&id| p.push(id)).collect();
     deltas.extend(p.finish());
@@ -44,8 +39,7 @@ fn parser_cases() {
         let name = case["name"].as_str().unwrap();
         let req = &case["request"];
         let thinking = req["thinking"].as_bool().unwrap_or(true);
-        let tools =
-            req["tools"].as_array().is_some_and(|t| !t.is_empty()) && req["tool_choice"] != "none";
+        let tools = req["tools"].as_array().is_some_and(|t| !t.is_empty()) && req["tool_choice"] != "none";
         let out_ids = ids(&case["output_ids"]);
         let parsed = parse_output(&tok, &out_ids, thinking, tools);
         let got = as_json(&parsed);
@@ -53,36 +47,20 @@ fn parser_cases() {
             assert_eq!(got, *expected, "{name}");
             agreed += 1;
         } else {
-            assert!(
-                got == case["vllm"] || got == case["sglang"],
-                "{name}: {got} matches neither engine"
-            );
+            assert!(got == case["vllm"] || got == case["sglang"], "{name}: {got} matches neither engine");
             disputed += 1;
         }
         let content = parsed.content.clone().unwrap_or_default();
-        assert!(
-            !content.contains("<|open|>") && !content.contains("<|close|>"),
-            "{name}: XTML in content"
-        );
+        assert!(!content.contains("<|open|>") && !content.contains("<|close|>"), "{name}: XTML in content");
         for engine in ["vllm", "sglang"] {
             if let Some(r) = case[engine]["reasoning_content"].as_str() {
                 let ours = parsed.reasoning_content.clone().unwrap_or_default() + &content;
-                assert!(
-                    ours.contains(r.trim()),
-                    "{name}: reasoning lost vs {engine}"
-                );
+                assert!(ours.contains(r.trim()), "{name}: reasoning lost vs {engine}");
             }
         }
         let (r, c, n) = streamed(&tok, &out_ids, thinking, tools);
-        assert_eq!(
-            r + &c,
-            parsed.reasoning_content.unwrap_or_default() + &content,
-            "{name}: streaming text"
-        );
+        assert_eq!(r + &c, parsed.reasoning_content.unwrap_or_default() + &content, "{name}: streaming text");
         assert_eq!(n, parsed.tool_calls.len(), "{name}: streaming calls");
     }
-    assert!(
-        agreed >= 10 && disputed >= 1,
-        "agreed {agreed}, disputed {disputed}"
-    );
+    assert!(agreed >= 10 && disputed >= 1, "agreed {agreed}, disputed {disputed}");
 }

@@ -6,9 +6,7 @@ mod common;
 use common::tokenizer;
 use k3_tokenizer::json::Json;
 use k3_tokenizer::pretok::{Pretokenizer, ReferencePretokenizer};
-use k3_tokenizer::{
-    parse_output, render_chat, ChatRequest, OutputDelta, OutputParser, StreamDecoder, Tokenizer,
-};
+use k3_tokenizer::{parse_output, render_chat, ChatRequest, OutputDelta, OutputParser, StreamDecoder, Tokenizer};
 use proptest::prelude::*;
 use std::sync::OnceLock;
 
@@ -74,35 +72,13 @@ fn any_text() -> impl Strategy<Value = String> {
 /// Ids biased towards the XTML markers and the tag-name tokens.
 fn output_ids() -> impl Strategy<Value = Vec<u32>> {
     let t = tok();
-    let mut interesting: Vec<u32> = [
-        "<|open|>",
-        "<|close|>",
-        "<|sep|>",
-        "<|end_of_msg|>",
-        "[EOS]",
-        "<|media_pad|>",
-    ]
-    .iter()
-    .filter_map(|n| t.special_id(n))
-    .collect();
-    for word in [
-        "think",
-        "response",
-        "tools",
-        "call",
-        "argument",
-        "json",
-        "message",
-        " tool=\"f\"",
-        " key=\"k\" type=\"number\"",
-        "3",
-        "\"",
-    ] {
+    let mut interesting: Vec<u32> =
+        ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]", "<|media_pad|>"].iter().filter_map(|n| t.special_id(n)).collect();
+    for word in ["think", "response", "tools", "call", "argument", "json", "message", " tool=\"f\"", " key=\"k\" type=\"number\"", "3", "\""] {
         interesting.extend(t.encode(word, false));
     }
     let vocab = t.vocab_size() as u32;
-    let id =
-        prop_oneof![3 => prop::sample::select(interesting), 2 => 0..vocab, 1 => vocab..vocab + 100];
+    let id = prop_oneof![3 => prop::sample::select(interesting), 2 => 0..vocab, 1 => vocab..vocab + 100];
     prop::collection::vec(id, 0..120)
 }
 

@@ -66,12 +66,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         add(format!("{p}mlp.fc1.weight"), vec![c, i], i, &mut rng)?;
     }
     add("vision_tower.encoder.final_layernorm.weight".into(), vec![c], 0, &mut rng)?;
-    let get = |n: &str| -> k3_vision::Result<Tensor> {
-        w.get(n).cloned().ok_or_else(|| k3_vision::VisionError::Weight { name: n.into(), msg: "missing".into() })
-    };
+    let get =
+        |n: &str| -> k3_vision::Result<Tensor> { w.get(n).cloned().ok_or_else(|| k3_vision::VisionError::Weight { name: n.into(), msg: "missing".into() }) };
     let tower = VisionTower::load(dims, &get)?;
 
-    println!("image {size}x{size}, tower {layers} layers (C 1024, qkv 1536 / 12 heads, MLP 4096), weights {}, {} rayon threads", if bf16 { "bf16" } else { "f32" }, rayon::current_num_threads());
+    println!(
+        "image {size}x{size}, tower {layers} layers (C 1024, qkv 1536 / 12 heads, MLP 4096), weights {}, {} rayon threads",
+        if bf16 { "bf16" } else { "f32" },
+        rayon::current_num_threads()
+    );
     let (mut tp, mut tt) = (0f64, 0f64);
     for it in 0..=iters {
         let t0 = Instant::now();
@@ -81,14 +84,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t2 = Instant::now();
         let (a, b) = ((t1 - t0).as_secs_f64(), (t2 - t1).as_secs_f64());
         let l = p.grid_thw[1] * p.grid_thw[2];
-        println!("{} grid {:?} ({l} patches): preprocess {:.3} s, tower {:.3} s ({:.3} s/layer), finite {}", if it == 0 { "warm-up" } else { "run" }, p.grid_thw, a, b, b / layers as f64, out.iter().all(|v| v.is_finite()));
+        println!(
+            "{} grid {:?} ({l} patches): preprocess {:.3} s, tower {:.3} s ({:.3} s/layer), finite {}",
+            if it == 0 { "warm-up" } else { "run" },
+            p.grid_thw,
+            a,
+            b,
+            b / layers as f64,
+            out.iter().all(|v| v.is_finite())
+        );
         if it > 0 {
             tp += a;
             tt += b;
         }
     }
     let n = iters.max(1) as f64;
-    println!("mean: preprocess {:.3} s, tower {:.3} s, total {:.3} s → {:.3} images/s ({layers}-layer tower); preprocessing alone {:.2} images/s",
-        tp / n, tt / n, (tp + tt) / n, n / (tp + tt), n / tp);
+    println!(
+        "mean: preprocess {:.3} s, tower {:.3} s, total {:.3} s → {:.3} images/s ({layers}-layer tower); preprocessing alone {:.2} images/s",
+        tp / n,
+        tt / n,
+        (tp + tt) / n,
+        n / (tp + tt),
+        n / tp
+    );
     Ok(())
 }

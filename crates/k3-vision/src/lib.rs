@@ -263,7 +263,10 @@ pub fn splice(emb: &mut [f32], ids: &[u32], pad_id: u32, features: &[&[f32]]) ->
     }
     if runs.len() == counts.len() {
         if let Some(i) = (0..counts.len()).find(|&i| lens[i] != counts[i]) {
-            return Err(VisionError::Splice(format!("pad run {i} (at position {}) has {} <|media_pad|>, but image {i} gives {} rows (runs {lens:?}, images {counts:?})", runs[i].0, lens[i], counts[i])));
+            return Err(VisionError::Splice(format!(
+                "pad run {i} (at position {}) has {} <|media_pad|>, but image {i} gives {} rows (runs {lens:?}, images {counts:?})",
+                runs[i].0, lens[i], counts[i]
+            )));
         }
     } else {
         // Every run must be filled by whole images: each run ends where some image ends.
@@ -277,7 +280,10 @@ pub fn splice(emb: &mut [f32], ids: &[u32], pad_id: u32, features: &[&[f32]]) ->
         for (i, &l) in lens.iter().enumerate() {
             acc += l;
             if !ends.contains(&acc) {
-                return Err(VisionError::Splice(format!("pad run {i} (at position {}) ends inside an image: runs {lens:?} cannot be filled by whole images {counts:?}", runs[i].0)));
+                return Err(VisionError::Splice(format!(
+                    "pad run {i} (at position {}) ends inside an image: runs {lens:?} cannot be filled by whole images {counts:?}",
+                    runs[i].0
+                )));
             }
         }
     }

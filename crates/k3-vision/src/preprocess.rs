@@ -99,10 +99,12 @@ impl ProcessorConfig {
 
     pub fn from_file(path: &Path) -> Result<ProcessorConfig> {
         let bad = |msg: String| VisionError::Config { path: path.display().to_string(), msg };
-        let s = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read it ({e}); the model directory must hold the image processor's preprocessor_config.json")))?;
+        let s = std::fs::read_to_string(path)
+            .map_err(|e| bad(format!("cannot read it ({e}); the model directory must hold the image processor's preprocessor_config.json")))?;
         let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| bad(format!("not valid JSON: {e}")))?;
         let cfg = v.get("media_proc_cfg").cloned().unwrap_or(v);
-        let c: ProcessorConfig = serde_json::from_value(cfg).map_err(|e| bad(format!("`media_proc_cfg` does not match the KimiK3VisionProcessor schema: {e}")))?;
+        let c: ProcessorConfig =
+            serde_json::from_value(cfg).map_err(|e| bad(format!("`media_proc_cfg` does not match the KimiK3VisionProcessor schema: {e}")))?;
         c.validate().map_err(bad)?;
         Ok(c)
     }
@@ -191,13 +193,17 @@ pub enum Mode {
     /// `1`: NEAREST resize, no alpha.
     Bilevel,
     /// `L` (optionally with a `tRNS` grey key that becomes alpha 0 after the resize).
-    L { key: Option<u8> },
+    L {
+        key: Option<u8>,
+    },
     LA,
     /// `RGB` (a `tRNS` colour key is ignored: the reference returns RGB images unchanged).
     Rgb,
     Rgba,
     /// `P`: NEAREST resize on the palette indices; `alpha` when the file has `tRNS`.
-    Palette { alpha: bool },
+    Palette {
+        alpha: bool,
+    },
 }
 
 /// A decoded image: pixels plus the mode Pillow would give it.
@@ -242,7 +248,8 @@ pub fn preprocess_file(path: &Path, cfg: &ProcessorConfig) -> Result<Preprocesse
 pub fn plan_file(path: &Path, cfg: &ProcessorConfig) -> Result<((usize, usize), ResizePlan)> {
     let name = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|e| img_err(&name, format!("cannot read it: {e}")))?;
-    let fmt = image::guess_format(&bytes).map_err(|_| img_err(&name, "is not a recognised image (corrupt, or not an image at all); supported formats are PNG, JPEG and WebP"))?;
+    let fmt = image::guess_format(&bytes)
+        .map_err(|_| img_err(&name, "is not a recognised image (corrupt, or not an image at all); supported formats are PNG, JPEG and WebP"))?;
     if !matches!(fmt, image::ImageFormat::Png | image::ImageFormat::Jpeg | image::ImageFormat::WebP) {
         return Err(img_err(&name, format!("format {fmt:?} is unsupported; supported formats are PNG, JPEG and WebP")));
     }
@@ -305,7 +312,8 @@ fn header(bytes: &[u8], name: &str) -> Result<(image::ImageFormat, u32, u32)> {
     if bytes.is_empty() {
         return Err(img_err(name, "is empty (0 bytes): not an image"));
     }
-    let fmt = image::guess_format(bytes).map_err(|_| img_err(name, "is not a recognised image (corrupt, or not an image at all); supported formats are PNG, JPEG and WebP"))?;
+    let fmt = image::guess_format(bytes)
+        .map_err(|_| img_err(name, "is not a recognised image (corrupt, or not an image at all); supported formats are PNG, JPEG and WebP"))?;
     if !matches!(fmt, F::Png | F::Jpeg | F::WebP) {
         return Err(img_err(name, format!("format {fmt:?} is unsupported; supported formats are PNG, JPEG and WebP")));
     }
@@ -315,7 +323,10 @@ fn header(bytes: &[u8], name: &str) -> Result<(image::ImageFormat, u32, u32)> {
         return Err(img_err(name, format!("is zero-sized ({w}x{h})")));
     }
     if w as u64 * h as u64 > MAX_PIXELS {
-        return Err(img_err(name, format!("is enormous: {w}x{h} = {} pixels, over the {MAX_PIXELS}-pixel limit (Pillow's decompression-bomb limit)", w as u64 * h as u64)));
+        return Err(img_err(
+            name,
+            format!("is enormous: {w}x{h} = {} pixels, over the {MAX_PIXELS}-pixel limit (Pillow's decompression-bomb limit)", w as u64 * h as u64),
+        ));
     }
     Ok((fmt, w, h))
 }
@@ -355,7 +366,11 @@ pub fn decode(bytes: &[u8], name: &str) -> Result<Decoded> {
             let raw = u16::from_be_bytes([t.first().copied().unwrap_or(0), t.get(1).copied().unwrap_or(0)]);
             // Pillow keeps the raw `tRNS` value as the key (unscaled for low bit depths).
             let key = (bit_depth <= 8).then_some(raw as u8);
-            if bit_depth == 1 { Mode::Bilevel } else { Mode::L { key } }
+            if bit_depth == 1 {
+                Mode::Bilevel
+            } else {
+                Mode::L { key }
+            }
         }
         (Some(PngInfo { color_type: 2, trns: Some(_), .. }), 4) => {
             // RGB with a colour key: the reference leaves RGB images alone; drop the key alpha.
@@ -422,7 +437,11 @@ fn fill(mode: Mode, r: &Raster, cfg: Option<&TransparentBg>) -> Raster {
                         _ => {
                             let sq = t.chessboard_square_size;
                             let gray_parity = usize::from(t.chessboard_square_on_top_left);
-                            if (y / sq + x / sq) % 2 == gray_parity { t.chessboard_gray_value } else { t.chessboard_white_value }
+                            if (y / sq + x / sq) % 2 == gray_parity {
+                                t.chessboard_gray_value
+                            } else {
+                                t.chessboard_white_value
+                            }
                         }
                     } as f32;
                     let p = &rgba[(y * w + x) * 4..(y * w + x + 1) * 4];

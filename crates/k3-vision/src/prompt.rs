@@ -62,7 +62,10 @@ pub fn pad_runs(ids: &[u32], pad: u32) -> Vec<(usize, usize)> {
 pub fn expand_pads(ids: &[u32], pad: u32, counts: &[usize]) -> Result<Vec<u32>> {
     let found = ids.iter().filter(|&&t| t == pad).count();
     if found != counts.len() {
-        return Err(VisionError::Splice(format!("the prompt holds {found} <|media_pad|> (id {pad}) but {} images were given; expected one pad per image before expansion", counts.len())));
+        return Err(VisionError::Splice(format!(
+            "the prompt holds {found} <|media_pad|> (id {pad}) but {} images were given; expected one pad per image before expansion",
+            counts.len()
+        )));
     }
     let mut out = Vec::with_capacity(ids.len() + counts.iter().sum::<usize>());
     let mut k = 0;

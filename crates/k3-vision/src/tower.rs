@@ -360,7 +360,27 @@ fn attention(qkv: &[f32], dq: usize, heads: usize, grids: &[[usize; 3]]) -> Vec<
         scores.chunks_exact_mut(n).for_each(softmax_inplace);
         unsafe {
             let o = d.0.add((base + r0) * dq + h * hd);
-            gemm::gemm(m, hd, n, o, 1, dq as isize, false, scores.as_ptr(), 1, n as isize, v, 1, rs, 0.0f32, 1.0f32, false, false, false, gemm::Parallelism::None);
+            gemm::gemm(
+                m,
+                hd,
+                n,
+                o,
+                1,
+                dq as isize,
+                false,
+                scores.as_ptr(),
+                1,
+                n as isize,
+                v,
+                1,
+                rs,
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
         }
     });
     out
@@ -376,7 +396,8 @@ mod tests {
         for h in 0..heads {
             for i in 0..n {
                 let q = &qkv[i * 3 * dq + h * hd..][..hd];
-                let mut s: Vec<f32> = (0..n).map(|j| q.iter().zip(&qkv[j * 3 * dq + dq + h * hd..][..hd]).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()).collect();
+                let mut s: Vec<f32> =
+                    (0..n).map(|j| q.iter().zip(&qkv[j * 3 * dq + dq + h * hd..][..hd]).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()).collect();
                 softmax_inplace(&mut s);
                 for j in 0..n {
                     for e in 0..hd {

@@ -131,7 +131,9 @@ fn png_to_projection_end_to_end() {
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let n = f.num_tokens;
         let hw = f.grid_thw[1] * f.grid_thw[2];
-        for (k, s) in [("pixel_values", vec![hw, 3, 14, 14]), ("grid_thw", vec![3]), ("vit_out", vec![hw, 32]), ("merged", vec![n, 4, 32]), ("projected", vec![n, 96])] {
+        for (k, s) in
+            [("pixel_values", vec![hw, 3, 14, 14]), ("grid_thw", vec![3]), ("vit_out", vec![hw, 32]), ("merged", vec![n, 4, 32]), ("projected", vec![n, 96])]
+        {
             assert_eq!(st.tensor(k).unwrap().shape(), s.as_slice(), "{k}");
         }
     }
@@ -143,10 +145,12 @@ fn prompt_expansion_and_text_match() {
     let (r, m) = (Reference::open(), meta());
     let hf: Vec<u32> = r.i64("input_ids_hf").iter().map(|&v| v as u32).collect();
     let want: Vec<u32> = r.i64("input_ids").iter().map(|&v| v as u32).collect();
-    let counts: Vec<usize> = (0..3).map(|i| {
-        let g = r.grid(&format!("grid_thw_{i}"));
-        k3_vision::prompt::num_image_tokens(g, 2, 2)
-    }).collect();
+    let counts: Vec<usize> = (0..3)
+        .map(|i| {
+            let g = r.grid(&format!("grid_thw_{i}"));
+            k3_vision::prompt::num_image_tokens(g, 2, 2)
+        })
+        .collect();
     assert_eq!(counts, vec![12, 10, 4]);
     assert_eq!(expand_pads(&hf, 377, &counts).unwrap(), want);
     // Build the ids from the layout with the renderer's block function.

@@ -186,11 +186,24 @@ fn bench_model(a: &Args) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("model            {}  ({:.2} GB on disk, loaded in {:.2} s, RSS after load {:.2} GB)", dir.display(), ck.file_bytes() as f64 / 1e9, load_s, rss_after_load as f64 / 1e9);
+        println!(
+            "model            {}  ({:.2} GB on disk, loaded in {:.2} s, RSS after load {:.2} GB)",
+            dir.display(),
+            ck.file_bytes() as f64 / 1e9,
+            load_s,
+            rss_after_load as f64 / 1e9
+        );
         println!("threads          {}", rayon::current_num_threads());
         println!("prefill          {:.1} tok/s  ({} × {} tokens)", r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0), a.batch, a.prompt_len);
         println!("decode           {:.2} tok/s  (batch {}, {:.1} ms/step)", r["decode_tokens_per_s"].as_f64().unwrap_or(0.0), a.batch, step_s * 1e3);
-        println!("decode bandwidth {:.2} GB/s of weights ({:.1} MB/step) = {:.0}% of measured read bandwidth {:.2} GB/s (memcpy {:.2} GB/s)", achieved, bytes_per_step as f64 / 1e6, 100.0 * achieved / read_bw, read_bw, copy_bw);
+        println!(
+            "decode bandwidth {:.2} GB/s of weights ({:.1} MB/step) = {:.0}% of measured read bandwidth {:.2} GB/s (memcpy {:.2} GB/s)",
+            achieved,
+            bytes_per_step as f64 / 1e6,
+            100.0 * achieved / read_bw,
+            read_bw,
+            copy_bw
+        );
         println!("cache            {:.2} MB for {} sequences at {} tokens", cache_bytes as f64 / 1e6, a.batch, a.prompt_len + a.gen_len);
         println!("peak RSS         {:.2} GB", peak as f64 / 1e9);
     }
@@ -213,7 +226,8 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
     use k3_core::{DType, Tensor};
     let usage = "--op gemv ROWS COLS [TOKENS] (COLS a multiple of 32)";
     let (op, dims) = a.op.split_first().context(usage)?;
-    let dims = dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
+    let dims =
+        dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
     if op != "gemv" || !(2..=3).contains(&dims.len()) || dims[1] % 32 != 0 || dims[0] == 0 {
         bail!("{usage}");
     }
@@ -224,7 +238,11 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
     let (read_bw, copy_bw) = memory_bandwidth();
     let mut results = Vec::new();
     for fmt in ["mxfp4", "bf16", "f32"] {
-        let per = match fmt { "mxfp4" => rows * cols / 2 + rows * cols / 32, "bf16" => rows * cols * 2, _ => rows * cols * 4 };
+        let per = match fmt {
+            "mxfp4" => rows * cols / 2 + rows * cols / 32,
+            "bf16" => rows * cols * 2,
+            _ => rows * cols * 4,
+        };
         let copies = ((1usize << 30) / per).max(2);
         let mats: Vec<Matrix> = (0..copies)
             .map(|_| -> Result<Matrix> {
@@ -267,7 +285,13 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
     } else {
         println!("gemv [{rows} × {cols}] · x[{t}]  ({} threads; memory read {read_bw:.2} GB/s, memcpy {copy_bw:.2} GB/s)", rayon::current_num_threads());
         for x in &results {
-            println!("  {:6} {:9.1} µs/GEMV  {:6.2} GB/s of weights  ({:.0}% of read bandwidth)", x["format"].as_str().unwrap_or(""), x["us_per_gemv"].as_f64().unwrap_or(0.0), x["weights_gb_s"].as_f64().unwrap_or(0.0), 100.0 * x["fraction_of_read_bandwidth"].as_f64().unwrap_or(0.0));
+            println!(
+                "  {:6} {:9.1} µs/GEMV  {:6.2} GB/s of weights  ({:.0}% of read bandwidth)",
+                x["format"].as_str().unwrap_or(""),
+                x["us_per_gemv"].as_f64().unwrap_or(0.0),
+                x["weights_gb_s"].as_f64().unwrap_or(0.0),
+                100.0 * x["fraction_of_read_bandwidth"].as_f64().unwrap_or(0.0)
+            );
         }
     }
     Ok(())
@@ -286,7 +310,11 @@ fn bench_cpu_dsa(a: &Args) -> Result<()> {
     let mut model = Model::load(&Checkpoint::open(&dir)?)?;
     let t = &model.config.text;
     let (h, w) = (t.hidden_size, t.kv_lora_rank + t.qk_rope_head_dim);
-    let li = model.layers.iter().position(|l| matches!(&l.mixer, Mixer::Mla(m) if m.indexer.is_some())).context("the model has no DSA layer (needs text_config.dsa_config)")?;
+    let li = model
+        .layers
+        .iter()
+        .position(|l| matches!(&l.mixer, Mixer::Mla(m) if m.indexer.is_some()))
+        .context("the model has no DSA layer (needs text_config.dsa_config)")?;
     let Mixer::Mla(m) = &mut model.layers[li].mixer else { bail!("layer {li} is not an attention layer") };
     let ix = m.indexer.take().context("DSA layer without indexer")?;
     let (topk, ih, id) = (ix.topk, ix.heads, ix.head_dim);
@@ -332,7 +360,9 @@ fn bench_cpu_dsa(a: &Args) -> Result<()> {
             std::hint::black_box(select_topk(&s, topk));
             Ok(())
         })?;
-        rows.push(serde_json::json!({"context": ctx, "dense_ms": dense, "sparse_ms": sparse, "indexer_ms": indexer, "sparse_core_ms": (sparse - indexer).max(0.0)}));
+        rows.push(
+            serde_json::json!({"context": ctx, "dense_ms": dense, "sparse_ms": sparse, "indexer_ms": indexer, "sparse_core_ms": (sparse - indexer).max(0.0)}),
+        );
     }
     let r = serde_json::json!({"op": "dsa", "model": dir.display().to_string(), "layer": li, "index_topk": topk, "index_heads": ih, "threads": rayon::current_num_threads(), "rows": rows});
     if a.json {
@@ -342,7 +372,14 @@ fn bench_cpu_dsa(a: &Args) -> Result<()> {
         println!("{:>9} {:>12} {:>12} {:>12} {:>16}", "context", "dense ms", "sparse ms", "indexer ms", "sparse-indexer");
         for x in &rows {
             let g = |k: &str| x[k].as_f64().unwrap_or(0.0);
-            println!("{:>9} {:>12.2} {:>12.2} {:>12.2} {:>16.2}", x["context"].as_u64().unwrap_or(0), g("dense_ms"), g("sparse_ms"), g("indexer_ms"), g("sparse_core_ms"));
+            println!(
+                "{:>9} {:>12.2} {:>12.2} {:>12.2} {:>16.2}",
+                x["context"].as_u64().unwrap_or(0),
+                g("dense_ms"),
+                g("sparse_ms"),
+                g("indexer_ms"),
+                g("sparse_core_ms")
+            );
         }
     }
     Ok(())
@@ -356,7 +393,8 @@ fn argmax(x: &[f32]) -> u32 {
 fn bench_cuda_op(a: &Args) -> Result<()> {
     use k3_core::cuda::bench::{bench_op, BenchOp};
     let Some((op, dims)) = a.op.split_first() else { bail!("--op gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM") };
-    let dims = dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
+    let dims =
+        dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
     let dev = k3_core::cuda::CudaDevice::new(0)?;
     let op = BenchOp::from_cli(op, &dims)?;
     let rep = bench_op(&dev, &op, a.warmup, a.repeats)?;

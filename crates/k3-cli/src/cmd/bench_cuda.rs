@@ -31,7 +31,11 @@ fn median(v: &[f64]) -> f64 {
         return 0.0;
     }
     let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
 }
 
 /// Device-to-device copy bandwidth (read + write bytes / s), median of 20 copies of 2 GiB.
@@ -74,7 +78,8 @@ fn floor_bytes(m: &CudaModel, b: usize, ctx: usize) -> f64 {
 
 pub fn bench_cuda_model(a: &Args) -> Result<()> {
     let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
-    let batches: Vec<usize> = a.batches.split(',').map(|s| s.trim().parse::<usize>().with_context(|| format!("--batches: `{s}` is not a batch size"))).collect::<Result<_>>()?;
+    let batches: Vec<usize> =
+        a.batches.split(',').map(|s| s.trim().parse::<usize>().with_context(|| format!("--batches: `{s}` is not a batch size"))).collect::<Result<_>>()?;
     if batches.contains(&0) || a.prompt_len == 0 || a.context == 0 {
         bail!("--batches, --prompt-len and --context must be ≥ 1");
     }
@@ -105,7 +110,11 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     }
     times.sort_by(f64::total_cmp);
     let prefill_s = median(&times);
-    println!("model      {}  ({layers} layers, loaded to GPU in {load_s:.1} s; weight bytes per decode token {:.1} MB)", dir.display(), m.weight_bytes_per_token() as f64 / 1e6);
+    println!(
+        "model      {}  ({layers} layers, loaded to GPU in {load_s:.1} s; weight bytes per decode token {:.1} MB)",
+        dir.display(),
+        m.weight_bytes_per_token() as f64 / 1e6
+    );
     println!("copy bw    {:.0} GB/s (device-to-device, read + write)", copy_bw / 1e9);
     println!("prefill    T={}: {:.1} ms, {:.0} tokens/s", a.prompt_len, prefill_s * 1e3, a.prompt_len as f64 / prefill_s);
     let mut rows = Vec::new();

@@ -63,6 +63,13 @@ pub fn run(a: Args) -> Result<()> {
     let opts = InitOptions { seed: a.seed, dtype, experts, shard_size: a.shard_size };
     let t0 = std::time::Instant::now();
     let s = init(load_source_config(&a.config)?, &ov, &a.out, &opts)?;
-    println!("wrote {} tensors, {} bytes of data in {} file(s) to {} in {:.1} s", s.tensors, s.data_bytes, s.files.len(), s.dir.display(), t0.elapsed().as_secs_f64());
+    println!(
+        "wrote {} tensors, {} bytes of data in {} file(s) to {} in {:.1} s",
+        s.tensors,
+        s.data_bytes,
+        s.files.len(),
+        s.dir.display(),
+        t0.elapsed().as_secs_f64()
+    );
     Ok(())
 }

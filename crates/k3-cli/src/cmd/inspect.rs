@@ -12,8 +12,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use k3_model::config::{builtin_config, Config, Ffn, Mixer};
 use k3_model::capacity::{capacity, Capacity, KvDtype, GIB};
+use k3_model::config::{builtin_config, Config, Ffn, Mixer};
 use k3_model::inspect::{peak_resident_bytes, report, report_with_checkpoint, resident_bytes, resident_split, Report};
 use k3_model::{Checkpoint, Model};
 
@@ -141,13 +141,27 @@ fn letter(m: Mixer, f: Ffn) -> char {
         Mixer::Mla => 'M',
         Mixer::Dsa => 'S',
     };
-    if f == Ffn::Dense { c.to_ascii_lowercase() } else { c }
+    if f == Ffn::Dense {
+        c.to_ascii_lowercase()
+    } else {
+        c
+    }
 }
 
 /// The human-readable table.
 pub fn text(r: &Report) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "layers        {} = {} KDA + {} MLA + {} DSA; FFN {} dense + {} MoE; experts {}", r.num_hidden_layers, r.kda_layers, r.mla_layers, r.dsa_layers, r.dense_ffn_layers, r.moe_layers, if r.experts_mxfp4 { "MXFP4" } else { "float" });
+    let _ = writeln!(
+        s,
+        "layers        {} = {} KDA + {} MLA + {} DSA; FFN {} dense + {} MoE; experts {}",
+        r.num_hidden_layers,
+        r.kda_layers,
+        r.mla_layers,
+        r.dsa_layers,
+        r.dense_ffn_layers,
+        r.moe_layers,
+        if r.experts_mxfp4 { "MXFP4" } else { "float" }
+    );
     let _ = writeln!(s, "AttnRes       block size {}, blocks start at {:?}", r.attn_res_block_size, r.attn_res_block_starts);
     let _ = writeln!(s, "schedule      (K=KDA M=MLA S=DSA; lowercase = dense FFN, uppercase = MoE; one line per AttnRes block)");
     for (i, &b) in r.attn_res_block_starts.iter().enumerate() {
@@ -163,33 +177,76 @@ pub fn text(r: &Report) -> String {
     }
     let _ = writeln!(s, "\n{:<16} {:>20} {:>20} {:>20}", "component", "params", "active/token", "bytes as shipped");
     for c in &r.params {
-        let _ = writeln!(s, "{:<16} {:>20} {:>20} {:>20}", serde_json::to_value(c.component).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(), commas(c.total), commas(c.active), commas(c.disk_bytes));
+        let _ = writeln!(
+            s,
+            "{:<16} {:>20} {:>20} {:>20}",
+            serde_json::to_value(c.component).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            commas(c.total),
+            commas(c.active),
+            commas(c.disk_bytes)
+        );
     }
     let _ = writeln!(s, "{:<16} {:>20} {:>20} {:>20}", "total", commas(r.total_params), commas(r.active_params), commas(r.disk_bytes));
-    let _ = writeln!(s, "                 ({} total, {} active per token — embedding lookup and vision excluded from active)", human(r.total_params), human(r.active_params));
+    let _ = writeln!(
+        s,
+        "                 ({} total, {} active per token — embedding lookup and vision excluded from active)",
+        human(r.total_params),
+        human(r.active_params)
+    );
     let _ = writeln!(s, "disk by dtype   {}", r.disk_bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
     let _ = writeln!(s, "\ncache (per sequence, max context {} tokens)", commas(r.max_position_embeddings as u64));
     let layers = |n: usize| format!("{n} layer{}", if n == 1 { "" } else { "s" });
-    let _ = writeln!(s, "  MLA latent      {} values = {} B/token/layer bf16 ({})", r.mla_latent_values_per_token_per_layer, r.mla_bytes_per_token_per_layer_bf16, layers(r.mla_layers + r.dsa_layers));
+    let _ = writeln!(
+        s,
+        "  MLA latent      {} values = {} B/token/layer bf16 ({})",
+        r.mla_latent_values_per_token_per_layer,
+        r.mla_bytes_per_token_per_layer_bf16,
+        layers(r.mla_layers + r.dsa_layers)
+    );
     if r.dsa {
-        let _ = writeln!(s, "  indexer keys    {} values = {} B/token/layer bf16 ({})", r.indexer_key_values_per_token_per_layer, r.indexer_bytes_per_token_per_layer_bf16, layers(r.dsa_layers));
+        let _ = writeln!(
+            s,
+            "  indexer keys    {} values = {} B/token/layer bf16 ({})",
+            r.indexer_key_values_per_token_per_layer,
+            r.indexer_bytes_per_token_per_layer_bf16,
+            layers(r.dsa_layers)
+        );
     }
     let fp8 = if r.dsa { "656 B MLA + 132 B indexer per layer" } else { "656 B MLA per layer" };
     let _ = writeln!(s, "  all layers      {} B/token bf16, {} B/token fp8 ({fp8})", r.kv_bytes_per_token_bf16, r.kv_bytes_per_token_fp8);
-    let _ = writeln!(s, "  at max context  {} bf16 ({} B), {} fp8 ({} B)", gib(r.kv_bytes_at_max_context_bf16), commas(r.kv_bytes_at_max_context_bf16), gib(r.kv_bytes_at_max_context_fp8), commas(r.kv_bytes_at_max_context_fp8));
-    let _ = writeln!(s, "  KDA state       {:.1} MB recurrent (f32) + {:.1} MB conv (bf16) = {:.1} MB per sequence", r.kda_recurrent_state_bytes_per_sequence as f64 / 1e6, r.kda_conv_state_bytes_per_sequence as f64 / 1e6, r.kda_state_bytes_per_sequence as f64 / 1e6);
+    let _ = writeln!(
+        s,
+        "  at max context  {} bf16 ({} B), {} fp8 ({} B)",
+        gib(r.kv_bytes_at_max_context_bf16),
+        commas(r.kv_bytes_at_max_context_bf16),
+        gib(r.kv_bytes_at_max_context_fp8),
+        commas(r.kv_bytes_at_max_context_fp8)
+    );
+    let _ = writeln!(
+        s,
+        "  KDA state       {:.1} MB recurrent (f32) + {:.1} MB conv (bf16) = {:.1} MB per sequence",
+        r.kda_recurrent_state_bytes_per_sequence as f64 / 1e6,
+        r.kda_conv_state_bytes_per_sequence as f64 / 1e6,
+        r.kda_state_bytes_per_sequence as f64 / 1e6
+    );
     if let Some(c) = &r.checkpoint {
         let _ = writeln!(s, "\ncheckpoint {}: {} files, {} tensors", c.dir, c.files, c.tensors);
         let _ = writeln!(s, "  file size       {} B ({})", commas(c.file_bytes), gib(c.file_bytes));
-        let _ = writeln!(s, "  resident (RSS)  {}", c.resident_bytes.map(|b| format!("{} B ({}) — weights are mapped, not copied", commas(b), gib(b))).unwrap_or_else(|| "unknown".into()));
+        let _ = writeln!(
+            s,
+            "  resident (RSS)  {}",
+            c.resident_bytes.map(|b| format!("{} B ({}) — weights are mapped, not copied", commas(b), gib(b))).unwrap_or_else(|| "unknown".into())
+        );
         if let (Some(o), Some(l), Some(p)) = (c.open_seconds, c.load_seconds, c.peak_resident_bytes) {
             let _ = writeln!(s, "  load            open {o:.3} s, Model::load {l:.3} s, peak RSS {} B ({})", commas(p), gib(p));
             if let (Some(an), Some(fi)) = (c.resident_anon_bytes, c.resident_file_bytes) {
-                let _ = writeln!(s, "  after load      RSS anonymous {} B (heap), file-backed {} B (touched pages of the mapped weights)", commas(an), commas(fi));
+                let _ =
+                    writeln!(s, "  after load      RSS anonymous {} B (heap), file-backed {} B (touched pages of the mapped weights)", commas(an), commas(fi));
             }
         }
         let _ = writeln!(s, "  data by dtype   {}", c.bytes_by_dtype.iter().map(|(k, v)| format!("{k} {}", commas(*v))).collect::<Vec<_>>().join(", "));
-        let _ = writeln!(s, "  check           {}", c.check_error.as_deref().unwrap_or("ok: every tensor of the config is present with the right shape and dtype"));
+        let _ =
+            writeln!(s, "  check           {}", c.check_error.as_deref().unwrap_or("ok: every tensor of the config is present with the right shape and dtype"));
     }
     s
 }
@@ -199,8 +256,22 @@ pub fn capacity_text(c: &Capacity) -> String {
     let g = |b: f64| format!("{:.1}", b / GIB);
     let p = &c.layout;
     let mut s = String::new();
-    let _ = writeln!(s, "\nparallel layout --tp {} --ep {} --pp {}: {} ranks; {} GiB per GPU, {} GiB reserve, {:?} cache", p.tp, p.ep, p.pp, c.world, g(c.gpu_mem_bytes as f64), g(c.reserve_bytes as f64), c.kv_cache_dtype);
-    let _ = writeln!(s, "  {:>4} {:>5} {:>9} {:>11} {:>9} {:>11} {:>10} {:>13} {:>9} {:>8}", "rank", "stage", "layers", "weights GiB", "left GiB", "cache B/tok", "KDA MB/seq", "cache tokens", "seqs 128K", "seqs 1M");
+    let _ = writeln!(
+        s,
+        "\nparallel layout --tp {} --ep {} --pp {}: {} ranks; {} GiB per GPU, {} GiB reserve, {:?} cache",
+        p.tp,
+        p.ep,
+        p.pp,
+        c.world,
+        g(c.gpu_mem_bytes as f64),
+        g(c.reserve_bytes as f64),
+        c.kv_cache_dtype
+    );
+    let _ = writeln!(
+        s,
+        "  {:>4} {:>5} {:>9} {:>11} {:>9} {:>11} {:>10} {:>13} {:>9} {:>8}",
+        "rank", "stage", "layers", "weights GiB", "left GiB", "cache B/tok", "KDA MB/seq", "cache tokens", "seqs 128K", "seqs 1M"
+    );
     for r in &c.ranks {
         let _ = writeln!(
             s,

@@ -98,7 +98,11 @@ fn gpu_logits(ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, ste
 
 #[cfg(feature = "cuda")]
 fn gpu_precision(f32: bool) -> k3_model::cuda::Precision {
-    if f32 { k3_model::cuda::Precision::F32 } else { k3_model::cuda::Precision::Bf16 }
+    if f32 {
+        k3_model::cuda::Precision::F32
+    } else {
+        k3_model::cuda::Precision::Bf16
+    }
 }
 
 /// One rank of a multi-process GPU world: joins it, loads this rank's shards on GPU
@@ -110,7 +114,8 @@ fn gpu_rank_logits(a: &Args, ck: &Checkpoint, par: k3_model::Parallel, ord: usiz
     let world = World::start(par, &a.launch.node(), &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
     let (rank, local) = (world.rank(), world.spec.local_rank);
     let gpu = ord + local;
-    let dev = k3_core::cuda::CudaDevice::new(gpu).with_context(|| format!("rank {rank} (local rank {local}) runs on GPU {gpu}: give this node one GPU per local rank, or start one process per node"))?;
+    let dev = k3_core::cuda::CudaDevice::new(gpu)
+        .with_context(|| format!("rank {rank} (local rank {local}) runs on GPU {gpu}: give this node one GPU per local rank, or start one process per node"))?;
     let cache = k3_model::cuda::CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 };
     let mut m = load_gpu_rank(&world, ck, &dev, cache, gpu_precision(f32)).with_context(|| format!("rank {rank}: loading its shards"))?;
     let groups = m.groups.clone();
@@ -187,7 +192,15 @@ pub fn run(a: Args) -> Result<()> {
         if let Some(ord) = device {
             if let Some(logits) = gpu_rank_logits(&a, &ck, par, ord, &ids, step, f32_gpu)? {
                 k3_core::npy::write_npy_f32(&a.out, &[ids.len(), vocab], &logits).with_context(|| format!("writing {}", a.out.display()))?;
-                eprintln!("wrote {} ({} × {vocab} f32; --tp {} --ep {} --pp {}: {} GPU ranks)", a.out.display(), ids.len(), par.tp, par.ep, par.pp, par.world());
+                eprintln!(
+                    "wrote {} ({} × {vocab} f32; --tp {} --ep {} --pp {}: {} GPU ranks)",
+                    a.out.display(),
+                    ids.len(),
+                    par.tp,
+                    par.ep,
+                    par.pp,
+                    par.world()
+                );
             }
             return Ok(());
         }
@@ -237,7 +250,9 @@ pub fn run(a: Args) -> Result<()> {
                 let tr: k3_model::model::Trace = if a.trace.is_some() && chunk.is_none() { Some(&mut tracer) } else { None };
                 let out = match &emb {
                     None => model.forward(piece, &mut state, ForwardOpts::default(), tr)?,
-                    Some(e) => model.forward_embeds(e[ci * step * hidden..(ci * step + piece.len()) * hidden].to_vec(), &mut state, ForwardOpts::default(), tr)?,
+                    Some(e) => {
+                        model.forward_embeds(e[ci * step * hidden..(ci * step + piece.len()) * hidden].to_vec(), &mut state, ForwardOpts::default(), tr)?
+                    }
                 };
                 logits.extend(out);
             }

@@ -165,7 +165,10 @@ pub fn run(a: Args) -> Result<()> {
     // On a terminal, a bar while a long prompt is prefilled (nothing when stderr is not a TTY).
     let bar = (std::io::IsTerminal::is_terminal(&std::io::stderr()) && prompt.len() > a.prefill_chunk.max(1)).then(|| {
         let pb = indicatif::ProgressBar::new(prompt.len() as u64);
-        pb.set_style(indicatif::ProgressStyle::with_template("prefill {bar:30} {pos}/{len} tokens {per_sec} ETA {eta}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+        pb.set_style(
+            indicatif::ProgressStyle::with_template("prefill {bar:30} {pos}/{len} tokens {per_sec} ETA {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
         pb
     });
     let mut prefilled = |done: usize, _total: usize| {
@@ -173,18 +176,22 @@ pub fn run(a: Args) -> Result<()> {
             pb.set_position(done as u64);
         }
     };
-    let (out, finish, stats) = engine.generate_with_progress(req, |ev| {
-        if let Some(pb) = &bar {
-            pb.finish_and_clear();
-        }
-        if a.json {
-            text.push_str(&ev.text);
-        } else {
-            let mut o = stdout.lock();
-            let _ = if ids_mode { write!(o, "{} ", ev.token) } else { write!(o, "{}", ev.text) };
-            let _ = o.flush();
-        }
-    }, &mut prefilled)?;
+    let (out, finish, stats) = engine.generate_with_progress(
+        req,
+        |ev| {
+            if let Some(pb) = &bar {
+                pb.finish_and_clear();
+            }
+            if a.json {
+                text.push_str(&ev.text);
+            } else {
+                let mut o = stdout.lock();
+                let _ = if ids_mode { write!(o, "{} ", ev.token) } else { write!(o, "{}", ev.text) };
+                let _ = o.flush();
+            }
+        },
+        &mut prefilled,
+    )?;
     drop(engine); // shuts a world of processes down: its workers exit
     world.wait(FINISH_LIMIT)?;
     let tps = |n: usize, d: std::time::Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { 0.0 };

@@ -101,12 +101,8 @@ pub fn rendezvous_with(spec: &WorldSpec, digest: &str, payload: Option<Vec<u8>>,
     if spec.rank != 0 {
         return join(spec, digest, opts);
     }
-    let listener = TcpListener::bind(&spec.master).map_err(|e| {
-        comm(format!(
-            "rank 0 cannot listen on {}: {e} (the port must be free and the host an address of rank 0's node)",
-            spec.master
-        ))
-    })?;
+    let listener = TcpListener::bind(&spec.master)
+        .map_err(|e| comm(format!("rank 0 cannot listen on {}: {e} (the port must be free and the host an address of rank 0's node)", spec.master)))?;
     lead(listener, spec, digest, payload, opts)
 }
 
@@ -160,22 +156,22 @@ pub fn lead(listener: TcpListener, spec: &WorldSpec, digest: &str, payload: Opti
         };
         let why = match parse_hello(&hello) {
             None => Some(format!("a malformed hello from {addr}")),
-            Some((version, ..)) if version != PROTOCOL_VERSION => Some(format!(
-                "the process at {addr} speaks control protocol v{version}, rank 0 v{PROTOCOL_VERSION}: run the same k3 build everywhere"
-            )),
-            Some((_, rank, w, _)) if w != world => Some(format!(
-                "rank {rank} (at {addr}) was started with a world of {w}, rank 0 with {world}: give every rank the same world size"
-            )),
-            Some((_, rank, ..)) if rank == 0 || rank >= world => Some(format!(
-                "the process at {addr} says it is rank {rank}, but rank 0 expects ranks 1..{world}"
-            )),
+            Some((version, ..)) if version != PROTOCOL_VERSION => {
+                Some(format!("the process at {addr} speaks control protocol v{version}, rank 0 v{PROTOCOL_VERSION}: run the same k3 build everywhere"))
+            }
+            Some((_, rank, w, _)) if w != world => {
+                Some(format!("rank {rank} (at {addr}) was started with a world of {w}, rank 0 with {world}: give every rank the same world size"))
+            }
+            Some((_, rank, ..)) if rank == 0 || rank >= world => {
+                Some(format!("the process at {addr} says it is rank {rank}, but rank 0 expects ranks 1..{world}"))
+            }
             Some((_, rank, ..)) if peers[rank].is_some() => Some(format!(
                 "rank {rank} connected twice (from {} and {addr}): two processes were given the same rank",
                 peers[rank].as_ref().map_or(String::new(), |p| p.1.to_string())
             )),
-            Some((_, rank, _, d)) if d != digest => Some(format!(
-                "rank {rank} (at {addr}) has digest {d} but rank 0 has {digest}: binary, config or checkpoint differ between the ranks"
-            )),
+            Some((_, rank, _, d)) if d != digest => {
+                Some(format!("rank {rank} (at {addr}) has digest {d} but rank 0 has {digest}: binary, config or checkpoint differ between the ranks"))
+            }
             Some(_) => None,
         };
         if let Some(why) = why {
@@ -419,10 +415,7 @@ impl Control {
 
     fn check_size(&self, name: &'static str, len: usize) -> Result<()> {
         if len > self.opts.max_frame {
-            return Err(op(
-                name,
-                format!("a {len}-byte frame exceeds the {}-byte limit (Options::max_frame)", self.opts.max_frame),
-            ));
+            return Err(op(name, format!("a {len}-byte frame exceeds the {}-byte limit (Options::max_frame)", self.opts.max_frame)));
         }
         Ok(())
     }
@@ -470,10 +463,7 @@ fn reject_all(peers: &mut [Option<(TcpStream, SocketAddr)>], msg: String) -> Cor
 
 fn check_digest(digest: &str) -> Result<()> {
     if digest.len() > MAX_DIGEST {
-        return Err(comm(format!(
-            "a {}-byte digest is over the {MAX_DIGEST}-byte limit: pass control::digest(..)",
-            digest.len()
-        )));
+        return Err(comm(format!("a {}-byte digest is over the {MAX_DIGEST}-byte limit: pass control::digest(..)", digest.len())));
     }
     Ok(())
 }

@@ -89,7 +89,13 @@ impl HostGroup {
 
     /// Waits on the condition variable until `done` holds; errors on abort or timeout (which
     /// also aborts the group, naming `missing()`).
-    fn wait_until<'a>(&self, mut st: MutexGuard<'a, State>, op: &'static str, mut done: impl FnMut(&State) -> bool, missing: impl Fn(&State) -> String) -> Result<MutexGuard<'a, State>> {
+    fn wait_until<'a>(
+        &self,
+        mut st: MutexGuard<'a, State>,
+        op: &'static str,
+        mut done: impl FnMut(&State) -> bool,
+        missing: impl Fn(&State) -> String,
+    ) -> Result<MutexGuard<'a, State>> {
         let deadline = Instant::now() + self.shared.timeout;
         loop {
             if let Some(why) = &st.aborted {

@@ -92,7 +92,11 @@ api! {
 
 fn cstr(p: *const c_char) -> String {
     // SAFETY: NCCL and libdl return NUL-terminated strings that live at least this long.
-    if p.is_null() { String::new() } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() }
+    if p.is_null() {
+        String::new()
+    } else {
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
 }
 
 fn open(path: &str) -> std::result::Result<*mut c_void, String> {
@@ -100,7 +104,11 @@ fn open(path: &str) -> std::result::Result<*mut c_void, String> {
     // SAFETY: dlopen runs the library's initialisers (libnccl's only set up globals); dlerror's
     // message is read at once.
     let h = unsafe { dlopen(c.as_ptr(), RTLD_NOW) };
-    if h.is_null() { Err(cstr(unsafe { dlerror() })) } else { Ok(h) }
+    if h.is_null() {
+        Err(cstr(unsafe { dlerror() }))
+    } else {
+        Ok(h)
+    }
 }
 
 /// SAFETY: `T` must be the function-pointer type of `name`'s C declaration.
@@ -118,8 +126,12 @@ unsafe fn sym<T: Copy>(h: *mut c_void, path: &str, name: &str) -> std::result::R
 fn search_dirs() -> Vec<PathBuf> {
     let env = |v: &str| std::env::var_os(v).filter(|s| !s.is_empty()).map(PathBuf::from);
     let ls = |d: PathBuf| std::fs::read_dir(d).into_iter().flatten().flatten().map(|e| e.path());
-    let mut dirs: Vec<PathBuf> = ["CONDA_PREFIX", "CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| env(v)).flat_map(|p| [p.join("lib"), p.join("lib64")]).collect();
-    dirs.extend(["/usr/local/cuda/lib64", "/usr/local/nccl/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/local/lib"].map(PathBuf::from));
+    let mut dirs: Vec<PathBuf> =
+        ["CONDA_PREFIX", "CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| env(v)).flat_map(|p| [p.join("lib"), p.join("lib64")]).collect();
+    dirs.extend(
+        ["/usr/local/cuda/lib64", "/usr/local/nccl/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/local/lib"]
+            .map(PathBuf::from),
+    );
     let mut sites: Vec<PathBuf> = std::env::var("PYTHONPATH").unwrap_or_default().split(':').filter(|s| !s.is_empty()).map(PathBuf::from).collect();
     let mut roots: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"].iter().filter_map(|v| env(v)).collect();
     if let Some(h) = env("HOME") {
@@ -204,7 +216,11 @@ pub fn nccl_timeout() -> Duration {
 fn err_string(a: &Api, r: Res, comm: Comm) -> String {
     // SAFETY: both return static or per-communicator strings; `comm` is null or live.
     let (s, last) = unsafe { (cstr((a.error_string)(r)), cstr((a.last_error)(comm))) };
-    if last.is_empty() { s } else { format!("{s} ({last})") }
+    if last.is_empty() {
+        s
+    } else {
+        format!("{s} ({last})")
+    }
 }
 
 /// `ncclCommGetAsyncError` folded into one code: 0, IN_PROGRESS or an error.
@@ -212,7 +228,11 @@ fn async_state(api: &Api, comm: Comm) -> Res {
     let mut e: Res = 0;
     // SAFETY: a live communicator and an out-parameter.
     let r = unsafe { (api.async_error)(comm, &mut e) };
-    if r != 0 { r } else { e }
+    if r != 0 {
+        r
+    } else {
+        e
+    }
 }
 
 /// Polls a communicator nobody else uses until NCCL is done with it: `Ok` on success,
@@ -231,7 +251,11 @@ fn poll(api: &Api, comm: Comm, limit: Duration) -> std::result::Result<(), Optio
 
 /// Spins briefly, then sleeps: cheap for µs-scale waits, idle for long ones.
 fn pause(t0: Instant) {
-    if t0.elapsed() < Duration::from_millis(2) { std::thread::yield_now() } else { std::thread::sleep(Duration::from_micros(500)) }
+    if t0.elapsed() < Duration::from_millis(2) {
+        std::thread::yield_now()
+    } else {
+        std::thread::sleep(Duration::from_micros(500))
+    }
 }
 
 // ---- the communicator ----
@@ -309,7 +333,10 @@ impl Nccl {
             }
             Err(e) if e.0 == not_ready && since.elapsed() <= self.timeout => Ok(false),
             Err(e) if e.0 == not_ready => {
-                let why = format!("{what} did not complete within {:.0} s (a peer rank died, hangs, or never made the matching call; K3_NCCL_TIMEOUT_S sets the limit)", self.timeout.as_secs_f64());
+                let why = format!(
+                    "{what} did not complete within {:.0} s (a peer rank died, hangs, or never made the matching call; K3_NCCL_TIMEOUT_S sets the limit)",
+                    self.timeout.as_secs_f64()
+                );
                 Err(self.fail(st, op, why))
             }
             Err(e) => Err(self.fail(st, op, format!("the device failed while {what} was in flight: {e}"))),
@@ -427,19 +454,32 @@ impl CudaGroup {
     }
 
     /// This rank's index in the group, `0..world()`.
-    pub fn rank(&self) -> usize { self.n.as_ref().map_or(0, |n| n.rank) }
+    pub fn rank(&self) -> usize {
+        self.n.as_ref().map_or(0, |n| n.rank)
+    }
 
     /// Number of ranks in the group.
-    pub fn world(&self) -> usize { self.n.as_ref().map_or(1, |n| n.world) }
+    pub fn world(&self) -> usize {
+        self.n.as_ref().map_or(1, |n| n.world)
+    }
 
-    fn nccl_of(&self) -> Option<&Nccl> { self.n.as_deref() }
+    fn nccl_of(&self) -> Option<&Nccl> {
+        self.n.as_deref()
+    }
 
     /// The NCCL dtype of `t`, after checking it lives on this group's device.
     fn dtype_of(&self, op: &'static str, t: &CudaTensor) -> Result<c_int> {
         if let Some(n) = self.nccl_of().filter(|n| !t.cuda_device().same(&n.dev)) {
             return Err(CoreError::Comm { op, msg: format!("{t:?} is not on this group's device cuda:{}", n.dev.ordinal()) });
         }
-        Ok(match t.dtype() { DType::U8 => 1, DType::I32 => 2, DType::I64 => 4, DType::F16 => 6, DType::F32 => 7, DType::BF16 => 9 })
+        Ok(match t.dtype() {
+            DType::U8 => 1,
+            DType::I32 => 2,
+            DType::I64 => 4,
+            DType::F16 => 6,
+            DType::F32 => 7,
+            DType::BF16 => 9,
+        })
     }
 
     /// Checks that `big` holds `world()` times `small`'s elements, same dtype; returns it.
@@ -575,7 +615,11 @@ impl CudaGroup {
 
 /// World 1's gather and scatter: a copy unless in place.
 fn copy_unless_same(x: &CudaTensor, out: &CudaTensor) -> Result<()> {
-    if x.ptr() == out.ptr() { Ok(()) } else { out.copy_from(x) }
+    if x.ptr() == out.ptr() {
+        Ok(())
+    } else {
+        out.copy_from(x)
+    }
 }
 
 impl Drop for CudaGroup {

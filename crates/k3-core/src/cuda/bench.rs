@@ -129,7 +129,11 @@ fn random_values(n: usize, seed: u64) -> Vec<f32> {
             s ^= s << 17;
             let u = (s >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
             let mag = 0.05 + 0.95 * u;
-            if s & 1 == 0 { mag } else { -mag }
+            if s & 1 == 0 {
+                mag
+            } else {
+                -mag
+            }
         })
         .collect()
 }
@@ -200,17 +204,7 @@ pub fn bench_op(dev: &CudaDevice, op: &BenchOp, warmup: usize, repeats: usize) -
         }
     };
     let median = if ms.len() % 2 == 1 { ms[ms.len() / 2] } else { 0.5 * (ms[ms.len() / 2 - 1] + ms[ms.len() / 2]) };
-    Ok(BenchReport {
-        op: name,
-        shape,
-        warmup,
-        repeats: ms.len(),
-        median_ms: median,
-        min_ms: ms[0],
-        max_ms: ms[ms.len() - 1],
-        flops,
-        bytes,
-    })
+    Ok(BenchReport { op: name, shape, warmup, repeats: ms.len(), median_ms: median, min_ms: ms[0], max_ms: ms[ms.len() - 1], flops, bytes })
 }
 
 #[cfg(test)]

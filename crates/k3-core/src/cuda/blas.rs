@@ -96,7 +96,19 @@ pub struct Strided {
 /// live allocations of `dev` (only `ld`/dims are checked here). Capturable (cuBLAS uses the
 /// preallocated workspace).
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_strided_batched(dev: &CudaDevice, m: usize, n: usize, k: usize, batch: usize, a: Strided, b: Strided, layout: Layout, c: Strided, input: DType, output: DType) -> Result<()> {
+pub fn gemm_strided_batched(
+    dev: &CudaDevice,
+    m: usize,
+    n: usize,
+    k: usize,
+    batch: usize,
+    a: Strided,
+    b: Strided,
+    layout: Layout,
+    c: Strided,
+    input: DType,
+    output: DType,
+) -> Result<()> {
     const OP: &str = "cuda gemm_strided_batched";
     let ok_types = matches!((input, output), (DType::BF16, DType::BF16 | DType::F32) | (DType::F16, DType::F16 | DType::F32) | (DType::F32, DType::F32));
     if !ok_types {
@@ -104,7 +116,10 @@ pub fn gemm_strided_batched(dev: &CudaDevice, m: usize, n: usize, k: usize, batc
     }
     let b_cols = if layout == Layout::BT { k } else { n };
     if a.ld < k || b.ld < b_cols || c.ld < n {
-        return Err(CoreError::Shape { op: OP, detail: format!("leading dims too small: a.ld {} (>= K={k}), b.ld {} (>= {b_cols}), c.ld {} (>= N={n})", a.ld, b.ld, c.ld) });
+        return Err(CoreError::Shape {
+            op: OP,
+            detail: format!("leading dims too small: a.ld {} (>= K={k}), b.ld {} (>= {b_cols}), c.ld {} (>= N={n})", a.ld, b.ld, c.ld),
+        });
     }
     if [m, n, k, batch, a.ld, b.ld, c.ld].iter().any(|&v| v > i32::MAX as usize) || [a.stride, b.stride, c.stride].iter().any(|&v| v > i64::MAX as usize) {
         return Err(CoreError::Shape { op: OP, detail: format!("M={m} N={n} K={k} batch={batch} or a leading dim exceeds i32") });
@@ -175,7 +190,10 @@ pub fn gemm(a: &CudaTensor, b: &CudaTensor, out: &CudaTensor, layout: Layout, op
         Layout::B => (b.shape()[0], b.shape()[1]),
     };
     if bk != k || out.numel() != m * n || out.last_dim() != n {
-        return Err(CoreError::Shape { op: OP, detail: format!("a {a:?}, b {b:?} ({layout:?}), out {out:?}: need a [M,K], b {}, out [M,N]", if layout == Layout::BT { "[N,K]" } else { "[K,N]" }) });
+        return Err(CoreError::Shape {
+            op: OP,
+            detail: format!("a {a:?}, b {b:?} ({layout:?}), out {out:?}: need a [M,K], b {}, out [M,N]", if layout == Layout::BT { "[N,K]" } else { "[K,N]" }),
+        });
     }
     if [m, n, k].iter().any(|&v| v > i32::MAX as usize) {
         return Err(CoreError::Shape { op: OP, detail: format!("M={m} N={n} K={k} exceed i32") });
@@ -398,13 +416,32 @@ impl Plan {
             Layout::BT => (k, n, k, 1i32),
             Layout::B => (n, k, n, 0i32),
         };
-        let mut plan = Plan { desc: std::ptr::null_mut(), la: std::ptr::null_mut(), lb: std::ptr::null_mut(), lc: std::ptr::null_mut(), algo: lsys::cublasLtMatmulAlgo_t { data: [0; 8] } };
-        plan.desc = lres::create_matmul_desc(lsys::cublasComputeType_t::CUBLAS_COMPUTE_32F, lsys::cudaDataType_t::CUDA_R_32F).map_err(derr("cublasLtMatmulDescCreate"))?;
+        let mut plan = Plan {
+            desc: std::ptr::null_mut(),
+            la: std::ptr::null_mut(),
+            lb: std::ptr::null_mut(),
+            lc: std::ptr::null_mut(),
+            algo: lsys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        plan.desc = lres::create_matmul_desc(lsys::cublasComputeType_t::CUBLAS_COMPUTE_32F, lsys::cudaDataType_t::CUDA_R_32F)
+            .map_err(derr("cublasLtMatmulDescCreate"))?;
         let op_b = 0i32;
         // SAFETY: desc is live; the attribute values are i32 cublasOperation_t.
         unsafe {
-            lres::set_matmul_desc_attribute(plan.desc, lsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a as *const i32 as *const c_void, 4).map_err(derr("setting TRANSA"))?;
-            lres::set_matmul_desc_attribute(plan.desc, lsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b as *const i32 as *const c_void, 4).map_err(derr("setting TRANSB"))?;
+            lres::set_matmul_desc_attribute(
+                plan.desc,
+                lsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &op_a as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(derr("setting TRANSA"))?;
+            lres::set_matmul_desc_attribute(
+                plan.desc,
+                lsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &op_b as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(derr("setting TRANSB"))?;
         }
         plan.la = lres::create_matrix_layout(data_type(p.input), ar, ac, ld_a as i64).map_err(derr("layout A"))?;
         plan.lb = lres::create_matrix_layout(data_type(p.input), k, m, k as i64).map_err(derr("layout B"))?;
@@ -421,15 +458,22 @@ impl Plan {
         let mut count = 0i32;
         // SAFETY: live handles and descriptors; `results` holds `want` entries.
         let status = unsafe {
-            let s = lres::set_matmul_pref_attribute(pref, lsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const usize as *const c_void, std::mem::size_of::<usize>());
+            let s = lres::set_matmul_pref_attribute(
+                pref,
+                lsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const usize as *const c_void,
+                std::mem::size_of::<usize>(),
+            );
             let h = s.and_then(|_| {
-                lsys::cublasLtMatmulAlgoGetHeuristic(lt, self.desc, self.la, self.lb, self.lc, self.lc, pref, want as i32, results.as_mut_ptr(), &mut count).result()
+                lsys::cublasLtMatmulAlgoGetHeuristic(lt, self.desc, self.la, self.lb, self.lc, self.lc, pref, want as i32, results.as_mut_ptr(), &mut count)
+                    .result()
             });
             let _ = lres::destroy_matmul_pref(pref);
             h
         };
         status.map_err(derr("cublasLtMatmulAlgoGetHeuristic"))?;
-        let algos: Vec<_> = results.iter().take(count.max(0) as usize).filter(|r| r.state == lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|r| r.algo).collect();
+        let algos: Vec<_> =
+            results.iter().take(count.max(0) as usize).filter(|r| r.state == lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|r| r.algo).collect();
         if algos.is_empty() {
             return Err(CoreError::Device("cuBLASLt found no algorithm for this GEMM".into()));
         }

@@ -65,7 +65,9 @@ fn disk_cache_dir() -> Option<std::path::PathBuf> {
     match env("K3_KERNEL_CACHE") {
         Some(v) if v == "off" || v == "0" => None,
         Some(v) => Some(PathBuf::from(v)),
-        None => env("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache"))).map(|c| c.join("k3rs").join("kernels")),
+        None => {
+            env("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache"))).map(|c| c.join("k3rs").join("kernels"))
+        }
     }
 }
 

@@ -98,7 +98,8 @@ pub fn index_scores(q: &CudaTensor, a: &CudaTensor, key_cache: &CudaTensor, batc
     let f = dev.function(DSA, "dsa_index_scores")?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(derr("raising the shared-memory limit of dsa_index_scores"))?;
-    let rows = u32::try_from(n).ok().filter(|&v| v <= 65535).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("{n} rows exceed 65535 (split the call)") })?;
+    let rows =
+        u32::try_from(n).ok().filter(|&v| v <= 65535).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("{n} rows exceed 65535 (split the call)") })?;
     let gx = u32::try_from(l.div_ceil(KEYS_PER_BLOCK)).map_err(|_| CoreError::Shape { op: OP, detail: format!("L = {l} too large") })?;
     let (mp, l64, ih32, id32) = (i32_of(OP, "max_pages", max_pages)?, l as i64, i32_of(OP, "ih", ih)?, id as i32);
     let (qp, ap, kc, bt, rs, rp, sp) = (q.ptr(), a.ptr(), key_cache.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), scores.ptr());
@@ -130,7 +131,8 @@ pub fn topk(scores: &CudaTensor, batch: &PagedBatch, k: usize, idx: &CudaTensor,
     if k == 0 || l == 0 {
         return count.fill_bytes(0);
     }
-    let rows = u32::try_from(n).ok().filter(|&v| v <= 65535).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("{n} rows exceed 65535 (split the call)") })?;
+    let rows =
+        u32::try_from(n).ok().filter(|&v| v <= 65535).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("{n} rows exceed 65535 (split the call)") })?;
     let k32 = i32_of(OP, "k", k)?;
     i32_of(OP, "L", l)?;
     let nblk = l.div_ceil(TOPK_CHUNK);

@@ -46,7 +46,9 @@ pub fn gemv_fits(x: &CudaTensor, ws: &[&CudaTensor]) -> bool {
         && k > 0
         && k <= i32::MAX as usize
         && x.ptr().is_multiple_of(16)
-        && ws.iter().all(|w| w.dtype() == DType::BF16 && w.shape().len() == 2 && w.shape()[1] == k && w.ptr().is_multiple_of(16) && w.cuda_device().same(x.cuda_device()))
+        && ws.iter().all(|w| {
+            w.dtype() == DType::BF16 && w.shape().len() == 2 && w.shape()[1] == k && w.ptr().is_multiple_of(16) && w.cuda_device().same(x.cuda_device())
+        })
 }
 
 /// `out_s = x · W_sᵀ` for each `(W_s, out_s)` in `outs`, one launch. Errors (naming the operand)

@@ -176,14 +176,32 @@ fn i32_of(x: usize, what: &str) -> Result<i32> {
 /// state after every 64-token chunk into `chunk_states`. Not capturable (uploads the sequence
 /// tables from the host).
 #[allow(clippy::too_many_arguments)]
-pub fn kda_prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<()> {
+pub fn kda_prefill(
+    inp: &KdaInputs,
+    w: &KdaWeights,
+    lens: &[usize],
+    slots: &[u32],
+    conv_state: &CudaTensor,
+    state: &CudaTensor,
+    out: &CudaTensor,
+    chunk_states: Option<&CudaTensor>,
+) -> Result<()> {
     prefill(inp, w, lens, slots, conv_state, state, out, chunk_states, None)
 }
 
 /// [`kda_prefill`] with events around its kernels; returns (prep ms, scan ms) at head dim 128,
 /// (general kernel ms, 0) otherwise. For tuning.
 #[allow(clippy::too_many_arguments)]
-pub fn kda_prefill_profiled(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>) -> Result<(f32, f32)> {
+pub fn kda_prefill_profiled(
+    inp: &KdaInputs,
+    w: &KdaWeights,
+    lens: &[usize],
+    slots: &[u32],
+    conv_state: &CudaTensor,
+    state: &CudaTensor,
+    out: &CudaTensor,
+    chunk_states: Option<&CudaTensor>,
+) -> Result<(f32, f32)> {
     let dev = inp.q.cuda_device();
     let ev = [dev.new_event(true)?, dev.new_event(true)?, dev.new_event(true)?];
     prefill(inp, w, lens, slots, conv_state, state, out, chunk_states, Some(&ev))?;
@@ -192,7 +210,17 @@ pub fn kda_prefill_profiled(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slo
 }
 
 #[allow(clippy::too_many_arguments)]
-fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_state: &CudaTensor, state: &CudaTensor, out: &CudaTensor, chunk_states: Option<&CudaTensor>, marks: Option<&[Event; 3]>) -> Result<()> {
+fn prefill(
+    inp: &KdaInputs,
+    w: &KdaWeights,
+    lens: &[usize],
+    slots: &[u32],
+    conv_state: &CudaTensor,
+    state: &CudaTensor,
+    out: &CudaTensor,
+    chunk_states: Option<&CudaTensor>,
+    marks: Option<&[Event; 3]>,
+) -> Result<()> {
     let n: usize = lens.iter().sum();
     let nb = lens.len();
     let dm = check(inp, w, n, nb, conv_state, state, out)?;
@@ -214,7 +242,7 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_
     let (mut tok, mut chunk0) = (0usize, 0usize);
     for (&l, &slot) in lens.iter().zip(slots) {
         let slot = slot as i32; // < S ≤ i32::MAX (checked)
-        // {tok0, len, first chunk, slot}; the fast kernels' chunk table only at head dim 128.
+                                // {tok0, len, first chunk, slot}; the fast kernels' chunk table only at head dim 128.
         seqs.push([i32_of(tok, "token offset")?, i32_of(l, "length")?, i32_of(chunk0, "chunk")?, slot]);
         if dm.fast() {
             for c in 0..l.div_ceil(CHUNK) {
@@ -248,7 +276,14 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_
         mark(0)?;
         dev.launch(KDA, "kda_chunk_prep", (nc as u32, h as u32, 1), (256, 1, 1), PREP_SMEM, &mut kargs![q, k, v, g, b, cw, al, dtb, cst, ct, wk, h32, lb])?;
         mark(1)?;
-        dev.launch(KDA, "kda_chunk_scan", (nb as u32, h as u32, 1), (512, 1, 1), SCAN_SMEM, &mut kargs![wk, sqt, q, k, v, cst, gate, onw, st, cs_ptr, o, h32, eps])?;
+        dev.launch(
+            KDA,
+            "kda_chunk_scan",
+            (nb as u32, h as u32, 1),
+            (512, 1, 1),
+            SCAN_SMEM,
+            &mut kargs![wk, sqt, q, k, v, cst, gate, onw, st, cs_ptr, o, h32, eps],
+        )?;
         mark(2)?;
         // The workspace and tables go back to the caching allocator; later users are ordered
         // after these kernels on the same stream.
@@ -261,7 +296,19 @@ fn prefill(inp: &KdaInputs, w: &KdaWeights, lens: &[usize], slots: &[u32], conv_
 /// Launches `kda_general` over `nb` sequences: from the `seqs` table (prefill) or, with
 /// `seqs == 0`, one token per sequence with slots from the device table `slots` (decode).
 #[allow(clippy::too_many_arguments)]
-fn general(dev: &CudaDevice, inp: &KdaInputs, w: &KdaWeights, dm: Dims, conv_state: &CudaTensor, state: &CudaTensor, cs_ptr: u64, seqs: u64, slots: u64, out: &CudaTensor, nb: usize) -> Result<()> {
+fn general(
+    dev: &CudaDevice,
+    inp: &KdaInputs,
+    w: &KdaWeights,
+    dm: Dims,
+    conv_state: &CudaTensor,
+    state: &CudaTensor,
+    cs_ptr: u64,
+    seqs: u64,
+    slots: u64,
+    out: &CudaTensor,
+    nb: usize,
+) -> Result<()> {
     let Dims { h, hd, nslots, io } = dm;
     let name = if io == DType::F32 { "kda_general_f32" } else { "kda_general" };
     let threads = (256 / hd) * hd;

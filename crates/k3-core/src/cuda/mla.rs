@@ -166,7 +166,15 @@ fn num_splits(dev: &CudaDevice, base_blocks: usize, max_keys: usize) -> usize {
 /// For `r <= 512` scores and `P·V` run on tensor cores (bf16 operands, P rounded to bf16, f32
 /// accumulation); larger `r` uses a CUDA-core kernel (f32 P). With `q`, the cache and `out` all
 /// F32 (the reference precision) a plain f32 kernel runs instead (`mla_attend_f32`, r ≤ 2048).
-pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
+pub fn mla_attend(
+    q: &CudaTensor,
+    cache: &CudaTensor,
+    batch: &PagedBatch,
+    sel: Option<(&CudaTensor, &CudaTensor)>,
+    r: usize,
+    scale: f32,
+    out: &CudaTensor,
+) -> Result<()> {
     const OP: &str = OP_ATTEND;
     let dev = q.cuda_device();
     let (n, max_pages) = batch.check(OP, dev)?;
@@ -215,9 +223,17 @@ pub fn mla_attend(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: O
     };
     let pa = part_acc.as_ref().map_or(0, |t| t.ptr());
     let pm = part_ml.as_ref().map_or(0, |t| t.ptr());
-    let (mp, sk, nh32, r32, dr32, sp32) = (i32_of(OP, "max_pages", max_pages)?, i32_of(OP, "K", sel_k)?, i32_of(OP, "nh", nh)?, r as i32, (w - r) as i32, splits as i32);
+    let (mp, sk, nh32, r32, dr32, sp32) =
+        (i32_of(OP, "max_pages", max_pages)?, i32_of(OP, "K", sel_k)?, i32_of(OP, "nh", nh)?, r as i32, (w - r) as i32, splits as i32);
     let (qp, cp, bt, rs, rp, op) = (q.ptr(), cache.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), out.ptr());
-    dev.launch(MLA, name, (rows, groups as u32, splits as u32), (THREADS, 1, 1), smem as u32, &mut kargs![qp, cp, bt, mp, rs, rp, sel_idx, sel_count, sk, nh32, r32, dr32, scale, sp32, op, pa, pm])?;
+    dev.launch(
+        MLA,
+        name,
+        (rows, groups as u32, splits as u32),
+        (THREADS, 1, 1),
+        smem as u32,
+        &mut kargs![qp, cp, bt, mp, rs, rp, sel_idx, sel_count, sk, nh32, r32, dr32, scale, sp32, op, pa, pm],
+    )?;
     if splits > 1 {
         dev.launch(MLA, "mla_combine", (rows, nh as u32, 1), (128, 1, 1), 0, &mut kargs![pa, pm, sp32, nh32, r32, op])?;
     }
@@ -238,13 +254,24 @@ fn selection(dev: &CudaDevice, sel: Option<(&CudaTensor, &CudaTensor)>, n: usize
 
 /// The reference-precision attend: `q` F32 `[N, nh, r+dr]`, cache F32, `out` F32 `[N, nh, r]`,
 /// same function as [`mla_attend`] (one block per row and head, see `mla_attend_f32` in mla.cu).
-fn attend_f32(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Option<(&CudaTensor, &CudaTensor)>, r: usize, scale: f32, out: &CudaTensor) -> Result<()> {
+fn attend_f32(
+    q: &CudaTensor,
+    cache: &CudaTensor,
+    batch: &PagedBatch,
+    sel: Option<(&CudaTensor, &CudaTensor)>,
+    r: usize,
+    scale: f32,
+    out: &CudaTensor,
+) -> Result<()> {
     const OP: &str = OP_ATTEND;
     let dev = q.cuda_device();
     let (n, max_pages) = batch.check(OP, dev)?;
     let (_, w) = cache_dims(OP, cache)?;
     if cache.dtype() != DType::F32 || q.shape().len() != 3 || q.shape()[0] != n || q.shape()[2] != w || r == 0 || r >= w || r > 2048 {
-        return Err(CoreError::Shape { op: OP, detail: format!("reference precision: q {q:?} must be F32 [N={n}, nh, {w}] over an F32 cache (got {cache:?}), 0 < r = {r} < {w}, r ≤ 2048") });
+        return Err(CoreError::Shape {
+            op: OP,
+            detail: format!("reference precision: q {q:?} must be F32 [N={n}, nh, {w}] over an F32 cache (got {cache:?}), 0 < r = {r} < {w}, r ≤ 2048"),
+        });
     }
     let nh = q.shape()[1];
     if out.dtype() != DType::F32 || out.shape() != [n, nh, r] {
@@ -262,5 +289,12 @@ fn attend_f32(q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, sel: Optio
     let rows = u32::try_from(n).map_err(|_| CoreError::Shape { op: OP, detail: format!("{n} rows exceed the grid") })?;
     let (mp, sk, nh32, r32, dr32) = (i32_of(OP, "max_pages", max_pages)?, i32_of(OP, "K", sel_k)?, i32_of(OP, "nh", nh)?, r as i32, (w - r) as i32);
     let (qp, cp, bt, rs, rp, op) = (q.ptr(), cache.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), out.ptr());
-    dev.launch(MLA, "mla_attend_f32", (rows, nh as u32, 1), (T as u32, 1, 1), smem, &mut kargs![qp, cp, bt, mp, rs, rp, sel_idx, sel_count, sk, nh32, r32, dr32, scale, op])
+    dev.launch(
+        MLA,
+        "mla_attend_f32",
+        (rows, nh as u32, 1),
+        (T as u32, 1, 1),
+        smem,
+        &mut kargs![qp, cp, bt, mp, rs, rp, sel_idx, sel_count, sk, nh32, r32, dr32, scale, op],
+    )
 }

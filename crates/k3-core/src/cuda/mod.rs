@@ -19,10 +19,10 @@
 mod alloc;
 pub mod bench;
 pub mod blas;
-mod graph;
 mod compile;
 pub mod dsa;
 pub mod gemv;
+mod graph;
 pub mod kda;
 pub mod mla;
 pub mod moe;
@@ -368,7 +368,15 @@ impl CudaDevice {
 
     /// Launches `func` of `src` on the compute stream. `params` holds one pointer per kernel
     /// parameter, each pointing at a value of exactly the kernel's parameter type.
-    pub(crate) fn launch(&self, src: Source, func: &'static str, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, params: &mut [*mut c_void]) -> Result<()> {
+    pub(crate) fn launch(
+        &self,
+        src: Source,
+        func: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         let f = self.function(src, func)?;
         self.bind()?;
         // SAFETY: the caller passes parameters matching the kernel's signature and device

@@ -162,7 +162,16 @@ impl ExpertWeights {
 /// intermediate rounded to BF16). `z` F32 is the reference precision: any expert format (F32
 /// experts only there), every product and the intermediate in f32, any T, capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn experts_forward(z: &CudaTensor, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, beta: f32, linear_beta: f32, scaling: f32, out: &CudaTensor) -> Result<()> {
+pub fn experts_forward(
+    z: &CudaTensor,
+    ids: &CudaTensor,
+    weights: &CudaTensor,
+    w: &ExpertWeights,
+    beta: f32,
+    linear_beta: f32,
+    scaling: f32,
+    out: &CudaTensor,
+) -> Result<()> {
     const OP: &str = "cuda moe::experts_forward";
     let reference = z.dtype() == DType::F32;
     if !(z.dtype() == DType::BF16 || reference) || z.shape().len() != 2 || z.shape()[1] != w.latent {
@@ -216,7 +225,14 @@ fn reference_pairs(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize
     let (zp, ip, ap, yp, w13p, w2p) = (z.ptr(), ids.ptr(), act.ptr(), y.ptr(), w.w13.ptr(), w.w2.ptr());
     let (np32, k32, e32, f32_, l32) = (n_pairs as i32, k as i32, i32_of(OP, "E", e)?, i32_of(OP, "F", f)?, i32_of(OP, "L", l)?);
     let block = (32 * WARPS as u32, 1, 1);
-    dev.launch(MOE, "moe_ref_w13", (f.div_ceil(WARPS) as u32, np, 1), block, 0, &mut kargs![zp, ip, np32, k32, e32, w13p, s13, fmt, f32_, l32, beta, lbeta, ap])?;
+    dev.launch(
+        MOE,
+        "moe_ref_w13",
+        (f.div_ceil(WARPS) as u32, np, 1),
+        block,
+        0,
+        &mut kargs![zp, ip, np32, k32, e32, w13p, s13, fmt, f32_, l32, beta, lbeta, ap],
+    )?;
     dev.launch(MOE, "moe_ref_w2", (l.div_ceil(WARPS) as u32, np, 1), block, 0, &mut kargs![ap, ip, np32, e32, w2p, s2, fmt, f32_, l32, yp])?;
     Ok(Pairs { y })
 }
@@ -273,7 +289,9 @@ fn gemv_kernel(format: ExpertFormat, w13: bool, nt: usize) -> Result<&'static st
 fn allow_smem(dev: &super::CudaDevice, name: &'static str, smem: usize) -> Result<()> {
     if smem > SMEM {
         use cudarc::driver::sys::CUfunction_attribute_enum as A;
-        dev.function(MOE, name)?.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(derr("raising the dynamic shared-memory limit"))?;
+        dev.function(MOE, name)?
+            .set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(derr("raising the dynamic shared-memory limit"))?;
     }
     Ok(())
 }
@@ -345,8 +363,14 @@ const MMA_WARPS: usize = 4;
 /// The tensor-core kernel for (format, stage, n-tiles of 8 tokens per pass).
 fn mma_kernel(format: ExpertFormat, w13: bool, nt: usize) -> &'static str {
     const NAMES: [[[&str; 4]; 2]; 2] = [
-        [["moe_mma_w2_bf16_n1", "moe_mma_w2_bf16_n2", "moe_mma_w2_bf16_n4", "moe_mma_w2_bf16_n8"], ["moe_mma_w13_bf16_n1", "moe_mma_w13_bf16_n2", "moe_mma_w13_bf16_n4", "moe_mma_w13_bf16_n8"]],
-        [["moe_mma_w2_mxfp4_n1", "moe_mma_w2_mxfp4_n2", "moe_mma_w2_mxfp4_n4", "moe_mma_w2_mxfp4_n8"], ["moe_mma_w13_mxfp4_n1", "moe_mma_w13_mxfp4_n2", "moe_mma_w13_mxfp4_n4", "moe_mma_w13_mxfp4_n8"]],
+        [
+            ["moe_mma_w2_bf16_n1", "moe_mma_w2_bf16_n2", "moe_mma_w2_bf16_n4", "moe_mma_w2_bf16_n8"],
+            ["moe_mma_w13_bf16_n1", "moe_mma_w13_bf16_n2", "moe_mma_w13_bf16_n4", "moe_mma_w13_bf16_n8"],
+        ],
+        [
+            ["moe_mma_w2_mxfp4_n1", "moe_mma_w2_mxfp4_n2", "moe_mma_w2_mxfp4_n4", "moe_mma_w2_mxfp4_n8"],
+            ["moe_mma_w13_mxfp4_n1", "moe_mma_w13_mxfp4_n2", "moe_mma_w13_mxfp4_n4", "moe_mma_w13_mxfp4_n8"],
+        ],
     ];
     let i = match nt {
         1 => 0,
@@ -446,7 +470,8 @@ fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usi
                 ExpertFormat::Bf16 => {
                     dev.bind()?;
                     // SAFETY: both ranges lie inside their tensors (validated shapes); stream-ordered.
-                    unsafe { dres::memcpy_dtod_async(dst.ptr(), src + ex as u64 * elems * 2, (elems * 2) as usize, dev.cu_stream()) }.map_err(derr("copying an expert's BF16 weights"))?;
+                    unsafe { dres::memcpy_dtod_async(dst.ptr(), src + ex as u64 * elems * 2, (elems * 2) as usize, dev.cu_stream()) }
+                        .map_err(derr("copying an expert's BF16 weights"))?;
                 }
             }
         }

@@ -35,7 +35,8 @@ fn rows_of(op: &'static str, x: &CudaTensor) -> Result<(i32, u32)> {
     let d = x.last_dim();
     let rows = x.numel().checked_div(d).unwrap_or(0);
     let d32 = i32::try_from(d).map_err(|_| CoreError::Shape { op, detail: format!("row width {d} exceeds i32") })?;
-    let r32 = u32::try_from(rows).ok().filter(|&r| r < (1 << 31)).ok_or_else(|| CoreError::Shape { op, detail: format!("{rows} rows exceed the grid limit") })?;
+    let r32 =
+        u32::try_from(rows).ok().filter(|&r| r < (1 << 31)).ok_or_else(|| CoreError::Shape { op, detail: format!("{rows} rows exceed the grid limit") })?;
     Ok((d32, r32))
 }
 
@@ -169,7 +170,18 @@ const ATTN_RES_SLICE: usize = 512;
 /// (F32 `[N, H]` each) followed by `P` are mixed with the pseudo-query `c` (F32 `[H]`) and
 /// `eps_res`, and `out = RMSNorm(mix; w, eps)` (w F32 `[H]`) is written as BF16 or F32 `[N, H]`.
 #[allow(clippy::too_many_arguments)]
-pub fn attn_res_norm(blocks: &[&CudaTensor], p: &CudaTensor, update: ResUpdate, d: Option<&CudaTensor>, snap: Option<&CudaTensor>, c: &CudaTensor, eps_res: f32, w: &CudaTensor, eps: f32, out: &CudaTensor) -> Result<()> {
+pub fn attn_res_norm(
+    blocks: &[&CudaTensor],
+    p: &CudaTensor,
+    update: ResUpdate,
+    d: Option<&CudaTensor>,
+    snap: Option<&CudaTensor>,
+    c: &CudaTensor,
+    eps_res: f32,
+    w: &CudaTensor,
+    eps: f32,
+    out: &CudaTensor,
+) -> Result<()> {
     const OP: &str = "cuda attn_res_norm";
     if p.dtype() != DType::F32 {
         return Err(CoreError::DType { op: OP, dtype: format!("partial sum P must be F32, got {}", p.dtype()) });
@@ -182,7 +194,10 @@ pub fn attn_res_norm(blocks: &[&CudaTensor], p: &CudaTensor, update: ResUpdate, 
         return Err(CoreError::Shape { op: OP, detail: "update Add/Assign needs the layer output d".into() });
     }
     if blocks.len() > ATTN_RES_MAX_BLOCKS {
-        return Err(CoreError::Shape { op: OP, detail: format!("{} completed blocks exceed the kernel's {ATTN_RES_MAX_BLOCKS}; raise attn_res_block_size", blocks.len()) });
+        return Err(CoreError::Shape {
+            op: OP,
+            detail: format!("{} completed blocks exceed the kernel's {ATTN_RES_MAX_BLOCKS}; raise attn_res_block_size", blocks.len()),
+        });
     }
     let (h, rows) = rows_of(OP, p)?;
     for (t, what) in [(c, "pseudo-query c"), (w, "norm weight")] {
@@ -305,7 +320,12 @@ pub fn gather_rows_from(src: &CudaTensor, ids: &CudaTensor, first: usize, out: &
     const OP: &str = "cuda gather_rows";
     let h = src.last_dim();
     let n = ids.numel();
-    if ids.dtype() != DType::I32 || out.numel() != n * h || out.last_dim() != h || !ids.cuda_device().same(src.cuda_device()) || !out.cuda_device().same(src.cuda_device()) {
+    if ids.dtype() != DType::I32
+        || out.numel() != n * h
+        || out.last_dim() != h
+        || !ids.cuda_device().same(src.cuda_device())
+        || !out.cuda_device().same(src.cuda_device())
+    {
         return Err(CoreError::Shape { op: OP, detail: format!("src {src:?}, ids {ids:?} (I32 [n]), out {out:?} (must be [n, {h}])") });
     }
     let name = match (src.dtype(), out.dtype()) {

@@ -84,7 +84,10 @@ impl CudaTensor {
     /// Writes `bytes` from the host at byte offset `offset` (the range must lie inside the tensor).
     pub fn write_at(&self, offset: usize, bytes: &[u8]) -> Result<()> {
         if offset.checked_add(bytes.len()).is_none_or(|end| end > self.byte_len()) {
-            return Err(CoreError::Shape { op: "CudaTensor::write_at", detail: format!("{} bytes at offset {offset} overrun {self:?} ({} bytes)", bytes.len(), self.byte_len()) });
+            return Err(CoreError::Shape {
+                op: "CudaTensor::write_at",
+                detail: format!("{} bytes at offset {offset} overrun {self:?} ({} bytes)", bytes.len(), self.byte_len()),
+            });
         }
         if bytes.is_empty() {
             return Ok(());

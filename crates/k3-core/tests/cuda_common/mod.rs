@@ -41,9 +41,10 @@ pub fn device(test: &str) -> Option<CudaDevice> {
 
 /// A fresh seed per run, printed; `K3_TEST_SEED=N` replays one.
 pub fn rng(test: &str) -> rand::rngs::StdRng {
-    let seed = std::env::var("K3_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
-    });
+    let seed = std::env::var("K3_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     say(&format!("{test}: seed {seed}"));
     rand::rngs::StdRng::seed_from_u64(seed)
 }
@@ -82,7 +83,11 @@ pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
         num += (g as f64 - w as f64).powi(2);
         den += (w as f64).powi(2);
     }
-    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
 }
 
 pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {

@@ -128,9 +128,7 @@ impl Children {
                 return match rx.recv_timeout(Duration::from_secs(1)) {
                     Ok(Ok(c)) => Ok(c),
                     Ok(Err(e)) => Err(launch_err(format!("{e} ({why})"))),
-                    Err(_) => Err(launch_err(format!(
-                        "{why} before every rank had checked in: the world cannot form without it (its own output says why)"
-                    ))),
+                    Err(_) => Err(launch_err(format!("{why} before every rank had checked in: the world cannot form without it (its own output says why)"))),
                 };
             }
         }
@@ -265,7 +263,13 @@ impl World {
     /// Joins (or starts) the world of `par` (see the module docs). `payload` runs on rank 0
     /// only, before the rendezvous answers, and its bytes reach every rank
     /// ([`World::payload`]). `lookup` reads the environment (`|k| std::env::var(k).ok()`).
-    pub fn start(par: Parallel, node: &NodeArgs, digest: &str, lookup: impl Fn(&str) -> Option<String>, payload: impl FnOnce() -> Result<Vec<u8>>) -> Result<World> {
+    pub fn start(
+        par: Parallel,
+        node: &NodeArgs,
+        digest: &str,
+        lookup: impl Fn(&str) -> Option<String>,
+        payload: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<World> {
         let n = par.world();
         let timeout = rendezvous_timeout();
         if let Some(spec) = WorldSpec::from_env(&lookup).map_err(|e| launch_err(e.to_string()))? {
@@ -289,9 +293,15 @@ impl World {
                 let a = l.local_addr().map_err(|e| launch_err(e.to_string()))?;
                 (Some(l), a.to_string())
             }
-            (None, _, _) => return Err(launch_err(format!("--nnodes {} needs --master-addr HOST:PORT (rank 0's node and a free port, the same on every node)", node.nnodes))),
+            (None, _, _) => {
+                return Err(launch_err(format!(
+                    "--nnodes {} needs --master-addr HOST:PORT (rank 0's node and a free port, the same on every node)",
+                    node.nnodes
+                )))
+            }
             (Some(m), _, 0) => {
-                let l = TcpListener::bind(m).map_err(|e| launch_err(format!("--master-addr {m}: rank 0 cannot listen there: {e} (give an address of this node and a free port)")))?;
+                let l = TcpListener::bind(m)
+                    .map_err(|e| launch_err(format!("--master-addr {m}: rank 0 cannot listen there: {e} (give an address of this node and a free port)")))?;
                 (Some(l), m.clone())
             }
             (Some(m), _, _) => (None, m.clone()),
@@ -352,7 +362,13 @@ pub fn nccl_ids(par: Parallel) -> Result<Vec<u8>> {
 /// This rank's GPU model (feature `cuda`): joins the communicators with the ids in the world's
 /// payload, then uploads only this rank's shards to `dev`.
 #[cfg(feature = "cuda")]
-pub fn load_gpu_rank(world: &World, ck: &Checkpoint, dev: &k3_core::cuda::CudaDevice, cache: k3_model::cuda::CacheConfig, precision: k3_model::cuda::Precision) -> Result<k3_model::cuda::CudaModel> {
+pub fn load_gpu_rank(
+    world: &World,
+    ck: &Checkpoint,
+    dev: &k3_core::cuda::CudaDevice,
+    cache: k3_model::cuda::CacheConfig,
+    precision: k3_model::cuda::Precision,
+) -> Result<k3_model::cuda::CudaModel> {
     use k3_model::parallel::CudaGroups;
     let ids: Vec<[u8; 128]> = world.payload().chunks_exact(128).map(|c| c.try_into().expect("128 bytes")).collect();
     let plan = world.par.plans(&ck.config)?.swap_remove(world.rank());

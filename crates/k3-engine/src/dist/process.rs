@@ -144,7 +144,10 @@ impl Finish {
     pub fn wait(&self, limit: Duration) -> Result<()> {
         let Some(s) = &self.0 else { return Ok(()) };
         let t0 = Instant::now();
-        while s.outcome.lock().unwrap_or_else(|p| p.into_inner()).is_none() && s.plane.lock().unwrap_or_else(|p| p.into_inner()).is_some() && t0.elapsed() < limit {
+        while s.outcome.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+            && s.plane.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+            && t0.elapsed() < limit
+        {
             std::thread::sleep(Duration::from_millis(20));
         }
         s.end();
@@ -205,7 +208,8 @@ impl ProcessRunner {
     /// Stops the world at `failures`: rank 0's collectives and the control plane are aborted
     /// with the root cause (the first rank that failed on its own, else the first failure).
     fn stop(&mut self, failures: Vec<Failure>) -> EngineError {
-        let f = failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
+        let f =
+            failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
         let why = format!("rank {} failed: {}", f.rank, f.msg);
         self.local.abort(&why);
         if let Some(p) = self.shared.plane.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
@@ -334,7 +338,10 @@ pub fn launch(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs) -> Result<Rol
 /// What every rank must agree on besides binary, layout and checkpoint: the runner's pools,
 /// graphs and precision (a mismatch would make the decode-graph choices or capacity differ).
 pub fn spec_digest(spec: &RunnerSpec) -> String {
-    format!("max_seqs={} max_cache_tokens={} cuda_graphs={} gpu_f32={} kda={:?}", spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs, spec.gpu_f32, spec.kda_state)
+    format!(
+        "max_seqs={} max_cache_tokens={} cuda_graphs={} gpu_f32={} kda={:?}",
+        spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs, spec.gpu_f32, spec.kda_state
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -348,8 +355,13 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     let gpu = ord + local;
     let cache = k3_model::cuda::CacheConfig { max_seqs: spec.max_seqs, max_tokens: spec.max_cache_tokens };
     let loaded = k3_core::cuda::CudaDevice::new(gpu)
-        .map_err(|e| EngineError::Rank { rank, msg: format!("runs on GPU {gpu} (local rank {local}) and cannot open it: {e}; give this node one GPU per local rank") })
-        .and_then(|dev| load_gpu_rank(&world, ck, &dev, cache, precision(spec.gpu_f32)).map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") }))
+        .map_err(|e| EngineError::Rank {
+            rank,
+            msg: format!("runs on GPU {gpu} (local rank {local}) and cannot open it: {e}; give this node one GPU per local rank"),
+        })
+        .and_then(|dev| {
+            load_gpu_rank(&world, ck, &dev, cache, precision(spec.gpu_f32)).map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") })
+        })
         .and_then(|m| Ok((m, k3_model::Model::load_embedding(ck)?)));
     if rank != 0 {
         let (model, embedder) = worker_ready(&world.control, loaded)?;
@@ -376,7 +388,10 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
 
 #[cfg(not(feature = "cuda"))]
 fn launch_gpu(_: &Checkpoint, _: &RunnerSpec, _: &NodeArgs, _: usize) -> Result<Role> {
-    Err(EngineError::Unsupported("this build has no CUDA support (several ranks with --device cuda run one process per GPU): rebuild with `cargo build --release --features cuda`".into()))
+    Err(EngineError::Unsupported(
+        "this build has no CUDA support (several ranks with --device cuda run one process per GPU): rebuild with `cargo build --release --features cuda`"
+            .into(),
+    ))
 }
 
 #[cfg(test)]

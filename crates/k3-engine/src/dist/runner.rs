@@ -365,7 +365,8 @@ impl ThreadRunner {
 
     fn stop(&mut self, failures: Vec<Failure>) -> EngineError {
         // The root cause: the first rank that failed on its own, else the first failure.
-        let f = failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
+        let f =
+            failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
         self.leader.fail(&f);
         self.failed = Some(f.clone());
         f.into()

@@ -10,10 +10,10 @@ use k3_core::cuda::ops::situ_glu;
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
-use super::{lin, lin_many};
 use super::upload::matrix;
-use crate::source::Tensors;
+use super::{lin, lin_many};
 use crate::error::Result;
+use crate::source::Tensors;
 
 pub struct Mlp {
     pub gate_proj: CudaTensor,

@@ -16,9 +16,9 @@ use k3_core::DType;
 use super::state::Step;
 use super::upload::{f32s, matrix, vector};
 use super::{lin, lin_many};
-use crate::source::{Source, Tensors};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::source::{Source, Tensors};
 
 pub struct Kda {
     pub q_proj: CudaTensor,
@@ -51,7 +51,10 @@ impl Kda {
         let d = nh * hd;
         let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
         if kernel != 4 {
-            return Err(ModelError::Field { field: "linear_attn_config.short_conv_kernel_size".into(), msg: format!("{kernel}: the CUDA KDA kernels are built for 4 (K3's)") });
+            return Err(ModelError::Field {
+                field: "linear_attn_config.short_conv_kernel_size".into(),
+                msg: format!("{kernel}: the CUDA KDA kernels are built for 4 (K3's)"),
+            });
         }
         let mut conv = Vec::with_capacity(3 * d * 4);
         for x in ["q", "k", "v"] {
@@ -95,7 +98,8 @@ impl Kda {
         let g = lin(&g_low, &self.f_b_proj, bf)?; // [N, D]
         let o = CudaTensor::uninit(x.cuda_device(), bf, q.shape().to_vec())?;
         let inp = KdaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, gate: &gate };
-        let w = KdaWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, o_norm: &self.o_norm, lower_bound: self.lower_bound, eps: self.eps };
+        let w =
+            KdaWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, o_norm: &self.o_norm, lower_bound: self.lower_bound, eps: self.eps };
         if step.decode {
             kda_decode(&inp, &w, &step.slots, &self.conv_pool, &self.state_pool, &o)?;
         } else {
@@ -106,6 +110,9 @@ impl Kda {
 
     /// Bytes of weights one decode token reads.
     pub fn weight_bytes(&self) -> u64 {
-        [&self.q_proj, &self.k_proj, &self.v_proj, &self.b_proj, &self.f_a_proj, &self.f_b_proj, &self.g_proj, &self.o_proj].iter().map(|t| t.byte_len() as u64).sum()
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.b_proj, &self.f_a_proj, &self.f_b_proj, &self.g_proj, &self.o_proj]
+            .iter()
+            .map(|t| t.byte_len() as u64)
+            .sum()
     }
 }

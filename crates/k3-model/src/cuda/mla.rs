@@ -19,12 +19,12 @@ use k3_core::cuda::ops::{copy_strided, rms_norm_cols, sigmoid_mul};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
-use super::{lin, lin_many};
 use super::state::Step;
 use super::upload::{matrix, vector};
-use crate::source::Source;
+use super::{lin, lin_many};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::source::Source;
 
 /// MLA q/kv latent norm eps (the class default, §4 DISAGREEMENT note; as `layers/mla.rs`).
 const LATENT_EPS: f32 = 1e-6;
@@ -75,7 +75,10 @@ impl Mla {
         let ql = t.q_lora_rank.unwrap_or(0);
         let p = format!("{}self_attn.", crate::weights::layer_prefix(l));
         if r % 8 != 0 || dr % 8 != 0 {
-            return Err(ModelError::Field { field: "kv_lora_rank / qk_rope_head_dim".into(), msg: format!("{r} / {dr}: the CUDA MLA kernels need multiples of 8") });
+            return Err(ModelError::Field {
+                field: "kv_lora_rank / qk_rope_head_dim".into(),
+                msg: format!("{r} / {dr}: the CUDA MLA kernels need multiples of 8"),
+            });
         }
         let indexer = match (&t.dsa_config, dsa) {
             (Some(d), true) => {
@@ -138,7 +141,19 @@ impl Mla {
         let q_abs = CudaTensor::uninit(dev, bf, vec![n, nh, r + dr])?; // [N, nh, r+dr]
         let wkv = self.kv_b_proj.ptr(); // [nh, dn+dv, r]
         let s = |ptr: u64, ld: usize, stride: usize| Strided { ptr, ld, stride };
-        gemm_strided_batched(dev, n, r, dn, nh, s(q.ptr(), nh * (dn + dr), dn + dr), s(wkv, r, (dn + dv) * r), Layout::B, s(q_abs.ptr(), nh * (r + dr), r + dr), bf, bf)?;
+        gemm_strided_batched(
+            dev,
+            n,
+            r,
+            dn,
+            nh,
+            s(q.ptr(), nh * (dn + dr), dn + dr),
+            s(wkv, r, (dn + dv) * r),
+            Layout::B,
+            s(q_abs.ptr(), nh * (r + dr), r + dr),
+            bf,
+            bf,
+        )?;
         copy_strided(dev, bf, q.ptr() + es * dn as u64, dn + dr, q_abs.ptr() + es * r as u64, r + dr, n * nh, dr)?;
         let sel = match &self.indexer {
             Some(ix) => Some(ix.select(x, &c_q, step, &batch)?),
@@ -149,14 +164,27 @@ impl Mla {
         mla_attend(&q_abs, &self.cache, &batch, sel.as_ref().map(|(i, c)| (i, c)), r, scale, &o_lat)?;
         // Un-absorb: o_h [N, dv] = o_lat_h [N, r] · W_uv_hᵀ (W_uv_h [dv, r]).
         let o = CudaTensor::uninit(dev, bf, vec![n, nh * dv])?; // [N, nh·dv]
-        gemm_strided_batched(dev, n, dv, r, nh, s(o_lat.ptr(), nh * r, r), s(wkv + es * (dn * r) as u64, r, (dn + dv) * r), Layout::BT, s(o.ptr(), nh * dv, dv), bf, bf)?;
+        gemm_strided_batched(
+            dev,
+            n,
+            dv,
+            r,
+            nh,
+            s(o_lat.ptr(), nh * r, r),
+            s(wkv + es * (dn * r) as u64, r, (dn + dv) * r),
+            Layout::BT,
+            s(o.ptr(), nh * dv, dv),
+            bf,
+            bf,
+        )?;
         sigmoid_mul(&o, &gate)?;
         lin(&o, &self.o_proj, DType::F32)
     }
 
     pub fn weight_bytes(&self) -> u64 {
         let ix = self.indexer.as_ref().map_or(0, |i| i.wq_b.byte_len() + i.wk.byte_len() + i.weights_proj.byte_len());
-        ([&self.q_a_proj, &self.q_b_proj, &self.kv_a_proj_with_mqa, &self.kv_b_proj, &self.g_proj, &self.o_proj].iter().map(|t| t.byte_len()).sum::<usize>() + ix) as u64
+        ([&self.q_a_proj, &self.q_b_proj, &self.kv_a_proj_with_mqa, &self.kv_b_proj, &self.g_proj, &self.o_proj].iter().map(|t| t.byte_len()).sum::<usize>()
+            + ix) as u64
     }
 }
 

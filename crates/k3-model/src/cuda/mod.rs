@@ -185,7 +185,10 @@ impl CudaModel {
         let t = &cfg.text;
         let (h, v, eps) = (t.hidden_size, t.vocab_size, t.rms_norm_eps);
         if v % plan.par.tp != 0 {
-            return Err(ModelError::Field { field: "text_config.vocab_size".into(), msg: format!("{v} does not split evenly over --tp {}: the GPU gathers the logits in equal parts", plan.par.tp) });
+            return Err(ModelError::Field {
+                field: "text_config.vocab_size".into(),
+                msg: format!("{v} does not split evenly over --tp {}: the GPU gathers the logits in equal parts", plan.par.tp),
+            });
         }
         let src = Source::checked(ck, plan)?;
         let plan = &src.plan;
@@ -263,7 +266,14 @@ impl CudaModel {
     /// [`CudaModel::forward_varlen`] that also hands named intermediates to `trace` (the CPU
     /// model's names: `embed`, `blk.L.attn_in`, `blk.L.kda.out` / `blk.L.mla.out`, `blk.L.ffn_in`,
     /// `blk.L.ffn.out`, `output_norm`) as device tensors `[N, width]`.
-    pub fn forward_traced(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], last_only: bool, trace: GpuTrace<'_>) -> Result<Vec<f32>> {
+    pub fn forward_traced(
+        &mut self,
+        input: Input<'_>,
+        lens: &[usize],
+        seqs: &mut [&mut CudaSeqState],
+        last_only: bool,
+        trace: GpuTrace<'_>,
+    ) -> Result<Vec<f32>> {
         let step = self.prepare(&input, lens, seqs)?;
         let logits = self.run_traced(&step, &input, last_only, trace)?;
         for (s, &n) in seqs.iter_mut().zip(lens) {

@@ -15,18 +15,18 @@
 //! Shapes: `x` BF16 `[N, H]`; logits F32 `[N, E]`; ids/weights `[N, k]`; z BF16 `[N, lat]`;
 //! routed sum F32 `[N, lat]`; output F32 `[N, H]`.
 
-use k3_core::cuda::moe::{experts_forward, route, ExpertFormat, ExpertWeights};
 use k3_core::comm::nccl::CudaGroup;
+use k3_core::cuda::moe::{experts_forward, route, ExpertFormat, ExpertWeights};
 use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols, shift_i32, unblock};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
 use super::ffn::Mlp;
-use super::{lin, lin_many};
 use super::upload::{matrix, terr, u8_bytes, vector, write_float};
-use crate::source::{Source, Tensors};
+use super::{lin, lin_many};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::source::{Source, Tensors};
 
 pub struct Moe {
     /// This rank's rows of the router; `routed_expert_down_proj` likewise (`plan.stage_share`).
@@ -54,7 +54,17 @@ pub struct Moe {
 /// The `experts` of one layer, each one's `w{a}` (then `w{b}`), one after the other in one
 /// device tensor (local index = position in `experts`).
 #[allow(clippy::too_many_arguments)]
-fn upload_experts(dev: &CudaDevice, ck: &Source<'_>, p: &str, experts: std::ops::Range<usize>, parts: &[&str], rows: usize, cols: usize, mx: bool, dt: DType) -> Result<(CudaTensor, Option<CudaTensor>)> {
+fn upload_experts(
+    dev: &CudaDevice,
+    ck: &Source<'_>,
+    p: &str,
+    experts: std::ops::Range<usize>,
+    parts: &[&str],
+    rows: usize,
+    cols: usize,
+    mx: bool,
+    dt: DType,
+) -> Result<(CudaTensor, Option<CudaTensor>)> {
     let (np, e) = (parts.len(), experts.len());
     let first = format!("{p}experts.{}.{}.", experts.start, parts[0]);
     if mx {
@@ -215,7 +225,9 @@ impl Moe {
     /// `top_k` routed experts.
     pub fn weight_bytes(&self) -> u64 {
         let e = &self.experts;
-        let per_expert = (e.w13.byte_len() + e.w2.byte_len() + e.w13_scale.as_ref().map_or(0, |t| t.byte_len()) + e.w2_scale.as_ref().map_or(0, |t| t.byte_len())) / e.num_experts.max(1);
+        let per_expert =
+            (e.w13.byte_len() + e.w2.byte_len() + e.w13_scale.as_ref().map_or(0, |t| t.byte_len()) + e.w2_scale.as_ref().map_or(0, |t| t.byte_len()))
+                / e.num_experts.max(1);
         let sh = self.shared_experts.as_ref().map_or(0, |m| m.weight_bytes());
         // This rank's expected share of the top_k routed pairs.
         let routed = (per_expert * self.top_k * e.num_experts / self.num_experts.max(1)) as u64;

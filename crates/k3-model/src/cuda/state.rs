@@ -75,14 +75,21 @@ impl Free {
     }
 
     pub fn take_slot(&mut self) -> Result<usize> {
-        self.slots.pop().ok_or_else(|| ModelError::Input(format!("all {} sequence slots are in use: finish a sequence or raise CacheConfig.max_seqs (--max-seqs)", self.max_seqs)))
+        self.slots.pop().ok_or_else(|| {
+            ModelError::Input(format!("all {} sequence slots are in use: finish a sequence or raise CacheConfig.max_seqs (--max-seqs)", self.max_seqs))
+        })
     }
 
     /// Grows `seq.pages` to cover `upto` tokens.
     pub fn cover(&mut self, seq: &mut CudaSeqState, upto: usize) -> Result<()> {
         let need = upto.div_ceil(PAGE);
         while seq.pages.len() < need {
-            let p = self.pages.pop().ok_or_else(|| ModelError::Input(format!("the GPU cache is full ({} pages of {PAGE} tokens): finish sequences or raise CacheConfig.max_tokens (--max-cache-tokens)", self.max_pages)))?;
+            let p = self.pages.pop().ok_or_else(|| {
+                ModelError::Input(format!(
+                    "the GPU cache is full ({} pages of {PAGE} tokens): finish sequences or raise CacheConfig.max_tokens (--max-cache-tokens)",
+                    self.max_pages
+                ))
+            })?;
             seq.pages.push(p);
         }
         Ok(())
@@ -136,7 +143,8 @@ impl StepHost {
     /// Tables for sequences `seqs` consuming `lens` new rows each; the block table is `width`
     /// pages wide (at least every sequence's page count).
     pub fn build(seqs: &[&CudaSeqState], lens: &[usize], width: usize) -> StepHost {
-        let mut h = StepHost { row_seq: vec![], row_pos: vec![], block_table: vec![0; seqs.len() * width], width, slots: vec![], last_rows: vec![], max_len: 0 };
+        let mut h =
+            StepHost { row_seq: vec![], row_pos: vec![], block_table: vec![0; seqs.len() * width], width, slots: vec![], last_rows: vec![], max_len: 0 };
         let mut r = 0;
         for (b, (s, &n)) in seqs.iter().zip(lens).enumerate() {
             for j in 0..n {

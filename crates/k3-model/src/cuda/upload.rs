@@ -10,8 +10,8 @@ use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::{DType, Tensor};
 use rayon::prelude::*;
 
-use crate::source::Tensors;
 use crate::error::{ModelError, Result};
+use crate::source::Tensors;
 
 /// Names the tensor in a device error.
 pub(crate) fn terr(name: &str) -> impl FnOnce(k3_core::CoreError) -> ModelError + '_ {

@@ -11,9 +11,9 @@ use k3_core::kernels::cpu::matmul::{dot, Matrix};
 use k3_core::kernels::cpu::norm::layer_norm_inplace;
 
 use super::{lin, matrix, vector};
-use crate::source::Tensors;
 use crate::config::DsaConfig;
 use crate::error::Result;
+use crate::source::Tensors;
 
 /// Cloning shares the mapped weights.
 #[derive(Clone)]
@@ -68,9 +68,7 @@ impl Indexer {
 
 /// Scores `I[s]` of one query (`q` `[ih, id]`, scaled weights `a` `[ih]`) against `keys` `[n, id]`.
 pub fn index_scores(q: &[f32], a: &[f32], keys: &[f32], id: usize) -> Vec<f32> {
-    keys.chunks_exact(id)
-        .map(|ks| q.chunks_exact(id).zip(a).map(|(qh, &ah)| ah * dot(qh, ks).max(0.0)).sum())
-        .collect()
+    keys.chunks_exact(id).map(|ks| q.chunks_exact(id).zip(a).map(|(qh, &ah)| ah * dot(qh, ks).max(0.0)).sum()).collect()
 }
 
 /// Positions of the `k` largest scores, ordered by `(score desc, position desc)`; all

@@ -5,8 +5,8 @@ use k3_core::kernels::cpu::act::situ_glu_slice;
 use k3_core::kernels::cpu::matmul::Matrix;
 
 use super::{lin, matrix};
-use crate::source::Tensors;
 use crate::error::Result;
+use crate::source::Tensors;
 
 pub struct Mlp {
     pub gate_proj: Matrix,

@@ -12,9 +12,9 @@ use k3_core::kernels::cpu::matmul::Matrix;
 use k3_core::kernels::cpu::norm::{l2_norm_inplace, rms_norm_inplace};
 
 use super::{lin, matrix, vector};
-use crate::source::{Source, Tensors};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::source::{Source, Tensors};
 
 /// Storage of the recurrent state. f32 is the reference (spec §3.8); bf16 halves the state's
 /// memory and is **approximate**: the state is rounded to bf16 after every forward call, so
@@ -146,7 +146,9 @@ impl Kda {
         let n: usize = lens.iter().sum();
         let tail = (self.kernel - 1) * d;
         if let Some(i) = states.iter().position(|s| s.conv.iter().any(|c| c.len() != tail)) {
-            return Err(ModelError::Input(format!("sequence {i}: its KDA state is not the state of this layer's {nh} heads (made for another model or another rank)")));
+            return Err(ModelError::Input(format!(
+                "sequence {i}: its KDA state is not the state of this layer's {nh} heads (made for another model or another rank)"
+            )));
         }
         let mut q = lin(x, n, &self.q_proj)?; // [N, D]
         let mut k = lin(x, n, &self.k_proj)?;

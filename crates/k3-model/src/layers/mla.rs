@@ -15,9 +15,9 @@ use rayon::prelude::*;
 
 use super::dsa::{index_scores, select_topk, Indexer};
 use super::{lin, matrix, vector};
-use crate::source::Source;
 use crate::config::Config;
 use crate::error::Result;
+use crate::source::Source;
 
 /// Per-sequence cache of one MLA/DSA layer.
 #[derive(Clone, Debug, Default)]

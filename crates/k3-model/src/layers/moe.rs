@@ -22,9 +22,9 @@ use rayon::prelude::*;
 
 use super::ffn::Mlp;
 use super::{lin, matrix, vector};
-use crate::source::{Source, Tensors};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::source::{Source, Tensors};
 
 pub struct Expert {
     pub w1: Matrix,
@@ -106,7 +106,9 @@ impl Moe {
             })
             .collect::<Result<Vec<_>>>()?;
         let si = plan.tp_share(t.moe_intermediate_size * t.num_shared_experts).len();
-        let shared = (t.num_shared_experts > 0).then(|| Mlp::load(ck, &format!("{p}shared_experts."), h, si, t.activation_situ_beta, t.activation_situ_linear_beta)).transpose()?;
+        let shared = (t.num_shared_experts > 0)
+            .then(|| Mlp::load(ck, &format!("{p}shared_experts."), h, si, t.activation_situ_beta, t.activation_situ_linear_beta))
+            .transpose()?;
         Ok(Moe {
             gate: matrix(ck, &format!("{p}gate.weight"), plan.stage_share(e).len(), h)?,
             e_score_correction_bias: vector(ck, &format!("{p}gate.e_score_correction_bias"), e)?,
@@ -228,7 +230,7 @@ impl Moe {
             }
         }
         let shared = self.shared_experts.as_ref().map(|sh| sh.forward(x, t)).transpose()?; // [T, H]
-        // The one reduction: [r | shared] in one buffer when both are partial sums.
+                                                                                           // The one reduction: [r | shared] in one buffer when both are partial sums.
         let shared = match shared {
             Some(s) if self.shared_in_reduce => {
                 let mut buf = r;

@@ -3,7 +3,6 @@
 //! the manifest's metrics (max_abs, per-position relative L2, top-1 agreement).
 #![allow(dead_code)]
 
-
 use k3_model::Checkpoint;
 
 #[path = "../../../../tests/support/golden.rs"]

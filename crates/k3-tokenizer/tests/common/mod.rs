@@ -10,8 +10,7 @@ pub use golden::*;
 
 pub fn load_json(rel: &str) -> serde_json::Value {
     let path = golden_path(rel);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -21,11 +20,7 @@ pub fn tokenizer() -> Tokenizer {
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
+    v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
 pub fn hex(bytes: &[u8]) -> String {
@@ -35,7 +30,6 @@ pub fn hex(bytes: &[u8]) -> String {
 /// Like [`load_json`] but keeps object key order.
 pub fn load_ordered(rel: &str) -> k3_tokenizer::json::Json {
     let path = golden_path(rel);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }

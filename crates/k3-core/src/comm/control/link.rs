@@ -41,16 +41,9 @@ impl Link {
             s.set_read_timeout(Some(opts.io_timeout))?;
             s.set_write_timeout(Some(opts.io_timeout))?;
             let half = |s| Half { s, frames: 0, last: Instant::now() };
-            Ok(Link {
-                me,
-                peer,
-                tx: Mutex::new(half(s.try_clone()?)),
-                rx: Mutex::new(half(s.try_clone()?)),
-                sock: s.try_clone()?,
-            })
+            Ok(Link { me, peer, tx: Mutex::new(half(s.try_clone()?)), rx: Mutex::new(half(s.try_clone()?)), sock: s.try_clone()? })
         };
-        setup()
-            .map_err(|e| CoreError::Comm { op: "rendezvous", msg: format!("rank {me}: setting up the link to rank {peer}: {e}") })
+        setup().map_err(|e| CoreError::Comm { op: "rendezvous", msg: format!("rank {me}: setting up the link to rank {peer}: {e}") })
     }
 
     /// A ping, if nothing went out for `every` and no send is in progress (a busy link is not
@@ -73,9 +66,8 @@ impl Link {
     pub(super) fn send(&self, kind: u8, body: &[u8], opts: &Options) -> std::result::Result<(), String> {
         let mut h = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         let n = h.frames;
-        write_frame(&mut h.s, kind, n, body).map_err(|e| {
-            format!("rank {}: could not send frame {n} to rank {}: {}", self.me, self.peer, io_why(&e, opts.io_timeout))
-        })?;
+        write_frame(&mut h.s, kind, n, body)
+            .map_err(|e| format!("rank {}: could not send frame {n} to rank {}: {}", self.me, self.peer, io_why(&e, opts.io_timeout)))?;
         h.frames += 1;
         h.last = Instant::now();
         Ok(())
@@ -86,8 +78,8 @@ impl Link {
         let mut h = self.rx.lock().unwrap_or_else(|p| p.into_inner());
         let (me, peer, n) = (self.me, self.peer, h.frames);
         loop {
-            let (kind, seq, body) = read_frame(&mut h.s, opts.max_frame)
-                .map_err(|e| format!("rank {me}: waiting for frame {n} from rank {peer}: {}", e.why(opts.io_timeout)))?;
+            let (kind, seq, body) =
+                read_frame(&mut h.s, opts.max_frame).map_err(|e| format!("rank {me}: waiting for frame {n} from rank {peer}: {}", e.why(opts.io_timeout)))?;
             if kind == PING {
                 continue;
             }

@@ -36,22 +36,9 @@ struct Names {
     flags: bool,
 }
 
-const FLAGS: Names = Names {
-    rank: "--rank",
-    world: "--world",
-    local_rank: "--local-rank",
-    local_world: "--local-world",
-    master: "--master",
-    flags: true,
-};
-const TORCHRUN: Names = Names {
-    rank: "RANK",
-    world: "WORLD_SIZE",
-    local_rank: "LOCAL_RANK",
-    local_world: "LOCAL_WORLD_SIZE",
-    master: "MASTER_ADDR/MASTER_PORT",
-    flags: false,
-};
+const FLAGS: Names = Names { rank: "--rank", world: "--world", local_rank: "--local-rank", local_world: "--local-world", master: "--master", flags: true };
+const TORCHRUN: Names =
+    Names { rank: "RANK", world: "WORLD_SIZE", local_rank: "LOCAL_RANK", local_world: "LOCAL_WORLD_SIZE", master: "MASTER_ADDR/MASTER_PORT", flags: false };
 const SLURM: Names = Names {
     rank: "SLURM_PROCID",
     world: "SLURM_NTASKS",
@@ -120,9 +107,7 @@ impl WorldSpec {
                 (None, None) => (0, 1),
                 (None, Some(lw)) => (0, lw),
                 (Some(l), None) => {
-                    return Err(bad(format!(
-                        "LOCAL_RANK={l} is set but LOCAL_WORLD_SIZE is not: set LOCAL_WORLD_SIZE to the number of processes on this node"
-                    )))
+                    return Err(bad(format!("LOCAL_RANK={l} is set but LOCAL_WORLD_SIZE is not: set LOCAL_WORLD_SIZE to the number of processes on this node")))
                 }
             };
             let master = env_master(&get, None, world)?;
@@ -140,18 +125,10 @@ impl WorldSpec {
             let local_world = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"]
                 .into_iter()
                 .find_map(|k| get(k).map(|v| (k, v)))
-                .map(|(k, v)| {
-                    tasks_on_node(&v, node)
-                        .ok_or_else(|| bad(format!("{k}={v} has no entry for SLURM_NODEID={node}: expected a list like 4(x2),3")))
-                })
+                .map(|(k, v)| tasks_on_node(&v, node).ok_or_else(|| bad(format!("{k}={v} has no entry for SLURM_NODEID={node}: expected a list like 4(x2),3"))))
                 .transpose()?
-                .ok_or_else(|| {
-                    bad("SLURM_PROCID is set but no SLURM_STEP_TASKS_PER_NODE/SLURM_TASKS_PER_NODE: launch with srun".to_string())
-                })?;
-            let first = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
-                .into_iter()
-                .find_map(&get)
-                .map(|v| first_host(&v));
+                .ok_or_else(|| bad("SLURM_PROCID is set but no SLURM_STEP_TASKS_PER_NODE/SLURM_TASKS_PER_NODE: launch with srun".to_string()))?;
+            let first = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"].into_iter().find_map(&get).map(|v| first_host(&v));
             let master = env_master(&get, first, world)?;
             let spec = WorldSpec { rank, world, local_rank, local_world, master };
             spec.check(n)?;
@@ -171,12 +148,7 @@ impl WorldSpec {
             return Err(bad(format!("{}: a world has at least one process", n.show(n.world, 0))));
         }
         if self.rank >= self.world {
-            return Err(bad(format!(
-                "{} but {}: ranks run 0..{}",
-                n.show(n.rank, self.rank),
-                n.show(n.world, self.world),
-                self.world
-            )));
+            return Err(bad(format!("{} but {}: ranks run 0..{}", n.show(n.rank, self.rank), n.show(n.world, self.world), self.world)));
         }
         if self.local_world == 0 || self.local_world > self.world {
             return Err(bad(format!(
@@ -220,13 +192,7 @@ pub fn node_specs(nnodes: usize, node_rank: usize, procs_per_node: usize, master
         check_master(master).map_err(|why| bad(format!("--master-addr {master:?}: {why}")))?;
     }
     Ok((0..procs_per_node)
-        .map(|i| WorldSpec {
-            rank: node_rank * procs_per_node + i,
-            world,
-            local_rank: i,
-            local_world: procs_per_node,
-            master: master.to_string(),
-        })
+        .map(|i| WorldSpec { rank: node_rank * procs_per_node + i, world, local_rank: i, local_world: procs_per_node, master: master.to_string() })
         .collect())
 }
 
@@ -250,9 +216,11 @@ fn check_master(master: &str) -> std::result::Result<(), String> {
 fn env_master(get: &dyn Fn(&str) -> Option<String>, fallback_host: Option<String>, world: usize) -> Result<String> {
     let port = match get("MASTER_PORT") {
         None => DEFAULT_PORT,
-        Some(p) => p.parse::<u16>().ok().filter(|&p| p > 0).ok_or_else(|| {
-            bad(format!("MASTER_PORT={p} is not a port: set MASTER_PORT to a free port of rank 0's node (1..=65535)"))
-        })?,
+        Some(p) => p
+            .parse::<u16>()
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| bad(format!("MASTER_PORT={p} is not a port: set MASTER_PORT to a free port of rank 0's node (1..=65535)")))?,
     };
     let host = match get("MASTER_ADDR").or(fallback_host) {
         Some(h) => h,

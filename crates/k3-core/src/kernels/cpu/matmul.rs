@@ -94,7 +94,9 @@ impl Matrix {
                     // bf16 → f32 is a 16-bit shift; on aligned data this loop vectorises.
                     (DType::BF16, Ok(w)) => bf16_to_f32(w, &mut out[..n * c]),
                     (DType::F32, _) => out[..n * c].iter_mut().zip(b.chunks_exact(4)).for_each(|(o, x)| *o = f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
-                    (DType::BF16, Err(_)) => out[..n * c].iter_mut().zip(b.chunks_exact(2)).for_each(|(o, x)| *o = bf16::from_bits(u16::from_le_bytes([x[0], x[1]])).to_f32()),
+                    (DType::BF16, Err(_)) => {
+                        out[..n * c].iter_mut().zip(b.chunks_exact(2)).for_each(|(o, x)| *o = bf16::from_bits(u16::from_le_bytes([x[0], x[1]])).to_f32())
+                    }
                     _ => out[..n * c].iter_mut().zip(b.chunks_exact(2)).for_each(|(o, x)| *o = f16::from_bits(u16::from_le_bytes([x[0], x[1]])).to_f32()),
                 }
             }
@@ -275,16 +277,7 @@ pub fn linear(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
 
 /// `dst[i*ld + j] = Σ_k x[i*k + kk] · w[j*k + kk]` for i < m, j < n.
 unsafe fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], dst: *mut f32, ld: usize, par: gemm::Parallelism) {
-    gemm::gemm(
-        m, n, k,
-        dst, 1, ld as isize,
-        false,
-        x.as_ptr(), 1, k as isize,
-        w.as_ptr(), k as isize, 1,
-        0.0f32, 1.0f32,
-        false, false, false,
-        par,
-    );
+    gemm::gemm(m, n, k, dst, 1, ld as isize, false, x.as_ptr(), 1, k as isize, w.as_ptr(), k as isize, 1, 0.0f32, 1.0f32, false, false, false, par);
 }
 
 fn gemv(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
@@ -407,7 +400,8 @@ mod tests {
             Matrix::dense(Tensor::from_f32(vec![n, k], &wf).unwrap()).unwrap(),
             Matrix::dense(Tensor::from_bf16(vec![n, k], &wb).unwrap()).unwrap(),
             Matrix::dense(Tensor::from_bytes(DType::F16, vec![n, k], bytemuck::cast_slice(&wh)).unwrap()).unwrap(),
-            Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap()).unwrap(),
+            Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap())
+                .unwrap(),
         ];
         for w in &mats {
             for t in [1, 3, 5, 70, 130] {
@@ -424,7 +418,8 @@ mod tests {
         let (n, k) = (255, 64); // one row per exponent, two groups per row
         let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.random()).collect();
         let scale: Vec<u8> = (0..n * k / 32).map(|i| (i / 2) as u8).collect();
-        let w = Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap()).unwrap();
+        let w = Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap())
+            .unwrap();
         let wf = w.to_f32();
         for t in [1, 2, 9] {
             let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0..1.0)).collect();

@@ -24,9 +24,7 @@ pub fn e8m0_to_f32(s: u8) -> f32 {
 /// Checks every scale byte; 255 is NaN in the MX spec and never valid in a checkpoint.
 pub fn check_scales(scale: &[u8]) -> Result<()> {
     if let Some(p) = scale.iter().position(|&s| s == 255) {
-        return Err(CoreError::Msg(format!(
-            "MXFP4 scale byte 255 (NaN in the OCP MX spec) at flat index {p}: the checkpoint is corrupt"
-        )));
+        return Err(CoreError::Msg(format!("MXFP4 scale byte 255 (NaN in the OCP MX spec) at flat index {p}: the checkpoint is corrupt")));
     }
     Ok(())
 }
