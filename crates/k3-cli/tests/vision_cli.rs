@@ -89,7 +89,7 @@ fn logits_with_images_match_and_mismatch_fails() {
 #[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn run_with_image_continues_like_logits() {
     let f = fixture();
-    let pads = vec!["377"; 12].join(",");
+    let pads = ["377"; 12].join(",");
     let ids = format!("165,22,89,15,99,378,213,192,41,165,379,{pads},380,350,295,181");
     let img = f.join("v0_rgba_resize.png");
     let d = tempfile::tempdir().unwrap();

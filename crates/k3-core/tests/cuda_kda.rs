@@ -173,7 +173,6 @@ fn check_pools(what: &str, p: &Problem, conv: &CudaTensor, st: &CudaTensor, conv
 }
 
 /// As [`check_pools`] when the kernel was given only the `used` slots of the problem.
-#[allow(clippy::too_many_arguments)]
 fn check_slots(what: &str, p: &Problem, used: &[usize], conv: &CudaTensor, st: &CudaTensor, conv_ref: &[f32], s_ref: &[f32], tol: f64) {
     let (cg, sg) = (conv.to_f32_vec().expect("conv"), st.to_f32_vec().expect("state"));
     let (cw, sw) = (9 * p.d(), p.h * p.hd * p.hd);

@@ -225,7 +225,6 @@ fn attend_real_dims() {
 }
 
 /// Times `iters` calls of `mla_attend` with CUDA events; returns microseconds per call.
-#[allow(clippy::too_many_arguments)]
 fn time_attend(dev: &CudaDevice, q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, rr: usize, out: &CudaTensor, iters: usize) -> f64 {
     mla_attend(q, cache, batch, None, rr, 0.07, out).expect("warm-up");
     let (e0, e1) = (dev.new_event(true).expect("event"), dev.new_event(true).expect("event"));

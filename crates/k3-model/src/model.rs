@@ -265,7 +265,7 @@ impl Model {
     /// some rows replaced, e.g. by projected image features at `<|media_pad|>` positions).
     pub fn forward_embeds(&self, emb: Vec<f32>, state: &mut SeqState, opts: ForwardOpts, trace: Trace<'_>) -> Result<Vec<f32>> {
         let h = self.config.text.hidden_size;
-        if emb.is_empty() || emb.len() % h != 0 {
+        if emb.is_empty() || !emb.len().is_multiple_of(h) {
             return Err(ModelError::Input(format!("input rows: {} values is not a positive multiple of hidden_size {h}", emb.len())));
         }
         let t = emb.len() / h;

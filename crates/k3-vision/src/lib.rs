@@ -92,7 +92,7 @@ impl VisionSpec {
         if c == 0 || heads == 0 || vc.vt_intermediate_size == 0 || vc.patch_size == 0 {
             return Err(bad("vt_hidden_size, vt_num_attention_heads, vt_intermediate_size and patch_size must be > 0".into()));
         }
-        if qkv % heads != 0 || (qkv / heads) % 4 != 0 {
+        if !qkv.is_multiple_of(heads) || !(qkv / heads).is_multiple_of(4) {
             return Err(bad(format!("qkv_hidden_size {qkv} / {heads} heads must give a head_dim divisible by 4 (2-D RoPE)")));
         }
         if let Some(m) = vc.mm_hidden_size {
@@ -240,7 +240,7 @@ impl ImageFeatures {
 /// image's `N_i`; otherwise every run must be filled by whole images.
 pub fn splice(emb: &mut [f32], ids: &[u32], pad_id: u32, features: &[&[f32]]) -> Result<()> {
     let t = ids.len();
-    if t == 0 || emb.len() % t != 0 {
+    if t == 0 || !emb.len().is_multiple_of(t) {
         return Err(VisionError::Splice(format!("embedding holds {} values for {t} ids", emb.len())));
     }
     let h = emb.len() / t;

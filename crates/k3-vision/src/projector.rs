@@ -80,7 +80,7 @@ impl Projector {
     /// `[n, in]` merged tokens → `[n, text_hidden]`.
     pub fn forward(&self, m: &[f32]) -> Result<Vec<f32>> {
         let k = self.in_width();
-        if m.is_empty() || m.len() % k != 0 {
+        if m.is_empty() || !m.len().is_multiple_of(k) {
             return Err(input(format!("projector input holds {} values, not a positive multiple of {k}", m.len())));
         }
         let n = m.len() / k;

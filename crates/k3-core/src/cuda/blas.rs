@@ -95,7 +95,6 @@ pub struct Strided {
 /// with `ld = nh·(dn+dr)`, `stride = dn+dr`); the caller guarantees every view lies inside
 /// live allocations of `dev` (only `ld`/dims are checked here). Capturable (cuBLAS uses the
 /// preallocated workspace).
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_strided_batched(
     dev: &CudaDevice,
     m: usize,

@@ -175,7 +175,6 @@ fn i32_of(x: usize, what: &str) -> Result<i32> {
 /// Updates those slots of `conv_state` and `state` in place, writes `out`, and, when given, the
 /// state after every 64-token chunk into `chunk_states`. Not capturable (uploads the sequence
 /// tables from the host).
-#[allow(clippy::too_many_arguments)]
 pub fn kda_prefill(
     inp: &KdaInputs,
     w: &KdaWeights,
@@ -191,7 +190,6 @@ pub fn kda_prefill(
 
 /// [`kda_prefill`] with events around its kernels; returns (prep ms, scan ms) at head dim 128,
 /// (general kernel ms, 0) otherwise. For tuning.
-#[allow(clippy::too_many_arguments)]
 pub fn kda_prefill_profiled(
     inp: &KdaInputs,
     w: &KdaWeights,
@@ -209,7 +207,6 @@ pub fn kda_prefill_profiled(
     Ok((ev[0].elapsed_ms(&ev[1])?, ev[1].elapsed_ms(&ev[2])?))
 }
 
-#[allow(clippy::too_many_arguments)]
 fn prefill(
     inp: &KdaInputs,
     w: &KdaWeights,
@@ -295,7 +292,6 @@ fn prefill(
 
 /// Launches `kda_general` over `nb` sequences: from the `seqs` table (prefill) or, with
 /// `seqs == 0`, one token per sequence with slots from the device table `slots` (decode).
-#[allow(clippy::too_many_arguments)]
 fn general(
     dev: &CudaDevice,
     inp: &KdaInputs,

@@ -161,7 +161,6 @@ impl ExpertWeights {
 /// f32 at T = 1). T larger: the prefill path, NOT capturable (reads the routing on the host;
 /// intermediate rounded to BF16). `z` F32 is the reference precision: any expert format (F32
 /// experts only there), every product and the intermediate in f32, any T, capturable.
-#[allow(clippy::too_many_arguments)]
 pub fn experts_forward(
     z: &CudaTensor,
     ids: &CudaTensor,
@@ -243,7 +242,6 @@ struct Pairs {
 }
 
 impl Pairs {
-    #[allow(clippy::too_many_arguments)]
     fn combine(&self, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, scaling: f32, out: &CudaTensor) -> Result<()> {
         let dev = out.cuda_device();
         let grid = dev.elementwise_grid(t * w.latent, 256);

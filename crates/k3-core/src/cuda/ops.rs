@@ -169,7 +169,6 @@ const ATTN_RES_SLICE: usize = 512;
 /// `snap` when given (the snapshot that becomes a completed block); then the sources `blocks`
 /// (F32 `[N, H]` each) followed by `P` are mixed with the pseudo-query `c` (F32 `[H]`) and
 /// `eps_res`, and `out = RMSNorm(mix; w, eps)` (w F32 `[H]`) is written as BF16 or F32 `[N, H]`.
-#[allow(clippy::too_many_arguments)]
 pub fn attn_res_norm(
     blocks: &[&CudaTensor],
     p: &CudaTensor,
@@ -399,7 +398,6 @@ pub fn copy_strided_bf16(dev: &super::CudaDevice, src: u64, src_stride: usize, d
 }
 
 /// [`copy_strided_bf16`] for elements of `dtype` (BF16 or F32); strides in elements.
-#[allow(clippy::too_many_arguments)]
 pub fn copy_strided(dev: &super::CudaDevice, dtype: DType, src: u64, src_stride: usize, dst: u64, dst_stride: usize, rows: usize, width: usize) -> Result<()> {
     const OP: &str = "cuda copy_strided";
     let name = match dtype {

@@ -24,7 +24,6 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    #[allow(clippy::too_many_arguments)]
     pub fn load<S: Tensors + ?Sized>(dev: &CudaDevice, ck: &S, p: &str, h: usize, inter: usize, beta: f32, linear_beta: f32, dt: DType) -> Result<Self> {
         Ok(Mlp {
             gate_proj: matrix(dev, ck, &format!("{p}gate_proj.weight"), inter, h, dt)?,

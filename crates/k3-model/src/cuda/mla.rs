@@ -67,7 +67,6 @@ pub struct Mla {
 impl Mla {
     /// Layer `l`'s attention: this rank's heads (all of them on one rank), a latent cache of
     /// `max_pages` pages.
-    #[allow(clippy::too_many_arguments)]
     pub fn load(dev: &CudaDevice, ck: &Source<'_>, cfg: &Config, l: usize, dsa: bool, max_pages: usize, dt: DType) -> Result<Self> {
         let t = &cfg.text;
         let (h, dn, dr, dv, r) = (t.hidden_size, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);

@@ -53,7 +53,6 @@ pub struct Moe {
 
 /// The `experts` of one layer, each one's `w{a}` (then `w{b}`), one after the other in one
 /// device tensor (local index = position in `experts`).
-#[allow(clippy::too_many_arguments)]
 fn upload_experts(
     dev: &CudaDevice,
     ck: &Source<'_>,

@@ -76,7 +76,7 @@ impl Residual {
     /// mixer's sources (the blocks before `l`'s and `P`).
     pub fn mixer_sources(&mut self, l: usize, block: usize) -> Vec<&[f32]> {
         self.settle();
-        if l % block == 0 {
+        if l.is_multiple_of(block) {
             self.blocks.push(self.p.clone());
         }
         self.sources(l.div_ceil(block))
@@ -84,12 +84,12 @@ impl Residual {
 
     /// Adds the mixer output `a` (a new block starts from it) and returns the FFN's sources.
     pub fn ffn_sources(&mut self, l: usize, block: usize, a: Vec<f32>) -> Vec<&[f32]> {
-        if l % block == 0 {
+        if l.is_multiple_of(block) {
             self.p = a;
         } else {
             self.p.iter_mut().zip(&a).for_each(|(x, y)| *x += y);
         }
-        self.sources(l.div_ceil(block) + usize::from(l % block == 0))
+        self.sources(l.div_ceil(block) + usize::from(l.is_multiple_of(block)))
     }
 
     /// After the last layer: every block and the settled `P`.

@@ -45,7 +45,7 @@ pub fn meta() -> serde_json::Value {
 /// Max over rows of ‖a_r − b_r‖₂ / ‖b_r‖₂.
 pub fn max_rel_l2(a: &[f32], b: &[f32], width: usize) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    assert!(width > 0 && a.len() % width == 0);
+    assert!(width > 0 && a.len().is_multiple_of(width));
     a.chunks(width)
         .zip(b.chunks(width))
         .map(|(x, y)| {

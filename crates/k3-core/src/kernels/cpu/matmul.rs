@@ -5,6 +5,7 @@
 //! - BF16 / F16 / MXFP4 weights: rows are decoded to f32 in small per-thread tiles
 //!   (`ROW_TILE` rows at a time, L2-resident) and multiplied there; nothing is expanded
 //!   for the whole matrix. Small `T` (decode) takes a GEMV path that streams each row once.
+//!
 //! Accumulation is f32 throughout.
 
 use half::{bf16, f16};

@@ -46,7 +46,7 @@ pub fn decode_row(packed: &[u8], scale: &[u8], out: &mut [f32]) {
 /// Decodes a whole `[rows, cols]` matrix to f32 (for tests and reference paths only; the
 /// engine computes from the packed form).
 pub fn decode(packed: &[u8], scale: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>> {
-    if cols % 32 != 0 || packed.len() != rows * cols / 2 || scale.len() != rows * cols / 32 {
+    if !cols.is_multiple_of(32) || packed.len() != rows * cols / 2 || scale.len() != rows * cols / 32 {
         return Err(CoreError::Shape {
             op: "mxfp4::decode",
             detail: format!("[{rows}, {cols}] needs {} packed and {} scale bytes, got {} and {}", rows * cols / 2, rows * cols / 32, packed.len(), scale.len()),
