@@ -22,12 +22,11 @@ L=${PAR_LOGS:-/tmp/k3serve}; mkdir -p $L
 # Never NVLink multicast (kept off as the machines' own environment does); one GPU anyway.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export K3_REQUIRE_CUDA=1 K3_NCCL_TIMEOUT_S=60 K3_RENDEZVOUS_TIMEOUT_S=120
+. "$(dirname "$0")/lib.sh"
 M=/tmp/k3r4par
 TOK=models/k3-nano # the checkpoint has no tokenizer; served text is decoded with k3-nano's (ids in)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-if [ ! -d $M ]; then
-  /usr/bin/time -f "init %e s" $D/k3 init --config k3 --num-hidden-layers 4 --num-experts 64 --set vocab_size=32768 --set first_k_dense_replace=1 --experts mxfp4 --out $M 2>&1 | tail -2
-fi
+k3_model k3r4par $D/k3 || exit 1 # scripts/gpu/lib.sh: made once, then reused
 du -sh $M
 IDS=$(python3 -c "import random; random.seed(7); print(','.join(str(random.randrange(32768)) for _ in range(40)))")
 FAILS=0
