@@ -20,8 +20,11 @@ fn fails(c: &mut Command) -> String {
     err
 }
 
+#[path = "../../../tests/support/golden.rs"]
+mod golden;
+
 fn tokenizer_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/tokenizer")
+    golden::repo_golden().join("tokenizer")
 }
 
 /// Item 13: `parse-output` refuses an id outside the vocabulary, as `detokenize` does.

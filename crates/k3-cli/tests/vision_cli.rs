@@ -7,15 +7,13 @@ use k3_model::checkpoint::open_tensors_only;
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
+#[path = "../../../tests/support/numeric.rs"]
+mod numeric;
+use numeric::max_abs;
 
 /// In the full golden set only (`K3_GOLDEN_DIR`): these tests are `#[ignore]`d by default.
 fn fixture() -> PathBuf {
     golden::fixture("vision_small_f32")
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 fn read_npy_f32(p: &std::path::Path) -> Vec<f32> {

@@ -3,7 +3,8 @@
 //! against a CPU reference of the whole KDA token mixer after the projections (causal conv +
 //! SiLU with conv state, L2 norms, q scale, β = σ(b), the lower-bounded gate, the delta-rule
 //! core from `kernels::cpu::kda` — recurrent, the normative definition, and chunked — then
-//! RMSNorm × σ(gate)), written here in f32 the same way as k3-model's `layers/kda.rs`.
+//! RMSNorm × σ(gate)), in f32 the same way as k3-model's `layers/kda.rs`, from the CPU kernels of
+//! `kernels::cpu` (SiLU, σ, the L2 norm and RMSNorm; only the causal conv is written here).
 //!
 //! States live in a pool of slots: every case gives its sequences non-identity slots in a larger
 //! pool (e.g. `[3, 0, 5]` of 7) and checks that the slots no sequence uses stay bit-identical.
@@ -22,7 +23,9 @@ use cuda_common::{device, poisoned, rel_l2, rng, rvec, say, up};
 
 use k3_core::cuda::kda::{self, KdaInputs, KdaWeights};
 use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::kernels::cpu::act::{sigmoid, silu};
 use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
+use k3_core::kernels::cpu::norm::{l2_norm_inplace, rms_norm_inplace};
 use k3_core::DType;
 use rand::Rng;
 
@@ -108,7 +111,6 @@ impl Problem {
 /// CPU reference: (output [N, D], conv-state pool, state pool, states after each chunk).
 fn cpu_reference(p: &Problem, chunked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let (h, hd, d) = (p.h, p.hd, p.d());
-    let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
     let (mut out, mut conv, mut st, mut chunk_states) = (Vec::new(), p.conv0.clone(), p.s0.clone(), Vec::new());
     let mut r0 = 0;
     for (&t, &slot) in p.lens.iter().zip(&p.slots) {
@@ -123,22 +125,19 @@ fn cpu_reference(p: &Problem, chunked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, V
                 .map(|i| {
                     let (row, c) = (i / d, i % d);
                     let a: f32 = (0..4).map(|j| w[c * 4 + j] * xs[(row + j) * d + c]).sum();
-                    a * sig(a)
+                    silu(a)
                 })
                 .collect();
             tail.copy_from_slice(&xs[t * d..]);
             qkv.push(y);
         }
         let (mut q, mut k, v) = (qkv[0].clone(), qkv[1].clone(), qkv[2].clone());
-        for row in 0..t * h {
-            let (qs, ks) = (&mut q[row * hd..][..hd], &mut k[row * hd..][..hd]);
-            let qi = 1.0 / (qs.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt() / (hd as f32).sqrt();
-            let ki = 1.0 / (ks.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
-            qs.iter_mut().for_each(|x| *x *= qi);
-            ks.iter_mut().for_each(|x| *x *= ki);
-        }
-        let g: Vec<f32> = (0..t * d).map(|i| -5.0 * sig(p.a_log[(i % d) / hd].exp() * (p.g[r0 * d + i] + p.dt_bias[i % d]))).collect();
-        let beta: Vec<f32> = p.beta[r0 * h..(r0 + t) * h].iter().map(|&x| sig(x)).collect();
+        l2_norm_inplace(&mut q, hd, 1e-6);
+        l2_norm_inplace(&mut k, hd, 1e-6);
+        let q_scale = 1.0 / (hd as f32).sqrt();
+        q.iter_mut().for_each(|x| *x *= q_scale);
+        let g: Vec<f32> = (0..t * d).map(|i| -5.0 * sigmoid(p.a_log[(i % d) / hd].exp() * (p.g[r0 * d + i] + p.dt_bias[i % d]))).collect();
+        let beta: Vec<f32> = p.beta[r0 * h..(r0 + t) * h].iter().map(|&x| sigmoid(x)).collect();
         let s = &mut st[slot * h * hd * hd..][..h * hd * hd];
         let mut o = vec![0f32; t * d];
         // Chunk by chunk (equal to one call: the state carries over), snapshotting S.
@@ -152,13 +151,9 @@ fn cpu_reference(p: &Problem, chunked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, V
             chunk_states.extend_from_slice(s);
             c0 += n;
         }
-        for row in 0..t * h {
-            let orow = &mut o[row * hd..][..hd];
-            let inv = 1.0 / (orow.iter().map(|x| x * x).sum::<f32>() / hd as f32 + 1e-5).sqrt();
-            let (tt, hh) = (row / h, row % h);
-            for (dd, x) in orow.iter_mut().enumerate() {
-                *x *= inv * p.o_norm[dd] * sig(p.gate[(r0 + tt) * d + hh * hd + dd]);
-            }
+        rms_norm_inplace(&mut o, &p.o_norm, 1e-5);
+        for (x, &gate) in o.iter_mut().zip(&p.gate[r0 * d..(r0 + t) * d]) {
+            *x *= sigmoid(gate);
         }
         out.extend_from_slice(&o);
         r0 += t;

@@ -1,6 +1,7 @@
 //! Parity suite for the CUDA MLA kernels (`cuda::mla`, text-backbone §4) and the strided
 //! batched GEMM (`cuda::blas::gemm_strided_batched`) in its MLA absorb / un-absorb use,
-//! against f32 CPU references written here (the absorbed branch of k3-model `layers/mla.rs`).
+//! against f32 CPU references written here (the absorbed branch of k3-model `layers/mla.rs`,
+//! with the dot product and softmax of `kernels::cpu`).
 //!
 //! Shapes: N packed rows, nh heads, r latent, dr rope, W = r + dr; paged BF16 cache
 //! `[pages, 64, W]` with non-contiguous page ids. Inputs are random bf16-representable values
@@ -21,6 +22,8 @@ use half::bf16;
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
 use k3_core::cuda::mla::{mla_attend, mla_cache_append, PagedBatch, PAGE};
 use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::kernels::cpu::act::softmax_inplace;
+use k3_core::kernels::cpu::matmul::dot;
 use k3_core::DType;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -97,20 +100,12 @@ fn reference(p: &Attend, scale: f32) -> Vec<f32> {
         };
         for h in 0..nh {
             let qh = &p.q[(i * nh + h) * w..][..w];
-            let sc: Vec<f32> = keys
-                .iter()
-                .map(|&s| {
-                    let row = &p.cache[slot(&p.bt, p.mp, *seq, s) * w..][..w];
-                    qh.iter().zip(row).map(|(a, b)| a * b).sum::<f32>() * scale
-                })
-                .collect();
-            let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let e: Vec<f32> = sc.iter().map(|s| (s - m).exp()).collect();
-            let z: f32 = e.iter().sum();
+            let mut prob: Vec<f32> = keys.iter().map(|&s| dot(qh, &p.cache[slot(&p.bt, p.mp, *seq, s) * w..][..w]) * scale).collect();
+            softmax_inplace(&mut prob);
             let o = &mut out[(i * nh + h) * r..][..r];
-            for (&s, &pe) in keys.iter().zip(&e) {
+            for (&s, &pe) in keys.iter().zip(&prob) {
                 let row = &p.cache[slot(&p.bt, p.mp, *seq, s) * w..][..r];
-                o.iter_mut().zip(row).for_each(|(a, &b)| *a += pe / z * b);
+                o.iter_mut().zip(row).for_each(|(a, &b)| *a += pe * b);
             }
         }
     }

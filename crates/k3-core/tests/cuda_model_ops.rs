@@ -8,42 +8,17 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, rng, say};
+use cuda_common::{check, device, poisoned, rng, up};
 
 use half::bf16;
 use k3_core::cuda::ops::{self, ResUpdate};
-use k3_core::cuda::{capture, CudaDevice, CudaTensor};
+use k3_core::cuda::{capture, CudaTensor};
 use k3_core::DType;
 use rand::Rng;
 
 fn rv(r: &mut impl Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| r.random_range(-2.0f32..2.0)).collect()
 }
-fn up(dev: &CudaDevice, dtype: DType, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
-    match dtype {
-        DType::F32 => CudaTensor::from_f32(dev, shape, v),
-        _ => CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
-    }
-    .expect("upload")
-}
-fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
-    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
-    t.fill_bytes(0xFF).expect("poison");
-    t
-}
-fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite output (unwritten?)");
-    let (mut n, mut d) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        n += (g as f64 - w as f64).powi(2);
-        d += (w as f64).powi(2);
-    }
-    let e = if d == 0.0 { n.sqrt() } else { (n / d).sqrt() };
-    say(&format!("  {what:<52} rel L2 {e:.2e} (tol {tol:.0e})"));
-    assert!(e <= tol, "{what}: relative L2 {e:.3e} > {tol:.0e}");
-}
-
 /// f64 AttnRes mix of `srcs` rows then RMSNorm with `w`.
 fn attn_res_ref(srcs: &[Vec<f32>], c: &[f32], eps_res: f32, w: &[f32], eps: f32, rows: usize) -> Vec<f32> {
     let h = c.len();

@@ -1,7 +1,7 @@
 //! Parity suite for the CUDA routed-MoE kernels (`cuda::moe`, text-backbone §7.2–7.5): the
 //! router top-k against a CPU copy of k3-model's `Moe::route` (random logits, heavy ties,
 //! renormalize on and off), and `experts_forward` against an f32 CPU reference of
-//! `Moe::forward`'s routed part (grouped experts, SiTU-GLU from `kernels::cpu::act`, weighted
+//! `Moe::forward`'s routed part (grouped experts, dot products and SiTU-GLU from `kernels::cpu`, weighted
 //! sum, routed scaling), MXFP4 weights decoded with `kernels::cpu::mxfp4::decode`.
 //!
 //! Inputs are fresh random values (seed printed; `K3_TEST_SEED=N` replays), z bf16-representable;
@@ -23,6 +23,7 @@ use half::bf16;
 use k3_core::cuda::moe::{self, ExpertFormat, ExpertWeights};
 use k3_core::cuda::{kda, CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::act::{sigmoid, situ_glu};
+use k3_core::kernels::cpu::matmul::dot;
 use k3_core::kernels::cpu::mxfp4;
 use k3_core::DType;
 use rand::Rng;
@@ -171,15 +172,9 @@ fn experts_ref(ly: &Layer, z: &[f32], ids: &[i32], wts: &[f32], t: usize, k: usi
                     continue;
                 }
                 let zt = &z[tok * l..(tok + 1) * l];
-                let a: Vec<f32> = (0..f)
-                    .map(|r| {
-                        let g: f32 = (0..l).map(|c| w1[r * l + c] * zt[c]).sum();
-                        let u: f32 = (0..l).map(|c| w1[(f + r) * l + c] * zt[c]).sum();
-                        situ_glu(g, u, BETA, LBETA)
-                    })
-                    .collect();
+                let a: Vec<f32> = (0..f).map(|r| situ_glu(dot(&w1[r * l..][..l], zt), dot(&w1[(f + r) * l..][..l], zt), BETA, LBETA)).collect();
                 for (o, row) in out[tok * l..(tok + 1) * l].iter_mut().zip(w2.chunks_exact(f)) {
-                    *o += wts[tok * k + j] * row.iter().zip(&a).map(|(x, y)| x * y).sum::<f32>();
+                    *o += wts[tok * k + j] * dot(row, &a);
                 }
             }
         }

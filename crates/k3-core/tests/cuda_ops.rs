@@ -10,7 +10,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{device, rng, say};
+use cuda_common::{check, device, poisoned, rng, say, up};
 
 use half::bf16;
 use k3_core::cuda::blas::{self, Algo, Backend, GemmOptions, Layout};
@@ -42,44 +42,6 @@ fn rand_vec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
 
 fn round_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
-}
-
-/// Uploads `v` as `dtype` (values are already representable when dtype is BF16).
-fn upload(dev: &CudaDevice, dtype: DType, shape: Vec<usize>, v: &[f32]) -> CudaTensor {
-    let t = match dtype {
-        DType::F32 => CudaTensor::from_f32(dev, shape, v),
-        _ => CudaTensor::from_bf16(dev, shape, &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
-    };
-    t.expect("upload")
-}
-
-fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor {
-    let t = CudaTensor::uninit(dev, dtype, shape).expect("alloc");
-    t.fill_bytes(0xFF).expect("poison");
-    t
-}
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length mismatch");
-    if let Some(i) = got.iter().position(|v| v.is_nan()) {
-        panic!("NaN at element {i} of {} (unwritten or invalid output)", got.len());
-    }
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        num += (g as f64 - w as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
-fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
-    let e = rel_l2(got, want);
-    say(&format!("  {what:<48} rel L2 {e:.2e} (tol {tol:.1e})"));
-    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.1e}");
 }
 
 fn tol_for(d: DType) -> f64 {
@@ -187,7 +149,7 @@ fn rms_norm_parity() {
             let eps = 1e-6;
             let mut want = vec![0f32; rows * d];
             norm::rms_norm(&x, &w, eps, &mut want);
-            let (gx, gw) = (upload(&dev, dtype, vec![rows, d], &x), upload(&dev, dtype, vec![d], &w));
+            let (gx, gw) = (up(&dev, dtype, vec![rows, d], &x), up(&dev, dtype, vec![d], &w));
             let out = poisoned(&dev, dtype, vec![rows, d]);
             ops::rms_norm(&gx, &gw, eps, &out).unwrap();
             let tol = if dtype == DType::F32 { tol_f32_rows(d) } else { TOL_BF16 };
@@ -213,7 +175,7 @@ fn sigmoid_silu_parity() {
             if dtype == DType::BF16 {
                 x = round_bf16(&x);
             }
-            let gx = upload(&dev, dtype, vec![n], &x);
+            let gx = up(&dev, dtype, vec![n], &x);
             let out = poisoned(&dev, dtype, vec![n]);
             ops::sigmoid(&gx, &out).unwrap();
             let want: Vec<f32> = x.iter().map(|&v| act::sigmoid(v)).collect();
@@ -242,7 +204,7 @@ fn situ_glu_parity() {
             }
             let mut want = vec![0f32; n];
             act::situ_glu_slice(&g, &u, &mut want, beta, lin);
-            let (gg, gu) = (upload(&dev, dtype, shape.clone(), &g), upload(&dev, dtype, shape.clone(), &u));
+            let (gg, gu) = (up(&dev, dtype, shape.clone(), &g), up(&dev, dtype, shape.clone(), &u));
             let out = poisoned(&dev, dtype, shape.clone());
             ops::situ_glu(&gg, &gu, beta, lin, &out).unwrap();
             check(&format!("situ_glu {dtype} {shape:?}"), &out.to_f32_vec().unwrap(), &want, tol_for(dtype));
@@ -267,7 +229,7 @@ fn softmax_parity() {
             }
             let mut want = x.clone();
             want.chunks_exact_mut(d).for_each(act::softmax_inplace);
-            let gx = upload(&dev, dtype, vec![rows, d], &x);
+            let gx = up(&dev, dtype, vec![rows, d], &x);
             let out = poisoned(&dev, dtype, vec![rows, d]);
             ops::softmax(&gx, &out).unwrap();
             let got = out.to_f32_vec().unwrap();
@@ -341,9 +303,9 @@ fn gemm_parity() {
                     wt[kk * n + j] = v;
                 }
             }
-            let gx = upload(&dev, input, vec![m, k], &x);
-            let gw = upload(&dev, input, vec![n, k], &w);
-            let gwt = upload(&dev, input, vec![k, n], &wt);
+            let gx = up(&dev, input, vec![m, k], &x);
+            let gw = up(&dev, input, vec![n, k], &w);
+            let gwt = up(&dev, input, vec![k, n], &wt);
             for o in opts {
                 for (layout, b) in [(Layout::BT, &gw), (Layout::B, &gwt)] {
                     let out = poisoned(&dev, output, vec![m, n]);
@@ -358,7 +320,7 @@ fn gemm_parity() {
     let x = round_bf16(&rand_vec(&mut r, 2 * 3 * 64, 0.05, 1.0));
     let w = round_bf16(&rand_vec(&mut r, 40 * 64, 0.05, 1.0));
     let out = poisoned(&dev, DType::F32, vec![2, 3, 40]);
-    blas::linear(&upload(&dev, DType::BF16, vec![2, 3, 64], &x), &upload(&dev, DType::BF16, vec![40, 64], &w), &out).unwrap();
+    blas::linear(&up(&dev, DType::BF16, vec![2, 3, 64], &x), &up(&dev, DType::BF16, vec![40, 64], &w), &out).unwrap();
     check("linear bf16->f32 x [2,3,64] · w [40,64]T", &out.to_f32_vec().unwrap(), &cpu_linear(&x, &w, 6, 40, 64), TOL_GEMM_BF16_F32OUT);
 }
 

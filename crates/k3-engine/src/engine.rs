@@ -305,7 +305,7 @@ impl Engine {
         }
         let vocab = self.runner.config().text.vocab_size;
         if logits.len() != plan.len() * vocab {
-            return Err(EngineError::Unsupported(format!("the runner returned {} logits for {} sequences of vocabulary {vocab}", logits.len(), plan.len())));
+            return Err(EngineError::Internal(format!("the runner returned {} logits for {} sequences of vocabulary {vocab}", logits.len(), plan.len())));
         }
         let logits: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
         let dt = t0.elapsed();

@@ -23,6 +23,10 @@ pub enum EngineError {
     /// rank at fault.
     #[error("launch: {0}")]
     Launch(String),
+    /// A fault inside the engine (a sequence planned twice, a runner that returned the wrong
+    /// number of logits): a bug, not something the client sent.
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error(transparent)]
     Model(#[from] k3_model::ModelError),
     #[error(transparent)]

@@ -166,7 +166,7 @@ mod imp {
                 self.release(id);
             }
             if !step.last_only {
-                return Err(EngineError::Unsupported("the GPU runner returns last-row logits only".into()));
+                return Err(EngineError::Internal("the GPU runner returns last-row logits only".into()));
             }
             if self.on_sight {
                 for s in &step.seqs {
@@ -178,7 +178,7 @@ mod imp {
             }
             let mut seen = std::collections::HashSet::new();
             if let Some(s) = step.seqs.iter().find(|s| !self.seqs.contains_key(&s.id) || !seen.insert(s.id)) {
-                return Err(EngineError::Step(format!("sequence {} has no GPU state or is planned twice", s.id)));
+                return Err(EngineError::Internal(format!("sequence {} has no GPU state or is planned twice", s.id)));
             }
             let tokens: Vec<u32> = step.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
             let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();

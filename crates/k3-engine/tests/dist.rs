@@ -7,8 +7,7 @@
 //! same tokens in the same order. A rank that fails or panics gives an error naming it, on
 //! time, and the runner stays failed; bad layouts and multi-GPU are refused with the flag.
 
-use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::sync::Arc;
 
 use k3_engine::dist::runner::{self, Fault, Runner, RunnerSpec, Step, StepSeq, ThreadRunner};
 use k3_engine::{Engine, EngineConfig, Event, Request, SamplingParams};
@@ -17,6 +16,12 @@ use k3_model::{Checkpoint, Model, Parallel};
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
+#[path = "../../../tests/support/numeric.rs"]
+mod numeric;
+use numeric::rel_l2;
+#[path = "../../../tests/support/timeout.rs"]
+mod timeout;
+use timeout::within;
 
 fn ck() -> Checkpoint {
     Checkpoint::open(&golden::fixture("k3_small_mxfp4")).unwrap()
@@ -49,11 +54,6 @@ fn script(r: &mut dyn Runner) -> Vec<Vec<f32>> {
     step(r, vec![seq(1, &[2, 3]), seq(3, &[9])], false, vec![]);
     step(r, vec![seq(3, &[1, 2, 3]), seq(2, &[10])], true, vec![3]); // 2 and 3 start afresh
     out
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let (n, d) = a.iter().zip(b).fold((0f64, 0f64), |(n, d), (x, y)| (n + ((x - y) as f64).powi(2), d + (*y as f64).powi(2)));
-    (n / d.max(1e-30)).sqrt()
 }
 
 fn argmax(x: &[f32]) -> usize {
@@ -116,15 +116,6 @@ fn engine_on_threads_equals_plain_engine() {
         let e = Engine::with_runner(Box::new(ThreadRunner::start(&ck, p, StateDType::F32).unwrap()), None, cfg());
         assert_eq!(run_all(e), plain, "{p:?}");
     }
-}
-
-/// Runs `f` on a thread and fails the test if it takes longer than `secs` (a hang).
-fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(secs)).unwrap_or_else(|_| panic!("{what}: no answer within {secs} s (a hang, or the thread panicked)"))
 }
 
 #[test]

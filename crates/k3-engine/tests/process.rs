@@ -29,6 +29,9 @@ use k3_model::{Checkpoint, Config, Model};
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
+#[path = "../../../tests/support/timeout.rs"]
+mod timeout;
+use timeout::within;
 
 fn model() -> Arc<Model> {
     Arc::new(Model::load(&Checkpoint::open(&golden::fixture("k3_small_mxfp4")).unwrap()).unwrap())
@@ -171,15 +174,6 @@ fn run_all(e: &mut Engine) -> Vec<(u64, u32, bool)> {
         assert!(steps < 1000);
     }
     events
-}
-
-/// Runs `f` on a thread and fails the test if it takes longer than `secs` (a hang).
-fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(secs)).unwrap_or_else(|_| panic!("{what}: no answer within {secs} s (a hang, or the thread panicked)"))
 }
 
 #[test]

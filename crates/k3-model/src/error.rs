@@ -14,8 +14,18 @@ pub enum ModelError {
     Tensor { name: String, msg: String },
     #[error("I/O error on {path}: {source}")]
     Io { path: String, source: std::io::Error },
+    /// The caller's input is invalid (a token outside the vocabulary, too many tokens for the
+    /// context, a bad parallel layout): fix the input.
     #[error("input: {0}")]
     Input(String),
+    /// A resource sized at load time is exhausted (every sequence slot in use, the GPU cache
+    /// full): nothing is wrong with the input, and the call can succeed once sequences finish.
+    #[error("capacity: {0}")]
+    Capacity(String),
+    /// A fault inside k3 (a broken invariant between its own parts, a rank that sent malformed
+    /// data, a panicked thread): a bug, not something the caller sent.
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error(transparent)]
     Core(#[from] k3_core::CoreError),
 }

@@ -510,7 +510,7 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> ModelError + '_ {
 }
 
 fn pretty(v: &Value) -> Result<Vec<u8>> {
-    serde_json::to_vec_pretty(v).map_err(|e| ModelError::Input(format!("cannot serialise JSON: {e}")))
+    serde_json::to_vec_pretty(v).map_err(|e| ModelError::Internal(format!("cannot serialise JSON: {e}")))
 }
 
 /// The safetensors header for `tensors` laid out in this order (padded to 8 bytes).
@@ -522,7 +522,7 @@ fn header(tensors: &[&Planned]) -> Result<Vec<u8>> {
         m.insert(t.name.clone(), json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [off, off + t.bytes]}));
         off += t.bytes;
     }
-    let mut s = serde_json::to_vec(&Value::Object(m)).map_err(|e| ModelError::Input(format!("cannot serialise a safetensors header: {e}")))?;
+    let mut s = serde_json::to_vec(&Value::Object(m)).map_err(|e| ModelError::Internal(format!("cannot serialise a safetensors header: {e}")))?;
     while (8 + s.len()) % 8 != 0 {
         s.push(b' ');
     }

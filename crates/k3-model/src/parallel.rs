@@ -354,7 +354,7 @@ pub fn on_threads<T: Send>(ck: &Checkpoint, par: Parallel, f: impl Fn(&Model) ->
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(ModelError::Input("a rank thread panicked".into())))).collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(ModelError::Internal("a rank thread panicked".into())))).collect()
     });
     let aborted = |e: &ModelError| matches!(e, ModelError::Core(k3_core::CoreError::Comm { msg, .. }) if msg.contains("aborted"));
     if let Some(i) = results.iter().position(|r| r.as_ref().is_err_and(|e| !aborted(e))).or_else(|| results.iter().position(Result::is_err)) {

@@ -33,6 +33,9 @@
 
 mod common;
 use common::*;
+#[path = "../../../tests/support/cuda.rs"]
+mod cuda;
+use cuda::device;
 use k3_core::cuda::CudaDevice;
 use k3_model::config::builtin_config;
 use k3_model::cuda::{CacheConfig, CudaModel, Input, Precision};
@@ -51,29 +54,9 @@ const TOL_RANDOM: f32 = 5e-2;
 /// Top-1 agreement on trained weights.
 const TOL_TOP1: f32 = 0.95;
 
-fn device(test: &str) -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(k3_core::CoreError::CudaUnavailable(why)) => {
-            assert!(std::env::var("K3_REQUIRE_CUDA").map_or(true, |v| v != "1"), "{test}: K3_REQUIRE_CUDA=1 but CUDA is unavailable: {why}");
-            eprintln!("{test}: skipped: no CUDA driver ({why})");
-            None
-        }
-        Err(e) => panic!("{test}: a CUDA driver is present but the device failed: {e}"),
-    }
-}
-
 /// (median per-position relative L2, top-1 agreement).
 fn median_cmp(got: &[f32], want: &[f32], vocab: usize) -> (f32, f32) {
-    let mut rel: Vec<f32> = got
-        .chunks_exact(vocab)
-        .zip(want.chunks_exact(vocab))
-        .map(|(g, w)| {
-            let num: f64 = g.iter().zip(w).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
-            let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
-            (num / den.max(1e-30)).sqrt() as f32
-        })
-        .collect();
+    let mut rel: Vec<f32> = row_rel_l2(got, want, vocab).into_iter().map(|e| e as f32).collect();
     rel.sort_by(f32::total_cmp);
     (rel[rel.len() / 2], compare(got, want, vocab).top1)
 }

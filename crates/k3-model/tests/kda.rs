@@ -3,15 +3,10 @@
 //! run in chunks equals the layer run at once; decode equals prefill.
 
 mod common;
+use common::rel_l2;
 use k3_core::kernels::cpu::kda::{kda_chunked, kda_recurrent, KdaDims};
 use k3_core::kernels::cpu::norm::l2_norm_inplace;
 use rand::{Rng, SeedableRng};
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt() as f32
-}
 
 #[test]
 fn chunked_equals_recurrent() {

@@ -1,53 +1,24 @@
 //! Shared by the CUDA parity suites (`cuda_*.rs`): the device-or-skip rule, the printed
-//! (replayable) seed, messages that bypass the harness's output capture, and the upload /
-//! poison / relative-L2 helpers every suite uses.
+//! (replayable) seed and messages past the harness's capture (`tests/support/cuda.rs`, shared
+//! with k3-model's GPU tests), relative L2 (`tests/support/numeric.rs`, shared by every crate),
+//! and the upload / poison / check helpers every suite uses.
 #![allow(dead_code)]
 
 pub mod nccl_id;
 
-use std::io::Write;
+#[path = "../../../../tests/support/cuda.rs"]
+mod cuda;
+#[path = "../../../../tests/support/numeric.rs"]
+mod numeric;
+pub use cuda::*;
+pub use numeric::rel_l2;
 
 use half::bf16;
 use k3_core::cuda::mla::PAGE;
 use k3_core::cuda::{CudaDevice, CudaTensor};
-use k3_core::{CoreError, DType};
+use k3_core::DType;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
-
-/// Straight to stderr, past the test harness's capture, so a skip is always visible.
-pub fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-/// `None` after printing `{test}: skipped: {skipped} ({why})`, or a panic naming `missing` when
-/// `K3_REQUIRE_CUDA=1` (a run on the GPU machine must not skip).
-pub fn skip<T>(test: &str, missing: &str, skipped: &str, why: &str) -> Option<T> {
-    if std::env::var("K3_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-        panic!("{test}: K3_REQUIRE_CUDA=1 but {missing}: {why}");
-    }
-    say(&format!("{test}: skipped: {skipped} ({why})"));
-    None
-}
-
-/// The GPU, or `None` after printing `skipped: no CUDA driver (...)` — unless
-/// `K3_REQUIRE_CUDA=1`, which turns the skip into a failure.
-pub fn device(test: &str) -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(CoreError::CudaUnavailable(why)) => skip(test, "CUDA is unavailable", "no CUDA driver", &why),
-        Err(e) => panic!("{test}: a CUDA driver is present but the device failed: {e}"),
-    }
-}
-
-/// A fresh seed per run, printed; `K3_TEST_SEED=N` replays one.
-pub fn rng(test: &str) -> rand::rngs::StdRng {
-    let seed = std::env::var("K3_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
-    say(&format!("{test}: seed {seed}"));
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
+use rand::Rng;
 
 // ---- helpers shared by the parity suites ----
 
@@ -73,27 +44,10 @@ pub fn poisoned(dev: &CudaDevice, dtype: DType, shape: Vec<usize>) -> CudaTensor
     t
 }
 
-pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length mismatch");
-    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
-        panic!("non-finite value at element {i} of {} (unwritten or invalid output)", got.len());
-    }
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        num += (g as f64 - w as f64).powi(2);
-        den += (w as f64).powi(2);
-    }
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
 pub fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = rel_l2(got, want);
-    say(&format!("  {what:<60} rel L2 {e:.2e} (tol {tol:.0e})"));
-    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.0e}");
+    say(&format!("  {what:<60} rel L2 {e:.2e} (tol {tol:.1e})"));
+    assert!(e <= tol, "{what}: relative L2 error {e:.3e} > {tol:.1e}");
 }
 
 /// Sequences of the given context lengths in a shuffled page pool: (block table [B, max_pages], pages).

@@ -168,13 +168,13 @@ impl Worker {
         let mut seen = HashSet::new();
         for s in &step.seqs {
             if s.tokens.is_empty() {
-                return Err(EngineError::Step(format!("sequence {} has no tokens", s.id)));
+                return Err(EngineError::Internal(format!("sequence {} has no tokens", s.id)));
             }
             if !seen.insert(s.id) {
-                return Err(EngineError::Step(format!("sequence {} is planned twice", s.id)));
+                return Err(EngineError::Internal(format!("sequence {} is planned twice", s.id)));
             }
             if let Some(r) = s.rows.as_ref().filter(|r| r.len() != s.tokens.len() * h) {
-                return Err(EngineError::Step(format!("sequence {}: {} row values for {} tokens of hidden_size {h}", s.id, r.len(), s.tokens.len())));
+                return Err(EngineError::Internal(format!("sequence {}: {} row values for {} tokens of hidden_size {h}", s.id, r.len(), s.tokens.len())));
             }
         }
         // Input rows, on the first stage: the step's own rows, else the token embeddings (one

@@ -72,7 +72,7 @@ impl CudaModel {
         });
         super::TUNE_GEMMS.with(|t| t.set(false));
         let graph = graph?;
-        let logits = out.ok_or_else(|| ModelError::Input("graph capture did not run the step".into()))?;
+        let logits = out.ok_or_else(|| ModelError::Internal("graph capture did not run the step".into()))?;
         Ok(DecodeGraph { batch, width, step, logits, graph })
     }
 

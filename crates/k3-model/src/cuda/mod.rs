@@ -368,7 +368,7 @@ impl CudaModel {
                         g.tp.all_reduce_sum(&p)?;
                     }
                     (Input::Embeds(e), _) => p.write_bytes(bytemuck::cast_slice(e))?,
-                    _ => return Err(ModelError::Input("token ids missing from the step".into())),
+                    _ => return Err(ModelError::Internal("token ids missing from the step".into())),
                 }
                 emit(&|| "embed".into(), &p)?;
                 stage::Residual { p, blocks: Vec::new(), d: None }

@@ -76,7 +76,7 @@ impl Free {
 
     pub fn take_slot(&mut self) -> Result<usize> {
         self.slots.pop().ok_or_else(|| {
-            ModelError::Input(format!("all {} sequence slots are in use: finish a sequence or raise CacheConfig.max_seqs (--max-seqs)", self.max_seqs))
+            ModelError::Capacity(format!("all {} sequence slots are in use: finish a sequence or raise CacheConfig.max_seqs (--max-seqs)", self.max_seqs))
         })
     }
 
@@ -85,7 +85,7 @@ impl Free {
         let need = upto.div_ceil(PAGE);
         while seq.pages.len() < need {
             let p = self.pages.pop().ok_or_else(|| {
-                ModelError::Input(format!(
+                ModelError::Capacity(format!(
                     "the GPU cache is full ({} pages of {PAGE} tokens): finish sequences or raise CacheConfig.max_tokens (--max-cache-tokens)",
                     self.max_pages
                 ))

@@ -121,8 +121,9 @@ impl Residual {
     /// Receives the state of `rows` values per tensor from rank `from` (the previous stage).
     pub fn recv(world: &dyn Group, from: usize, rows: usize) -> Result<Residual> {
         let msg = world.recv(from)?;
-        let bad =
-            || ModelError::Input(format!("pipeline: the residual state from rank {from} has {} values, which is not a state of {rows}-value rows", msg.len()));
+        let bad = || {
+            ModelError::Internal(format!("pipeline: the residual state from rank {from} has {} values, which is not a state of {rows}-value rows", msg.len()))
+        };
         let (nb, pend) = match msg.get(..2) {
             Some(&[nb, pend]) => (nb as usize, pend != 0.0),
             _ => return Err(bad()),

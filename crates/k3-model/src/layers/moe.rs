@@ -145,13 +145,13 @@ impl Moe {
         mine.extend_from_slice(&z);
         let parts = stage.all_gather(&mine)?;
         if parts.len() != s {
-            return Err(ModelError::Input(format!("MoE all-gather over {} ranks: this layer's router is split over the stage's {s} ranks", parts.len())));
+            return Err(ModelError::Internal(format!("MoE all-gather over {} ranks: this layer's router is split over the stage's {s} ranks", parts.len())));
         }
         let (mut lg, mut zz) = (vec![0f32; t * e], vec![0f32; t * lat]);
         for (r, p) in parts.iter().enumerate() {
             let (er, lr) = (part(e, s, r), part(lat, s, r));
             if p.len() != t * (er.len() + lr.len()) {
-                return Err(ModelError::Input(format!("MoE all-gather: rank {r} sent {} values, expected {}", p.len(), t * (er.len() + lr.len()))));
+                return Err(ModelError::Internal(format!("MoE all-gather: rank {r} sent {} values, expected {}", p.len(), t * (er.len() + lr.len()))));
             }
             let (pl, pz) = p.split_at(t * er.len());
             for tok in 0..t {

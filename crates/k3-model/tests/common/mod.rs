@@ -1,6 +1,7 @@
 //! Shared helpers for the model tests: the golden fixtures (found by the workspace's shared
 //! `tests/support/golden.rs`: `tests/golden/` or `$K3_GOLDEN_DIR`) and comparing logits at
-//! the manifest's metrics (max_abs, per-position relative L2, top-1 agreement).
+//! the manifest's metrics (max_abs, per-position relative L2, top-1 agreement), with the
+//! workspace's shared `tests/support/numeric.rs` (relative L2, max_abs).
 #![allow(dead_code)]
 
 use k3_model::Checkpoint;
@@ -8,6 +9,9 @@ use k3_model::Checkpoint;
 #[path = "../../../../tests/support/golden.rs"]
 mod golden;
 pub use golden::*;
+#[path = "../../../../tests/support/numeric.rs"]
+mod numeric;
+pub use numeric::*;
 
 /// The reference file of a fixture (tokens_L*, logits_L*, decode_logits_L160).
 pub fn reference(name: &str) -> Checkpoint {
@@ -43,13 +47,8 @@ pub fn compare(got: &[f32], want: &[f32], vocab: usize) -> Cmp {
     let rows = want.len() / vocab;
     let mut agree = 0;
     for (g, w) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)) {
-        let (mut num, mut den) = (0f64, 0f64);
-        for (a, b) in g.iter().zip(w) {
-            c.max_abs = c.max_abs.max((a - b).abs());
-            num += ((a - b) as f64).powi(2);
-            den += (*b as f64).powi(2);
-        }
-        c.max_rel_l2 = c.max_rel_l2.max((num.sqrt() / den.sqrt()) as f32);
+        c.max_abs = c.max_abs.max(max_abs(g, w));
+        c.max_rel_l2 = c.max_rel_l2.max(rel_l2(g, w) as f32);
         let am = |x: &[f32]| x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
         agree += usize::from(am(g) == am(w));
     }

@@ -10,6 +10,10 @@ pub const TOL: f64 = 5e-5;
 #[path = "../../../../tests/support/golden.rs"]
 mod golden;
 pub use golden::*;
+#[path = "../../../../tests/support/numeric.rs"]
+mod numeric;
+/// Max over rows of ‖a_r − b_r‖₂ / ‖b_r‖₂ (the workspace's shared `tests/support/numeric.rs`).
+pub use numeric::max_rel_l2;
 
 /// `vision_small_f32`: in the full golden set only (`K3_GOLDEN_DIR`), not in `tests/golden/`.
 pub fn vision_fixture() -> PathBuf {
@@ -40,20 +44,6 @@ impl Reference {
 
 pub fn meta() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(vision_fixture().join("meta.json")).unwrap()).unwrap()
-}
-
-/// Max over rows of ‖a_r − b_r‖₂ / ‖b_r‖₂.
-pub fn max_rel_l2(a: &[f32], b: &[f32], width: usize) -> f64 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    assert!(width > 0 && a.len().is_multiple_of(width));
-    a.chunks(width)
-        .zip(b.chunks(width))
-        .map(|(x, y)| {
-            let num: f64 = x.iter().zip(y).map(|(p, q)| (*p as f64 - *q as f64).powi(2)).sum::<f64>().sqrt();
-            let den: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum::<f64>().sqrt();
-            num / den.max(1e-30)
-        })
-        .fold(0.0, f64::max)
 }
 
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], width: usize) -> f64 {
