@@ -18,7 +18,7 @@ enum Command {
     Run(cmd::run::Args),
     /// Full-sequence logits for a list of token ids, written as a `[T, vocab]` f32 .npy.
     Logits(cmd::logits::Args),
-    /// Measure prefill/decode speed, bandwidth and memory (or a CUDA op with --device cuda).
+    /// Measure prefill/decode speed, bandwidth and memory of a model, or one op (--op), on the CPU or a GPU.
     Bench(cmd::bench::Args),
     /// Encode text to token ids (JSON on stdout).
     Tokenize(k3_tokenizer::cli::TokenizeArgs),

@@ -20,7 +20,6 @@
 
 pub mod backend;
 pub mod chat;
-pub mod cli;
 pub mod completions;
 pub mod conn;
 pub mod error;
@@ -29,9 +28,10 @@ pub mod metrics;
 pub mod params;
 pub mod scheduler;
 pub mod server;
+pub mod start;
 pub mod tools;
 
 pub use backend::{Backend, Scripted};
-pub use cli::{run_serve, KdaStateArg, ServeArgs};
 pub use error::{Result, ServerError};
 pub use server::{build, build_with_vision, serve, spawn_background, spawn_background_with_vision, BackgroundServer, ServerConfig};
+pub use start::{run_serve, ServeOptions};

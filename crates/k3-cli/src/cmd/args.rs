@@ -1,8 +1,141 @@
 //! Flag groups shared by several subcommands (flattened into their `Args` with
-//! `#[command(flatten)]`), so a flag is spelled, documented and checked once.
+//! `#[command(flatten)]`), so a flag is spelled, documented and checked once: the model
+//! directory, the device (`--device` is parsed here and nowhere else), the GPU precision,
+//! the KDA state storage, sampling, the parallel layout and where a process sits in its world.
 
-use anyhow::Result;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use k3_core::Device;
+use k3_engine::SamplingParams;
 use k3_model::Parallel;
+
+/// `--model DIR`, defaulting to the embedded k3-nano (`run`, `serve`, `bench`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model directory (config.json + safetensors; default: the embedded k3-nano model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The model directory: `--model`, or the embedded k3-nano (`model_dir::resolve_model_dir`).
+    pub fn dir(&self) -> Result<PathBuf> {
+        super::model_dir::resolve_model_dir(self.model.as_deref())
+    }
+}
+
+/// Parses a `--device` value: `None` for the CPU, `Some(ordinal)` for `cuda` / `cuda:N`
+/// (the grammar of [`k3_core::Device`]).
+pub fn parse_device(d: &str) -> Result<Option<usize>> {
+    match d.parse::<Device>() {
+        Ok(Device::Cpu) => Ok(None),
+        Ok(Device::Cuda(n)) => Ok(Some(n)),
+        Err(_) => bail!("--device `{d}`: use cpu, cuda or cuda:N"),
+    }
+}
+
+/// `--device cpu|cuda|cuda:N` (`run`, `logits`, `serve`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct DeviceArgs {
+    /// cpu, or cuda / cuda:N to run the model on a GPU (needs a k3 built with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+impl DeviceArgs {
+    /// `None` for the CPU, `Some(ordinal)` for a GPU.
+    pub fn ordinal(&self) -> Result<Option<usize>> {
+        parse_device(&self.device)
+    }
+}
+
+/// `--precision bf16|f32` of the GPU model (`run`, `logits`, `serve`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct PrecisionArgs {
+    /// GPU precision: bf16 (the serving path) or f32 (the reference path: F32 weights and
+    /// activations, plain kernels; slow, for checks). The CPU computes in f32.
+    #[arg(long)]
+    pub precision: Option<String>,
+}
+
+impl PrecisionArgs {
+    /// Whether the GPU model runs in f32, on `device` (from [`DeviceArgs::ordinal`]); the flag
+    /// on the CPU is an error.
+    pub fn gpu_f32(&self, device: Option<usize>) -> Result<bool> {
+        match (self.precision.as_deref(), device) {
+            (None, _) => Ok(false),
+            (Some(_), None) => bail!("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda"),
+            (Some("bf16"), Some(_)) => Ok(false),
+            (Some("f32"), Some(_)) => Ok(true),
+            (Some(p), Some(_)) => bail!("--precision `{p}` is not one of bf16, f32"),
+        }
+    }
+}
+
+/// `--kda-state f32|bf16`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaStateArg {
+    F32,
+    Bf16,
+}
+
+impl From<KdaStateArg> for k3_model::layers::kda::StateDType {
+    fn from(a: KdaStateArg) -> Self {
+        match a {
+            KdaStateArg::F32 => Self::F32,
+            KdaStateArg::Bf16 => Self::Bf16,
+        }
+    }
+}
+
+/// `--kda-state` (`run`, `serve`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct KdaStateArgs {
+    /// KDA recurrent-state storage: f32 (reference) or bf16 (half the memory, approximate).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub kda_state: KdaStateArg,
+}
+
+/// Sampling: `--temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty
+/// --frequency-penalty --seed` (`run`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Makes sampling reproducible.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            logprobs: None,
+        }
+    }
+}
 
 /// The parallel layout: `--tp`, `--ep`, `--pp` (`docs/parallel.md`).
 #[derive(clap::Args, Clone, Debug)]
@@ -51,5 +184,9 @@ pub struct LaunchArgs {
 impl LaunchArgs {
     pub fn node(&self) -> k3_engine::dist::launch::NodeArgs {
         k3_engine::dist::launch::NodeArgs { nnodes: self.nnodes, node_rank: self.node_rank, master_addr: self.master_addr.clone() }
+    }
+    /// Whether any node flag differs from its default (one node, rank 0, no master).
+    pub fn is_set(&self) -> bool {
+        self.nnodes != 1 || self.node_rank != 0 || self.master_addr.is_some()
     }
 }

@@ -20,55 +20,116 @@
 //!
 //! GPU model mode (`--device cuda --model DIR [--prompt-len T] [--batches 1,16,64] [--context C]`):
 //! the whole model on the GPU, see `bench_cuda.rs`.
+//!
+//! `--device` and `--op` pick the mode ([`Mode`]); each mode's flags are one group in [`Args`]
+//! and one heading in `k3 bench --help`.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use k3_model::{Checkpoint, ForwardOpts, Model, SeqState};
+
+use super::args::{parse_device, ModelArgs};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 #[derive(clap::Args)]
+#[command(after_help = BENCH_MODES)]
 pub struct Args {
-    /// Model directory (default: the embedded k3-nano model).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    #[arg(long, default_value_t = 128)]
-    pub prompt_len: usize,
-    #[arg(long, default_value_t = 32)]
-    pub gen_len: usize,
-    /// Sequences decoding together.
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// cpu | cuda (GPU 0; needs a k3 built with `--features cuda`). With --op: one op; without:
+    /// the model.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// cpu | cuda (GPU 0). Without --op: the model mode (--model, --prompt-len, --gen-len; on
-    /// cuda --batches, --context, --profile). With --op: one op (see --op).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// One op instead of the model. CPU: gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...] (with
-    /// --model). cuda: gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM | dsa
-    /// [CONTEXTS...] (with --model).
-    #[arg(long, num_args = 1.., value_name = "OP DIMS")]
-    pub op: Vec<String>,
-    #[arg(long, default_value_t = 20)]
-    pub warmup: usize,
-    #[arg(long, default_value_t = 50)]
-    pub repeats: usize,
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// GPU model mode: decode batch sizes, comma separated.
+    #[command(flatten)]
+    pub run: ModelMode,
+    #[command(flatten)]
+    pub gpu: GpuModelMode,
+    #[command(flatten)]
+    pub op: OpMode,
+    #[command(flatten)]
+    pub timing: GpuTiming,
+}
+
+/// The modes, as README's `k3` section lists them.
+const BENCH_MODES: &str = "\
+Modes:
+  k3 bench [--model DIR] --prompt-len P --gen-len G [--batch B] [--threads N]
+  k3 bench --op gemv 3072 3584                     expert GEMV: MXFP4 vs BF16 vs F32, GB/s
+  k3 bench --op dsa 4096 16384 65536 --model DIR   DSA layer per-token cost vs dense
+  k3 bench --device cuda --model DIR --prompt-len 4096 --batches 1,16,64 --context 512 [--profile]
+  k3 bench --device cuda --op gemm 8192 8192 8192  one GPU op (gemm | gemv | copy | rmsnorm)
+  k3 bench --device cuda --op dsa 16384 131072 524288 --model DIR   DSA decode vs context
+The GPU modes need a k3 built with --features cuda.";
+
+/// The model mode (no --op), on the CPU and the GPU.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Model mode (no --op)")]
+pub struct ModelMode {
+    /// Prompt tokens prefilled per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// CPU: tokens decoded per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub gen_len: usize,
+    /// CPU: sequences decoding together.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+}
+
+/// The model mode on the GPU (`--device cuda`, no --op; `bench_cuda.rs`).
+#[derive(clap::Args)]
+#[command(next_help_heading = "GPU model mode (--device cuda, no --op)")]
+pub struct GpuModelMode {
+    /// Decode batch sizes, comma separated.
     #[arg(long, default_value = "1,16,64")]
     pub batches: String,
-    /// GPU model mode: tokens already in each sequence's cache when decode is timed.
+    /// Tokens already in each sequence's cache when decode is timed.
     #[arg(long, default_value_t = 512)]
     pub context: usize,
-    /// GPU model mode: also time each sublayer of one eager batch-1 decode step (CUDA events).
+    /// Also time each sublayer of one eager batch-1 decode step (CUDA events).
     #[arg(long)]
     pub profile: bool,
+}
+
+/// One op instead of the model (--op).
+#[derive(clap::Args)]
+#[command(next_help_heading = "Op mode (--op)")]
+pub struct OpMode {
+    /// The op and its dims. CPU: gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...] (with --model).
+    /// cuda: gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM | dsa [CONTEXTS...] (with
+    /// --model).
+    #[arg(long, num_args = 1.., value_name = "OP DIMS")]
+    pub op: Vec<String>,
+}
+
+/// CUDA-event timing of the GPU modes (--device cuda).
+#[derive(clap::Args)]
+#[command(next_help_heading = "GPU timing (--device cuda)")]
+pub struct GpuTiming {
+    /// Untimed runs before timing.
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+    /// Timed runs (the median is reported).
+    #[arg(long, default_value_t = 50)]
+    pub repeats: usize,
+}
+
+/// What one `k3 bench` invocation measures, from `--device` and `--op`.
+enum Mode {
+    CpuModel,
+    CpuGemv,
+    CpuDsa,
+    CudaModel,
+    CudaOp,
+    CudaDsa,
 }
 
 /// Peak and current resident memory in bytes (VmHWM, VmRSS), Linux only.
@@ -105,47 +166,57 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(n) = a.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("--threads: the thread pool was already started")?;
     }
-    if let Some(op) = a.op.first() {
-        let (known, list): (&[&str], &str) = match a.device.as_str() {
-            "cpu" => (CPU_OPS, "gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...]"),
+    let device = parse_device(&a.device);
+    if let Some(op) = a.op.op.first() {
+        let (known, list): (&[&str], &str) = match device {
+            Ok(None) => (CPU_OPS, "gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...]"),
             _ => (CUDA_OPS, "gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM | dsa [CONTEXTS...]"),
         };
         if !known.contains(&op.as_str()) {
             bail!("--op `{op}`: unknown op for --device {}; use {list} (or no --op for the model mode)", a.device);
         }
     }
-    match a.device.as_str() {
-        "cpu" if a.op.is_empty() => bench_model(&a),
-        "cpu" if a.op[0] == "dsa" => bench_cpu_dsa(&a),
-        "cpu" => bench_cpu_gemv(&a),
-        "cuda" | "cuda:0" if a.op.is_empty() => bench_cuda_model(&a),
-        "cuda" | "cuda:0" if a.op[0] == "dsa" => bench_cuda_dsa(&a),
-        "cuda" | "cuda:0" => bench_cuda_op(&a),
-        d => bail!("--device `{d}`: use cpu or cuda"),
+    let op = a.op.op.first().map(String::as_str);
+    let mode = match (device, op) {
+        (Ok(None), None) => Mode::CpuModel,
+        (Ok(None), Some("dsa")) => Mode::CpuDsa,
+        (Ok(None), Some(_)) => Mode::CpuGemv,
+        (Ok(Some(0)), None) => Mode::CudaModel,
+        (Ok(Some(0)), Some("dsa")) => Mode::CudaDsa,
+        (Ok(Some(0)), Some(_)) => Mode::CudaOp,
+        _ => bail!("--device `{}`: use cpu or cuda", a.device),
+    };
+    match mode {
+        Mode::CpuModel => bench_model(&a),
+        Mode::CpuDsa => bench_cpu_dsa(&a),
+        Mode::CpuGemv => bench_cpu_gemv(&a),
+        Mode::CudaModel => bench_cuda_model(&a),
+        Mode::CudaDsa => bench_cuda_dsa(&a),
+        Mode::CudaOp => bench_cuda_op(&a),
     }
 }
 
 fn bench_model(a: &Args) -> Result<()> {
-    if a.prompt_len == 0 || a.gen_len == 0 || a.batch == 0 {
+    if a.run.prompt_len == 0 || a.run.gen_len == 0 || a.run.batch == 0 {
         bail!("--prompt-len, --gen-len and --batch must be ≥ 1");
     }
-    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
+    let dir = a.model.dir()?;
     let t0 = Instant::now();
     let ck = Checkpoint::open(&dir)?;
     let model = Model::load(&ck)?;
     let load_s = t0.elapsed().as_secs_f64();
     let rss_after_load = rss().1;
     let vocab = model.config.text.vocab_size as u32;
-    if a.prompt_len + a.gen_len > model.config.max_context() {
-        bail!("--prompt-len + --gen-len = {} exceeds the model's context limit {}", a.prompt_len + a.gen_len, model.config.max_context());
+    if a.run.prompt_len + a.run.gen_len > model.config.max_context() {
+        bail!("--prompt-len + --gen-len = {} exceeds the model's context limit {}", a.run.prompt_len + a.run.gen_len, model.config.max_context());
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    let prompts: Vec<Vec<u32>> = (0..a.batch).map(|_| (0..a.prompt_len).map(|_| rng.random_range(0..vocab)).collect()).collect();
-    let mut states: Vec<SeqState> = (0..a.batch).map(|_| model.new_state()).collect();
+    let prompts: Vec<Vec<u32>> = (0..a.run.batch).map(|_| (0..a.run.prompt_len).map(|_| rng.random_range(0..vocab)).collect()).collect();
+    let mut states: Vec<SeqState> = (0..a.run.batch).map(|_| model.new_state()).collect();
     let opts = ForwardOpts { last_only: true, ..Default::default() };
     // Prefill each sequence (one pass each).
     let t = Instant::now();
-    let mut next = Vec::with_capacity(a.batch);
+    let mut next = Vec::with_capacity(a.run.batch);
     for (p, st) in prompts.iter().zip(states.iter_mut()) {
         let lg = model.forward(p, st, opts, None)?;
         next.push(argmax(&lg));
@@ -153,7 +224,7 @@ fn bench_model(a: &Args) -> Result<()> {
     let prefill_s = t.elapsed().as_secs_f64();
     // Decode: all sequences one token per step, batched.
     let t = Instant::now();
-    for _ in 0..a.gen_len {
+    for _ in 0..a.run.gen_len {
         let toks: Vec<[u32; 1]> = next.iter().map(|&x| [x]).collect();
         let tk: Vec<&[u32]> = toks.iter().map(|x| x.as_slice()).collect();
         let mut refs: Vec<&mut SeqState> = states.iter_mut().collect();
@@ -161,7 +232,7 @@ fn bench_model(a: &Args) -> Result<()> {
         next = lg.iter().map(|l| argmax(l)).collect();
     }
     let decode_s = t.elapsed().as_secs_f64();
-    let step_s = decode_s / a.gen_len as f64;
+    let step_s = decode_s / a.run.gen_len as f64;
     let bytes_per_step = model.weight_bytes_per_token();
     let achieved = bytes_per_step as f64 / step_s / 1e9;
     let cache_bytes: usize = states.iter().map(SeqState::bytes).sum();
@@ -170,10 +241,10 @@ fn bench_model(a: &Args) -> Result<()> {
     let r = serde_json::json!({
         "model": dir.display().to_string(),
         "threads": rayon::current_num_threads(),
-        "batch": a.batch, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+        "batch": a.run.batch, "prompt_len": a.run.prompt_len, "gen_len": a.run.gen_len,
         "file_bytes": ck.file_bytes(), "load_s": load_s, "rss_after_load_bytes": rss_after_load,
-        "prefill_tokens_per_s": (a.batch * a.prompt_len) as f64 / prefill_s,
-        "decode_tokens_per_s": (a.batch * a.gen_len) as f64 / decode_s,
+        "prefill_tokens_per_s": (a.run.batch * a.run.prompt_len) as f64 / prefill_s,
+        "decode_tokens_per_s": (a.run.batch * a.run.gen_len) as f64 / decode_s,
         "decode_step_ms": step_s * 1e3,
         "decode_weight_bytes_per_step": bytes_per_step,
         "decode_weight_bandwidth_gb_s": achieved,
@@ -194,8 +265,8 @@ fn bench_model(a: &Args) -> Result<()> {
             rss_after_load as f64 / 1e9
         );
         println!("threads          {}", rayon::current_num_threads());
-        println!("prefill          {:.1} tok/s  ({} × {} tokens)", r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0), a.batch, a.prompt_len);
-        println!("decode           {:.2} tok/s  (batch {}, {:.1} ms/step)", r["decode_tokens_per_s"].as_f64().unwrap_or(0.0), a.batch, step_s * 1e3);
+        println!("prefill          {:.1} tok/s  ({} × {} tokens)", r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0), a.run.batch, a.run.prompt_len);
+        println!("decode           {:.2} tok/s  (batch {}, {:.1} ms/step)", r["decode_tokens_per_s"].as_f64().unwrap_or(0.0), a.run.batch, step_s * 1e3);
         println!(
             "decode bandwidth {:.2} GB/s of weights ({:.1} MB/step) = {:.0}% of measured read bandwidth {:.2} GB/s (memcpy {:.2} GB/s)",
             achieved,
@@ -204,7 +275,7 @@ fn bench_model(a: &Args) -> Result<()> {
             read_bw,
             copy_bw
         );
-        println!("cache            {:.2} MB for {} sequences at {} tokens", cache_bytes as f64 / 1e6, a.batch, a.prompt_len + a.gen_len);
+        println!("cache            {:.2} MB for {} sequences at {} tokens", cache_bytes as f64 / 1e6, a.run.batch, a.run.prompt_len + a.run.gen_len);
         println!("peak RSS         {:.2} GB", peak as f64 / 1e9);
     }
     Ok(())
@@ -225,7 +296,7 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
     use k3_core::kernels::cpu::matmul::{linear, Matrix};
     use k3_core::{DType, Tensor};
     let usage = "--op gemv ROWS COLS [TOKENS] (COLS a multiple of 32)";
-    let (op, dims) = a.op.split_first().context(usage)?;
+    let (op, dims) = a.op.op.split_first().context(usage)?;
     let dims =
         dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
     if op != "gemv" || !(2..=3).contains(&dims.len()) || dims[1] % 32 != 0 || dims[0] == 0 {
@@ -301,12 +372,12 @@ fn bench_cpu_dsa(a: &Args) -> Result<()> {
     use k3_model::layers::dsa::{index_scores, select_topk};
     use k3_model::layers::mla::{MlaCache, MlaForm};
     use k3_model::model::Mixer;
-    let contexts: Vec<usize> = if a.op.len() > 1 {
-        a.op[1..].iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dsa context `{d}` is not a positive integer"))).collect::<Result<_>>()?
+    let contexts: Vec<usize> = if a.op.op.len() > 1 {
+        a.op.op[1..].iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dsa context `{d}` is not a positive integer"))).collect::<Result<_>>()?
     } else {
         vec![4096, 16384, 65536]
     };
-    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
+    let dir = a.model.dir()?;
     let mut model = Model::load(&Checkpoint::open(&dir)?)?;
     let t = &model.config.text;
     let (h, w) = (t.hidden_size, t.kv_lora_rank + t.qk_rope_head_dim);
@@ -392,12 +463,12 @@ fn argmax(x: &[f32]) -> u32 {
 #[cfg(feature = "cuda")]
 fn bench_cuda_op(a: &Args) -> Result<()> {
     use k3_core::cuda::bench::{bench_op, BenchOp};
-    let Some((op, dims)) = a.op.split_first() else { bail!("--op gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM") };
+    let Some((op, dims)) = a.op.op.split_first() else { bail!("--op gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM") };
     let dims =
         dims.iter().map(|d| d.parse::<usize>().with_context(|| format!("--op dimension `{d}` is not a positive integer"))).collect::<Result<Vec<_>>>()?;
     let dev = k3_core::cuda::CudaDevice::new(0)?;
     let op = BenchOp::from_cli(op, &dims)?;
-    let rep = bench_op(&dev, &op, a.warmup, a.repeats)?;
+    let rep = bench_op(&dev, &op, a.timing.warmup, a.timing.repeats)?;
     println!("{rep}");
     Ok(())
 }

@@ -77,10 +77,10 @@ fn floor_bytes(m: &CudaModel, b: usize, ctx: usize) -> f64 {
 }
 
 pub fn bench_cuda_model(a: &Args) -> Result<()> {
-    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
+    let dir = a.model.dir()?;
     let batches: Vec<usize> =
-        a.batches.split(',').map(|s| s.trim().parse::<usize>().with_context(|| format!("--batches: `{s}` is not a batch size"))).collect::<Result<_>>()?;
-    if batches.contains(&0) || a.prompt_len == 0 || a.context == 0 {
+        a.gpu.batches.split(',').map(|s| s.trim().parse::<usize>().with_context(|| format!("--batches: `{s}` is not a batch size"))).collect::<Result<_>>()?;
+    if batches.contains(&0) || a.run.prompt_len == 0 || a.gpu.context == 0 {
         bail!("--batches, --prompt-len and --context must be ≥ 1");
     }
     let max_b = batches.iter().copied().max().unwrap_or(1);
@@ -88,7 +88,7 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     eprintln!("device: {}", dev.info());
     let t0 = Instant::now();
     let ck = Checkpoint::open(&dir)?;
-    let cache = CacheConfig { max_seqs: max_b + 2, max_tokens: (max_b + 2) * (a.context.max(a.prompt_len) + a.repeats + a.warmup + 64) };
+    let cache = CacheConfig { max_seqs: max_b + 2, max_tokens: (max_b + 2) * (a.gpu.context.max(a.run.prompt_len) + a.timing.repeats + a.timing.warmup + 64) };
     let mut m = CudaModel::load(&ck, &dev, cache)?;
     let load_s = t0.elapsed().as_secs_f64();
     let vocab = m.config.text.vocab_size as u32;
@@ -97,7 +97,7 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
     // Prefill: a warm-up on one sequence, then the median of three timed ones.
-    let p = prompt(a.prompt_len);
+    let p = prompt(a.run.prompt_len);
     let mut times = Vec::new();
     for i in 0..4 {
         let mut s = m.new_sequence()?;
@@ -116,50 +116,50 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
         m.weight_bytes_per_token() as f64 / 1e6
     );
     println!("copy bw    {:.0} GB/s (device-to-device, read + write)", copy_bw / 1e9);
-    println!("prefill    T={}: {:.1} ms, {:.0} tokens/s", a.prompt_len, prefill_s * 1e3, a.prompt_len as f64 / prefill_s);
+    println!("prefill    T={}: {:.1} ms, {:.0} tokens/s", a.run.prompt_len, prefill_s * 1e3, a.run.prompt_len as f64 / prefill_s);
     let mut rows = Vec::new();
     for &b in &batches {
         let mut seqs: Vec<CudaSeqState> = (0..b).map(|_| m.new_sequence()).collect::<k3_model::Result<_>>()?;
-        let ctx_tokens: Vec<Vec<u32>> = (0..b).map(|_| prompt(a.context)).collect();
+        let ctx_tokens: Vec<Vec<u32>> = (0..b).map(|_| prompt(a.gpu.context)).collect();
         for (s, p) in seqs.iter_mut().zip(&ctx_tokens) {
             m.forward_varlen(Input::Tokens(p), &[p.len()], &mut [s], true)?;
         }
-        let g = m.capture_decode(b, a.context + a.warmup + a.repeats + 8)?;
+        let g = m.capture_decode(b, a.gpu.context + a.timing.warmup + a.timing.repeats + 8)?;
         let toks: Vec<u32> = prompt(b);
         // End to end through decode_step (advances the sequences).
         let mut wall = Vec::new();
-        for i in 0..(a.warmup.min(5) + a.repeats.min(20)) {
+        for i in 0..(a.timing.warmup.min(5) + a.timing.repeats.min(20)) {
             let mut refs: Vec<&mut CudaSeqState> = seqs.iter_mut().collect();
             let t = Instant::now();
             m.decode_step(&g, &toks, &mut refs)?;
-            if i >= a.warmup.min(5) {
+            if i >= a.timing.warmup.min(5) {
                 wall.push(t.elapsed().as_secs_f64() * 1e3);
             }
         }
         wall.sort_by(f64::total_cmp);
         // Replays of the captured step alone, between CUDA events.
-        let ms = time_calls(&dev, a.warmup, a.repeats, || g.replay())?;
+        let ms = time_calls(&dev, a.timing.warmup, a.timing.repeats, || g.replay())?;
         let step = median(&ms);
-        let floor = floor_bytes(&m, b, a.context) / copy_bw * 1e3;
+        let floor = floor_bytes(&m, b, a.gpu.context) / copy_bw * 1e3;
         println!(
             "decode     B={b:>3} ctx={}: graph {step:.3} ms/step = {:.3} ms/layer; floor {floor:.3} ms/step ({:.2}x); end to end {:.3} ms/step; {:.0} tokens/s",
-            a.context,
+            a.gpu.context,
             step / layers as f64,
             step / floor,
             median(&wall),
             b as f64 / (step * 1e-3)
         );
-        rows.push(serde_json::json!({"batch": b, "context": a.context, "graph_ms_per_step": step, "ms_per_layer": step / layers as f64, "floor_ms_per_step": floor, "ratio_to_floor": step / floor, "end_to_end_ms_per_step": median(&wall)}));
+        rows.push(serde_json::json!({"batch": b, "context": a.gpu.context, "graph_ms_per_step": step, "ms_per_layer": step / layers as f64, "floor_ms_per_step": floor, "ratio_to_floor": step / floor, "end_to_end_ms_per_step": median(&wall)}));
         drop(g);
         for s in seqs {
             m.release(s);
         }
     }
-    if a.profile {
-        profile_decode(&mut m, &dev, a.context)?;
+    if a.gpu.profile {
+        profile_decode(&mut m, &dev, a.gpu.context)?;
     }
     if a.json {
-        let r = serde_json::json!({"model": dir.display().to_string(), "layers": layers, "copy_gb_s": copy_bw / 1e9, "prefill_tokens": a.prompt_len, "prefill_tokens_per_s": a.prompt_len as f64 / prefill_s, "decode": rows});
+        let r = serde_json::json!({"model": dir.display().to_string(), "layers": layers, "copy_gb_s": copy_bw / 1e9, "prefill_tokens": a.run.prompt_len, "prefill_tokens_per_s": a.run.prompt_len as f64 / prefill_s, "decode": rows});
         println!("{}", serde_json::to_string(&r)?);
     }
     Ok(())
@@ -212,9 +212,9 @@ fn profile_decode(m: &mut CudaModel, dev: &CudaDevice, ctx: usize) -> Result<()>
 pub fn bench_cuda_dsa(a: &Args) -> Result<()> {
     use k3_core::cuda::dsa::{index_scores, topk};
     use k3_core::cuda::mla::{PagedBatch, PAGE};
-    let dir = super::model_dir::resolve_model_dir(a.model.as_deref())?;
-    let ctxs: Vec<usize> = if a.op.len() > 1 {
-        a.op[1..].iter().map(|s| s.parse::<usize>().with_context(|| format!("--op dsa: `{s}` is not a context length"))).collect::<Result<_>>()?
+    let dir = a.model.dir()?;
+    let ctxs: Vec<usize> = if a.op.op.len() > 1 {
+        a.op.op[1..].iter().map(|s| s.parse::<usize>().with_context(|| format!("--op dsa: `{s}` is not a context length"))).collect::<Result<_>>()?
     } else {
         vec![16384, 131072, 524288]
     };
@@ -223,18 +223,18 @@ pub fn bench_cuda_dsa(a: &Args) -> Result<()> {
     let Some(dsa) = ck.config.text.dsa_config.clone() else { bail!("{}: no dsa_config (give a K3.1-style model)", dir.display()) };
     let n_dsa = ck.config.layers.iter().filter(|l| l.mixer == Mixer::Dsa).count();
     let max_ctx = ctxs.iter().copied().max().unwrap_or(1);
-    let mut m = CudaModel::load(&ck, &dev, CacheConfig { max_seqs: 1, max_tokens: max_ctx + a.warmup + a.repeats + 64 })?;
+    let mut m = CudaModel::load(&ck, &dev, CacheConfig { max_seqs: 1, max_tokens: max_ctx + a.timing.warmup + a.timing.repeats + 64 })?;
     let (ih, id, k) = (dsa.index_num_heads, dsa.index_head_dim, dsa.index_topk);
     println!("model {} ({} layers, {n_dsa} DSA; indexer {ih}×{id}, top-{k})", dir.display(), m.config.layers.len());
     let mut first: Option<(f64, f64)> = None;
     for &c in &ctxs {
         let mut s = m.new_sequence()?;
         m.fill_context(&mut s, c, 3)?;
-        let g = m.capture_decode(1, c + a.warmup + a.repeats + 16)?;
+        let g = m.capture_decode(1, c + a.timing.warmup + a.timing.repeats + 16)?;
         // One real step writes this sequence's tables into the graph's buffers; the replays
         // then repeat that step (same position, same work).
         m.decode_step(&g, &[1], &mut [&mut s])?;
-        let step = median(&time_calls(&dev, a.warmup, a.repeats, || g.replay())?);
+        let step = median(&time_calls(&dev, a.timing.warmup, a.timing.repeats, || g.replay())?);
         drop(g);
         m.release(s);
         // The indexer of one DSA layer alone, same shapes: one query over c keys.
@@ -249,7 +249,7 @@ pub fn bench_cuda_dsa(a: &Args) -> Result<()> {
         let scores = CudaTensor::uninit(&dev, DType::F32, vec![1, c])?;
         let idx = CudaTensor::uninit(&dev, DType::I32, vec![1, k])?;
         let cnt = CudaTensor::uninit(&dev, DType::I32, vec![1])?;
-        let ix = median(&time_calls(&dev, a.warmup, a.repeats, || {
+        let ix = median(&time_calls(&dev, a.timing.warmup, a.timing.repeats, || {
             index_scores(&q, &w, &keys, &batch, &scores)?;
             topk(&scores, &batch, k, &idx, &cnt)
         })?);

@@ -35,35 +35,23 @@ pub struct Args {
     /// full | decode | chunked:N
     #[arg(long, default_value = "full")]
     pub mode: String,
-    /// Directory to dump named intermediates into (one .npy per name).
+    /// Directory to dump named intermediates into (one .npy per name; CPU only).
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Image file whose features fill the next `<|media_pad|>` run (repeat for several images).
     #[arg(long = "image")]
     pub images: Vec<PathBuf>,
-    /// cpu, or cuda / cuda:N (a k3 built with `--features cuda`; no --trace there).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[command(flatten)]
+    pub device: super::args::DeviceArgs,
     /// GPU `--mode decode`: run the steps eagerly instead of replaying a CUDA graph.
     #[arg(long)]
     pub no_cuda_graphs: bool,
-    /// GPU precision: bf16 (the serving path) or f32 (the reference path: F32 weights and
-    /// activations, plain kernels; for checking against f32 references). The CPU computes in f32.
-    #[arg(long)]
-    pub precision: Option<String>,
+    #[command(flatten)]
+    pub precision: super::args::PrecisionArgs,
     #[command(flatten)]
     pub parallel: super::args::ParallelArgs,
     #[command(flatten)]
     pub launch: super::args::LaunchArgs,
-}
-
-/// `--precision` as an f32 flag: `bf16` → false, `f32` → true.
-pub fn parse_precision(p: &str) -> Result<bool> {
-    match p {
-        "bf16" => Ok(false),
-        "f32" => Ok(true),
-        other => bail!("--precision `{other}` is not one of bf16, f32"),
-    }
 }
 
 /// Parses ids separated by commas and/or whitespace.
@@ -170,16 +158,12 @@ pub fn run(a: Args) -> Result<()> {
         bail!("no token ids given");
     }
     let chunk = parse_mode(&a.mode)?;
-    let device = k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)?;
+    let device = a.device.ordinal()?;
     if device.is_some() && a.trace.is_some() {
         bail!("--trace is CPU-only: drop --device or --trace");
     }
-    let f32_gpu = match (&a.precision, device) {
-        (None, _) => false,
-        (Some(p), Some(_)) => parse_precision(p)?,
-        (Some(_), None) => bail!("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda"),
-    };
-    if device.is_none() && (a.launch.nnodes != 1 || a.launch.node_rank != 0 || a.launch.master_addr.is_some()) {
+    let f32_gpu = a.precision.gpu_f32(device)?;
+    if device.is_none() && a.launch.is_set() {
         bail!("--nnodes/--node-rank/--master-addr start one process per GPU: add --device cuda (on the CPU, --tp/--ep/--pp run as threads of one process)");
     }
     let ck = Checkpoint::open(&a.model)?;

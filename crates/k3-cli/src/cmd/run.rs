@@ -16,55 +16,16 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use k3_engine::dist::process::{self, Role, FINISH_LIMIT};
 use k3_engine::dist::runner::RunnerSpec;
-use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
+use k3_engine::{Engine, EngineConfig, Request};
 use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
 
-use super::model_dir::resolve_model_dir;
-
-#[derive(clap::Args)]
-pub struct SamplingArgs {
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
-    pub min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
-    pub repetition_penalty: f32,
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub presence_penalty: f32,
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub frequency_penalty: f32,
-    /// Makes sampling reproducible.
-    #[arg(long)]
-    pub seed: Option<u64>,
-}
-
-impl SamplingArgs {
-    pub fn params(&self) -> SamplingParams {
-        SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            seed: self.seed,
-            logprobs: None,
-        }
-    }
-}
+use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SamplingArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory (default: the embedded k3-nano model).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Tokenizer directory (default: the model directory).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -84,9 +45,8 @@ pub struct Args {
     /// Stop string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// KDA recurrent-state storage: f32 (reference) or bf16 (half the memory, approximate).
-    #[arg(long, value_enum, default_value = "f32")]
-    pub kda_state: k3_server::KdaStateArg,
+    #[command(flatten)]
+    pub kda_state: KdaStateArgs,
     /// Prefill chunk size.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
@@ -95,24 +55,21 @@ pub struct Args {
     /// Print one JSON object (text, ids, timings) instead of streaming.
     #[arg(long)]
     pub json: bool,
-    /// cpu, or cuda / cuda:N (a k3 built with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// GPU only: run decode steps eagerly instead of replaying a CUDA graph.
     #[arg(long)]
     pub no_cuda_graphs: bool,
-    /// GPU precision: bf16 (the serving path) or f32 (the reference path; for comparing
-    /// layouts exactly). The CPU computes in f32.
-    #[arg(long)]
-    pub precision: Option<String>,
     #[command(flatten)]
-    pub parallel: super::args::ParallelArgs,
+    pub precision: PrecisionArgs,
     #[command(flatten)]
-    pub launch: super::args::LaunchArgs,
+    pub parallel: ParallelArgs,
+    #[command(flatten)]
+    pub launch: LaunchArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let dir = resolve_model_dir(a.model.as_deref())?;
+    let dir = a.model.dir()?;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let spinner = tty.then(|| {
         let sp = indicatif::ProgressBar::new_spinner();
@@ -122,12 +79,8 @@ pub fn run(a: Args) -> Result<()> {
     });
     let par = a.parallel.layout()?;
     let ck = Checkpoint::open(&dir)?;
-    let device = k3_server::cli::parse_device(&a.device).map_err(anyhow::Error::msg)?;
-    let gpu_f32 = match (&a.precision, device) {
-        (None, _) => false,
-        (Some(p), Some(_)) => super::logits::parse_precision(p)?,
-        (Some(_), None) => bail!("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda"),
-    };
+    let device = a.device.ordinal()?;
+    let gpu_f32 = a.precision.gpu_f32(device)?;
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| dir.clone());
     let tokenizer = if tok_dir.join("tiktoken.model").is_file() { Some(Arc::new(Tokenizer::from_dir(&tok_dir)?)) } else { None };
     let prompt: Vec<u32> = match (&a.ids, &a.prompt, &tokenizer) {
@@ -146,7 +99,8 @@ pub fn run(a: Args) -> Result<()> {
     req.prompt_embeds = embeds;
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
-    let ecfg = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.into() };
+    let ecfg =
+        EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.kda_state.into() };
     let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
     let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };
     let role = process::launch(&ck, &spec, &a.launch.node());
@@ -156,7 +110,7 @@ pub fn run(a: Args) -> Result<()> {
     let (runner, world) = match role {
         Ok(Role::Leader(r, f)) => (r, f),
         Ok(Role::Worker) => return Ok(()), // rank 0 printed the text
-        Err(e) if device.is_some() => return Err(anyhow::Error::new(e).context(format!("--device {}", a.device))),
+        Err(e) if device.is_some() => return Err(anyhow::Error::new(e).context(format!("--device {}", a.device.device))),
         Err(e) => return Err(e.into()),
     };
     let mut engine = Engine::with_runner(runner, tokenizer.clone(), ecfg);

@@ -1,20 +1,112 @@
-//! `k3 serve`: the OpenAI-compatible server. Arguments and logic live in `k3-server`; this
-//! file adds the shared `--tp/--ep/--pp` and node (`--nnodes --node-rank --master-addr`) flags
-//! and resolves the default model (the embedded k3-nano).
+//! `k3 serve`: the OpenAI-compatible server. The flags live here (the shared groups from
+//! `args.rs`: model, device, precision, KDA state, `--tp/--ep/--pp`, node); the start-up is
+//! `k3_server::run_serve`, which takes them as plain `k3_server::ServeOptions`. Without
+//! `--model` it serves the embedded k3-nano.
+
+use std::path::PathBuf;
+
+use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
-    pub serve: k3_server::ServeArgs,
+    pub model: ModelArgs,
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json); default: the model directory.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port; 0 picks a free one (the bound address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Sequences decoded together in one batch.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// Requests allowed to wait beyond --max-batch; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Context limit in tokens (default: the model's).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on /v1/* routes.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// The model name clients send and /v1/models lists (default: the model directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Largest prefill chunk of one sequence per step.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Token budget of one batched step (decode tokens + prefill chunks).
+    #[arg(long, default_value_t = 2048)]
+    pub max_step_tokens: usize,
     #[command(flatten)]
-    pub parallel: super::args::ParallelArgs,
+    pub kda_state: KdaStateArgs,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Let chat requests name local images (`file://` URLs or plain paths) that resolve inside
+    /// DIR; without it, images come as `data:` URIs only.
+    #[arg(long, value_name = "DIR")]
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// Largest image accepted, in bytes (after base64 decoding).
+    #[arg(long, default_value_t = 20 << 20)]
+    pub max_image_bytes: usize,
+    /// Pixels (width × height) decoded at once across all requests; images beyond it wait.
+    #[arg(long, default_value_t = k3_vision::preprocess::MAX_PIXELS)]
+    pub max_decode_pixels: u64,
+    /// Seconds a client may take to send its request head, or stay silent while sending its
+    /// body (the whole body must arrive within 4× this).
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub read_timeout: f64,
+    /// Seconds open requests get to finish after Ctrl-C / SIGTERM before the server exits.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub shutdown_timeout: f64,
     #[command(flatten)]
-    pub launch: super::args::LaunchArgs,
+    pub device: DeviceArgs,
+    /// GPU only: tokens the latent caches hold across all sequences.
+    #[arg(long, default_value_t = 1 << 18)]
+    pub max_cache_tokens: usize,
+    /// GPU only: run decode steps eagerly instead of replaying CUDA graphs.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
+    #[command(flatten)]
+    pub launch: LaunchArgs,
 }
 
-pub fn run(mut a: Args) -> anyhow::Result<()> {
+pub fn run(a: Args) -> anyhow::Result<()> {
     let par = a.parallel.layout()?;
-    a.serve.model = Some(super::model_dir::resolve_model_dir(a.serve.model.as_deref())?);
-    k3_server::run_serve(a.serve, par, &a.launch.node())?;
+    let model = a.model.dir()?;
+    let device = a.device.ordinal()?;
+    let gpu_f32 = a.precision.gpu_f32(device)?;
+    let opts = k3_server::ServeOptions {
+        model,
+        tokenizer: a.tokenizer,
+        host: a.host,
+        port: a.port,
+        max_batch: a.max_batch,
+        max_queue: a.max_queue,
+        max_model_len: a.max_model_len,
+        api_key: a.api_key,
+        served_model_name: a.served_model_name,
+        prefill_chunk: a.prefill_chunk,
+        max_step_tokens: a.max_step_tokens,
+        kda_state: a.kda_state.kda_state.into(),
+        max_body_bytes: a.max_body_bytes,
+        allowed_local_media_path: a.allowed_local_media_path,
+        max_image_bytes: a.max_image_bytes,
+        max_decode_pixels: a.max_decode_pixels,
+        read_timeout: a.read_timeout,
+        shutdown_timeout: a.shutdown_timeout,
+        device,
+        max_cache_tokens: a.max_cache_tokens,
+        cuda_graphs: !a.no_cuda_graphs,
+        gpu_f32,
+    };
+    k3_server::run_serve(opts, par, &a.launch.node())?;
     Ok(())
 }

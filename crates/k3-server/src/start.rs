@@ -1,4 +1,5 @@
-//! `k3 serve`: the command-line arguments and the entry point the `k3` binary calls.
+//! `k3 serve`'s start-up: [`ServeOptions`] (plain values; the flags are parsed by the `k3`
+//! binary) and [`run_serve`], the entry point it calls.
 //!
 //! Loads the model on the runner the flags ask for (one CPU model, the ranks of a `--tp/--ep/--pp`
 //! layout as threads, one GPU, or with `--device cuda` one process per GPU;
@@ -17,6 +18,7 @@ use k3_engine::dist::launch::NodeArgs;
 use k3_engine::dist::process::{self, Finish, Role, FINISH_LIMIT};
 use k3_engine::dist::runner::RunnerSpec;
 use k3_engine::{Engine, EngineConfig};
+use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Parallel};
 use k3_tokenizer::Tokenizer;
 use k3_vision::VisionModel;
@@ -25,118 +27,51 @@ use crate::conn::serve_connections;
 use crate::error::{Result, ServerError};
 use crate::server::{build_with_vision, ServerConfig};
 
-/// `--kda-state f32|bf16`.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KdaStateArg {
-    F32,
-    Bf16,
-}
-
-impl From<KdaStateArg> for k3_model::layers::kda::StateDType {
-    fn from(a: KdaStateArg) -> Self {
-        match a {
-            KdaStateArg::F32 => Self::F32,
-            KdaStateArg::Bf16 => Self::Bf16,
-        }
-    }
-}
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct ServeArgs {
-    /// Model directory (config.json + safetensors); `k3 serve` defaults to the embedded k3-nano.
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// Tokenizer directory (tiktoken.model + tokenizer_config.json); default: the model directory.
-    #[arg(long)]
+/// What `k3 serve` starts: the model, the runner, the listener and the server's limits. The
+/// `k3` binary fills it from its flags (`crates/k3-cli/src/cmd/serve.rs`, where each field's
+/// flag is documented); this crate has no command-line parser.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Model directory (config.json + safetensors).
+    pub model: PathBuf,
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json); `None`: the model directory.
     pub tokenizer: Option<PathBuf>,
-    #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Port; 0 picks a free one (the bound address is printed).
-    #[arg(long, default_value_t = 8000)]
+    /// 0 picks a free port (the bound address is printed).
     pub port: u16,
-    /// Sequences decoded together in one batch.
-    #[arg(long, default_value_t = 32)]
     pub max_batch: usize,
-    /// Requests allowed to wait beyond --max-batch; more are answered 429.
-    #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
-    /// Context limit in tokens (default: the model's).
-    #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// Require `Authorization: Bearer KEY` on /v1/* routes.
-    #[arg(long)]
     pub api_key: Option<String>,
-    /// The model name clients send and /v1/models lists (default: the model directory's name).
-    #[arg(long)]
+    /// `None`: the model directory's name.
     pub served_model_name: Option<String>,
-    /// Largest prefill chunk of one sequence per step.
-    #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
-    /// Token budget of one batched step (decode tokens + prefill chunks).
-    #[arg(long, default_value_t = 2048)]
     pub max_step_tokens: usize,
-    /// KDA recurrent-state storage: f32 (reference) or bf16 (half the memory, approximate).
-    #[arg(long, value_enum, default_value = "f32")]
-    pub kda_state: KdaStateArg,
-    /// Largest request body in bytes (413 beyond).
-    #[arg(long, default_value_t = 4 << 20)]
+    pub kda_state: StateDType,
     pub max_body_bytes: usize,
-    /// Let chat requests name local images (`file://` URLs or plain paths) that resolve inside
-    /// DIR; without it, images come as `data:` URIs only.
-    #[arg(long, value_name = "DIR")]
     pub allowed_local_media_path: Option<PathBuf>,
-    /// Largest image accepted, in bytes (after base64 decoding).
-    #[arg(long, default_value_t = 20 << 20)]
     pub max_image_bytes: usize,
-    /// Pixels (width × height) decoded at once across all requests; images beyond it wait.
-    #[arg(long, default_value_t = k3_vision::preprocess::MAX_PIXELS)]
     pub max_decode_pixels: u64,
-    /// Seconds a client may take to send its request head, or stay silent while sending its
-    /// body (the whole body must arrive within 4× this).
-    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    /// Seconds (validated here: positive and finite).
     pub read_timeout: f64,
-    /// Seconds open requests get to finish after Ctrl-C / SIGTERM before the server exits.
-    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     pub shutdown_timeout: f64,
-    /// cpu, or cuda / cuda:N to run the model on a GPU (needs a k3 built with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    /// `None` for the CPU, `Some(ordinal)` for GPU `cuda:N`.
+    pub device: Option<usize>,
     /// GPU only: tokens the latent caches hold across all sequences.
-    #[arg(long, default_value_t = 1 << 18)]
     pub max_cache_tokens: usize,
-    /// GPU only: run decode steps eagerly instead of replaying CUDA graphs.
-    #[arg(long)]
-    pub no_cuda_graphs: bool,
-    /// GPU precision: bf16 (the serving path) or f32 (the reference path: slow, for checks).
-    #[arg(long)]
-    pub precision: Option<String>,
-}
-
-/// Parses `--device`: `None` for the CPU, `Some(ordinal)` for `cuda` / `cuda:N`.
-pub fn parse_device(d: &str) -> std::result::Result<Option<usize>, String> {
-    match d {
-        "cpu" => Ok(None),
-        "cuda" => Ok(Some(0)),
-        _ => d.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Some).ok_or_else(|| format!("--device `{d}`: use cpu, cuda or cuda:N")),
-    }
+    /// GPU only: replay decode steps as CUDA graphs.
+    pub cuda_graphs: bool,
+    /// GPU only: the f32 reference precision instead of bf16.
+    pub gpu_f32: bool,
 }
 
 /// Runs `k3 serve` until interrupted, the model laid out as `par` (`--tp/--ep/--pp`, parsed by
 /// the `k3` binary's shared flag group), this process placed in its world by `node`
 /// (`--nnodes --node-rank --master-addr`). A rank ≠ 0 returns once rank 0 has stopped.
-pub fn run_serve(a: ServeArgs, par: Parallel, node: &NodeArgs) -> Result<()> {
-    let model_dir = a.model.clone().ok_or_else(|| ServerError::Config("no --model given".into()))?;
+pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> {
+    let model_dir = a.model.clone();
     let ck = Checkpoint::open(&model_dir)?;
-    let device = parse_device(&a.device).map_err(ServerError::Config)?;
-    let gpu_f32 = match (a.precision.as_deref(), device) {
-        (None, _) => false,
-        (Some(_), None) => {
-            return Err(ServerError::Config("--precision applies to --device cuda (the CPU model always computes in f32): drop it or add --device cuda".into()))
-        }
-        (Some("bf16"), Some(_)) => false,
-        (Some("f32"), Some(_)) => true,
-        (Some(p), Some(_)) => return Err(ServerError::Config(format!("--precision `{p}` is not one of bf16, f32"))),
-    };
+    let (device, gpu_f32) = (a.device, a.gpu_f32);
     let tok_dir = a.tokenizer.clone().unwrap_or_else(|| model_dir.clone());
     if a.max_batch == 0 {
         return Err(ServerError::Config("--max-batch must be at least 1".into()));
@@ -154,21 +89,19 @@ pub fn run_serve(a: ServeArgs, par: Parallel, node: &NodeArgs) -> Result<()> {
         max_batch: a.max_batch,
         prefill_chunk: a.prefill_chunk.max(1),
         max_step_tokens: a.max_step_tokens.max(a.max_batch + 1),
-        kda_state: a.kda_state.into(),
+        kda_state: a.kda_state,
     };
-    let spec = RunnerSpec {
-        par,
-        device,
-        kda_state: ecfg.kda_state,
-        max_seqs: a.max_batch,
-        max_cache_tokens: a.max_cache_tokens,
-        cuda_graphs: !a.no_cuda_graphs,
-        gpu_f32,
-    };
+    let spec =
+        RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: a.cuda_graphs, gpu_f32 };
     let (runner, finish) = match process::launch(&ck, &spec, node) {
         Ok(Role::Leader(r, f)) => (r, f),
         Ok(Role::Worker) => return Ok(()), // rank 0 served; it has stopped
-        Err(e) => return Err(ServerError::Config(if device.is_some() { format!("--device {}: {e}", a.device) } else { e.to_string() })),
+        Err(e) => {
+            return Err(ServerError::Config(match device {
+                Some(n) => format!("--device cuda:{n}: {e}"),
+                None => e.to_string(),
+            }))
+        }
     };
     let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     let vision = match ck.config.vision_config {
