@@ -163,6 +163,19 @@ impl RankPlan {
         part(n, self.par.stage_ranks(), self.local)
     }
 
+    /// The intermediate width of the routed experts this rank holds: the whole
+    /// `moe_intermediate_size` with expert parallelism; without it, this rank's share of it
+    /// (whole 32-value blocks for MXFP4 experts, matching the split of `w1`/`w3` rows and `w2`
+    /// block columns in the tensor table).
+    pub fn expert_inter(&self, cfg: &Config) -> usize {
+        let fi = cfg.text.moe_intermediate_size;
+        if self.par.ep > 1 {
+            return fi;
+        }
+        let unit = if cfg.experts_mxfp4() { 32 } else { 1 };
+        self.tp_share(fi / unit).len() * unit
+    }
+
     /// The routed experts this rank computes (all of them without expert parallelism).
     pub fn experts(&self, n: usize) -> Range<usize> {
         part(n, self.par.ep, self.ep_rank)

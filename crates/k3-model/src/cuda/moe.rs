@@ -130,13 +130,7 @@ impl Moe {
         let mx = cfg.experts_mxfp4();
         let plan = &ck.plan;
         let mine = plan.experts(e);
-        // Without expert parallelism each expert's intermediate dim is split (whole MXFP4 blocks).
-        let fi = if plan.par.ep > 1 {
-            t.moe_intermediate_size
-        } else {
-            let unit = if mx { 32 } else { 1 };
-            plan.tp_share(t.moe_intermediate_size / unit).len() * unit
-        };
+        let fi = plan.expert_inter(cfg);
         let (w13, w13_scale) = upload_experts(dev, ck, &p, mine.clone(), &["w1", "w3"], fi, lat, mx, dt)?;
         let (w2, w2_scale) = upload_experts(dev, ck, &p, mine.clone(), &["w2"], lat, fi, mx, dt)?;
         let format = match (mx, dt) {
