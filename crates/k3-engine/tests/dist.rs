@@ -10,10 +10,12 @@
 use std::sync::Arc;
 
 use k3_engine::dist::runner::{self, Fault, Runner, RunnerSpec, Step, StepSeq, ThreadRunner};
-use k3_engine::{Engine, EngineConfig, Event, Request, SamplingParams};
+use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
 use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Model, Parallel};
 
+mod common;
+use common::{cfg, run_all};
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
 #[path = "../../../tests/support/numeric.rs"]
@@ -81,40 +83,14 @@ fn runner_logits_equal_one_rank() {
     }
 }
 
-/// Five concurrent requests of 4..40 tokens, one with its own input rows, in small chunks.
-fn run_all(mut e: Engine) -> Vec<(u64, u32, bool)> {
-    let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (0..4 + 9 * i).map(|j| (5 + 31 * i + 17 * j) % 384).collect()).collect();
-    for (i, p) in prompts.iter().enumerate() {
-        let mut req = Request::new(p.clone(), SamplingParams::greedy(), 6 + i);
-        if i == 2 {
-            let rows: Vec<f32> = e.embed(p).unwrap().iter().map(|x| -x * 1.5).collect();
-            req.prompt_embeds = Some(Arc::new(rows));
-        }
-        e.add(req).unwrap();
-    }
-    let mut events: Vec<(u64, u32, bool)> = Vec::new();
-    let mut steps = 0;
-    while e.has_work() {
-        assert!(e.num_running() <= 3);
-        events.extend(e.step().unwrap().iter().map(|ev: &Event| (ev.seq, ev.token, ev.finish.is_some())));
-        steps += 1;
-        assert!(steps < 1000);
-    }
-    events
-}
-
-fn cfg() -> EngineConfig {
-    EngineConfig { max_batch: 3, prefill_chunk: 5, max_step_tokens: 8, ..Default::default() }
-}
-
 #[test]
 fn engine_on_threads_equals_plain_engine() {
     let ck = ck();
-    let plain = run_all(Engine::new(Arc::new(Model::load(&ck).unwrap()), None, cfg()));
+    let plain = run_all(&mut Engine::new(Arc::new(Model::load(&ck).unwrap()), None, cfg()));
     assert_eq!(plain.iter().filter(|e| e.2).count(), 5);
     for p in [par(2, None, 1), par(1, None, 2), par(2, None, 2)] {
-        let e = Engine::with_runner(Box::new(ThreadRunner::start(&ck, p, StateDType::F32).unwrap()), None, cfg());
-        assert_eq!(run_all(e), plain, "{p:?}");
+        let mut e = Engine::with_runner(Box::new(ThreadRunner::start(&ck, p, StateDType::F32).unwrap()), None, cfg());
+        assert_eq!(run_all(&mut e), plain, "{p:?}");
     }
 }
 

@@ -23,10 +23,12 @@ use std::time::{Duration, Instant};
 use k3_core::comm::control::{self, Control, Options, WorldSpec};
 use k3_engine::dist::process::{self, decode_reply, encode_reply, ProcessRunner};
 use k3_engine::dist::runner::{Failure, RankWorker, Runner, Step, ThreadRunner, Worker};
-use k3_engine::{Engine, EngineConfig, EngineError, Event, Request, SamplingParams};
+use k3_engine::{Engine, EngineError, Request, SamplingParams};
 use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Config, Model};
 
+mod common;
+use common::{cfg, run_all};
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
 #[path = "../../../tests/support/timeout.rs"]
@@ -149,31 +151,6 @@ fn world(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usiz
     r.wait_ready().unwrap();
     let engine = Engine::with_runner(Box::new(r), None, cfg());
     World { engine, finish, worker, leader_log, worker_log }
-}
-
-fn cfg() -> EngineConfig {
-    EngineConfig { max_batch: 3, prefill_chunk: 5, max_step_tokens: 8, ..Default::default() }
-}
-
-/// Five concurrent requests of 4..40 tokens, one with its own input rows, in small chunks.
-fn run_all(e: &mut Engine) -> Vec<(u64, u32, bool)> {
-    let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (0..4 + 9 * i).map(|j| (5 + 31 * i + 17 * j) % 384).collect()).collect();
-    for (i, p) in prompts.iter().enumerate() {
-        let mut req = Request::new(p.clone(), SamplingParams::greedy(), 6 + i);
-        if i == 2 {
-            let rows: Vec<f32> = e.embed(p).unwrap().iter().map(|x| -x * 1.5).collect();
-            req.prompt_embeds = Some(Arc::new(rows));
-        }
-        e.add(req).unwrap();
-    }
-    let mut events = Vec::new();
-    let mut steps = 0;
-    while e.has_work() {
-        events.extend(e.step().unwrap().iter().map(|ev: &Event| (ev.seq, ev.token, ev.finish.is_some())));
-        steps += 1;
-        assert!(steps < 1000);
-    }
-    events
 }
 
 #[test]
