@@ -17,7 +17,7 @@
 
 use k3_core::comm::nccl::CudaGroup;
 use k3_core::cuda::moe::{experts_forward, route, ExpertFormat, ExpertWeights};
-use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols, shift_i32, unblock};
+use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols, shift_i32};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -98,28 +98,6 @@ fn upload_experts(
     }
 }
 
-/// The stage's row blocks of the router logits and the latent joined into whole rows: one NCCL
-/// group of two all-gathers (rank-major `[S, N, w]`), then one kernel each puts the blocks in
-/// place. World 1 returns its inputs.
-fn join_blocks(stage: &CudaGroup, logits: CudaTensor, z: CudaTensor) -> Result<(CudaTensor, CudaTensor)> {
-    let s = stage.world();
-    if s == 1 {
-        return Ok((logits, z));
-    }
-    let dev = logits.cuda_device();
-    let (n, el, zl) = (logits.shape()[0], logits.shape()[1], z.shape()[1]);
-    let lg_all = CudaTensor::uninit(dev, logits.dtype(), vec![s, n, el])?;
-    let z_all = CudaTensor::uninit(dev, z.dtype(), vec![s, n, zl])?;
-    stage.group(|g| {
-        g.all_gather(&logits, &lg_all)?;
-        g.all_gather(&z, &z_all)
-    })?;
-    let (lg, zz) = (CudaTensor::uninit(dev, logits.dtype(), vec![n, s * el])?, CudaTensor::uninit(dev, z.dtype(), vec![n, s * zl])?);
-    unblock(&lg_all, &lg)?;
-    unblock(&z_all, &zz)?;
-    Ok((lg, zz))
-}
-
 impl Moe {
     /// Layer `l`'s MoE on this rank: its routed experts (or, without expert parallelism, every
     /// expert's share of the intermediate dim) and its share of the shared experts.
@@ -185,7 +163,7 @@ impl Moe {
                 (logits, z, None)
             }
         }; // this rank's blocks: logits F32 [N, E/S], z BF16 [N, lat/S]; g/u BF16 [N, I·shared]
-        let (logits, z) = join_blocks(stage, logits, z)?; // [N, E], [N, lat]
+        let [logits, z] = super::stage::gather_cols(stage, [logits, z])?; // [N, E], [N, lat]
         let ids = CudaTensor::uninit(dev, DType::I32, vec![n, self.top_k])?;
         let wts = CudaTensor::uninit(dev, DType::F32, vec![n, self.top_k])?;
         route(&logits, &self.e_score_correction_bias, self.top_k, self.renormalize, &ids, &wts)?;

@@ -1,11 +1,13 @@
 //! What crosses ranks on the GPU besides the per-layer reductions (`docs/parallel.md`): the
-//! residual state sent from one pipeline stage to the next, the vocabulary gather of the
-//! logits over the tensor-parallel group, and the logits sent back from the last stage to the
-//! first. All NCCL, on the compute stream, so a decode graph captures them too.
+//! residual state sent from one pipeline stage to the next, the column-block gather
+//! (`gather_cols`: the vocabulary shards of the logits over the tensor-parallel group, the
+//! MoE's router and latent blocks over the stage), and the logits sent back from the last
+//! stage to the first. All NCCL, on the compute stream, so a decode graph captures them too.
 //!
 //! Shapes: every residual tensor F32 `[N, H]` (`P`, the completed blocks, the pending FFN
 //! output `d`); local logits F32 `[rows, V / tp]`; logits F32 `[rows, V]`.
 
+use k3_core::comm::nccl::CudaGroup;
 use k3_core::cuda::ops::unblock;
 use k3_core::cuda::CudaTensor;
 use k3_core::DType;
@@ -55,19 +57,30 @@ impl Residual {
 }
 
 /// Joins the tensor-parallel ranks' vocabulary shards `[rows, V / tp]` (rank order) into
-/// `[rows, V]` on every rank of the group: one all-gather, then one kernel puts the blocks in
-/// place.
+/// `[rows, V]` on every rank of the group.
 pub(crate) fn gather_vocab(m: &CudaModel, local: CudaTensor) -> Result<CudaTensor> {
-    let tp = m.groups.tp.world();
-    if tp == 1 {
-        return Ok(local);
-    }
-    let (rows, w) = (local.shape()[0], local.shape()[1]);
-    let parts = CudaTensor::uninit(&m.dev, DType::F32, vec![tp, rows, w])?; // [tp, rows, V/tp]
-    m.groups.tp.all_gather(&local, &parts)?;
-    let out = CudaTensor::uninit(&m.dev, DType::F32, vec![rows, tp * w])?;
-    unblock(&parts, &out)?;
+    let [out] = gather_cols(&m.groups.tp, [local])?;
     Ok(out)
+}
+
+/// Joins each rank's column block `[N, w_i]` of every tensor in `xs` (rank order) into whole
+/// rows `[N, S·w_i]` on every rank of `g`: the all-gathers in one NCCL group (rank-major
+/// `[S, N, w_i]`), then one `unblock` kernel each. World 1 returns `xs`.
+pub(crate) fn gather_cols<const K: usize>(g: &CudaGroup, xs: [CudaTensor; K]) -> Result<[CudaTensor; K]> {
+    let s = g.world();
+    if s == 1 {
+        return Ok(xs);
+    }
+    let all = xs.each_ref().map(|x| CudaTensor::uninit(x.cuda_device(), x.dtype(), vec![s, x.shape()[0], x.last_dim()]));
+    let all = all.into_iter().collect::<k3_core::Result<Vec<_>>>()?;
+    g.group(|g| xs.iter().zip(&all).try_for_each(|(x, a)| g.all_gather(x, a)))?;
+    let mut out = Vec::with_capacity(K);
+    for (x, a) in xs.iter().zip(&all) {
+        let o = CudaTensor::uninit(x.cuda_device(), x.dtype(), vec![x.shape()[0], s * x.last_dim()])?;
+        unblock(a, &o)?;
+        out.push(o);
+    }
+    Ok(out.try_into().unwrap_or_else(|_| unreachable!("one output per input")))
 }
 
 /// On the last stage of several: sends the logits to the first stage's rank with this rank's
