@@ -100,14 +100,9 @@ fn gpu_rank_logits(a: &Args, ck: &Checkpoint, par: k3_model::Parallel, ord: usiz
     use k3_engine::dist::launch::{load_gpu_rank, nccl_ids, world_digest, World};
     let digest = world_digest(ck, par)?;
     let world = World::start(par, &a.launch.node(), &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
-    let (rank, local) = (world.rank(), world.spec.local_rank);
-    let gpu = ord + local;
-    let dev = k3_core::cuda::CudaDevice::new(gpu)
-        .with_context(|| format!("rank {rank} (local rank {local}) runs on GPU {gpu}: give this node one GPU per local rank, or start one process per node"))?;
+    let rank = world.rank();
     let cache = k3_model::cuda::CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 };
-    let mut m = load_gpu_rank(&world, ck, &dev, cache, gpu_precision(f32)).with_context(|| format!("rank {rank}: loading its shards"))?;
-    let groups = m.groups.clone();
-    world.on_child_failure(move |why| groups.abort(why));
+    let mut m = load_gpu_rank(&world, ck, ord, cache, gpu_precision(f32))?;
     let out = gpu_pieces(&mut m, ids, None, step, !a.no_cuda_graphs).with_context(|| format!("rank {rank}"));
     if out.is_err() {
         m.groups.abort(&format!("rank {rank} failed"));

@@ -359,19 +359,33 @@ pub fn nccl_ids(par: Parallel) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// This rank's GPU model (feature `cuda`): joins the communicators with the ids in the world's
-/// payload, then uploads only this rank's shards to `dev`.
+/// This rank's GPU model (feature `cuda`) on GPU `ordinal + LOCAL_RANK`: joins the
+/// communicators with the ids in the world's payload, uploads only this rank's shards, and
+/// has a rank this process started that exits with an error abort them. Errors name the rank
+/// (and the GPU it could not open).
 #[cfg(feature = "cuda")]
 pub fn load_gpu_rank(
     world: &World,
     ck: &Checkpoint,
-    dev: &k3_core::cuda::CudaDevice,
+    ordinal: usize,
     cache: k3_model::cuda::CacheConfig,
     precision: k3_model::cuda::Precision,
 ) -> Result<k3_model::cuda::CudaModel> {
     use k3_model::parallel::CudaGroups;
-    let ids: Vec<[u8; 128]> = world.payload().chunks_exact(128).map(|c| c.try_into().expect("128 bytes")).collect();
-    let plan = world.par.plans(&ck.config)?.swap_remove(world.rank());
-    let groups = CudaGroups::nccl(dev, &plan, &ids)?;
-    Ok(k3_model::cuda::CudaModel::load_rank(ck, dev, plan, groups, cache, precision)?)
+    let (rank, local) = (world.rank(), world.spec.local_rank);
+    let gpu = ordinal + local;
+    let dev = k3_core::cuda::CudaDevice::new(gpu).map_err(|e| EngineError::Rank {
+        rank,
+        msg: format!("runs on GPU {gpu} (local rank {local}) and cannot open it: {e}; give this node one GPU per local rank, or start one process per node"),
+    })?;
+    let loaded = (|| -> Result<k3_model::cuda::CudaModel> {
+        let ids: Vec<[u8; 128]> = world.payload().chunks_exact(128).map(|c| c.try_into().expect("128 bytes")).collect();
+        let plan = world.par.plans(&ck.config)?.swap_remove(rank);
+        let groups = CudaGroups::nccl(&dev, &plan, &ids)?;
+        Ok(k3_model::cuda::CudaModel::load_rank(ck, &dev, plan, groups, cache, precision)?)
+    })();
+    let m = loaded.map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") })?;
+    let groups = m.groups.clone();
+    world.on_child_failure(move |why| groups.abort(why));
+    Ok(m)
 }

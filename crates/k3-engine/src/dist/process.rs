@@ -351,22 +351,10 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     let par = spec.par;
     let digest = k3_core::comm::control::digest(&[world_digest(ck, par)?.as_bytes(), spec_digest(spec).as_bytes()]);
     let world = World::start(par, node, &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
-    let (rank, local) = (world.rank(), world.spec.local_rank);
-    let gpu = ord + local;
     let cache = k3_model::cuda::CacheConfig { max_seqs: spec.max_seqs, max_tokens: spec.max_cache_tokens };
-    let loaded = k3_core::cuda::CudaDevice::new(gpu)
-        .map_err(|e| EngineError::Rank {
-            rank,
-            msg: format!("runs on GPU {gpu} (local rank {local}) and cannot open it: {e}; give this node one GPU per local rank"),
-        })
-        .and_then(|dev| {
-            load_gpu_rank(&world, ck, &dev, cache, precision(spec.gpu_f32)).map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") })
-        })
-        .and_then(|m| Ok((m, k3_model::Model::load_embedding(ck)?)));
-    if rank != 0 {
+    let loaded = load_gpu_rank(&world, ck, ord, cache, precision(spec.gpu_f32)).and_then(|m| Ok((m, k3_model::Model::load_embedding(ck)?)));
+    if world.rank() != 0 {
         let (model, embedder) = worker_ready(&world.control, loaded)?;
-        let groups = model.groups.clone();
-        world.on_child_failure(move |why| groups.abort(why));
         let served = work(GpuRunner::worker(model, embedder, spec.cuda_graphs), &world.control);
         let finished = world.finish(FINISH_LIMIT);
         return served.and(finished).map(|_| Role::Worker);
@@ -378,8 +366,6 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
             return Err(e);
         }
     };
-    let groups = model.groups.clone();
-    world.on_child_failure(move |why| groups.abort(why));
     let gpu = GpuRunner::new(model, embedder, spec.cuda_graphs);
     let (mut r, finish) = ProcessRunner::new(Box::new(gpu), Box::new(world));
     r.wait_ready()?;
