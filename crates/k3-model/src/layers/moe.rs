@@ -159,7 +159,13 @@ impl Moe {
     /// Router on a rank that holds the whole router: per token, the top-k experts by biased
     /// score, weighted by renormalised raw scores.
     pub fn route(&self, x: &[f32], t: usize) -> Result<Vec<Route>> {
-        Ok(self.route_logits(&self.front(x, t, &Single)?.0))
+        if self.stage_ranks > 1 {
+            return Err(ModelError::Input(format!(
+                "Moe::route needs the whole router; this rank holds 1/{} of its rows (forward_in joins them)",
+                self.stage_ranks
+            )));
+        }
+        Ok(self.route_logits(&lin(x, t, &self.gate)?))
     }
 
     /// [`Moe::route`] from the logits `[T, E]`.
