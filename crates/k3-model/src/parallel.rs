@@ -329,7 +329,7 @@ impl CudaGroups {
 
     /// Starts the watchdog's clock on work enqueued outside its view (a replayed CUDA graph).
     pub fn watch(&self, op: &'static str) -> Result<()> {
-        for g in [&self.tp, &self.stage, &self.world] {
+        for g in self.distinct() {
             g.watch(op)?;
         }
         Ok(())
@@ -337,9 +337,21 @@ impl CudaGroups {
 
     /// Aborts every communicator (a rank that fails calls this so its peers stop waiting).
     pub fn abort(&self, why: &str) {
-        for g in [&self.tp, &self.stage, &self.world] {
+        for g in self.distinct() {
             g.abort(why);
         }
+    }
+
+    /// Each communicator once (the roles often share one: `tp` is `stage` at `--tp S`, `world`
+    /// is `stage` with one pipeline stage).
+    fn distinct(&self) -> Vec<&Arc<k3_core::comm::nccl::CudaGroup>> {
+        let mut out: Vec<&Arc<k3_core::comm::nccl::CudaGroup>> = Vec::with_capacity(3);
+        for g in [&self.tp, &self.stage, &self.world] {
+            if !out.iter().any(|o| Arc::ptr_eq(o, g)) {
+                out.push(g);
+            }
+        }
+        out
     }
 }
 
