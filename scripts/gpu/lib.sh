@@ -40,3 +40,18 @@ k3_model() {
     return 1
   fi
 }
+
+# stacks PID: every thread of PID — with gdb (symbols: stage the binary with `strip --strip-debug`)
+# a backtrace each, else its name, kernel wait channel and current syscall — for a hang.
+stacks() {
+  local p=$1 t
+  kill -0 "$p" 2> /dev/null || return 0
+  echo "=== threads of pid $p ($(tr '\0' ' ' < /proc/$p/cmdline | head -c 120)) ==="
+  if command -v gdb > /dev/null; then
+    timeout 60 gdb -p "$p" -batch -ex "set pagination off" -ex "thread apply all bt 14" 2>&1 | grep -E '^(Thread|#)' | head -400
+  else
+    for t in /proc/$p/task/*; do
+      echo "$(basename $t) $(cat $t/comm) wchan=$(cat $t/wchan 2> /dev/null) syscall=$(cut -d' ' -f1 $t/syscall 2> /dev/null)"
+    done
+  fi
+}

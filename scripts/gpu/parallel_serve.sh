@@ -22,6 +22,8 @@ L=${PAR_LOGS:-/tmp/k3serve}; mkdir -p $L
 # Never NVLink multicast (kept off as the machines' own environment does); one GPU anyway.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export K3_REQUIRE_CUDA=1 K3_NCCL_TIMEOUT_S=60 K3_RENDEZVOUS_TIMEOUT_S=120
+export K3_TRACE=${K3_TRACE:-1} # stage lines of start and shutdown on stderr (the logs), for hangs
+HANG_S=${HANG_S:-120}
 . "$(dirname "$0")/lib.sh"
 M=/tmp/k3r4par
 TOK=models/k3-nano # the checkpoint has no tokenizer; served text is decoded with k3-nano's (ids in)
@@ -42,8 +44,18 @@ world() {
     RANK=$i WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=k3host$i timeout 300 $D/k3 "$@" --tp $tp --pp $pp > $L/$tag.rank$i.out 2> $L/$tag.rank$i.log &
     pids+=($!)
   done
-  RANK=0 WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=k3host0 timeout 300 $D/k3 "$@" --tp $tp --pp $pp > $L/$tag.out 2> $L/$tag.rank0.log
-  local rc=$? rcs=""
+  RANK=0 WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port NCCL_HOSTID=k3host0 timeout 300 $D/k3 "$@" --tp $tp --pp $pp > $L/$tag.out 2> $L/$tag.rank0.log &
+  local p0=$! rc rcs=""
+  # A hang: after $HANG_S s every rank's threads are dumped (scripts/gpu/lib.sh stacks), then killed.
+  for ((i = 0; i < HANG_S * 5; i++)); do kill -0 $p0 2>/dev/null || break; sleep 0.2; done
+  if kill -0 $p0 2>/dev/null; then
+    fail "$tag: rank 0 still running after $HANG_S s (stacks follow; then killed)"
+    for q in $p0 "${pids[@]}"; do stacks $q; done
+    kill -9 $p0 "${pids[@]}" 2>/dev/null
+    echo "--- $tag rank 0 stderr (K3_TRACE) ---"; tail -40 $L/$tag.rank0.log
+    for ((i = 1; i < n; i++)); do echo "--- $tag rank $i stderr ---"; tail -15 $L/$tag.rank$i.log; done
+  fi
+  wait $p0; rc=$?
   for q in "${pids[@]}"; do wait $q; rcs="$rcs $?"; done
   printf "%-28s ranks %d  rc0 %d  others:%s  %d ms\n" "$tag" $n $rc "$rcs" $((($(date +%s%N) - t0) / 1000000))
   [ $rc -eq 0 ] || { fail "$tag: rank 0 exited with $rc"; tail -5 $L/$tag.rank0.log; }

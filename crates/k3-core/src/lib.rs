@@ -25,3 +25,14 @@ pub use device::Device;
 pub use dtype::DType;
 pub use error::{CoreError, Result};
 pub use tensor::{Storage, Tensor};
+
+/// `K3_TRACE=1`: one stderr line for each stage of a world's start and shutdown (rendezvous,
+/// communicators, graphs, teardown), with the time since the process started, so a hang on a
+/// machine without a debugger shows the stage it stopped in. Off (one atomic load) otherwise.
+pub fn trace(what: impl FnOnce() -> String) {
+    use std::sync::OnceLock;
+    static ON: OnceLock<Option<std::time::Instant>> = OnceLock::new();
+    if let Some(t0) = ON.get_or_init(|| std::env::var_os("K3_TRACE").is_some_and(|v| v != "0").then(std::time::Instant::now)) {
+        eprintln!("[k3 trace {:>8.3} s pid {}] {}", t0.elapsed().as_secs_f64(), std::process::id(), what());
+    }
+}

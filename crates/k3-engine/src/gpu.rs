@@ -89,6 +89,13 @@ mod imp {
         on_sight: bool,
     }
 
+    impl Drop for GpuRunner {
+        fn drop(&mut self) {
+            k3_core::trace(|| format!("GPU runner: dropping {} decode graph(s), then the model and its communicators", self.graphs.len()));
+            self.graphs.clear();
+        }
+    }
+
     impl GpuRunner {
         pub fn new(model: CudaModel, embedder: Model, use_graphs: bool) -> Self {
             let budget = CacheBudget::new(model.cache.max_tokens, k3_core::cuda::mla::PAGE);
@@ -100,7 +107,9 @@ mod imp {
         /// equal rank 0's and it only holds sequences rank 0 holds, so whatever rank 0 admitted
         /// fits here too.
         pub fn worker(model: CudaModel, embedder: Model, use_graphs: bool) -> Self {
-            GpuRunner { on_sight: true, ..Self::new(model, embedder, use_graphs) }
+            let mut r = Self::new(model, embedder, use_graphs);
+            r.on_sight = true;
+            r
         }
 
         /// One packed step; `emb` replaces the token embeddings when given. Returns each

@@ -146,8 +146,10 @@ pub fn run(a: Args) -> Result<()> {
         },
         &mut prefilled,
     )?;
+    k3_core::trace(|| format!("run: {} tokens generated; dropping the engine", out.len()));
     drop(engine); // shuts a world of processes down: its workers exit
     world.wait(FINISH_LIMIT)?;
+    k3_core::trace(|| "run: the world has finished".into());
     let tps = |n: usize, d: std::time::Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { 0.0 };
     let prefill_tps = tps(stats.prompt_tokens, stats.prefill_time);
     let decode_tps = tps(stats.output_tokens.saturating_sub(1), stats.decode_time);

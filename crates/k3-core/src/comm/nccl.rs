@@ -627,11 +627,14 @@ impl Drop for CudaGroup {
     /// its peers) and destroys; a failed or stuck communicator is aborted instead.
     fn drop(&mut self) {
         let Some(n) = self.nccl_of() else { return };
+        let who = format!("NCCL rank {}/{}", self.rank(), self.world());
+        crate::trace(|| format!("{who}: dropping the communicator"));
         n.stop.store(true, Ordering::Relaxed);
         if let Some(d) = lock(&n.dog).take() {
             let _ = d.join();
         }
         let healthy = self.wait("drop").is_ok();
+        crate::trace(|| format!("{who}: watchdog joined, enqueued work done: {healthy}"));
         let mut st = lock(&n.st);
         let comm = std::mem::replace(&mut st.comm, std::ptr::null_mut());
         if comm.is_null() {
@@ -641,12 +644,15 @@ impl Drop for CudaGroup {
         // SAFETY: the communicator is live and ours alone from here; the handle is not used again.
         unsafe {
             let r = if healthy { (n.api.finalize)(comm) } else { 1 };
-            if (r == 0 || r == IN_PROGRESS) && poll(n.api, comm, n.timeout.min(Duration::from_secs(30))).is_ok() {
+            let polled = (r == 0 || r == IN_PROGRESS) && poll(n.api, comm, n.timeout.min(Duration::from_secs(30))).is_ok();
+            crate::trace(|| format!("{who}: finalize returned {r}, completed: {polled}"));
+            if polled {
                 (n.api.destroy)(comm);
             } else {
                 (n.api.abort)(comm);
             }
         }
+        crate::trace(|| format!("{who}: communicator {}", if healthy { "destroyed" } else { "aborted" }));
     }
 }
 

@@ -285,7 +285,9 @@ impl Runner for ProcessRunner {
 
 impl Drop for ProcessRunner {
     fn drop(&mut self) {
+        k3_core::trace(|| "rank 0: shutting the world down (stop to every worker)".into());
         self.shared.end();
+        k3_core::trace(|| "rank 0: world shut down; dropping rank 0's model".into());
     }
 }
 
@@ -356,6 +358,7 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     if world.rank() != 0 {
         let (model, embedder) = worker_ready(&world.control, loaded)?;
         let served = work(GpuRunner::worker(model, embedder, spec.cuda_graphs), &world.control);
+        k3_core::trace(|| format!("rank {}: step loop ended ({}), model dropped", world.rank(), if served.is_ok() { "stop" } else { "failure" }));
         let finished = world.finish(FINISH_LIMIT);
         return served.and(finished).map(|_| Role::Worker);
     }
