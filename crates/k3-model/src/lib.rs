@@ -27,5 +27,6 @@ pub mod model;
 
 pub use model::{ForwardOpts, Model, SeqState};
 pub use parallel::{Groups, Parallel, RankPlan};
+pub use source::Source;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -4,7 +4,8 @@
 //! [`Checkpoint`] answers with whole tensors, a [`Source`] with the slice its [`RankPlan`]
 //! gives this rank: row shards (heads, vocabulary rows, FFN rows) are views of the memory map,
 //! column shards (the row-parallel `o_proj`/`down_proj`/`w2`) a copy of just those columns.
-//! So no rank reads more of the checkpoint than it holds.
+//! So no rank reads more of the checkpoint than it holds. On a terminal, rank 0's source
+//! draws a progress bar over the bytes its plan holds (a real K3 rank loads ~100 GB).
 
 use std::collections::HashMap;
 
@@ -38,6 +39,8 @@ pub struct Source<'a> {
     pub ck: &'a Checkpoint,
     pub plan: RankPlan,
     specs: HashMap<String, TensorSpec>,
+    /// Bytes handed out so far, over the bytes this rank holds (drawn on rank 0's terminal).
+    progress: indicatif::ProgressBar,
 }
 
 impl<'a> Source<'a> {
@@ -53,8 +56,30 @@ impl<'a> Source<'a> {
     }
 
     fn from_table(ck: &'a Checkpoint, plan: RankPlan, table: Vec<TensorSpec>) -> Source<'a> {
+        let progress = indicatif::ProgressBar::hidden();
         let specs = table.into_iter().map(|s| (s.name.clone(), s)).collect();
-        Source { ck, plan, specs }
+        Source { ck, plan, specs, progress }
+    }
+
+    /// Bytes of the checkpoint this rank's plan holds (what the loaders will be handed).
+    pub fn held_bytes(&self) -> u64 {
+        self.specs.values().map(|s| self.plan.shard_bytes(s, self.ck.entry(&s.name).map_or(0, |e| e.len as u64))).sum()
+    }
+
+    /// Draws a bar titled `what` over [`Source::held_bytes`] on stderr while the loaders read,
+    /// on rank 0 only (other ranks share its terminal) and only when stderr is a terminal.
+    pub fn show_progress(mut self, what: &str) -> Self {
+        if self.plan.rank == 0 && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            let style = indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            self.progress = indicatif::ProgressBar::new(self.held_bytes()).with_style(style).with_message(what.to_string());
+        }
+        self
+    }
+
+    /// Ends the bar (a no-op when none is drawn).
+    pub fn done(&self) {
+        self.progress.finish_and_clear();
     }
 
     /// The whole checkpoint (a one-rank plan).
@@ -85,6 +110,8 @@ impl Tensors for Source<'_> {
         let spec = self.spec(name)?;
         let t = self.ck.tensor(name)?;
         let terr = |e: k3_core::CoreError| ModelError::Tensor { name: name.into(), msg: e.to_string() };
+        let whole = self.ck.entry(name).map_or(0, |e| e.len as u64);
+        self.progress.inc(self.plan.shard_bytes(spec, whole));
         Ok(match self.shard(spec)? {
             Shard::Whole => t,
             Shard::Rows(r) => t.narrow_rows(r.start, r.len()).map_err(terr)?,

@@ -71,12 +71,6 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let dir = a.model.dir()?;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let spinner = tty.then(|| {
-        let sp = indicatif::ProgressBar::new_spinner();
-        sp.set_message(format!("loading {}", dir.display()));
-        sp.enable_steady_tick(std::time::Duration::from_millis(120));
-        sp
-    });
     let par = a.parallel.layout()?;
     let ck = Checkpoint::open(&dir)?;
     let device = a.device.ordinal()?;
@@ -103,6 +97,13 @@ pub fn run(a: Args) -> Result<()> {
         EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.kda_state.into() };
     let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
     let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };
+    // A GPU load draws its own bar over the bytes it uploads (k3_model::Source::show_progress).
+    let spinner = (tty && device.is_none()).then(|| {
+        let sp = indicatif::ProgressBar::new_spinner();
+        sp.set_message(format!("loading {}", dir.display()));
+        sp.enable_steady_tick(std::time::Duration::from_millis(120));
+        sp
+    });
     let role = process::launch(&ck, &spec, &a.launch.node());
     if let Some(sp) = spinner {
         sp.finish_and_clear();

@@ -190,7 +190,7 @@ impl CudaModel {
                 msg: format!("{v} does not split evenly over --tp {}: the GPU gathers the logits in equal parts", plan.par.tp),
             });
         }
-        let src = Source::checked(ck, plan)?;
+        let src = Source::checked(ck, plan)?.show_progress(&format!("uploading rank 0's weights to GPU {}", dev.ordinal()));
         let plan = &src.plan;
         let free = Free::new(&cache);
         let layers = cfg.layers[plan.layers.clone()]
@@ -231,6 +231,7 @@ impl CudaModel {
         };
         let model = CudaModel { embed_tokens, head, layers, config: cfg, dev: dev.clone(), plan: src.plan.clone(), groups, dtype: dt, cache, free };
         dev.synchronize()?;
+        src.done();
         Ok(model)
     }
 
