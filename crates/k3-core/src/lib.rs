@@ -27,8 +27,9 @@ pub use error::{CoreError, Result};
 pub use tensor::{Storage, Tensor};
 
 /// `K3_TRACE=1`: one stderr line for each stage of a world's start and shutdown (rendezvous,
-/// communicators, graphs, teardown), with the time since the process started, so a hang on a
-/// machine without a debugger shows the stage it stopped in. Off (one atomic load) otherwise.
+/// communicators, graphs, teardown, a peer lost mid-step), so a hang on a
+/// machine without a debugger shows the stage it stopped in (seconds since the first trace
+/// line). Off (one atomic load) otherwise.
 pub fn trace(what: impl FnOnce() -> String) {
     use std::sync::OnceLock;
     static ON: OnceLock<Option<std::time::Instant>> = OnceLock::new();

@@ -219,6 +219,10 @@ mod imp {
         fn abort(&self, why: &str) {
             self.model.groups.abort(why);
         }
+        fn aborter(&self) -> Option<crate::dist::runner::Aborter> {
+            let groups = self.model.groups.clone();
+            Some(std::sync::Arc::new(move |why: &str| groups.abort(why)))
+        }
     }
 
     impl RankWorker for GpuRunner {

@@ -13,7 +13,8 @@
 //!   at once with it, the world reports the failure, the worker's loop ends with its error;
 //! - rank 0 failing: the worker's loop ends with an error naming rank 0;
 //! - a worker that vanishes mid-step (its socket closes unanswered): the step fails naming
-//!   rank 1 at once, not after a timeout;
+//!   rank 1 at once, not after a timeout — also while rank 0 is stuck in the step's
+//!   collectives (the monitor aborts them: a SIGKILLed rank's NCCL peers may never see it);
 //! - a worker that cannot load: `wait_ready` reports it by rank;
 //! - reply bytes round trip and bad ones are that rank's failure.
 
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use k3_core::comm::control::{self, Control, Options, WorldSpec};
 use k3_engine::dist::process::{self, decode_reply, encode_reply, ProcessRunner};
-use k3_engine::dist::runner::{Failure, RankWorker, Runner, Step, ThreadRunner, Worker};
+use k3_engine::dist::runner::{Aborter, Failure, RankWorker, Runner, Step, ThreadRunner, Worker};
 use k3_engine::{Engine, EngineError, Request, SamplingParams};
 use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Config, Model};
@@ -238,6 +239,69 @@ fn a_vanished_worker_fails_the_step_at_once() {
     });
     assert!(err.contains("rank 1 failed") && err.contains("no answer from its process"), "{err}");
     assert!(took < Duration::from_secs(10), "took {took:?}: the closed link must fail the step at once");
+}
+
+/// Rank 0's part of a step stuck in a collective whose peer is gone: `forward` returns only
+/// when its aborter is called (or after 25 s, which the test counts as a failure).
+struct Stuck {
+    inner: ThreadRunner,
+    aborted: Arc<Mutex<Option<String>>>,
+}
+
+impl Runner for Stuck {
+    fn config(&self) -> &Config {
+        self.inner.config()
+    }
+    fn embed(&self, ids: &[u32]) -> k3_engine::Result<Vec<f32>> {
+        self.inner.embed(ids)
+    }
+    fn release(&mut self, id: u64) {
+        self.inner.release(id)
+    }
+    fn forward(&mut self, _: Step) -> k3_engine::Result<Vec<f32>> {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(25) {
+            if let Some(why) = self.aborted.lock().unwrap().clone() {
+                return Err(EngineError::Unsupported(format!("aborted: {why}")));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Err(EngineError::Unsupported("the collective timed out after 25 s".into()))
+    }
+    fn state_bytes(&self) -> usize {
+        0
+    }
+    fn aborter(&self) -> Option<Aborter> {
+        let flag = self.aborted.clone();
+        Some(Arc::new(move |why: &str| *flag.lock().unwrap() = Some(why.to_string())))
+    }
+}
+
+#[test]
+fn a_worker_dying_while_rank_0_waits_in_a_collective_frees_it_at_once() {
+    let m = model();
+    let (err, took, why) = within(60, "a worker dying mid-collective", move || {
+        let (c0, c1) = pair();
+        std::thread::spawn(move || {
+            process::worker_ready(&c1, Ok(())).unwrap();
+            let _ = c1.recv(); // takes the step, then dies inside it
+            std::thread::sleep(Duration::from_millis(200));
+            drop(c1);
+        });
+        let aborted = Arc::new(Mutex::new(None));
+        let local = Stuck { inner: ThreadRunner::single(m, StateDType::F32), aborted: aborted.clone() };
+        let (mut r, _finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
+        r.wait_ready().unwrap();
+        let mut e = Engine::with_runner(Box::new(r), None, cfg());
+        let t0 = Instant::now();
+        let err = e.generate(Request::new(vec![5, 17, 200, 3], SamplingParams::greedy(), 8), |_| {}).unwrap_err().to_string();
+        let why = aborted.lock().unwrap().clone();
+        (err, t0.elapsed(), why)
+    });
+    assert!(err.contains("rank 1 failed"), "{err}");
+    let why = why.expect("rank 0's collectives were never aborted");
+    assert!(why.contains("rank 1") && why.contains("closed its connection"), "{why}");
+    assert!(took < Duration::from_secs(5), "took {took:?}: the monitor must abort rank 0's collectives once rank 1 is gone");
 }
 
 #[test]

@@ -323,6 +323,17 @@ impl Control {
         }
     }
 
+    /// Leader: the first worker (rank, why) whose process is gone or that aborted, seen
+    /// without consuming a frame (a peek; links a `recv` holds are skipped). A leader blocked
+    /// in a step's collectives calls it from a monitor thread, so a worker that died mid-step
+    /// stops the step at once instead of at the collective's timeout.
+    pub fn dead_worker(&self) -> Option<(usize, String)> {
+        if !self.is_leader() {
+            return None;
+        }
+        self.links.iter().enumerate().find_map(|(i, l)| l.gone(self.opts.io_timeout).map(|why| (i + 1, why)))
+    }
+
     /// Leader: the next frame of every worker, ranks `1..world` in order (entry `i` is rank
     /// `i + 1`'s). Fails at the first worker that is dead, silent past the I/O timeout, or
     /// aborted.

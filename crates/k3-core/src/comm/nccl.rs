@@ -237,12 +237,12 @@ fn async_state(api: &Api, comm: Comm) -> Res {
 
 /// Polls a communicator nobody else uses until NCCL is done with it: `Ok` on success,
 /// `Err(Some(code))` on an error, `Err(None)` after `limit`.
-fn poll(api: &Api, comm: Comm, limit: Duration) -> std::result::Result<(), Option<Res>> {
+fn poll(api: &Api, comm: Comm, limit: Duration, cancel: &AtomicBool) -> std::result::Result<(), Option<Res>> {
     let t0 = Instant::now();
     loop {
         match async_state(api, comm) {
             0 => return Ok(()),
-            IN_PROGRESS if t0.elapsed() > limit => return Err(None),
+            IN_PROGRESS if t0.elapsed() > limit || cancel.load(Ordering::Acquire) => return Err(None),
             IN_PROGRESS => std::thread::sleep(Duration::from_millis(1)),
             bad => return Err(Some(bad)),
         }
@@ -286,9 +286,30 @@ struct Nccl {
     dog: Mutex<Option<JoinHandle<()>>>,
     /// One f32 for [`CudaGroup::barrier`].
     scratch: CudaTensor,
+    /// An abort asked for while another thread held `st` (e.g. waiting for a launch that
+    /// connects to a dead peer): that thread's poll stops at `abort_asked`, and whoever holds
+    /// the lock next performs the abort ([`Nccl::state`]), so NCCL is never called on the
+    /// communicator from two threads.
+    abort_asked: AtomicBool,
+    abort_why: Mutex<Option<String>>,
 }
 
 impl Nccl {
+    /// The state, locked, after performing an abort another thread asked for.
+    fn state(&self) -> MutexGuard<'_, State> {
+        let mut st = lock(&self.st);
+        self.honor(&mut st);
+        st
+    }
+
+    /// Performs an abort asked for while the lock was held (caller holds it).
+    fn honor(&self, st: &mut State) {
+        if self.abort_asked.load(Ordering::Acquire) && st.failed.is_none() {
+            let why = lock(&self.abort_why).clone().unwrap_or_else(|| "aborted".into());
+            self.fail(st, "abort", why);
+        }
+    }
+
     /// Aborts the communicator and remembers why (idempotent; inside an open group the abort
     /// waits for the group's end, which still needs the handle). Returns the error every call
     /// now gets. Caller holds the lock.
@@ -296,8 +317,10 @@ impl Nccl {
         st.failed.get_or_insert(why);
         if !st.comm.is_null() && st.in_group == 0 {
             let _ = self.dev.bind();
+            crate::trace(|| format!("NCCL rank {}/{}: {op}: ncclCommAbort ({})", self.rank, self.world, st.failed.as_deref().unwrap_or("")));
             // SAFETY: live communicator; no other call on it can run (we hold the lock).
             unsafe { (self.api.abort)(st.comm) };
+            crate::trace(|| format!("NCCL rank {}/{}: {op}: aborted", self.rank, self.world));
             st.comm = std::ptr::null_mut();
         }
         self.failed_err(op, st).expect("failed is set")
@@ -356,7 +379,7 @@ impl Nccl {
     /// Enqueues one NCCL call (`f` gets the communicator and the compute stream), then
     /// [`Nccl::finish`]es it.
     fn call(&self, op: &'static str, f: impl FnOnce(&Api, Comm, Stream) -> Res) -> Result<()> {
-        let st = lock(&self.st);
+        let st = self.state();
         self.live(op, &st)?;
         self.dev.bind()?;
         let r = f(self.api, st.comm, self.dev.cu_stream() as Stream);
@@ -367,7 +390,11 @@ impl Nccl {
     /// lock is held, so the watchdog waits too), fails the group on an error other than a bad
     /// argument, records the event.
     fn finish(&self, mut st: MutexGuard<'_, State>, op: &'static str, r: Res) -> Result<()> {
-        let r = if r == IN_PROGRESS { poll(self.api, st.comm, self.timeout).map_or_else(|e| e.unwrap_or(IN_PROGRESS), |_| 0) } else { r };
+        let r = if r == IN_PROGRESS { poll(self.api, st.comm, self.timeout, &self.abort_asked).map_or_else(|e| e.unwrap_or(IN_PROGRESS), |_| 0) } else { r };
+        self.honor(&mut st);
+        if let Some(e) = self.failed_err(op, &st) {
+            return Err(e);
+        }
         if r == IN_PROGRESS {
             let why = format!("{op} was still being launched after {:.0} s (peers missing; K3_NCCL_TIMEOUT_S sets the limit)", self.timeout.as_secs_f64());
             return Err(self.fail(&mut st, op, why));
@@ -388,7 +415,7 @@ impl Nccl {
 fn watchdog(n: Arc<Nccl>) {
     while !n.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(50));
-        let mut st = lock(&n.st);
+        let mut st = n.state();
         if st.failed.is_none() {
             let _ = n.check(&mut st, "watchdog");
         }
@@ -432,7 +459,7 @@ impl CudaGroup {
         // SAFETY: out-parameter; the config is filled as NCCL_CONFIG_INITIALIZER does (the
         // library reads at most its own struct size and only the fields of its version).
         let r = unsafe { (api.init_rank_config)(&mut comm, world as c_int, uid, rank as c_int, &mut cfg) };
-        if let Err(bad) = if r == 0 || r == IN_PROGRESS { poll(api, comm, timeout) } else { Err(Some(r)) } {
+        if let Err(bad) = if r == 0 || r == IN_PROGRESS { poll(api, comm, timeout, &AtomicBool::new(false)) } else { Err(Some(r)) } {
             let msg = match bad {
                 Some(c) => format!("rank {rank} of {world}: ncclCommInitRankConfig failed: {}", err_string(api, c, comm)),
                 None => format!("rank {rank} of {world}: not every rank joined within {:.0} s (a peer died, was not started, or holds another id; K3_NCCL_TIMEOUT_S sets the limit)", timeout.as_secs_f64()),
@@ -446,7 +473,20 @@ impl CudaGroup {
         let event = dev.inner().ctx.new_event(Some(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(derr("cuEventCreate"))?;
         let scratch = CudaTensor::zeros(dev, DType::F32, vec![1])?;
         let st = Mutex::new(State { comm, failed: None, pending: None, in_group: 0 });
-        let n = Arc::new(Nccl { api, dev: dev.clone(), rank, world, timeout, event, st, stop: AtomicBool::new(false), dog: Mutex::new(None), scratch });
+        let n = Arc::new(Nccl {
+            api,
+            dev: dev.clone(),
+            rank,
+            world,
+            timeout,
+            event,
+            st,
+            stop: AtomicBool::new(false),
+            dog: Mutex::new(None),
+            scratch,
+            abort_asked: AtomicBool::new(false),
+            abort_why: Mutex::new(None),
+        });
         let n2 = n.clone();
         let dog = std::thread::Builder::new().name(format!("k3-nccl-watchdog-{rank}")).spawn(move || watchdog(n2));
         *lock(&n.dog) = Some(dog.map_err(|e| CoreError::Comm { op: OP, msg: format!("starting the watchdog thread: {e}") })?);
@@ -551,7 +591,7 @@ impl CudaGroup {
         const OP: &str = "group";
         let Some(n) = self.nccl_of() else { return f(self) };
         {
-            let mut st = lock(&n.st);
+            let mut st = n.state();
             n.live(OP, &st)?;
             // SAFETY: no arguments.
             match unsafe { (n.api.group_start)() } {
@@ -577,7 +617,7 @@ impl CudaGroup {
     /// this group's collectives): past the timeout the group fails naming `op`.
     pub fn watch(&self, op: &'static str) -> Result<()> {
         let Some(n) = self.nccl_of() else { return Ok(()) };
-        let mut st = lock(&n.st);
+        let mut st = n.state();
         n.live(op, &st)?;
         n.dev.bind()?;
         n.record(&mut st, op)
@@ -589,7 +629,7 @@ impl CudaGroup {
         let Some(n) = self.nccl_of() else { return Ok(()) };
         self.watch(op)?;
         let t0 = Instant::now();
-        while !n.check(&mut lock(&n.st), op)? {
+        while !n.check(&mut n.state(), op)? {
             pause(t0);
         }
         Ok(())
@@ -606,9 +646,15 @@ impl CudaGroup {
 
     /// Fails this rank's communicator at once with `why` (aborting it); its peers' pending and
     /// later calls then fail too (by NCCL's error or the timeout) instead of waiting forever.
+    /// Never waits behind a thread that holds the communicator (one stuck launching a verb to a
+    /// dead peer): it asks, and that thread stops polling and aborts.
     pub fn abort(&self, why: &str) {
         if let Some(n) = self.nccl_of() {
-            n.fail(&mut lock(&n.st), "abort", format!("aborted: {why}"));
+            lock(&n.abort_why).get_or_insert_with(|| format!("aborted: {why}"));
+            n.abort_asked.store(true, Ordering::Release);
+            if let Ok(mut st) = n.st.try_lock() {
+                n.honor(&mut st);
+            }
         }
     }
 }
@@ -644,7 +690,7 @@ impl Drop for CudaGroup {
         // SAFETY: the communicator is live and ours alone from here; the handle is not used again.
         unsafe {
             let r = if healthy { (n.api.finalize)(comm) } else { 1 };
-            let polled = (r == 0 || r == IN_PROGRESS) && poll(n.api, comm, n.timeout.min(Duration::from_secs(30))).is_ok();
+            let polled = (r == 0 || r == IN_PROGRESS) && poll(n.api, comm, n.timeout.min(Duration::from_secs(30)), &n.abort_asked).is_ok();
             crate::trace(|| format!("{who}: finalize returned {r}, completed: {polled}"));
             if polled {
                 (n.api.destroy)(comm);

@@ -35,7 +35,7 @@ use k3_core::comm::control::Control;
 use k3_model::{Checkpoint, Config};
 
 use super::launch::{NodeArgs, World};
-use super::runner::{self, panic_message, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
+use super::runner::{self, panic_message, Aborter, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 
@@ -255,7 +255,7 @@ impl Runner for ProcessRunner {
             let rank = unreachable_peer(&msg).unwrap_or(0);
             return Err(self.stop(vec![Failure { rank, msg: format!("its process cannot be reached (rank 0 sending it the step: {msg})"), aborted: false }]));
         }
-        let out = match catch_unwind(AssertUnwindSafe(|| self.local.forward(step))) {
+        let out = match monitored(c, self.local.aborter(), || catch_unwind(AssertUnwindSafe(|| self.local.forward(step)))) {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(Failure { rank: 0, aborted: runner::is_abort(&e), msg: e.to_string() }),
             Err(p) => Err(Failure { rank: 0, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) }),
@@ -290,6 +290,56 @@ impl Drop for ProcessRunner {
         k3_core::trace(|| "rank 0: world shut down; dropping rank 0's model".into());
     }
 }
+
+/// Runs rank 0's part of a step (`f`) while a monitor thread watches the workers' links: a
+/// worker whose process dies or aborts mid-step aborts rank 0's collectives (`aborter`) at
+/// once, so rank 0 stops waiting in them and the gather that follows names that worker —
+/// instead of waiting out the collective's timeout (a killed rank's peers in NCCL over sockets
+/// may not see it at all).
+fn monitored<T: Send>(c: &Control, aborter: Option<Aborter>, f: impl FnOnce() -> T) -> T {
+    let Some(abort) = aborter else { return f() };
+    let done = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            while !done.load(Ordering::Acquire) {
+                if let Some((rank, why)) = c.dead_worker() {
+                    k3_core::trace(|| format!("rank 0: mid-step, rank {rank} is gone ({why}): aborting rank 0's collectives"));
+                    abort_or_exit(abort, format!("rank {rank} failed: {why}"));
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let out = f();
+        done.store(true, Ordering::Release);
+        out
+    })
+}
+
+/// Runs `abort(why)` on its own thread; if it has not returned within [`ABORT_GRACE`], this
+/// process cannot get its GPU back (on one H200 with NCCL over sockets, `ncclCommAbort` was
+/// seen to block for good once a peer was SIGKILLed mid-collective), so it exits with status
+/// 70 after saying why on stderr — what PyTorch's NCCL watchdog does too — rather than hang
+/// its clients. A server's connections then close instead of waiting forever.
+fn abort_or_exit(abort: Aborter, why: String) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let msg = why.clone();
+    let spawned = std::thread::Builder::new().name("k3-abort".into()).spawn(move || {
+        abort(&msg);
+        let _ = tx.send(());
+    });
+    if spawned.is_err() || rx.recv_timeout(ABORT_GRACE).is_ok() {
+        return;
+    }
+    eprintln!(
+        "k3: {why}; aborting this rank's NCCL communicators did not return within {} s, so the GPU work waiting on that rank cannot be stopped: exiting (status 70)",
+        ABORT_GRACE.as_secs()
+    );
+    std::process::exit(70);
+}
+
+/// How long [`abort_or_exit`] waits for the abort.
+pub const ABORT_GRACE: Duration = Duration::from_secs(10);
 
 /// The worker a failed send names (the control plane's `could not send frame N to rank P`).
 fn unreachable_peer(msg: &str) -> Option<usize> {

@@ -64,7 +64,15 @@ pub trait Runner: Send {
     fn abort(&self, why: &str) {
         let _ = why;
     }
+    /// [`Runner::abort`] as a handle another thread can call while `forward` runs (a monitor
+    /// that sees a peer process die mid-step); `None` when the runner has no collectives.
+    fn aborter(&self) -> Option<Aborter> {
+        None
+    }
 }
+
+/// Aborts a runner's collectives from another thread (see [`Runner::aborter`]).
+pub type Aborter = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// One rank that applies steps: what [`serve`] and [`run_step`] drive. Every rank of a layout
 /// applies the same steps in the same order, so their collectives pair up.
@@ -419,6 +427,10 @@ impl Runner for ThreadRunner {
     }
     fn abort(&self, why: &str) {
         self.leader.model.groups.abort(why);
+    }
+    fn aborter(&self) -> Option<Aborter> {
+        let groups = self.leader.model.groups.clone();
+        Some(Arc::new(move |why: &str| groups.abort(why)))
     }
 }
 

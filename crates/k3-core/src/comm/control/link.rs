@@ -58,6 +58,27 @@ impl Link {
         }
     }
 
+    /// Whether the peer is gone, without consuming anything: its end of the stream or a reset
+    /// is waiting (a process that died), or its next frame is an abort. `None` when the link
+    /// looks alive, or a `recv` holds it (that `recv` will see the same thing).
+    pub(super) fn gone(&self, io_timeout: Duration) -> Option<String> {
+        let h = self.rx.try_lock().ok()?;
+        let mut head = [0u8; 1];
+        // SO_RCVTIMEO is the socket's (shared by the halves): only a receiver changes it, and
+        // the lock held keeps the others out.
+        h.s.set_read_timeout(Some(Duration::from_millis(1))).ok()?;
+        let r = h.s.peek(&mut head);
+        let _ = h.s.set_read_timeout(Some(io_timeout));
+        let (me, peer, n) = (self.me, self.peer, h.frames);
+        match r {
+            Ok(0) => Some(format!("rank {me}: rank {peer} closed its connection before frame {n} (its process exited)")),
+            Ok(_) if head[0] == ABORT => Some(format!("rank {peer} sent an abort as frame {n}")),
+            Ok(_) => None,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => None,
+            Err(e) => Some(format!("rank {me}: the connection to rank {peer} failed before frame {n}: {e}")),
+        }
+    }
+
     /// Half-closes the connection: the peer reads what was sent, then the end of the stream.
     pub(super) fn close(&self) {
         let _ = self.sock.shutdown(std::net::Shutdown::Write);
