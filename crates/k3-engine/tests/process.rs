@@ -246,6 +246,8 @@ fn a_vanished_worker_fails_the_step_at_once() {
 struct Stuck {
     inner: ThreadRunner,
     aborted: Arc<Mutex<Option<String>>>,
+    /// Its collectives ignore the abort (as `ncclCommAbort` spinning on a dead peer does).
+    deaf: bool,
 }
 
 impl Runner for Stuck {
@@ -272,36 +274,67 @@ impl Runner for Stuck {
         0
     }
     fn aborter(&self) -> Option<Aborter> {
-        let flag = self.aborted.clone();
-        Some(Arc::new(move |why: &str| *flag.lock().unwrap() = Some(why.to_string())))
+        let (flag, deaf) = (self.aborted.clone(), self.deaf);
+        Some(Arc::new(move |why: &str| {
+            if !deaf {
+                *flag.lock().unwrap() = Some(why.to_string())
+            }
+        }))
     }
+}
+
+/// Rank 0 (its part of the step a [`Stuck`]) and a worker that takes the first step and dies
+/// inside it; the step's error, how long it took, and the abort rank 0's collectives got.
+fn worker_dies_mid_step(m: Arc<Model>, deaf: bool) -> (String, Duration, Option<String>) {
+    let (c0, c1) = pair();
+    std::thread::spawn(move || {
+        process::worker_ready(&c1, Ok(())).unwrap();
+        let _ = c1.recv(); // takes the step, then dies inside it
+        std::thread::sleep(Duration::from_millis(200));
+        drop(c1);
+    });
+    let aborted = Arc::new(Mutex::new(None));
+    let local = Stuck { inner: ThreadRunner::single(m, StateDType::F32), aborted: aborted.clone(), deaf };
+    let (mut r, _finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
+    r.wait_ready().unwrap();
+    let mut e = Engine::with_runner(Box::new(r), None, cfg());
+    let t0 = Instant::now();
+    let err = e.generate(Request::new(vec![5, 17, 200, 3], SamplingParams::greedy(), 8), |_| {}).unwrap_err().to_string();
+    let why = aborted.lock().unwrap().clone();
+    (err, t0.elapsed(), why)
 }
 
 #[test]
 fn a_worker_dying_while_rank_0_waits_in_a_collective_frees_it_at_once() {
     let m = model();
-    let (err, took, why) = within(60, "a worker dying mid-collective", move || {
-        let (c0, c1) = pair();
-        std::thread::spawn(move || {
-            process::worker_ready(&c1, Ok(())).unwrap();
-            let _ = c1.recv(); // takes the step, then dies inside it
-            std::thread::sleep(Duration::from_millis(200));
-            drop(c1);
-        });
-        let aborted = Arc::new(Mutex::new(None));
-        let local = Stuck { inner: ThreadRunner::single(m, StateDType::F32), aborted: aborted.clone() };
-        let (mut r, _finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
-        r.wait_ready().unwrap();
-        let mut e = Engine::with_runner(Box::new(r), None, cfg());
-        let t0 = Instant::now();
-        let err = e.generate(Request::new(vec![5, 17, 200, 3], SamplingParams::greedy(), 8), |_| {}).unwrap_err().to_string();
-        let why = aborted.lock().unwrap().clone();
-        (err, t0.elapsed(), why)
-    });
+    let (err, took, why) = within(60, "a worker dying mid-collective", move || worker_dies_mid_step(m, false));
     assert!(err.contains("rank 1 failed"), "{err}");
     let why = why.expect("rank 0's collectives were never aborted");
     assert!(why.contains("rank 1") && why.contains("closed its connection"), "{why}");
     assert!(took < Duration::from_secs(5), "took {took:?}: the monitor must abort rank 0's collectives once rank 1 is gone");
+}
+
+/// When rank 0's collectives ignore the abort, the process exits 70 naming the dead rank after
+/// the grace (`K3_ABORT_GRACE_S`, 1 s here) instead of hanging: run in a child process (this
+/// test binary again, with `K3_TEST_DEAF_CHILD` set), since the exit ends the process.
+#[test]
+fn rank_0_stuck_after_the_abort_exits_70_naming_the_rank() {
+    const NAME: &str = "rank_0_stuck_after_the_abort_exits_70_naming_the_rank";
+    if std::env::var_os("K3_TEST_DEAF_CHILD").is_some() {
+        let (err, took, _) = worker_dies_mid_step(model(), true);
+        panic!("the child was not ended by the grace: its step returned after {took:?}: {err}");
+    }
+    let t0 = Instant::now();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads", "1"])
+        .env("K3_TEST_DEAF_CHILD", "1")
+        .env("K3_ABORT_GRACE_S", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(70), "{err}");
+    assert!(err.contains("rank 1 failed") && err.contains("exiting (status 70)"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
 }
 
 #[test]

@@ -295,7 +295,11 @@ impl Drop for ProcessRunner {
 /// worker whose process dies or aborts mid-step aborts rank 0's collectives (`aborter`) at
 /// once, so rank 0 stops waiting in them and the gather that follows names that worker —
 /// instead of waiting out the collective's timeout (a killed rank's peers in NCCL over sockets
-/// may not see it at all).
+/// may not see it at all). If `f` has still not returned [`abort_grace`] after the abort, this
+/// process cannot get its GPU back (on one H200 with NCCL over sockets, `ncclCommAbort` was seen
+/// to spin for good once a peer was SIGKILLed mid-launch), so it says why on stderr and exits
+/// with status 70 — what PyTorch's NCCL watchdog does too — rather than hang its clients: a
+/// server's connections then close instead of waiting forever.
 fn monitored<T: Send>(c: &Control, aborter: Option<Aborter>, f: impl FnOnce() -> T) -> T {
     let Some(abort) = aborter else { return f() };
     let done = AtomicBool::new(false);
@@ -303,8 +307,22 @@ fn monitored<T: Send>(c: &Control, aborter: Option<Aborter>, f: impl FnOnce() ->
         sc.spawn(|| {
             while !done.load(Ordering::Acquire) {
                 if let Some((rank, why)) = c.dead_worker() {
-                    k3_core::trace(|| format!("rank 0: mid-step, rank {rank} is gone ({why}): aborting rank 0's collectives"));
-                    abort_or_exit(abort, format!("rank {rank} failed: {why}"));
+                    let why = format!("rank {rank} failed: {why}");
+                    k3_core::trace(|| format!("rank 0: mid-step: {why}: aborting rank 0's collectives"));
+                    let msg = why.clone();
+                    // Its own thread: the abort itself may be what never returns.
+                    let _ = std::thread::Builder::new().name("k3-abort".into()).spawn(move || abort(&msg));
+                    let (t0, grace) = (Instant::now(), abort_grace());
+                    while !done.load(Ordering::Acquire) {
+                        if t0.elapsed() > grace {
+                            eprintln!(
+                                "k3: {why}; rank 0 is still inside the step {:.0} s after aborting its collectives, so the GPU work waiting on that rank cannot be stopped: exiting (status 70)",
+                                grace.as_secs_f64()
+                            );
+                            std::process::exit(70);
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(10));
@@ -316,30 +334,12 @@ fn monitored<T: Send>(c: &Control, aborter: Option<Aborter>, f: impl FnOnce() ->
     })
 }
 
-/// Runs `abort(why)` on its own thread; if it has not returned within [`ABORT_GRACE`], this
-/// process cannot get its GPU back (on one H200 with NCCL over sockets, `ncclCommAbort` was
-/// seen to block for good once a peer was SIGKILLed mid-collective), so it exits with status
-/// 70 after saying why on stderr — what PyTorch's NCCL watchdog does too — rather than hang
-/// its clients. A server's connections then close instead of waiting forever.
-fn abort_or_exit(abort: Aborter, why: String) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let msg = why.clone();
-    let spawned = std::thread::Builder::new().name("k3-abort".into()).spawn(move || {
-        abort(&msg);
-        let _ = tx.send(());
-    });
-    if spawned.is_err() || rx.recv_timeout(ABORT_GRACE).is_ok() {
-        return;
-    }
-    eprintln!(
-        "k3: {why}; aborting this rank's NCCL communicators did not return within {} s, so the GPU work waiting on that rank cannot be stopped: exiting (status 70)",
-        ABORT_GRACE.as_secs()
-    );
-    std::process::exit(70);
+/// How long [`monitored`] waits for rank 0's step to end after aborting it: 10 s, or
+/// `K3_ABORT_GRACE_S`.
+pub fn abort_grace() -> Duration {
+    let s = std::env::var("K3_ABORT_GRACE_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(10.0);
+    Duration::from_secs_f64(s)
 }
-
-/// How long [`abort_or_exit`] waits for the abort.
-pub const ABORT_GRACE: Duration = Duration::from_secs(10);
 
 /// The worker a failed send names (the control plane's `could not send frame N to rank P`).
 fn unreachable_peer(msg: &str) -> Option<usize> {
