@@ -9,6 +9,11 @@
 //! layout as threads, or the GPU. The engine plans each step as a [`Step`] (sequence ids and
 //! their new tokens, a prefill chunk's own input rows) and samples from the logits it returns;
 //! the model state of each sequence lives in the runner.
+//!
+//! A request with a [`Constraint`] samples only the ids its grammar allows (`grammar`): the
+//! next mask is computed on a worker while the forward runs, the sampled id is committed, and a
+//! grammar that is complete ends the sequence (`Stop`). A grammar failure ends it with
+//! [`Event::error`] set.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -21,10 +26,14 @@ use serde::Serialize;
 use crate::dist::runner::{Runner, Step, StepSeq, ThreadRunner};
 use crate::error::{param, EngineError, Result};
 use crate::gpu::GpuRunner;
+use crate::grammar::{Constraint, Guide, GuideStats, MaskPool};
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::stop::{StopCheck, StopMatcher};
 
 pub type SeqId = u64;
+
+/// Most mask worker threads (one mask per constrained sequence is in flight at a time).
+const MASK_THREADS: usize = 4;
 
 /// A generation request (token ids in).
 #[derive(Clone, Debug)]
@@ -40,11 +49,14 @@ pub struct Request {
     /// Input rows `[prompt.len(), hidden]` to use instead of the prompt's token embeddings
     /// (e.g. with projected image features spliced in at `<|media_pad|>` positions).
     pub prompt_embeds: Option<Arc<Vec<f32>>>,
+    /// The grammar the output must follow (compiled by a [`crate::GrammarEnv`] of this model's
+    /// vocabulary).
+    pub constraint: Option<Constraint>,
 }
 
 impl Request {
     pub fn new(prompt: Vec<u32>, params: SamplingParams, max_tokens: usize) -> Self {
-        Request { prompt, params, max_tokens, stop: Vec::new(), stop_token_ids: Vec::new(), ignore_eos: false, prompt_embeds: None }
+        Request { prompt, params, max_tokens, stop: Vec::new(), stop_token_ids: Vec::new(), ignore_eos: false, prompt_embeds: None, constraint: None }
     }
 }
 
@@ -68,6 +80,9 @@ pub struct Event {
     pub sampled: Sampled,
     /// Set on the sequence's last event.
     pub finish: Option<FinishReason>,
+    /// The output constraint failed (its message); set with `finish`, and `token` is not part
+    /// of a valid output.
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -97,6 +112,8 @@ pub struct SeqStats {
     pub decode_time: Duration,
     /// Time from admission to the first generated token.
     pub ttft: Duration,
+    /// Mask cost of a constrained sequence (zero otherwise).
+    pub mask: GuideStats,
 }
 
 struct Sequence {
@@ -112,6 +129,7 @@ struct Sequence {
     stop: StopMatcher,
     stats: SeqStats,
     admitted: Instant,
+    guide: Option<Guide>,
 }
 
 pub struct Engine {
@@ -123,6 +141,8 @@ pub struct Engine {
     waiting: VecDeque<Sequence>,
     finished_stats: Vec<(SeqId, SeqStats)>,
     next_id: SeqId,
+    /// Mask workers, started with the first constrained request.
+    masks: Option<MaskPool>,
 }
 
 impl Engine {
@@ -139,7 +159,7 @@ impl Engine {
 
     /// An engine whose forwards run on `runner` (e.g. `dist::runner::load`'s).
     pub fn with_runner(runner: Box<dyn Runner>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
-        Engine { runner, tokenizer, config, running: Vec::new(), waiting: VecDeque::new(), finished_stats: Vec::new(), next_id: 1 }
+        Engine { runner, tokenizer, config, running: Vec::new(), waiting: VecDeque::new(), finished_stats: Vec::new(), next_id: 1, masks: None }
     }
 
     /// The model's config.
@@ -194,6 +214,20 @@ impl Engine {
         if !req.stop.is_empty() && self.tokenizer.is_none() {
             return Err(param("stop", "stop strings need a tokenizer; this engine has none"));
         }
+        let mut guide = None;
+        if let Some(c) = &req.constraint {
+            if c.vocab_size() != vocab as usize {
+                return Err(param("constraint", format!("was compiled for a vocabulary of {} ids; the model has {vocab}", c.vocab_size())));
+            }
+            let mut stops = req.stop_token_ids.clone();
+            if !req.ignore_eos {
+                stops.extend(&cfg.eos_token_ids);
+            }
+            let pool = self.masks.get_or_insert_with(|| MaskPool::new(MASK_THREADS.min(std::thread::available_parallelism().map_or(1, |n| n.get()))));
+            let mut g = Guide::new(c.clone(), stops);
+            g.prefetch(pool); // the first mask computes while the prompt is prefilled
+            guide = Some(g);
+        }
         let id = self.next_id;
         self.next_id += 1;
         let seq = Sequence {
@@ -206,6 +240,7 @@ impl Engine {
             stop: StopMatcher::new(req.stop.clone()),
             stats: SeqStats { prompt_tokens: req.prompt.len(), ..Default::default() },
             admitted: Instant::now(),
+            guide,
             req,
         };
         self.waiting.push_back(seq);
@@ -324,7 +359,17 @@ impl Engine {
             } else {
                 s.stats.decode_time += dt;
             }
-            let sampled = s.sampler.sample(lg, &s.req.prompt, &s.output);
+            let mut error = None;
+            let sampled = match &mut s.guide {
+                None => s.sampler.sample(lg, &s.req.prompt, &s.output),
+                Some(g) => match g.mask() {
+                    Ok(m) => s.sampler.sample_masked(lg, &s.req.prompt, &s.output, Some(m.words())),
+                    Err(e) => {
+                        error = Some(e);
+                        s.sampler.sample(lg, &s.req.prompt, &s.output)
+                    }
+                },
+            };
             let tok = sampled.token;
             if s.output.is_empty() {
                 s.stats.ttft = s.admitted.elapsed();
@@ -332,6 +377,20 @@ impl Engine {
             s.output.push(tok);
             s.stats.output_tokens += 1;
             let is_stop_tok = (!s.req.ignore_eos && eos.contains(&tok)) || s.req.stop_token_ids.contains(&tok);
+            // Commit to the grammar (a stop id ends the sequence and is not part of it).
+            let mut grammar_done = false;
+            if let (Some(g), None, false) = (&mut s.guide, &error, is_stop_tok) {
+                match g.commit(tok) {
+                    Ok(done) => grammar_done = done,
+                    Err(e) => error = Some(e),
+                }
+            }
+            if let Some(e) = error {
+                s.stats.mask = s.guide.as_ref().map(|g| g.stats.clone()).unwrap_or_default();
+                finished.push(*i);
+                events.push(Event { seq: s.id, token: tok, text: String::new(), sampled, finish: Some(FinishReason::Stop), error: Some(e) });
+                continue;
+            }
             let mut text = String::new();
             let mut finish = None;
             if let Some(tk) = &self.tokenizer {
@@ -347,7 +406,7 @@ impl Engine {
                 }
             }
             if finish.is_none() {
-                if is_stop_tok {
+                if is_stop_tok || grammar_done {
                     finish = Some(FinishReason::Stop);
                 } else if s.output.len() >= s.req.max_tokens || s.pos + 1 >= limit {
                     finish = Some(FinishReason::Length);
@@ -361,10 +420,17 @@ impl Engine {
                     }
                 }
             }
+            if let Some(g) = &mut s.guide {
+                if finish.is_some() {
+                    s.stats.mask = g.stats.clone();
+                } else if let Some(pool) = &self.masks {
+                    g.prefetch(pool); // computes while the next forward runs
+                }
+            }
             if finish.is_some() {
                 finished.push(*i);
             }
-            events.push(Event { seq: s.id, token: tok, text, sampled, finish });
+            events.push(Event { seq: s.id, token: tok, text, sampled, finish, error: None });
         }
         finished.sort_unstable();
         for i in finished.into_iter().rev() {
@@ -400,6 +466,9 @@ impl Engine {
                 return Err(EngineError::UnknownSeq(id));
             }
             for e in evs.iter().filter(|e| e.seq == id) {
+                if let Some(msg) = &e.error {
+                    return Err(EngineError::Grammar(msg.clone()));
+                }
                 on_event(e);
                 out.push(e.token);
                 if let Some(f) = e.finish {

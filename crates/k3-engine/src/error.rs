@@ -11,6 +11,9 @@ pub enum EngineError {
     Context { prompt: usize, extra: String, limit: usize },
     #[error("{0}")]
     Unsupported(String),
+    /// An output constraint (grammar) that failed while generating.
+    #[error("output constraint: {0}")]
+    Grammar(String),
     #[error("unknown sequence id {0}")]
     UnknownSeq(u64),
     /// A per-step message (`dist::step`) that does not parse.

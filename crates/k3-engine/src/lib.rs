@@ -2,6 +2,8 @@
 //!
 //! - [`sampler`]: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 //! - [`stop`]: stop strings on streamed text.
+//! - [`grammar`]: grammar-constrained decoding (llguidance): token masks for JSON Schema, regex,
+//!   choice and Lark constraints, computed off the critical path.
 //! - [`gpu`]: the GPU runner (feature `cuda`): the model on one CUDA device, decode graphs.
 //! - [`dist`]: ranks, launch and the per-step message of a parallel layout.
 //! - [`engine`]: per-sequence state and the continuous-batching scheduler ([`Engine::step`]).
@@ -12,9 +14,11 @@ pub mod dist;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+pub mod grammar;
 pub mod sampler;
 pub mod stop;
 
 pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, SeqId, SeqStats};
 pub use error::{EngineError, Result};
+pub use grammar::{Constraint, GrammarEnv, GrammarSpec};
 pub use sampler::{Sampled, Sampler, SamplingParams};

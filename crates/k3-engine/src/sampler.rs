@@ -178,9 +178,20 @@ impl Sampler {
 
     /// Picks the next token from raw `logits` given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Sampled {
+        self.sample_masked(logits, prompt, output, None)
+    }
+
+    /// [`Sampler::sample`] among the ids `allowed` lets through (bit `t % 32` of word `t / 32`;
+    /// ids past its end are refused): the others' logits become −∞ after the penalties, before
+    /// temperature and the filters, so greedy takes the highest-logit allowed id and top-k/p,
+    /// min-p act on the allowed ones. Logprobs stay those of the raw model distribution.
+    pub fn sample_masked(&mut self, logits: &[f32], prompt: &[u32], output: &[u32], allowed: Option<&[u32]>) -> Sampled {
         let raw_lp = log_softmax(logits);
         let mut l = logits.to_vec();
         self.apply_penalties(&mut l, prompt, output);
+        if let Some(words) = allowed {
+            apply_mask(&mut l, words);
+        }
         let token = if self.params.temperature == 0.0 {
             argmax(&l)
         } else {
@@ -212,6 +223,21 @@ impl Sampler {
     }
 }
 
+/// Sets the logits of the ids whose bit in `words` is clear (and of those past its end) to −∞.
+pub fn apply_mask(logits: &mut [f32], words: &[u32]) {
+    for (c, chunk) in logits.chunks_mut(32).enumerate() {
+        let w = words.get(c).copied().unwrap_or(0);
+        if w == u32::MAX {
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if w >> b & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// Index of the largest value (lowest index on ties).
 pub fn argmax(x: &[f32]) -> usize {
     x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0
@@ -229,6 +255,26 @@ mod tests {
     fn greedy_takes_argmax() {
         let mut sm = s(SamplingParams::greedy());
         assert_eq!(sm.sample(&[0.1, 3.0, 2.9], &[], &[]).token, 1);
+    }
+
+    #[test]
+    fn mask_restricts_greedy_and_sampling() {
+        let logits: Vec<f32> = (0..70).map(|i| i as f32 * 0.1).collect();
+        // Allow ids 3, 33 and 40 only: greedy takes 40 (the highest allowed), sampling never leaves them.
+        let mut words = vec![0u32; 3];
+        for t in [3usize, 33, 40] {
+            words[t / 32] |= 1 << (t % 32);
+        }
+        let mut g = s(SamplingParams::greedy());
+        assert_eq!(g.sample_masked(&logits, &[], &[], Some(&words)).token, 40);
+        let mut r = s(SamplingParams { temperature: 5.0, ..Default::default() });
+        for _ in 0..200 {
+            let t = r.sample_masked(&logits, &[], &[], Some(&words)).token;
+            assert!([3, 33, 40].contains(&t), "{t}");
+        }
+        // Ids past the mask's words are refused.
+        let mut g = s(SamplingParams::greedy());
+        assert_eq!(g.sample_masked(&logits, &[], &[], Some(&words[..1])).token, 3);
     }
 
     #[test]

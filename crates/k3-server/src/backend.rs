@@ -169,7 +169,7 @@ impl Backend for Scripted {
             if finish.is_some() {
                 s.pos = s.out.len();
             }
-            events.push(Event { seq: s.id, token, text, sampled, finish });
+            events.push(Event { seq: s.id, token, text, sampled, finish, error: None });
         }
         self.running.retain(|s| s.pos < s.out.len());
         Ok(events)

@@ -8,6 +8,10 @@
 //! a marker; a match cancels the sequence at once. Non-streaming answers use the parser's
 //! aggregate; streaming answers are SSE chunks in OpenAI's format ending with `data: [DONE]`.
 //!
+//! `response_format`, `tool_choice` and the `guided_*` extensions become a grammar
+//! ([`crate::constrain`]) compiled before submission (a schema it cannot enforce is a 400 naming
+//! its field) and enforced by the engine on every sampled token.
+//!
 //! Image parts ([`crate::media`]) are encoded before rendering; each renders as its media block
 //! with N `<|media_pad|>` (counted in `usage.prompt_tokens`), and the request is submitted with
 //! `prompt_embeds` built on the engine thread.
@@ -76,7 +80,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let bytes = read_body(&headers, body, &s.cfg).await?;
     let obj = parse_body(&bytes)?;
     let f = Fields(&obj);
-    f.check_known(CHAT_FIELDS)?;
+    f.check_known(&[CHAT_FIELDS, crate::constrain::GUIDED_FIELDS].concat())?;
     let mut g = GenParams::read(&f, &["max_completion_tokens", "max_tokens"])?;
     s.check_model(g.model.as_deref())?;
     check_shapes(&f)?;
@@ -91,8 +95,13 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     // The renderer's own parse keeps key order (tool schemas are rendered as given).
     let text = std::str::from_utf8(&bytes).map_err(|_| bad_param("messages", "not UTF-8"))?;
     let mut req = ChatRequest::from_json_str(text)?;
-    let thinking = req.options()?.thinking;
+    let opts = req.options()?;
+    let thinking = opts.thinking;
     let tools = req.tools_declared();
+    let constraint = match crate::constrain::chat_plan(&f, thinking, opts.add_generation_prompt)? {
+        Some(plan) => Some(crate::constrain::compile(&s.grammar, plan).await?),
+        None => None,
+    };
     let (feats, pad_id) = images(&s, &f).await?;
     req.set_image_prompts((!feats.is_empty()).then(|| media::image_prompts(&feats)));
     let rendered = render_chat(&s.tok, &req)?;
@@ -100,7 +109,8 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let (prompt, max_tokens) = s.prepare_prompt(rendered.ids, g.max_tokens, "messages", g.max_tokens_param)?;
     let mut stop_token_ids = g.stop_token_ids.clone();
     stop_token_ids.extend(["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| s.tok.special_id(n)));
-    let request = Request { prompt, params: g.sampling.clone(), max_tokens, stop: Vec::new(), stop_token_ids, ignore_eos: g.ignore_eos, prompt_embeds: None };
+    let request =
+        Request { prompt, params: g.sampling.clone(), max_tokens, stop: Vec::new(), stop_token_ids, ignore_eos: g.ignore_eos, prompt_embeds: None, constraint };
     let prep = (!feats.is_empty()).then(|| media::splice_prep(feats, pad_id));
     let sub = s.sched.submit_with(request, prep).await?;
     let ctx = Ctx { id: new_id("chatcmpl"), created: now_secs(), prompt_tokens, thinking, tools, stop: g.stop, want_logprobs };

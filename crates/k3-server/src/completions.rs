@@ -1,6 +1,7 @@
 //! `POST /v1/completions`: a raw prompt (a string, or a list of token ids; a one-element list
 //! of either is accepted too) continued by the engine. Stop strings are matched by the engine
-//! on the decoded text, so `text` never contains one. Legacy `logprobs: N` is supported.
+//! on the decoded text, so `text` never contains one. Legacy `logprobs: N` is supported, and so are
+//! output constraints (`response_format`, `guided_*`: [`crate::constrain`]).
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -56,7 +57,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let bytes = read_body(&headers, body, &s.cfg).await?;
     let obj: Map<String, Value> = parse_body(&bytes)?;
     let f = Fields(&obj);
-    f.check_known(COMPLETION_FIELDS)?;
+    f.check_known(&[COMPLETION_FIELDS, crate::constrain::GUIDED_FIELDS, &["response_format"]].concat())?;
     let mut g = GenParams::read(&f, &["max_tokens"])?;
     s.check_model(g.model.as_deref())?;
     if f.bool("echo")?.unwrap_or(false) {
@@ -70,6 +71,10 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         return Err(bad_param("logprobs", format!("{n} is more than the {MAX_LOGPROBS} alternatives this endpoint returns (0..={MAX_LOGPROBS})")));
     }
     g.sampling.logprobs = logprobs;
+    let constraint = match crate::constrain::completion_plan(&f)? {
+        Some(plan) => Some(crate::constrain::compile(&s.grammar, plan).await?),
+        None => None,
+    };
     let ids = prompt_ids(&s, f.get("prompt"))?;
     let prompt_tokens = ids.len();
     let (prompt, room) = s.prepare_prompt(ids, g.max_tokens, "prompt", g.max_tokens_param)?;
@@ -83,6 +88,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         stop_token_ids: g.stop_token_ids.clone(),
         prompt_embeds: None,
         ignore_eos: g.ignore_eos,
+        constraint,
     };
     let sub = s.sched.submit(request).await?;
     let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some() };

@@ -9,7 +9,8 @@
 //! ([`completions`]), `GET /v1/models`, `GET /health` and `GET /metrics` ([`metrics`],
 //! Prometheus text). Errors use OpenAI's JSON error shape ([`error`]), also for the ones hyper
 //! raises before routing ([`conn`], which also times out slow clients and bounds the graceful
-//! shutdown); tool and output-format options are validated in [`tools`]. Image parts of chat
+//! shutdown); tool and output-format options are validated in [`tools`] and enforced by the
+//! grammar [`constrain`] builds (the XTML tool-call grammar in [`constrain_xtml`]). Image parts of chat
 //! requests go through [`media`]: decoded and encoded by the `k3-vision` tower on a blocking
 //! thread, then spliced into the prompt's input rows (from [`Backend::embed`]) on the engine
 //! thread. This crate talks to `k3-engine`, `k3-tokenizer` and `k3-vision`; `k3-model` is used
@@ -22,6 +23,8 @@ pub mod backend;
 pub mod chat;
 pub mod completions;
 pub mod conn;
+pub mod constrain;
+pub mod constrain_xtml;
 pub mod error;
 pub mod media;
 pub mod metrics;

@@ -210,6 +210,12 @@ fn route(events: Vec<Event>, backend: &mut dyn Backend, live: &mut HashMap<SeqId
             Some(t) => metrics.itl.observe(now - t),
         }
         l.last = Some(now);
+        if let Some(e) = &ev.error {
+            // The output constraint failed: the engine ended the sequence; the request fails.
+            let _ = l.tx.send(Msg::Failed(format!("output constraint: {e}")));
+            drop_seq(id, backend, live, metrics, false);
+            continue;
+        }
         let sent = l.tx.send(Msg::Token(ev)).is_ok();
         if finished {
             drop_seq(id, backend, live, metrics, false);

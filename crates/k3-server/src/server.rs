@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use futures_util::StreamExt;
+use k3_engine::GrammarEnv;
 use k3_tokenizer::Tokenizer;
 use k3_vision::VisionModel;
 use tokio::sync::mpsc;
@@ -85,6 +86,8 @@ pub struct Inner {
     pub vision: Option<Arc<VisionModel>>,
     /// Where images may come from (the local directory canonicalised at start-up).
     pub media: MediaLimits,
+    /// The token trie output constraints compile against.
+    pub grammar: Arc<GrammarEnv>,
 }
 
 pub type AppState = Arc<Inner>;
@@ -315,8 +318,11 @@ pub fn build_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: Se
     let vocab = backend.vocab_size();
     let max_context = cfg.max_model_len.map_or(model_ctx, |m| m.min(model_ctx)).max(1);
     let capacity = cfg.max_batch.max(1) + cfg.max_queue;
+    // The grammar's end of sentence stands for the request's stop tokens in masks.
+    let eos = tok.special_id("[EOS]").or_else(|| tok.special_id("<|end_of_msg|>")).unwrap_or(0);
+    let grammar = Arc::new(GrammarEnv::new(tok.clone(), vocab, eos).map_err(|e| ServerError::Config(format!("output constraints: {e}")))?);
     let sched = SchedulerHandle::spawn(backend, Arc::new(Metrics::default()), capacity)?;
-    let state: AppState = Arc::new(Inner { sched, tok, cfg, max_context, vocab, created: now_secs(), vision, media });
+    let state: AppState = Arc::new(Inner { sched, tok, cfg, max_context, vocab, created: now_secs(), vision, media, grammar });
     Ok(Router::new()
         .route("/v1/chat/completions", post(crate::chat::chat_completions))
         .route("/v1/completions", post(crate::completions::completions))
