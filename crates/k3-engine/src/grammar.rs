@@ -214,6 +214,14 @@ impl Constraint {
         self.vocab
     }
 
+    /// The ids the grammar allows after `tokens` (bit `t % 32` of word `t / 32`; its end of
+    /// sentence stands for the stops, unfolded), for tests and tools.
+    pub fn allowed_after(&self, tokens: &[u32]) -> std::result::Result<Vec<u32>, String> {
+        let mut m = self.matcher.deep_clone();
+        m.consume_tokens(tokens).map_err(|e| e.to_string())?;
+        Ok(m.compute_mask().map_err(|e| e.to_string())?.as_slice().to_vec())
+    }
+
     /// Whether `tokens`, fed in order, are all allowed (a check for tests and tools).
     pub fn accepts_prefix(&self, tokens: &[u32]) -> bool {
         let mut m = self.matcher.deep_clone();

@@ -7,8 +7,8 @@
 //!
 //! The arguments follow the tool's `parameters` schema: its `properties` in the schema's key
 //! order (the sorted order the model sees in the tool declaration), each required one present,
-//! each optional one present or not, and no undeclared key (a schema without `properties` that
-//! does not forbid extra keys takes any keys). A VALUE's `type` attribute is the JSON type of the
+//! each optional one present or not, and no undeclared key; a schema without `properties` takes
+//! no argument unless its `additionalProperties` is `true` or a schema (then any keys). A VALUE's `type` attribute is the JSON type of the
 //! value: for each type the property's schema admits there is one branch, a `string` branch as
 //! raw text (the renderer's form) held to the schema's `enum`/`const`, `pattern`, length and
 //! `format`, every other branch as JSON (`json.dumps` separators, as in rendered history) held to
@@ -88,7 +88,8 @@ fn args_rules(fid: &str, d: &ToolDecl, checks: &mut Checks) -> Result<(String, b
     let root = d.parameters.clone().unwrap_or_else(|| json!({"type": "object", "properties": {}}));
     let obj = resolve(&root, &root, &d.param)?;
     let props: Option<&Map<String, Value>> = obj.get("properties").and_then(Value::as_object);
-    let closed = obj.get("additionalProperties") == Some(&Value::Bool(false));
+    // Extra keys only where the schema asks for them: `additionalProperties` true or a schema.
+    let open = matches!(obj.get("additionalProperties"), Some(Value::Bool(true) | Value::Object(_)));
     let required: BTreeSet<&str> = obj.get("required").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
     let mut out = String::new();
     let mut seq = Vec::new();
@@ -104,11 +105,10 @@ fn args_rules(fid: &str, d: &ToolDecl, checks: &mut Checks) -> Result<(String, b
                 return Err(bad_param(format!("{}.required", d.param), format!("names {missing:?}, which is not in `properties`")));
             }
         }
-        _ if closed || !required.is_empty() => {
-            if !required.is_empty() {
-                return Err(bad_param(format!("{}.required", d.param), "lists properties the schema does not declare in `properties`"));
-            }
+        _ if !required.is_empty() => {
+            return Err(bad_param(format!("{}.required", d.param), "lists properties the schema does not declare in `properties`"));
         }
+        _ if !open => {} // no arguments
         _ => {
             // No declared properties, extra keys allowed: any keys with any JSON values.
             let rule = format!("anyarg_{fid}");
