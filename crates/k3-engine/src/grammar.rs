@@ -238,6 +238,8 @@ pub struct GuideStats {
     pub compute: Duration,
     /// Time the sampler blocked waiting for a mask (the part on the critical path).
     pub wait: Duration,
+    /// The slowest mask.
+    pub max: Duration,
 }
 
 /// A computed mask: the grammar's allowed ids with the stop tokens folded in.
@@ -346,6 +348,7 @@ impl Guide {
         self.matcher = Some(m);
         self.stats.masks += 1;
         self.stats.compute += took;
+        self.stats.max = self.stats.max.max(took);
         let mut bits = r?;
         if bits.len() > (self.eos as usize) && bits.is_allowed(self.eos) {
             for &s in &self.stops {

@@ -15,6 +15,10 @@
 //! (its `index_topk`) against the same layer run dense, and the indexer alone — the sparse
 //! attention core stays flat while the indexer grows linearly with the context.
 //!
+//! Constrained mode (`--json-schema FILE`, with the model mode's flags): decode with and without
+//! the schema as the output constraint in one run, and the per-token mask cost; see
+//! `bench_grammar.rs`.
+//!
 //! GPU op mode (`--device cuda --op gemm M N K | copy BYTES | rmsnorm ROWS DIM`, feature `cuda`):
 //! one GPU op timed with CUDA events after warm-up, median of repeats.
 //!
@@ -62,6 +66,7 @@ pub struct Args {
 const BENCH_MODES: &str = "\
 Modes:
   k3 bench [--model DIR] --prompt-len P --gen-len G [--batch B] [--threads N]
+  k3 bench --json-schema FILE [--model DIR] [--prompt-len P --gen-len G --batch B]   constrained decoding overhead
   k3 bench --op gemv 3072 3584                     expert GEMV: MXFP4 vs BF16 vs F32, GB/s
   k3 bench --op dsa 4096 16384 65536 --model DIR   DSA layer per-token cost vs dense
   k3 bench --device cuda --model DIR --prompt-len 4096 --batches 1,16,64 --context 512 [--profile]
@@ -82,6 +87,10 @@ pub struct ModelMode {
     /// CPU: sequences decoding together.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// CPU: time decode with and without this JSON Schema as the output constraint (through the
+    /// engine, sampling at temperature 1) and report the per-token mask cost.
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<std::path::PathBuf>,
 }
 
 /// The model mode on the GPU (`--device cuda`, no --op; `bench_cuda.rs`).
@@ -187,7 +196,10 @@ pub fn run(a: Args) -> Result<()> {
         _ => bail!("--device `{}`: use cpu or cuda", a.device),
     };
     match mode {
-        Mode::CpuModel => bench_model(&a),
+        Mode::CpuModel => match &a.run.json_schema {
+            Some(f) => super::bench_grammar::bench_grammar(&a, f),
+            None => bench_model(&a),
+        },
         Mode::CpuDsa => bench_cpu_dsa(&a),
         Mode::CpuGemv => bench_cpu_gemv(&a),
         Mode::CudaModel => bench_cuda_model(&a),

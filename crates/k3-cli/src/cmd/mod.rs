@@ -3,6 +3,7 @@ pub mod args;
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod bench_cuda;
+pub mod bench_grammar;
 pub mod init;
 pub mod inspect;
 pub mod logits;
