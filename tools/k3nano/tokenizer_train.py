@@ -9,6 +9,7 @@
   `<|reserved_token_{id}|>` (absolute id).
 
 Usage: python3 tokenizer_train.py --text work/train.txt --ranks 4096 --out OUTDIR
+       python3 tokenizer_train.py --counts COUNTS.json --ranks N --out OUTDIR   (pre-token counts)
 """
 import argparse
 import base64
@@ -57,7 +58,12 @@ def special_names(n_ranks):
 
 def train(text, n_ranks):
     pat = regex.compile(KIMI_PAT, flags=regex.V1)
-    counts = collections.Counter(pat.findall(text))
+    return train_counts(collections.Counter(pat.findall(text)), n_ranks)
+
+
+def train_counts(counts, n_ranks):
+    """BPE over pre-token counts {pre-token string: count} (k3-chat passes the counts of its
+    rendered text segments, which are encoded one by one)."""
     vocab = [bytes([b]) for b in byte_order()]
     words = []  # list of [list of token bytes]
     freqs = []
@@ -150,9 +156,15 @@ def main():
     ap.add_argument("--text", default="work/train.txt")
     ap.add_argument("--ranks", type=int, default=4096)
     ap.add_argument("--out", default="work/tok")
+    ap.add_argument("--counts", help="JSON {pre-token: count} instead of --text")
     a = ap.parse_args()
-    text = open(a.text, encoding="utf-8").read()
-    vocab = train(text, a.ranks)
+    if a.counts:
+        counts = json.load(open(a.counts, encoding="utf-8"))
+        vocab = train_counts(collections.Counter(counts), a.ranks)
+        text = "".join(sorted(counts, key=lambda w: -counts[w])[:5000])
+    else:
+        text = open(a.text, encoding="utf-8").read()
+        vocab = train(text, a.ranks)
     write(vocab, a.out)
     enc = load_encoding(a.out)
     sample = text[:20000]

@@ -2,6 +2,12 @@
 
 python3 train.py --data DIR(with train.npy, val.npy) --out OUTDIR --minutes 7
 Writes OUTDIR/best.pt (best held-out loss), OUTDIR/last.pt, OUTDIR/log.jsonl, OUTDIR/summary.json.
+
+Conversation mode (k3-chat, tools/k3chat): when DIR also holds train_off.npy / train_mask.npy
+(conversation starts and a 0/1 loss mask, from tools/k3chat/gen_data.py), batches are whole
+conversations of similar length padded to the longest (about --batch x --ctx tokens each), and
+the loss (training and held-out) is on the masked tokens only: what the assistant generates.
+`--cfg FILE.json` gives the NanoConfig fields (otherwise k3-nano's defaults).
 """
 import argparse
 import json
@@ -38,6 +44,51 @@ def save_parts(obj, state, path_base, max_bytes=15 * 2 ** 20):
         torch.save({**obj, "state": p, "part": i, "nparts": len(parts)}, f"{path_base}.{i}.pt")
 
 
+class Conversations:
+    """Whole conversations, batched by length under a token budget (conversation mode)."""
+
+    def __init__(self, data, split, budget, pad_id, dev, seed=0):
+        self.ids = np.load(os.path.join(data, f"{split}.npy")).astype(np.int64)
+        self.mask = np.load(os.path.join(data, f"{split}_mask.npy")).astype(bool)
+        off = np.load(os.path.join(data, f"{split}_off.npy"))
+        self.spans = list(zip(off[:-1], off[1:]))
+        self.pad_id, self.dev = pad_id, dev
+        order = sorted(range(len(self.spans)), key=lambda i: self.spans[i][1] - self.spans[i][0])
+        self.batches, cur, longest = [], [], 0
+        for i in order:
+            n = self.spans[i][1] - self.spans[i][0]
+            if cur and max(longest, n) * (len(cur) + 1) > budget:
+                self.batches.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, n)
+        if cur:
+            self.batches.append(cur)
+        self.rng = np.random.default_rng(seed)
+        self.queue = []
+        self.tokens = int(off[-1])
+        self.targets = int(self.mask[1:].sum())
+
+    def batch(self, idx):
+        """(x, y) with y = -100 where no loss is taken; padded to a multiple of 16."""
+        T = max(self.spans[i][1] - self.spans[i][0] for i in idx)
+        T = -(-T // 16) * 16
+        x = np.full((len(idx), T), self.pad_id, dtype=np.int64)
+        y = np.full((len(idx), T), -100, dtype=np.int64)
+        for r, i in enumerate(idx):
+            s, e = self.spans[i]
+            x[r, :e - s] = self.ids[s:e]
+            tgt = self.ids[s + 1:e].copy()
+            tgt[~self.mask[s + 1:e]] = -100
+            y[r, :e - s - 1] = tgt
+        return torch.from_numpy(x).to(self.dev), torch.from_numpy(y).to(self.dev)
+
+    def next(self):
+        if not self.queue:
+            self.queue = list(self.rng.permutation(len(self.batches)))
+        return self.batch(self.batches[self.queue.pop()])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -55,6 +106,7 @@ def main():
     ap.add_argument("--bias_rate", type=float, default=1e-3)
     ap.add_argument("--max_steps", type=int, default=10 ** 9)
     ap.add_argument("--tiny", action="store_true", help="tiny model for a CPU smoke test")
+    ap.add_argument("--cfg", help="JSON file with NanoConfig fields (default: k3-nano's)")
     a = ap.parse_args()
     t_start = time.time()
     budget = a.minutes * 60
@@ -64,9 +116,15 @@ def main():
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    train = torch.from_numpy(np.load(os.path.join(a.data, "train.npy")).astype(np.int64))
-    val = torch.from_numpy(np.load(os.path.join(a.data, "val.npy")).astype(np.int64))
+    conv = os.path.exists(os.path.join(a.data, "train_off.npy"))
+    if conv:
+        train = val = None
+    else:
+        train = torch.from_numpy(np.load(os.path.join(a.data, "train.npy")).astype(np.int64))
+        val = torch.from_numpy(np.load(os.path.join(a.data, "val.npy")).astype(np.int64))
     cfg = NanoConfig(dropout=a.dropout)
+    if a.cfg:
+        cfg = NanoConfig(**{**json.load(open(a.cfg)), "dropout": a.dropout})
     if a.tiny:
         cfg = NanoConfig(hidden_size=64, num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4],
                          kda_num_heads=2, kda_head_dim=16, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=16,
@@ -79,11 +137,19 @@ def main():
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "conv1d" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=(dev == "cuda"))
-    train_gpu, val_gpu = train.to(dev), val.to(dev)
     T = a.ctx
-    nval = (val.numel() - 1) // T
-    vx = torch.stack([val_gpu[i * T:(i + 1) * T] for i in range(nval)])
-    vy = torch.stack([val_gpu[i * T + 1:(i + 1) * T + 1] for i in range(nval)])
+    if conv:
+        tr = Conversations(a.data, "train", a.batch * T, cfg.vocab_size - 1, dev)
+        va = Conversations(a.data, "val", a.batch * T, cfg.vocab_size - 1, dev)
+        val_batches = [va.batch(b) for b in va.batches]
+        n_train_tokens, n_val_tokens = tr.tokens, va.tokens
+    else:
+        train_gpu, val_gpu = train.to(dev), val.to(dev)
+        nval = (val.numel() - 1) // T
+        vx = torch.stack([val_gpu[i * T:(i + 1) * T] for i in range(nval)])
+        vy = torch.stack([val_gpu[i * T + 1:(i + 1) * T + 1] for i in range(nval)])
+        val_batches = [(vx[i:i + 64], vy[i:i + 64]) for i in range(0, nval, 64)]
+        n_train_tokens, n_val_tokens = train.numel(), val.numel()
     amp = dict(device_type="cuda", dtype=torch.bfloat16, enabled=(dev == "cuda"))
     logf = open(os.path.join(a.out, "log.jsonl"), "w")
 
@@ -97,16 +163,15 @@ def main():
     def evaluate(fp32=False):
         model.eval()
         tot, n = 0.0, 0
-        bs = 64
-        for i in range(0, nval, bs):
+        for bx, by in val_batches:
             with torch.autocast(**(amp if not fp32 else dict(device_type=dev, enabled=False))):
-                lg = model(vx[i:i + bs])
-            tot += F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), vy[i:i + bs].reshape(-1), reduction="sum").item()
-            n += vy[i:i + bs].numel()
+                lg = model(bx)
+            tot += F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), by.reshape(-1), reduction="sum").item()
+            n += int((by != -100).sum())
         model.train()
         return tot / n
 
-    log({"event": "start", "params": nparams, "device": dev, "train_tokens": train.numel(), "val_tokens": val.numel(),
+    log({"event": "start", "params": nparams, "device": dev, "train_tokens": n_train_tokens, "val_tokens": n_val_tokens,
          "cfg": cfg.to_dict(), "args": vars(a)})
     best, best_state, best_step = float("inf"), None, -1
     step, tokens = 0, 0
@@ -122,9 +187,12 @@ def main():
         lr = a.lr * min(1.0, (step + 1) / a.warmup) * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for gr in opt.param_groups:
             gr["lr"] = lr
-        ix = torch.randint(0, train_gpu.numel() - T - 1, (a.batch,), device=dev)
-        x = torch.stack([train_gpu[i:i + T] for i in ix])
-        y = torch.stack([train_gpu[i + 1:i + T + 1] for i in ix])
+        if conv:
+            x, y = tr.next()
+        else:
+            ix = torch.randint(0, train_gpu.numel() - T - 1, (a.batch,), device=dev)
+            x = torch.stack([train_gpu[i:i + T] for i in ix])
+            y = torch.stack([train_gpu[i + 1:i + T + 1] for i in ix])
         with torch.autocast(**amp):
             lg = model(x)
         loss = F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), y.reshape(-1))
@@ -149,7 +217,7 @@ def main():
                 best, best_step = vl, step
                 best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             log({"step": step, "val_loss": round(vl, 4), "val_ppl": round(math.exp(vl), 2), "best": round(best, 4),
-                 "epochs": round(tokens / train.numel(), 2)})
+                 "epochs": round(tokens / n_train_tokens, 2)})
         if now - last_save > a.save_every_s and best_state is not None:
             save_parts({"cfg": cfg.to_dict(), "step": best_step, "val_loss": best}, best_state,
                        os.path.join(a.out, "best"))
@@ -163,7 +231,7 @@ def main():
     vl32 = evaluate(fp32=True)
     save_parts({"cfg": cfg.to_dict(), "step": best_step, "val_loss": best, "val_loss_fp32": vl32}, best_state,
                os.path.join(a.out, "best"))
-    summ = {"params": nparams, "steps": step, "tokens": tokens, "epochs": tokens / train.numel(),
+    summ = {"params": nparams, "steps": step, "tokens": tokens, "epochs": tokens / n_train_tokens,
             "best_step": best_step, "best_val_loss_bf16": best, "best_val_loss_fp32": vl32,
             "best_val_ppl_fp32": math.exp(vl32), "last_val_loss": vl, "train_seconds": time.time() - t_train0,
             "total_seconds": time.time() - t_start, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
