@@ -99,7 +99,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let thinking = opts.thinking;
     let tools = req.tools_declared();
     let constraint = match crate::constrain::chat_plan(&f, thinking, opts.add_generation_prompt)? {
-        Some(plan) => Some(crate::constrain::compile(&s.grammar, plan).await?),
+        Some(plan) => Some(crate::constrain::compile(s.grammar.as_ref().map_err(|e| crate::error::bad_request(e.clone()))?, plan).await?),
         None => None,
     };
     let (feats, pad_id) = images(&s, &f).await?;

@@ -72,7 +72,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     }
     g.sampling.logprobs = logprobs;
     let constraint = match crate::constrain::completion_plan(&f)? {
-        Some(plan) => Some(crate::constrain::compile(&s.grammar, plan).await?),
+        Some(plan) => Some(crate::constrain::compile(s.grammar.as_ref().map_err(|e| crate::error::bad_request(e.clone()))?, plan).await?),
         None => None,
     };
     let ids = prompt_ids(&s, f.get("prompt"))?;

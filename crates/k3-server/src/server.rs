@@ -86,8 +86,9 @@ pub struct Inner {
     pub vision: Option<Arc<VisionModel>>,
     /// Where images may come from (the local directory canonicalised at start-up).
     pub media: MediaLimits,
-    /// The token trie output constraints compile against.
-    pub grammar: Arc<GrammarEnv>,
+    /// The token trie output constraints compile against, or why there is none (a model whose
+    /// vocabulary does not cover the tokenizer: the server runs, constrained requests are 400s).
+    pub grammar: std::result::Result<Arc<GrammarEnv>, String>,
 }
 
 pub type AppState = Arc<Inner>;
@@ -320,7 +321,7 @@ pub fn build_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: Se
     let capacity = cfg.max_batch.max(1) + cfg.max_queue;
     // The grammar's end of sentence stands for the request's stop tokens in masks.
     let eos = tok.special_id("[EOS]").or_else(|| tok.special_id("<|end_of_msg|>")).unwrap_or(0);
-    let grammar = Arc::new(GrammarEnv::new(tok.clone(), vocab, eos).map_err(|e| ServerError::Config(format!("output constraints: {e}")))?);
+    let grammar = GrammarEnv::new(tok.clone(), vocab, eos).map(Arc::new).map_err(|e| format!("this model cannot take output constraints: {e}"));
     let sched = SchedulerHandle::spawn(backend, Arc::new(Metrics::default()), capacity)?;
     let state: AppState = Arc::new(Inner { sched, tok, cfg, max_context, vocab, created: now_secs(), vision, media, grammar });
     Ok(Router::new()
