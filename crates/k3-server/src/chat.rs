@@ -98,7 +98,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let opts = req.options()?;
     let thinking = opts.thinking;
     let tools = req.tools_declared();
-    let constraint = match crate::constrain::chat_plan(&f, thinking, opts.add_generation_prompt)? {
+    let constraint = match crate::constrain::chat_plan(&f, thinking, opts.add_generation_prompt, s.cfg.tool_grammar)? {
         Some(plan) => Some(crate::constrain::compile(s.grammar.as_ref().map_err(|e| crate::error::bad_request(e.clone()))?, plan).await?),
         None => None,
     };

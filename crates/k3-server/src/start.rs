@@ -55,6 +55,8 @@ pub struct ServeOptions {
     /// Seconds (validated here: positive and finite).
     pub read_timeout: f64,
     pub shutdown_timeout: f64,
+    /// See [`ServerConfig::tool_grammar`].
+    pub tool_grammar: bool,
     /// `None` for the CPU, `Some(ordinal)` for GPU `cuda:N`.
     pub device: Option<usize>,
     /// GPU only: tokens the latent caches hold across all sequences.
@@ -137,6 +139,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         max_decode_pixels: a.max_decode_pixels,
         read_timeout,
         shutdown_timeout,
+        tool_grammar: a.tool_grammar,
     };
     let io = |what: String| move |source| ServerError::Io { what, source };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the async runtime".into()))?;
