@@ -76,6 +76,8 @@ pub struct Args {
     pub parallel: ParallelArgs,
     #[command(flatten)]
     pub launch: LaunchArgs,
+    #[command(flatten)]
+    pub prefix: super::prefix_args::PrefixArgs,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -106,6 +108,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_cache_tokens: a.max_cache_tokens,
         cuda_graphs: !a.no_cuda_graphs,
         gpu_f32,
+        prefix_cache: a.prefix.config(),
     };
     k3_server::run_serve(opts, par, &a.launch.node())?;
     Ok(())
