@@ -393,11 +393,10 @@ impl Engine {
         }
         // Publish the prefix states this completed step wrote (prompt grid points only).
         if let Some(pc) = self.prefix.as_mut() {
-            let h = self.runner.config().text.hidden_size;
             for (i, _) in &plan {
                 let s = &self.running[*i];
                 if s.done < s.req.prompt.len() {
-                    pc.after_step(&mut *self.runner, s.id, &s.req.prompt, s.req.prompt_embeds.as_deref().map(Vec::as_slice), h, s.pos, &s.prefix)?;
+                    pc.after_step(&mut *self.runner, s.id, s.req.prompt.len(), s.pos, &s.prefix)?;
                 }
             }
         }

@@ -123,7 +123,7 @@ fn model(name: &str) -> Arc<Model> {
         return m.clone();
     }
     let ck = match name {
-        "k3_small_mxfp4" => Checkpoint::open(&golden::fixture(name)).unwrap(),
+        golden if golden.starts_with("k3") => Checkpoint::open(&golden::fixture(golden)).unwrap(),
         base => {
             let dir = tmp(base);
             let dtype = if base == "tiny" { FloatDType::F32 } else { FloatDType::BF16 };
@@ -167,7 +167,11 @@ struct Out {
 
 /// Runs `prompts` concurrently on `e` to the end; `cancel_at`: (index, step) pairs cancelled then.
 fn run(e: &mut Engine, log: &Log, prompts: &[Vec<u32>], n: usize, cancel_at: &[(usize, usize)]) -> Vec<Option<Out>> {
-    let ids: Vec<u64> = prompts.iter().map(|p| e.add(Request::new(p.clone(), SamplingParams::greedy(), n)).unwrap()).collect();
+    run_reqs(e, log, prompts.iter().map(|p| Request::new(p.clone(), SamplingParams::greedy(), n)).collect(), cancel_at)
+}
+
+fn run_reqs(e: &mut Engine, log: &Log, reqs: Vec<Request>, cancel_at: &[(usize, usize)]) -> Vec<Option<Out>> {
+    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r).unwrap()).collect();
     let mut toks: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
     let mut cached = vec![0; ids.len()];
     let mut cancelled = vec![false; ids.len()];
@@ -219,7 +223,26 @@ fn check_warm(name: &str, e: &mut Engine, log: &Log, prompt: &[u32], cached: usi
 
 #[test]
 fn hits_past_a_grid_point_equal_cold() {
-    for name in MODELS {
+    MODELS.iter().for_each(|m| hits_past_a_grid_point(m));
+}
+
+#[test]
+fn grid_boundaries_and_resends_equal_cold() {
+    MODELS.iter().for_each(|m| grid_boundaries_and_resends(m));
+}
+
+/// The same cases on the two f32 golden fixtures of the full set (K3 and K3.1 DSA).
+#[test]
+#[ignore = "full golden set: k3_small_f32 and k31_small_dsa_f32 (K3_GOLDEN_DIR)"]
+fn golden_f32_fixtures_warm_equal_cold() {
+    for name in ["k3_small_f32", "k31_small_dsa_f32"] {
+        hits_past_a_grid_point(name);
+        grid_boundaries_and_resends(name);
+    }
+}
+
+fn hits_past_a_grid_point(name: &str) {
+    {
         let (mut e, log) = engine(name, 1 << 30, Mutant::None);
         // A: 2 cells + 80 → snapshot at 256 (its prompt's last grid point).
         let a = ids(name, 1, 2 * GRID + 80);
@@ -235,9 +258,8 @@ fn hits_past_a_grid_point_equal_cold() {
     }
 }
 
-#[test]
-fn grid_boundaries_and_resends_equal_cold() {
-    for name in MODELS {
+fn grid_boundaries_and_resends(name: &str) {
+    {
         let (mut e, log) = engine(name, 1 << 30, Mutant::None);
         // A ends exactly on a grid point (3 cells): snapshots at 384 and 256.
         let a = ids(name, 2, 3 * GRID);
@@ -342,6 +364,38 @@ fn concurrent_logits_follow_the_schedule_not_the_cache() {
         differ += (o.rows != c.rows) as usize;
     }
     assert!(differ > 0, "batched rows were bit-equal to solo rows: the concurrent tests could compare logits too");
+}
+
+/// Own input rows (image features at `<|media_pad|>` ids: the same id for every image) are part
+/// of the key: the same ids with other rows never hit; with the same rows they do, bit for bit.
+#[test]
+fn own_rows_are_keyed_by_content() {
+    let name = "k3_small_mxfp4";
+    let p = ids(name, 8, 2 * GRID + 20);
+    let (mut e, log) = engine(name, 1 << 30, Mutant::None);
+    let emb = e.embed(&p).unwrap();
+    let h = model(name).config.text.hidden_size;
+    let image = |scale: f32| {
+        let mut r = emb.clone();
+        r[10 * h..40 * h].iter_mut().for_each(|x| *x *= scale);
+        Arc::new(r)
+    };
+    let req = |rows: Option<Arc<Vec<f32>>>| {
+        let mut r = Request::new(p.clone(), SamplingParams::greedy(), 5);
+        r.prompt_embeds = rows;
+        r
+    };
+    let one = |e: &mut Engine, log: &Log, rows| run_reqs(e, log, vec![req(rows)], &[]).pop().unwrap().unwrap();
+    let first = one(&mut e, &log, Some(image(1.5)));
+    assert_eq!(first.cached, 0);
+    assert_eq!(one(&mut e, &log, Some(image(-0.5))).cached, 0, "other rows, same ids: no hit");
+    assert_eq!(one(&mut e, &log, None).cached, 0, "token embeddings, same ids: no hit");
+    let again = one(&mut e, &log, Some(image(1.5)));
+    assert_eq!(again.cached, 2 * GRID, "the same rows hit");
+    let (mut c, clog) = engine(name, 1 << 30, Mutant::None);
+    let cold = one(&mut c, &clog, Some(image(1.5)));
+    assert_eq!((&again.tokens, &again.rows), (&cold.tokens, &cold.rows));
+    assert_eq!((&first.tokens, &first.rows), (&cold.tokens, &cold.rows));
 }
 
 #[test]

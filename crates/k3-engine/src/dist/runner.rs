@@ -74,7 +74,7 @@ pub trait Runner: Send {
     /// dtypes) when this runner can capture and restore sequence states, else why it cannot —
     /// the engine then runs without the cache and says so.
     fn prefix_support(&self) -> std::result::Result<String, String> {
-        Err("this runner cannot capture or restore sequence states".into())
+        Err("this runner cannot capture or restore sequence states (built for the one-rank CPU runner; the GPU runner and parallel layouts do not yet)".into())
     }
     /// Sequence `id`'s state after the step just run (it holds exactly its grid-aligned token
     /// count): latent rows from `from` on, cut into grid cells, and its KDA states if `kda`.

@@ -41,7 +41,8 @@ use crate::dist::runner::Runner;
 use crate::engine::SeqId;
 use crate::error::Result;
 pub use state::{Capture, KdaSnap, SegLayer, Segment};
-use tree::{CellKey, NodeId, Tree};
+pub use tree::CellKey;
+use tree::{NodeId, Tree};
 
 /// How the cache is set up (`k3 serve --prefix-cache-grid --prefix-cache-mem`).
 #[derive(Clone, Debug)]
@@ -91,8 +92,12 @@ pub struct PrefixStats {
 pub struct Admission {
     /// Prompt tokens restored (0: a cold start).
     pub resume: usize,
-    /// Grid points where this request's prefill takes a KDA snapshot beyond the regular ones.
+    /// The grid point where this request's prefill takes a KDA snapshot beyond the regular
+    /// ones (the branch point).
     pub branch: Option<usize>,
+    /// The keys of the prompt's whole grid cells (computed once: hashing a cell's own input
+    /// rows is not free).
+    pub keys: Vec<CellKey>,
 }
 
 /// The cache: the tree and pool, the model digest and the counters.
@@ -164,7 +169,7 @@ impl PrefixCache {
             self.stats.hit_tokens += resume as u64;
             self.tree.touch(&usable[..=i]);
         }
-        Ok(Admission { resume, branch })
+        Ok(Admission { resume, branch, keys })
     }
 
     /// Whether a KDA snapshot is taken at grid point `pos` of a prompt of `p` tokens.
@@ -173,26 +178,17 @@ impl PrefixCache {
         pos.is_multiple_of(self.cfg.interval.max(g)) || pos == p / g * g || pos == (p - 1) / g * g || adm.branch == Some(pos)
     }
 
-    /// After a step that brought sequence `id` to `pos` prompt tokens (`pos ≤ prompt.len()`):
-    /// on a grid point, publishes its cells up to `pos` that the tree lacks, and the KDA
-    /// snapshot there if one is wanted and missing; then evicts down to the budget.
-    pub fn after_step(
-        &mut self,
-        runner: &mut dyn Runner,
-        id: SeqId,
-        prompt: &[u32],
-        rows: Option<&[f32]>,
-        h: usize,
-        pos: usize,
-        adm: &Admission,
-    ) -> Result<()> {
+    /// After a step that brought sequence `id` to `pos` of its `prompt_len` prompt tokens: on a
+    /// grid point, publishes its cells up to `pos` that the tree lacks, and the KDA snapshot
+    /// there if one is wanted and missing; then evicts down to the budget.
+    pub fn after_step(&mut self, runner: &mut dyn Runner, id: SeqId, prompt_len: usize, pos: usize, adm: &Admission) -> Result<()> {
         let g = self.cfg.grid;
-        if pos == 0 || !pos.is_multiple_of(g) || pos > prompt.len() {
+        if pos == 0 || !pos.is_multiple_of(g) || pos > prompt_len || pos / g > adm.keys.len() {
             return Ok(());
         }
-        let keys: Vec<CellKey> = (0..pos / g).map(|k| cell_key(prompt, rows, h, g, k)).collect();
-        let path = self.tree.walk(self.digest, &keys);
-        let want = self.wants_snapshot(pos, prompt.len(), adm);
+        let keys = &adm.keys[..pos / g];
+        let path = self.tree.walk(self.digest, keys);
+        let want = self.wants_snapshot(pos, prompt_len, adm);
         let have_snap = path.len() == keys.len() && path.last().is_some_and(|&n| self.tree.kda(n).is_some());
         if path.len() == keys.len() && (!want || have_snap) {
             self.tree.touch(&path);
