@@ -1,16 +1,19 @@
 //! Prefix caching (issue 21): a warm engine's outputs equal a cold engine's, bit for bit on the
 //! CPU — every logits row each output token was sampled from, and the greedy tokens — on three
 //! models: a random K3-layout model (`tiny`, f32 weights), a random K3.1 model with gated DSA
-//! (`tiny_dsa`, indexer top-8, bf16 weights) and the golden MXFP4 fixture `k3_small_mxfp4`.
+//! (`tiny_dsa`, indexer top-8, bf16 weights) and the golden MXFP4 fixture `k3_small_mxfp4` (and,
+//! with `--ignored` and the full golden set, the f32 fixtures of K3 and K3.1 DSA).
 //!
 //! Cases: hits 0, 1, 63, 64, 65 tokens past a grid point; prompts ending exactly on a grid
 //! point (the re-send resumes one cell earlier: the last prompt token is always computed);
 //! exact re-sends; the branch point found at admission (second sighting, snapshot taken during
 //! that prefill, third request hits); A→B→A; many concurrent requests sharing and diverging from
-//! one prefix; cancellations; eviction under a tiny pool. Each warm run is compared with a cold
-//! engine of the same configuration running the same request alone. `mutants_are_caught`
-//! corrupts restored snapshots (recurrent state, conv tails, a latent row, an indexer key) and
-//! checks that the comparison then fails, so these tests can fail.
+//! one prefix; cancellations; eviction under a tiny pool; own input rows (images); bf16 KDA
+//! states. Each warm run is compared with a cold engine of the same configuration running the
+//! same request alone (concurrent runs by their tokens: see
+//! `concurrent_logits_follow_the_schedule_not_the_cache`). `mutants_are_caught` corrupts
+//! restored snapshots (recurrent state, conv tails, a latent value, the indexer keys) and checks
+//! that the comparison then fails, so these tests can fail.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -20,7 +23,7 @@ use k3_engine::dist::runner::{Runner, Step, ThreadRunner};
 use k3_engine::prefix::{Capture, KdaSnap, SegLayer, Segment};
 use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
-use k3_model::layers::kda::StateBuf;
+use k3_model::layers::kda::{StateBuf, StateDType};
 use k3_model::{Checkpoint, Config, Model};
 
 #[path = "../../../tests/support/golden.rs"]
@@ -396,6 +399,27 @@ fn own_rows_are_keyed_by_content() {
     let cold = one(&mut c, &clog, Some(image(1.5)));
     assert_eq!((&again.tokens, &again.rows), (&cold.tokens, &cold.rows));
     assert_eq!((&first.tokens, &first.rows), (&cold.tokens, &cold.rows));
+}
+
+/// KDA states stored as bf16 (`--kda-state bf16`): the snapshot is their bits, so warm = cold.
+#[test]
+fn bf16_kda_state_warm_equals_cold() {
+    let name = "tiny";
+    let mk = || {
+        let log: Log = Default::default();
+        let r = Rec { inner: ThreadRunner::single(model(name), StateDType::Bf16), log: log.clone(), mutant: Mutant::None };
+        (Engine::with_runner(Box::new(r), None, cfg(1 << 30)), log)
+    };
+    let (mut e, log) = mk();
+    let a = ids(name, 5, 2 * GRID + 70);
+    run(&mut e, &log, std::slice::from_ref(&a), 2, &[]);
+    let mut b = a[..2 * GRID + 64].to_vec();
+    b.extend(ids(name, 6, 5));
+    let warm = run(&mut e, &log, std::slice::from_ref(&b), 5, &[]).pop().unwrap().unwrap();
+    let (mut c, clog) = mk();
+    let cold = run(&mut c, &clog, std::slice::from_ref(&b), 5, &[]).pop().unwrap().unwrap();
+    assert_eq!(warm.cached, 2 * GRID);
+    assert_eq!((&warm.tokens, &warm.rows), (&cold.tokens, &cold.rows));
 }
 
 #[test]
