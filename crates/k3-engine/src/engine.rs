@@ -270,6 +270,8 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
+        let h = cfg.text.hidden_size;
+        let keys = self.prefix.as_ref().map(|pc| pc.keys(&req.prompt, req.prompt_embeds.as_deref().map(Vec::as_slice), h)).unwrap_or_default();
         let seq = Sequence {
             id,
             pos: 0,
@@ -281,7 +283,7 @@ impl Engine {
             stats: SeqStats { prompt_tokens: req.prompt.len(), ..Default::default() },
             admitted: Instant::now(),
             guide,
-            prefix: Admission::default(),
+            prefix: Admission { keys, ..Default::default() },
             req,
         };
         self.waiting.push_back(seq);
@@ -323,23 +325,38 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<Event>> {
         // Admit waiting sequences while there is room (and, on the GPU, a free state slot).
         let limit = self.runner.config().max_context();
+        let mut deferred = Vec::new();
         while self.running.len() < self.config.max_batch {
             match self.waiting.pop_front() {
                 Some(mut s) => {
+                    if let Some(pc) = self.prefix.as_mut() {
+                        // A running prefill is writing this prompt's prefix: resume from it later.
+                        let prefilling = self.running.iter().enumerate().filter(|(_, r)| r.done < r.req.prompt.len()).map(|(j, r)| (j, &r.prefix, r.done));
+                        if let Some((j, at)) = pc.wait_for(&s.prefix.keys, s.req.prompt.len(), prefilling) {
+                            let snap_at = &mut self.running[j].prefix.snap_at;
+                            if !snap_at.contains(&at) {
+                                snap_at.push(at);
+                            }
+                            deferred.push(s);
+                            continue;
+                        }
+                    }
                     if !self.runner.admit(s.id, Self::worst_case(&s, limit))? {
                         // The runner's room is promised to running sequences: wait, in order.
                         self.waiting.push_front(s);
                         break;
                     }
                     if let Some(pc) = self.prefix.as_mut() {
-                        let h = self.runner.config().text.hidden_size;
-                        s.prefix = pc.admit(&mut *self.runner, s.id, &s.req.prompt, s.req.prompt_embeds.as_deref().map(Vec::as_slice), h)?;
+                        s.prefix = pc.admit(&mut *self.runner, s.id, s.req.prompt.len(), std::mem::take(&mut s.prefix.keys))?;
                         (s.pos, s.done, s.stats.cached_tokens) = (s.prefix.resume, s.prefix.resume, s.prefix.resume);
                     }
                     self.running.push(s)
                 }
                 None => break,
             }
+        }
+        for s in deferred.into_iter().rev() {
+            self.waiting.push_front(s);
         }
         if self.running.is_empty() {
             return Ok(Vec::new());

@@ -320,6 +320,30 @@ fn interleaved_concurrent_and_cancelled_equal_cold() {
     }
 }
 
+/// Requests that arrive together with one long shared prefix: the first prefills it, the others
+/// wait for its cells (it snapshots where they branch off) and resume there.
+#[test]
+fn simultaneous_requests_share_one_prefill() {
+    let name = "tiny_dsa";
+    let (mut e, log) = engine(name, 1 << 30, Mutant::None);
+    let sys = ids(name, 11, 2 * GRID + 60);
+    let prompts: Vec<Vec<u32>> = (0..5)
+        .map(|k| {
+            let mut p = sys.clone();
+            p.extend(ids(name, 90 + k, 10 + 7 * k as usize));
+            p
+        })
+        .collect();
+    let outs = run(&mut e, &log, &prompts, 4, &[]);
+    for (k, (p, o)) in prompts.iter().zip(outs).enumerate() {
+        let o = o.unwrap();
+        assert_eq!(o.cached, if k == 0 { 0 } else { 2 * GRID }, "request {k}");
+        assert_eq!(o.tokens, cold(name, p, 4).tokens, "request {k}");
+    }
+    let st = e.prefix_status().unwrap().unwrap();
+    assert!(st.deferred > 0 && st.hits == 4, "{st:?}");
+}
+
 #[test]
 fn eviction_under_a_small_pool_equals_cold() {
     let name = "k3_small_mxfp4";

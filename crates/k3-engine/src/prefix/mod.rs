@@ -29,6 +29,11 @@
 //! **Resume rule**: the deepest snapshot at a position ≤ P − 1 (the last prompt token is always
 //! computed, it gives the first logits); the request's state is rebuilt from copies (its own
 //! latent cache grows from there; the pool's rows are shared only between snapshots).
+//!
+//! **Concurrent prefills of one prefix**: a request whose cells a running sequence is still
+//! prefilling, deeper than anything it could resume from now, waits before admission until that
+//! prefill has written them (which then also snapshots there) and resumes from its state, rather
+//! than computing the same cells beside it ([`PrefixCache::wait_for`]).
 
 pub mod state;
 pub mod tree;
@@ -81,6 +86,8 @@ pub struct PrefixStats {
     pub snapshots: u64,
     /// Snapshots and cells evicted.
     pub evictions: u64,
+    /// Admissions put off by a step because a running prefill was writing the same prefix.
+    pub deferred: u64,
     /// Bytes held by the pool now.
     pub pool_bytes: u64,
     /// Snapshots held now.
@@ -92,9 +99,9 @@ pub struct PrefixStats {
 pub struct Admission {
     /// Prompt tokens restored (0: a cold start).
     pub resume: usize,
-    /// The grid point where this request's prefill takes a KDA snapshot beyond the regular
-    /// ones (the branch point).
-    pub branch: Option<usize>,
+    /// Grid points where this request's prefill takes a KDA snapshot beyond the regular ones:
+    /// its branch point, and the points requests waiting for this prefill will resume at.
+    pub snap_at: Vec<usize>,
     /// The keys of the prompt's whole grid cells (computed once: hashing a cell's own input
     /// rows is not free).
     pub keys: Vec<CellKey>,
@@ -147,18 +154,47 @@ impl PrefixCache {
 
     /// Looks `prompt` up at admission; when it resumes, rebuilds sequence `id`'s state in
     /// `runner` at the resume point.
-    pub fn admit(&mut self, runner: &mut dyn Runner, id: SeqId, prompt: &[u32], rows: Option<&[f32]>, h: usize) -> Result<Admission> {
+    /// The keys of a prompt's whole grid cells (`rows`: the request's own input rows, if any).
+    pub fn keys(&self, prompt: &[u32], rows: Option<&[f32]>, h: usize) -> Vec<CellKey> {
+        let g = self.cfg.grid;
+        (0..prompt.len() / g).map(|k| cell_key(prompt, rows, h, g, k)).collect()
+    }
+
+    /// Whether a request (its cell `keys`, `prompt_len` tokens) should wait before admission for
+    /// a running sequence's prefill: `running` gives (index, admission, tokens prefilled) of the
+    /// sequences still prefilling. When one shares more cells with it than it could resume from
+    /// now and has not prefilled them yet, returns (its index, the grid point to snapshot there):
+    /// the request then resumes from its state instead of prefilling the same cells beside it.
+    pub fn wait_for<'a>(
+        &mut self,
+        keys: &[CellKey],
+        prompt_len: usize,
+        running: impl IntoIterator<Item = (usize, &'a Admission, usize)>,
+    ) -> Option<(usize, usize)> {
+        let g = self.cfg.grid;
+        let usable = &keys[..keys.len().min((prompt_len - 1) / g)];
+        let path = self.tree.walk(self.digest, usable);
+        let now = path.iter().rposition(|&n| self.tree.kda(n).is_some()).map_or(0, |i| (i + 1) * g);
+        let common = |k: &[CellKey]| k.iter().zip(usable).take_while(|(a, b)| a == b).count() * g;
+        let best = running.into_iter().map(|(j, a, done)| (j, common(&a.keys), done)).filter(|&(_, c, done)| c > now && done < c).max_by_key(|&(_, c, _)| c);
+        let (j, at, _) = best?;
+        self.stats.deferred += 1;
+        Some((j, at))
+    }
+
+    /// Looks a request up at admission (its cell `keys` from [`PrefixCache::keys`]); when it
+    /// resumes, rebuilds sequence `id`'s state in `runner` at the resume point.
+    pub fn admit(&mut self, runner: &mut dyn Runner, id: SeqId, prompt_len: usize, keys: Vec<CellKey>) -> Result<Admission> {
         let g = self.cfg.grid;
         self.stats.lookups += 1;
-        let last = (prompt.len() - 1) / g; // cells that may be resumed past: ≤ P − 1 tokens
-        let keys: Vec<CellKey> = (0..prompt.len() / g).map(|k| cell_key(prompt, rows, h, g, k)).collect();
+        let last = (prompt_len - 1) / g; // cells that may be resumed past: ≤ P − 1 tokens
         let path = self.tree.walk(self.digest, &keys);
         let usable = &path[..path.len().min(last)];
         let at = usable.iter().rposition(|&n| self.tree.kda(n).is_some());
         let resume = at.map_or(0, |i| (i + 1) * g);
         let matched = usable.len() * g;
-        let branch = (matched > resume).then_some(matched);
-        if branch.is_some() {
+        let snap_at: Vec<usize> = (matched > resume).then_some(matched).into_iter().collect();
+        if !snap_at.is_empty() {
             self.stats.kv_only_matches += 1;
         }
         if let Some(i) = at {
@@ -169,13 +205,13 @@ impl PrefixCache {
             self.stats.hit_tokens += resume as u64;
             self.tree.touch(&usable[..=i]);
         }
-        Ok(Admission { resume, branch, keys })
+        Ok(Admission { resume, snap_at, keys })
     }
 
     /// Whether a KDA snapshot is taken at grid point `pos` of a prompt of `p` tokens.
     fn wants_snapshot(&self, pos: usize, p: usize, adm: &Admission) -> bool {
         let g = self.cfg.grid;
-        pos.is_multiple_of(self.cfg.interval.max(g)) || pos == p / g * g || pos == (p - 1) / g * g || adm.branch == Some(pos)
+        pos.is_multiple_of(self.cfg.interval.max(g)) || pos == p / g * g || pos == (p - 1) / g * g || adm.snap_at.contains(&pos)
     }
 
     /// After a step that brought sequence `id` to `pos` of its `prompt_len` prompt tokens: on a
