@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k3_engine::{Engine, EngineError, Event, FinishReason, Request, Sampled, SeqId};
+use k3_engine::{Engine, EngineError, Event, FinishReason, PrefixStats, Request, Sampled, SeqId};
 use k3_tokenizer::{StreamDecoder, Tokenizer};
 
 /// A continuous-batching generator, as the scheduler thread sees it.
@@ -36,6 +36,10 @@ pub trait Backend: Send + 'static {
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         let _ = ids;
         Err(EngineError::Param { param: "messages", msg: "this backend cannot take image inputs".into() })
+    }
+    /// The prefix cache's counters, when it is on.
+    fn prefix_stats(&self) -> Option<PrefixStats> {
+        None
     }
 }
 
@@ -68,6 +72,9 @@ impl Backend for Engine {
     }
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         Engine::embed(self, ids)
+    }
+    fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix_status().ok().flatten()
     }
 }
 
@@ -169,7 +176,7 @@ impl Backend for Scripted {
             if finish.is_some() {
                 s.pos = s.out.len();
             }
-            events.push(Event { seq: s.id, token, text, sampled, finish, error: None });
+            events.push(Event { seq: s.id, token, text, sampled, finish, error: None, cached_tokens: 0 });
         }
         self.running.retain(|s| s.pos < s.out.len());
         Ok(events)

@@ -93,8 +93,13 @@ pub fn run(a: Args) -> Result<()> {
     req.prompt_embeds = embeds;
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
-    let ecfg =
-        EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk.max(1), max_step_tokens: a.prefill_chunk.max(1), kda_state: a.kda_state.kda_state.into() };
+    let ecfg = EngineConfig {
+        max_batch: 1,
+        prefill_chunk: a.prefill_chunk.max(1),
+        max_step_tokens: a.prefill_chunk.max(1),
+        kda_state: a.kda_state.kda_state.into(),
+        prefix: None,
+    };
     let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
     let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };
     // A GPU load draws its own bar over the bytes it uploads (k3_model::Source::show_progress).

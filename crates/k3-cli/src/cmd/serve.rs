@@ -81,6 +81,8 @@ pub struct Args {
     pub parallel: ParallelArgs,
     #[command(flatten)]
     pub launch: LaunchArgs,
+    #[command(flatten)]
+    pub prefix: super::prefix_args::PrefixArgs,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -112,6 +114,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_cache_tokens: a.max_cache_tokens,
         cuda_graphs: !a.no_cuda_graphs,
         gpu_f32,
+        prefix_cache: a.prefix.config(),
     };
     k3_server::run_serve(opts, par, &a.launch.node())?;
     Ok(())
