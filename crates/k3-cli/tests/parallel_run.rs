@@ -125,7 +125,7 @@ fn post(addr: &str, path: &str, body: &Value) -> Value {
 #[test]
 fn serve_tp2_answers_as_tp1() {
     let req = json!({
-        "model": "k3", "messages": [{"role": "user", "content": "Name three colours."}],
+        "model": "k3", "messages": [{"role": "user", "content": "Hello! Who are you?"}],
         "max_tokens": 12, "temperature": 0, "reasoning_effort": "none", "logprobs": true, "top_logprobs": 2,
     });
     let answer = |extra: &[&str]| {
