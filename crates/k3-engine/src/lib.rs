@@ -7,6 +7,7 @@
 //! - [`gpu`]: the GPU runner (feature `cuda`): the model on one CUDA device, decode graphs.
 //! - [`dist`]: ranks, launch and the per-step message of a parallel layout.
 //! - [`engine`]: per-sequence state and the continuous-batching scheduler ([`Engine::step`]).
+//! - [`spec`]: speculative decoding — n-gram and suffix proposers, acceptance, adaptive drafts.
 //!
 //! The server talks to this crate only, never to model internals.
 
@@ -16,9 +17,11 @@ pub mod error;
 pub mod gpu;
 pub mod grammar;
 pub mod sampler;
+pub mod spec;
 pub mod stop;
 
 pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, SeqId, SeqStats};
 pub use error::{EngineError, Result};
 pub use grammar::{Constraint, GrammarEnv, GrammarSpec};
 pub use sampler::{Sampled, Sampler, SamplingParams};
+pub use spec::{SpecConfig, SpecMethod, SpecStats};

@@ -69,7 +69,26 @@ pub trait Runner: Send {
     fn aborter(&self) -> Option<Aborter> {
         None
     }
+    /// Whether [`Runner::verify`] works here (speculative decoding, `crate::spec`); why not.
+    fn speculation(&self) -> std::result::Result<(), String> {
+        Err(NO_SPECULATION.into())
+    }
+    /// The verify forward of speculative decoding: logits `[N, vocab]` of every row, each equal
+    /// to the single decode step at its position, keeping each sequence's state after every
+    /// token for [`Runner::rollback`].
+    fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
+        let _ = step;
+        Err(EngineError::Unsupported(NO_SPECULATION.into()))
+    }
+    /// Drops the last `drop` tokens of sequence `id`'s last verify forward (0: keeps them all).
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        let _ = (id, drop);
+        Err(EngineError::Unsupported(NO_SPECULATION.into()))
+    }
 }
+
+/// Why a runner does not verify drafts (the default of [`Runner::speculation`]).
+pub const NO_SPECULATION: &str = "speculative decoding needs per-token KDA states in the verify forward, which only the CPU runner of one rank keeps so far (not the GPU runner, not a parallel layout); decoding without speculation";
 
 /// Aborts a runner's collectives from another thread (see [`Runner::aborter`]).
 pub type Aborter = Arc<dyn Fn(&str) + Send + Sync>;
@@ -159,6 +178,21 @@ impl Worker {
     /// Applies one step (see the module doc). Returns the logits on the first and last
     /// pipeline stages, nothing on the stages between.
     pub fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, false)
+    }
+
+    /// [`Worker::apply`] as a verify forward (`Model::forward_verify`): every row's logits.
+    pub fn verify(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, true)
+    }
+
+    /// Drops the last `drop` tokens of sequence `id`'s last verify forward.
+    pub fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        let st = self.states.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
+        Ok(st.rollback(drop)?)
+    }
+
+    fn apply_with(&mut self, step: &Step, verify: bool) -> Result<Vec<f32>> {
         for id in &step.released {
             self.states.remove(id);
         }
@@ -210,7 +244,11 @@ impl Worker {
         let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
         let out = {
             let mut refs: Vec<&mut SeqState> = taken.iter_mut().collect();
-            self.model.forward_varlen(emb, &lens, &mut refs, ForwardOpts { last_only: step.last_only, ..Default::default() }, None)
+            if verify {
+                self.model.forward_verify(emb, &lens, &mut refs)
+            } else {
+                self.model.forward_varlen(emb, &lens, &mut refs, ForwardOpts { last_only: step.last_only, ..Default::default() }, None)
+            }
         };
         for (s, st) in step.seqs.iter().zip(taken) {
             self.states.insert(s.id, st);
@@ -431,6 +469,24 @@ impl Runner for ThreadRunner {
     fn aborter(&self) -> Option<Aborter> {
         let groups = self.leader.model.groups.clone();
         Some(Arc::new(move |why: &str| groups.abort(why)))
+    }
+    fn speculation(&self) -> std::result::Result<(), String> {
+        match self.peers.is_empty() {
+            true => Ok(()),
+            false => Err(format!("speculative decoding on a parallel layout ({} ranks) is not built yet (the step message carries no verify or rollback); decoding without speculation", self.world())),
+        }
+    }
+    fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
+        if let Err(why) = self.speculation() {
+            return Err(EngineError::Unsupported(why));
+        }
+        self.leader.verify(&step)
+    }
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        if let Err(why) = self.speculation() {
+            return Err(EngineError::Unsupported(why));
+        }
+        self.leader.rollback(id, drop)
     }
 }
 
