@@ -37,6 +37,10 @@ pub trait Backend: Send + 'static {
         let _ = ids;
         Err(EngineError::Param { param: "messages", msg: "this backend cannot take image inputs".into() })
     }
+    /// Speculative decoding's counters so far (none without it).
+    fn spec_stats(&self) -> k3_engine::SpecStats {
+        Default::default()
+    }
 }
 
 impl Backend for Engine {
@@ -68,6 +72,9 @@ impl Backend for Engine {
     }
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         Engine::embed(self, ids)
+    }
+    fn spec_stats(&self) -> k3_engine::SpecStats {
+        self.spec_totals().clone()
     }
 }
 

@@ -20,7 +20,7 @@ use crate::error::{EngineError, Result};
 use crate::spec::accept::decide;
 use crate::spec::ngram::NgramProposer;
 use crate::spec::suffix::{remember, History, SuffixProposer};
-use crate::spec::{Adaptive, Draft, Proposer, SpecMethod};
+use crate::spec::{Adaptive, Draft, Proposer, SpecMethod, SpecStats};
 
 /// Makes a request's proposer (a draft model would be plugged in here; see
 /// [`Engine::set_proposer`]).
@@ -37,6 +37,8 @@ pub(crate) struct SeqSpec {
 pub(crate) struct EngineSpec {
     history: History,
     factory: Option<ProposerFactory>,
+    /// Every speculative decode step's counters since the engine started.
+    totals: SpecStats,
 }
 
 impl EngineSpec {
@@ -56,6 +58,11 @@ impl Engine {
             return Ok(false);
         }
         self.runner.speculation().map(|()| true)
+    }
+
+    /// The speculation counters of every sequence since the engine started (for `/metrics`).
+    pub fn spec_totals(&self) -> &SpecStats {
+        &self.spec.totals
     }
 
     /// Uses `factory` for every later request's proposer instead of the configured method's
@@ -82,7 +89,8 @@ impl Engine {
     /// Runs `plan` (running index, new tokens) speculatively (see the module doc).
     pub(super) fn spec_run(&mut self, mut plan: Vec<(usize, Vec<u32>)>, limit: usize) -> Result<Vec<Event>> {
         let vocab = self.runner.config().text.vocab_size;
-        // Drafts for the decode entries (those past their prompt).
+        let started = Instant::now(); // a decode step's time includes its drafting
+                                      // Drafts for the decode entries (those past their prompt).
         let mut drafts: Vec<(usize, Draft)> = Vec::new();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
         for (i, toks) in plan.drain(..) {
@@ -145,14 +153,13 @@ impl Engine {
             }
         }
         if !decode.is_empty() {
-            let t0 = Instant::now();
             let seqs = decode.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
             let rows: usize = decode.iter().map(|(_, t)| t.len()).sum();
             let logits = self.runner.verify(Step { seqs, last_only: false, released: Vec::new() })?;
             if logits.len() != rows * vocab {
                 return Err(EngineError::Internal(format!("the runner's verify returned {} logits for {rows} rows of vocabulary {vocab}", logits.len())));
             }
-            let dt = t0.elapsed();
+            let dt = started.elapsed();
             let mut r0 = 0;
             for (i, Draft { tokens: d, probs: q }) in &drafts {
                 let s = &mut self.running[*i];
@@ -181,6 +188,7 @@ impl Engine {
                     accepted += 1;
                 }
                 s.stats.spec.record(n, accepted, emitted);
+                self.spec.totals.record(n, accepted, emitted);
                 if let Some(sp) = &mut s.spec {
                     sp.adapt.update(n, accepted);
                 }
