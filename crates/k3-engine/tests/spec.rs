@@ -370,3 +370,21 @@ fn sampled_distribution_matches_plain() {
         eprintln!("speculative={spec}: χ² {x2:.1} over {cells} cells (0.001 point {crit:.1}); drafted {drafted}, accepted {accepted}");
     }
 }
+
+/// A runner that cannot verify (a parallel layout, ranks as threads): the engine says why and
+/// decodes plainly, giving plain decoding's tokens.
+#[test]
+fn unsupported_runner_decodes_plainly() {
+    let ck = Checkpoint::open(&fixture("k3_small_mxfp4")).unwrap();
+    let par = k3_model::Parallel::new(2, None, 1).unwrap();
+    let runner = ThreadRunner::start(&ck, par, Default::default()).unwrap();
+    let mut e = Engine::with_runner(Box::new(runner), None, spec_cfg(SpecMethod::Ngram, 4));
+    let why = e.speculating().unwrap_err();
+    assert!(why.contains("parallel layout"), "{why}");
+    let model = golden_model("k3_small_mxfp4");
+    let req = Request::new(prompt(model.config.text.vocab_size as u32, 1), SamplingParams::greedy(), 16);
+    let (out, _, st) = e.generate(req.clone(), |_| {}).unwrap();
+    let (plain, _, _) = Engine::new(model, None, EngineConfig::default()).generate(req, |_| {}).unwrap();
+    assert_eq!(out, plain);
+    assert_eq!(st.spec.drafted, 0);
+}

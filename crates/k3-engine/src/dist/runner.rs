@@ -5,7 +5,9 @@
 //!   row, in step order); per-sequence model state lives in the runner, keyed by sequence id.
 //!   Three implementations: [`ThreadRunner`] over one CPU model (one rank), the same over a
 //!   parallel layout (ranks as threads), and the GPU runner (`crate::gpu`, feature `cuda`).
-//!   [`load`] picks one from the flags.
+//!   [`load`] picks one from the flags. Speculative decoding adds [`Runner::verify`] (every
+//!   row's logits, each a single decode step's) and [`Runner::rollback`]; only the CPU runner
+//!   of one rank has them so far, the others say why ([`Runner::speculation`]).
 //! - [`Worker`]: one rank's model and its map sequence id → [`SeqState`]. [`Worker::apply`]
 //!   drops the released states, creates a state on a sequence's first sight, embeds the tokens
 //!   (or takes the step's own rows) and runs `Model::forward_varlen`. Every rank applies the

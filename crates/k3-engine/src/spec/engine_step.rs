@@ -93,13 +93,15 @@ impl Engine {
                                       // Drafts for the decode entries (those past their prompt).
         let mut drafts: Vec<(usize, Draft)> = Vec::new();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+        // Drafted rows count against the step's token budget, like the rest of the plan.
+        let mut spare = self.config.max_step_tokens.saturating_sub(plan.iter().map(|p| p.1.len()).sum());
         for (i, toks) in plan.drain(..) {
             let s = &mut self.running[i];
             if s.done < s.req.prompt.len() {
                 prefill.push((i, toks));
                 continue;
             }
-            let room = s.req.max_tokens.saturating_sub(s.output.len() + 1).min(limit.saturating_sub(s.pos + 1));
+            let room = s.req.max_tokens.saturating_sub(s.output.len() + 1).min(limit.saturating_sub(s.pos + 1)).min(spare);
             let (mut d, mut q) = (Vec::new(), None);
             if let Some(sp) = &mut s.spec {
                 let k = sp.adapt.next_k().min(room);
@@ -108,6 +110,7 @@ impl Engine {
                     let dr = sp.proposer.propose(&ctx, k);
                     d = dr.tokens;
                     d.truncate(k);
+                    spare -= d.len();
                     q = dr.probs;
                     if let Some(bad) = d.iter().find(|&&t| t as usize >= vocab) {
                         return Err(EngineError::Internal(format!("the proposer drafted token {bad}, outside the vocabulary ({vocab})")));
