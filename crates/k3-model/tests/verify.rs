@@ -4,7 +4,8 @@
 //! `j + 1` decode steps — for k = 1..8, every j, alone and with several sequences (and a plain
 //! decode row) in one call. Models: the golden K3 MXFP4 fixture, and `k3 init` checkpoints of
 //! the tiny configs (F32, BF16 weights, MXFP4 experts, K3.1 DSA with a top-k small enough to
-//! select), also with bf16 KDA states. The reference is what the engine does without
+//! select; the K3 / K3.1 DSA f32 golden fixtures as ignored full-golden tests), also with bf16
+//! KDA states. The reference is what the engine does without
 //! speculation: a chunked (`Auto`) prefill, then one-token forwards.
 
 mod common;
@@ -130,4 +131,13 @@ fn tiny_bf16_mxfp4_experts() {
 fn tiny_dsa_selecting() {
     let (_d, m) = tiny("tiny_dsa", FloatDType::F32, ExpertFormat::Float(FloatDType::F32), Some(6));
     check_model(&m, "tiny_dsa top-6", StateDType::F32);
+}
+
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn golden_f32_k3_and_k31_dsa() {
+    for name in ["k3_small_f32", "k31_small_dsa_f32"] {
+        let m = Model::load(&Checkpoint::open(&fixture(name)).unwrap()).unwrap();
+        check_model(&m, name, StateDType::F32);
+    }
 }
