@@ -206,7 +206,7 @@ impl Engine {
 
     /// Frees a sequence's state in the runner.
     fn free(&mut self, s: Sequence) {
-        self.spec.finished(&s);
+        self.spec.finished(&s, self.config.spec.method);
         self.runner.release(s.id);
     }
 

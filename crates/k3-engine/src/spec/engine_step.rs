@@ -42,9 +42,10 @@ pub(crate) struct EngineSpec {
 }
 
 impl EngineSpec {
-    /// A sequence leaves the engine: its tokens join the suffix proposer's history.
-    pub(crate) fn finished(&mut self, s: &Sequence) {
-        if s.spec.is_some() && !s.output.is_empty() {
+    /// A sequence leaves the engine: its tokens join the suffix proposer's history (kept for
+    /// that method only).
+    pub(crate) fn finished(&mut self, s: &Sequence, method: SpecMethod) {
+        if method == SpecMethod::Suffix && self.factory.is_none() && s.spec.is_some() && !s.output.is_empty() {
             remember(&self.history, &s.req.prompt, &s.output);
         }
     }

@@ -21,8 +21,9 @@ const SEP: u32 = u32::MAX;
 pub const WINDOW: usize = 32;
 /// Shortest match that drafts.
 pub const MIN_MATCH: usize = 2;
-/// History tokens kept; past this the history starts over.
-pub const HISTORY_CAP: usize = 1 << 20;
+/// History tokens kept (a suffix automaton has at most twice as many states); past this the
+/// history starts over.
+pub const HISTORY_CAP: usize = 1 << 18;
 
 #[derive(Clone, Debug)]
 struct State {
