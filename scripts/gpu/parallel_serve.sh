@@ -194,7 +194,7 @@ fault | all)
     echo "$tag after the kill: HTTP $code in $ms ms: $(head -c 400 $L/$tag.dead.json)"
     [ "$code" = 200 ] && fail "$tag: a request succeeded without rank 1"
     # An HTTP error naming rank 1; or, where NCCL cannot abort the GPU work waiting on the dead
-    # rank, rank 0 exits 70 naming it (dist::process::abort_or_exit) and the connection closes.
+    # rank, rank 0 exits 70 naming it (dist::monitor) and the connection closes.
     [ "$code" = 000 ] && [ $ms -ge 100000 ] && fail "$tag: no answer within $ms ms (a hang)"
     t1=$(date +%s)
     while kill -0 ${PIDS[0]} 2>/dev/null && [ $(($(date +%s) - t1)) -lt 60 ]; do sleep 0.2; done

@@ -107,17 +107,23 @@ def leaked(m):
     return any("<|" in (m.get(k) or "") for k in ("content", "reasoning_content"))
 
 
-def run_episode(url, ep, extra, tool_choice, max_tokens):
+def served_model(url):
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def run_episode(url, ep, extra, tool_choice, max_tokens, model):
     req = dict(ep["request"])
-    req.update({"model": "k3", "temperature": 0, "max_tokens": max_tokens})
+    req.update({"model": model, "temperature": 0, "max_tokens": max_tokens})
     if req.get("tools"):
         req["tool_choice"] = tool_choice
     req.update(extra)
     exp, ref = ep["expected"], ep["reference"]
     rec = {"kind": exp["kind"], "user": req["messages"][-1]["content"]}
-    m = message(post(url, req))
+    resp = post(url, req)
+    m = message(resp)
     if m is None:
-        rec["error"] = True
+        rec["error"] = resp["error"]
         return rec
     calls = m.get("tool_calls") or []
     rec["content"], rec["reasoning"] = m.get("content"), m.get("reasoning_content")
@@ -161,9 +167,10 @@ def run_episode(url, ep, extra, tool_choice, max_tokens):
     req2 = {**req, "messages": msgs}
     if req2.get("tool_choice") == "required":
         req2["tool_choice"] = "auto"
-    m2 = message(post(url, req2))
+    resp2 = post(url, req2)
+    m2 = message(resp2)
     if m2 is None:
-        rec["error2"] = True
+        rec["error2"] = resp2["error"]
         return rec
     text = m2.get("content") or ""
     cols = ref.get("cols") or [None] * len(calls)
@@ -263,6 +270,7 @@ def main():
     else:
         log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "k3chat_eval_serve.log"), "w")
         proc, url = start_server(a.k3 or find_k3(), a.model, a.serve_arg, log)
+    model = served_model(url)
     runs = []
     if a.mode in ("unconstrained", "both"):
         runs.append(("unconstrained", json.loads(a.unconstrained_extra), "auto", eps))
@@ -276,7 +284,7 @@ def main():
         for name, extra, choice, subset in runs:
             t0 = time.time()
             with cf.ThreadPoolExecutor(a.parallel) as ex:
-                recs = list(ex.map(lambda e: run_episode(url, e, extra, choice, a.max_tokens), subset))
+                recs = list(ex.map(lambda e: run_episode(url, e, extra, choice, a.max_tokens, model), subset))
             for r, e in zip(recs, subset):
                 r["tool"] = e["tool"]
             s = summarise(recs)

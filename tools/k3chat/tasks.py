@@ -35,6 +35,11 @@ CITIES = ("Oslo Lisbon Nairobi Lima Osaka Dublin Porto Quito Riga Seoul Tunis Vi
           "Bergen Cairo Denver Geneva Hanoi Izmir Jakarta Kyoto Lagos Madrid Nantes Ottawa Perth Rabat Sofia "
           "Toronto Utrecht Valencia Wellington Bogota Chicago Dakar Helsinki Manila Santiago").split()
 CITIES_HELD = "Aarhus Bilbao Cusco Durban Fukuoka Galway Hobart Krakow Leipzig Malmo".split()
+# syllables of made-up names: half the names, cities and products of the TRAINING split are made
+# up, so the model must copy them from the request (the pools alone taught it to recall a
+# familiar name instead: 20 % argument accuracy on held-out e-mail addresses)
+SYLLABLES = ("ba be bi bo bu da de di do ka ke ki ko ku la le li lo lu ma me mi mo mu na ne ni no nu "
+             "ra re ri ro ru sa se si so su ta te ti to tu va ve vi vo za zo an el in or us ar en on").split()
 ADJ = "blue red green small large steel glass wooden silver black white compact folding electric".split()
 NOUN = "kettle lamp chair desk mug backpack clock fan heater mirror stool blender toaster speaker".split()
 NOUN_HELD = "teapot lantern bench easel".split()
@@ -255,7 +260,13 @@ class Gen:
     # -- pools
     def pool(self, base, held):
         r = self.r
-        return r.choice(held) if self.heldout and r.random() < 0.5 else r.choice(base)
+        if self.heldout:
+            return r.choice(held) if r.random() < 0.5 else r.choice(base)
+        return self.made_up() if r.random() < 0.5 else r.choice(base)
+
+    def made_up(self):
+        r = self.r
+        return "".join(r.choice(SYLLABLES) for _ in range(r.randint(2, 3))).capitalize()
 
     def person(self):
         return f"{self.pool(FIRST, FIRST_HELD)} {self.pool(LAST, LAST_HELD)}"

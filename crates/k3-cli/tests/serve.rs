@@ -1,7 +1,9 @@
 //! `k3 serve` end to end: starts the real binary on a free loopback port with the embedded
-//! k3-nano model (its default, no `--model`) and drives it with the official `openai` Python client
+//! chat model k3-chat (its default, no `--model`) and drives it with the official `openai` Python client
 //! (crates/k3-server/tests/py/openai_e2e.py): chat and completions, streaming and not, usage
-//! counts equal to k3-tokenizer counts, stop strings, seeds, malformed inputs, and the load test
+//! counts equal to k3-tokenizer counts, stop strings, seeds, malformed inputs, a tool round trip
+//! (call, tool result, answer; streamed and not), `tool_choice` required and named,
+//! `response_format` json_schema, and the load test
 //! (throughput at concurrency 1/8/32, RSS, cancelling half the clients). It needs python3 with the
 //! `openai` package, so it is `#[ignore]`d in the default run (the summary counts it as ignored)
 //! and run explicitly by `.ci/run` (`cargo test -p k3-cli --test serve -- --ignored`), where a
@@ -35,7 +37,8 @@ fn serve_with_openai_python_client() {
         python_with_openai(),
         "serve_with_openai_python_client: python3 with the `openai` package is not installed (pip install openai); this check cannot run"
     );
-    let nano = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
+    // the default model of `k3 serve`: the embedded chat model (the script's tool checks need it)
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-chat");
     let key = "test-key-123";
     let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
         .arg("serve")
@@ -58,7 +61,7 @@ fn serve_with_openai_python_client() {
     });
     let base = rx.recv_timeout(Duration::from_secs(60)).expect("k3 serve printed its address");
 
-    let tok = k3_tokenizer::Tokenizer::from_dir(&nano).expect("tokenizer");
+    let tok = k3_tokenizer::Tokenizer::from_dir(&model).expect("tokenizer");
     let messages = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]);
     let chat = k3_tokenizer::ChatRequest::from_json_str(&json!({"messages": messages}).to_string()).expect("chat request");
     let chat_tokens = k3_tokenizer::render_chat(&tok, &chat).expect("render").ids.len();

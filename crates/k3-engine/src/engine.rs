@@ -30,6 +30,7 @@ use crate::dist::runner::{Runner, Step, StepSeq, ThreadRunner};
 use crate::error::{param, EngineError, Result};
 use crate::gpu::GpuRunner;
 use crate::grammar::{Constraint, Guide, GuideStats, MaskPool};
+use crate::prefix::{Admission, PrefixCache, PrefixConfig, PrefixStats};
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::spec::{SpecConfig, SpecStats};
 use crate::stop::{StopCheck, StopMatcher};
@@ -88,6 +89,8 @@ pub struct Event {
     pub sampled: Sampled,
     /// Set on the sequence's last event.
     pub finish: Option<FinishReason>,
+    /// Prompt tokens restored from the prefix cache instead of prefilled.
+    pub cached_tokens: usize,
     /// The output constraint failed (its message); set with `finish`, and `token` is not part
     /// of a valid output.
     pub error: Option<String>,
@@ -103,13 +106,16 @@ pub struct EngineConfig {
     pub max_step_tokens: usize,
     /// Storage of the KDA recurrent states (bf16 halves them; approximate).
     pub kda_state: k3_model::layers::kda::StateDType,
+    /// The prefix cache (`crate::prefix`); `None`: off. With it, prefill is cut on its grid
+    /// (`prefill_chunk` is then unused).
+    pub prefix: Option<PrefixConfig>,
     /// Speculative decoding (`--speculative`, `--num-speculative-tokens`); off by default.
     pub spec: SpecConfig,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024, kda_state: Default::default(), spec: Default::default() }
+        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024, kda_state: Default::default(), prefix: None, spec: Default::default() }
     }
 }
 
@@ -124,6 +130,8 @@ pub struct SeqStats {
     pub ttft: Duration,
     /// Mask cost of a constrained sequence (zero otherwise).
     pub mask: GuideStats,
+    /// Prompt tokens restored from the prefix cache.
+    pub cached_tokens: usize,
     /// Drafts and acceptance of the decode steps (speculative decoding).
     pub spec: SpecStats,
 }
@@ -142,6 +150,8 @@ struct Sequence {
     stats: SeqStats,
     admitted: Instant,
     guide: Option<Guide>,
+    /// What the prefix cache found at admission.
+    prefix: Admission,
     /// The proposer and draft count when this sequence speculates.
     spec: Option<spec_step::SeqSpec>,
 }
@@ -157,6 +167,10 @@ pub struct Engine {
     next_id: SeqId,
     /// Mask workers, started with the first constrained request.
     masks: Option<MaskPool>,
+    /// The prefix cache, when configured and the runner supports it.
+    prefix: Option<PrefixCache>,
+    /// Why the configured prefix cache is off (the runner cannot capture states).
+    prefix_off: Option<String>,
     /// Speculative decoding's engine-wide part (request history, a plugged-in proposer).
     spec: spec_step::EngineSpec,
 }
@@ -175,6 +189,11 @@ impl Engine {
 
     /// An engine whose forwards run on `runner` (e.g. `dist::runner::load`'s).
     pub fn with_runner(runner: Box<dyn Runner>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
+        let (prefix, prefix_off) = match (&config.prefix, runner.prefix_support()) {
+            (None, _) => (None, None),
+            (Some(c), Ok(layout)) => (Some(PrefixCache::new(c.clone(), &format!("{:?} | {layout}", runner.config()))), None),
+            (Some(_), Err(why)) => (None, Some(why)),
+        };
         Engine {
             runner,
             tokenizer,
@@ -184,7 +203,19 @@ impl Engine {
             finished_stats: Vec::new(),
             next_id: 1,
             masks: None,
+            prefix,
+            prefix_off,
             spec: Default::default(),
+        }
+    }
+
+    /// The prefix cache's counters when it is on; why it is off when it was asked for but the
+    /// runner cannot capture states; `Ok(None)` when it was not asked for.
+    pub fn prefix_status(&self) -> std::result::Result<Option<PrefixStats>, &str> {
+        match (&self.prefix, &self.prefix_off) {
+            (Some(c), _) => Ok(Some(c.stats())),
+            (None, Some(why)) => Err(why),
+            (None, None) => Ok(None),
         }
     }
 
@@ -257,6 +288,8 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
+        let h = cfg.text.hidden_size;
+        let keys = self.prefix.as_ref().map(|pc| pc.keys(&req.prompt, req.prompt_embeds.as_deref().map(Vec::as_slice), h)).unwrap_or_default();
         let seq = Sequence {
             id,
             pos: 0,
@@ -269,6 +302,7 @@ impl Engine {
             admitted: Instant::now(),
             spec: self.seq_spec(&req, guide.is_some()),
             guide,
+            prefix: Admission { keys, ..Default::default() },
             req,
         };
         self.waiting.push_back(seq);
@@ -310,18 +344,38 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<Event>> {
         // Admit waiting sequences while there is room (and, on the GPU, a free state slot).
         let limit = self.runner.config().max_context();
+        let mut deferred = Vec::new();
         while self.running.len() < self.config.max_batch {
             match self.waiting.pop_front() {
-                Some(s) => {
+                Some(mut s) => {
+                    if let Some(pc) = self.prefix.as_mut() {
+                        // A running prefill is writing this prompt's prefix: resume from it later.
+                        let prefilling = self.running.iter().enumerate().filter(|(_, r)| r.done < r.req.prompt.len()).map(|(j, r)| (j, &r.prefix, r.done));
+                        if let Some((j, at)) = pc.wait_for(&s.prefix.keys, s.req.prompt.len(), prefilling) {
+                            let snap_at = &mut self.running[j].prefix.snap_at;
+                            if !snap_at.contains(&at) {
+                                snap_at.push(at);
+                            }
+                            deferred.push(s);
+                            continue;
+                        }
+                    }
                     if !self.runner.admit(s.id, Self::worst_case(&s, limit))? {
                         // The runner's room is promised to running sequences: wait, in order.
                         self.waiting.push_front(s);
                         break;
                     }
+                    if let Some(pc) = self.prefix.as_mut() {
+                        s.prefix = pc.admit(&mut *self.runner, s.id, s.req.prompt.len(), std::mem::take(&mut s.prefix.keys))?;
+                        (s.pos, s.done, s.stats.cached_tokens) = (s.prefix.resume, s.prefix.resume, s.prefix.resume);
+                    }
                     self.running.push(s)
                 }
                 None => break,
             }
+        }
+        for s in deferred.into_iter().rev() {
+            self.waiting.push_front(s);
         }
         if self.running.is_empty() {
             return Ok(Vec::new());
@@ -340,9 +394,16 @@ impl Engine {
         for (i, s) in self.running.iter().enumerate() {
             let left = s.req.prompt.len() - s.done;
             if left > 0 && budget > 0 {
-                let n = left.min(self.config.prefill_chunk).min(budget);
+                let n = match &self.prefix {
+                    // On the cache's grid, never cut short (so chunk ends depend on positions only).
+                    Some(pc) => match pc.chunk(s.done, left, budget, plan.iter().any(|(j, _)| self.running[*j].done < self.running[*j].req.prompt.len())) {
+                        Some(n) => n,
+                        None => continue,
+                    },
+                    None => left.min(self.config.prefill_chunk).min(budget),
+                };
                 plan.push((i, s.req.prompt[s.done..s.done + n].to_vec()));
-                budget -= n;
+                budget = budget.saturating_sub(n);
             }
         }
         if plan.is_empty() {
@@ -357,6 +418,15 @@ impl Engine {
         let logits = self.runner.forward(Step { seqs, last_only: true, released: Vec::new() })?;
         for (i, toks) in &plan {
             self.running[*i].pos += toks.len();
+        }
+        // Publish the prefix states this completed step wrote (prompt grid points only).
+        if let Some(pc) = self.prefix.as_mut() {
+            for (i, _) in &plan {
+                let s = &self.running[*i];
+                if s.done < s.req.prompt.len() {
+                    pc.after_step(&mut *self.runner, s.id, s.req.prompt.len(), s.pos, &s.prefix)?;
+                }
+            }
         }
         let vocab = self.runner.config().text.vocab_size;
         if logits.len() != plan.len() * vocab {
@@ -499,7 +569,15 @@ fn push_token(
     }
     if let Some(e) = error {
         s.stats.mask = s.guide.as_ref().map(|g| g.stats.clone()).unwrap_or_default();
-        return Event { seq: s.id, token: tok, text: String::new(), sampled, finish: Some(FinishReason::Stop), error: Some(e) };
+        return Event {
+            seq: s.id,
+            token: tok,
+            text: String::new(),
+            sampled,
+            finish: Some(FinishReason::Stop),
+            error: Some(e),
+            cached_tokens: s.stats.cached_tokens,
+        };
     }
     let mut text = String::new();
     let mut finish = None;
@@ -537,5 +615,5 @@ fn push_token(
             g.prefetch(pool); // computes while the next forward runs
         }
     }
-    Event { seq: s.id, token: tok, text, sampled, finish, error: None }
+    Event { seq: s.id, token: tok, text, sampled, finish, error: None, cached_tokens: s.stats.cached_tokens }
 }

@@ -6,6 +6,7 @@
 //!   choice and Lark constraints, computed off the critical path.
 //! - [`gpu`]: the GPU runner (feature `cuda`): the model on one CUDA device, decode graphs.
 //! - [`dist`]: ranks, launch and the per-step message of a parallel layout.
+//! - [`prefix`]: KDA-aware prefix caching (a radix tree of grid cells, snapshots, a bounded pool).
 //! - [`engine`]: per-sequence state and the continuous-batching scheduler ([`Engine::step`]).
 //! - [`spec`]: speculative decoding — n-gram and suffix proposers, acceptance, adaptive drafts.
 //!
@@ -16,6 +17,7 @@ pub mod engine;
 pub mod error;
 pub mod gpu;
 pub mod grammar;
+pub mod prefix;
 pub mod sampler;
 pub mod spec;
 pub mod stop;
@@ -23,5 +25,6 @@ pub mod stop;
 pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, SeqId, SeqStats};
 pub use error::{EngineError, Result};
 pub use grammar::{Constraint, GrammarEnv, GrammarSpec};
+pub use prefix::{PrefixConfig, PrefixStats};
 pub use sampler::{Sampled, Sampler, SamplingParams};
 pub use spec::{SpecConfig, SpecMethod, SpecStats};

@@ -388,3 +388,43 @@ fn unsupported_runner_decodes_plainly() {
     assert_eq!(out, plain);
     assert_eq!(st.spec.drafted, 0);
 }
+
+/// Speculative decoding with the prefix cache on (issue 21): a second turn that resumes from the
+/// first turn's cached prefix decodes with drafts exactly as it does without them — tokens and
+/// log-probabilities bit for bit — and the prefix cache hits in both runs.
+#[test]
+fn with_prefix_cache_equals_plain_with_prefix_cache() {
+    let model = golden_model("k3_small_mxfp4");
+    let vocab = model.config.text.vocab_size as u32;
+    let pc = Some(k3_engine::PrefixConfig::new(8, 64 << 20));
+    let turn1 = Request::new(prompt(vocab, 4), SamplingParams::greedy(), 24);
+    let run = |spec: bool, outs: Option<HashMap<Vec<u32>, Vec<u32>>>| {
+        let cfg = if spec { spec_cfg(SpecMethod::Ngram, 4) } else { EngineConfig::default() };
+        let mut e = Engine::new(model.clone(), None, EngineConfig { prefix: pc.clone(), ..cfg });
+        if let Some(o) = outs {
+            e.set_proposer(replay(o, vocab));
+        }
+        let mut got = Vec::new();
+        let mut req = turn1.clone();
+        for _ in 0..2 {
+            let mut toks = Vec::new();
+            let (out, _, st) = e.generate(req.clone(), |ev| toks.push((ev.token, ev.sampled.logprob.to_bits()))).unwrap();
+            got.push((req.prompt.clone(), out.clone(), toks, st.spec.drafted));
+            // The next turn: this one's prompt and answer, and a few more tokens.
+            let mut p = req.prompt.clone();
+            p.extend(&out);
+            p.extend([7, 8, 9]);
+            req = Request::new(p, SamplingParams::greedy(), 24);
+        }
+        let hits = e.prefix_status().unwrap().unwrap().hits;
+        (got, hits)
+    };
+    let (plain, plain_hits) = run(false, None);
+    let outs: HashMap<Vec<u32>, Vec<u32>> = plain.iter().map(|(p, o, _, _)| (p.clone(), o.clone())).collect();
+    let (spec, spec_hits) = run(true, Some(outs));
+    assert!(plain_hits > 0 && spec_hits > 0, "the second turn must resume from the cache ({plain_hits}, {spec_hits})");
+    for (t, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a.2, b.2, "turn {t}: tokens or log-probabilities differ");
+        assert!(b.3 > 0, "turn {t}: nothing was drafted");
+    }
+}

@@ -18,7 +18,6 @@ fn chat_dir() -> PathBuf {
 }
 
 #[test]
-#[ignore = "models/k3-chat is not trained yet: drop this line in the commit that adds its weights"]
 fn chat_crosscheck() {
     let dir = chat_dir();
     let ck = Checkpoint::open(&dir).expect("models/k3-chat");

@@ -24,15 +24,22 @@ fn nano_crosscheck() {
         let ids: Vec<u32> = t.as_i64().unwrap().iter().map(|&x| x as u32).collect();
         let want = ref_f32(&r, &format!("logits_{n}"));
         let mut st = model.new_state();
-        let got = model.forward(&ids, &mut st, ForwardOpts::default(), None).unwrap();
+        let all = model.forward(&ids, &mut st, ForwardOpts::default(), None).unwrap();
+        // `pos_n` (long prompts): the positions whose logits are stored; else every position
+        let pos: Vec<usize> = match r.tensor(&format!("pos_{n}")) {
+            Ok(p) => p.as_i64().unwrap().iter().map(|&x| x as usize).collect(),
+            Err(_) => (0..ids.len()).collect(),
+        };
+        assert_eq!(want.len(), pos.len() * vocab, "logits_{n} is [len(pos_{n}), vocab]");
+        let got: Vec<f32> = pos.iter().flat_map(|&p| all[p * vocab..(p + 1) * vocab].iter().copied()).collect();
         let c = compare(&got, &want, vocab);
-        eprintln!("k3-nano prompt {n} ({} tokens): {c:?}", ids.len());
+        eprintln!("k3-nano prompt {n} ({} tokens, {} positions): {c:?}", ids.len(), pos.len());
         assert!(c.max_rel_l2 <= 2e-5, "prompt {n}: max rel-L2 {} > 2e-5", c.max_rel_l2);
         // top-1 must agree except where the reference's own top-2 margin is a float tie
         for (i, (g, w)) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)).enumerate() {
             let am = |x: &[f32]| x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
             let (ag, aw) = (am(g), am(w));
-            assert!(ag == aw || (w[aw] - w[ag]).abs() < 1e-3, "prompt {n} position {i}: top-1 {ag} vs reference {aw}");
+            assert!(ag == aw || (w[aw] - w[ag]).abs() < 1e-3, "prompt {n} position {}: top-1 {ag} vs reference {aw}", pos[i]);
         }
         n += 1;
     }

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k3_engine::{Engine, EngineError, Event, FinishReason, Request, Sampled, SeqId};
+use k3_engine::{Engine, EngineError, Event, FinishReason, PrefixStats, Request, Sampled, SeqId};
 use k3_tokenizer::{StreamDecoder, Tokenizer};
 
 /// A continuous-batching generator, as the scheduler thread sees it.
@@ -40,6 +40,10 @@ pub trait Backend: Send + 'static {
     /// Speculative decoding's counters so far (none without it).
     fn spec_stats(&self) -> k3_engine::SpecStats {
         Default::default()
+    }
+    /// The prefix cache's counters, when it is on.
+    fn prefix_stats(&self) -> Option<PrefixStats> {
+        None
     }
 }
 
@@ -75,6 +79,9 @@ impl Backend for Engine {
     }
     fn spec_stats(&self) -> k3_engine::SpecStats {
         self.spec_totals().clone()
+    }
+    fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix_status().ok().flatten()
     }
 }
 
@@ -176,7 +183,7 @@ impl Backend for Scripted {
             if finish.is_some() {
                 s.pos = s.out.len();
             }
-            events.push(Event { seq: s.id, token, text, sampled, finish, error: None });
+            events.push(Event { seq: s.id, token, text, sampled, finish, error: None, cached_tokens: 0 });
         }
         self.running.retain(|s| s.pos < s.out.len());
         Ok(events)

@@ -98,7 +98,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let opts = req.options()?;
     let thinking = opts.thinking;
     let tools = req.tools_declared();
-    let constraint = match crate::constrain::chat_plan(&f, thinking, opts.add_generation_prompt)? {
+    let constraint = match crate::constrain::chat_plan(&f, thinking, opts.add_generation_prompt, s.cfg.tool_grammar)? {
         Some(plan) => Some(crate::constrain::compile(s.grammar.as_ref().map_err(|e| crate::error::bad_request(e.clone()))?, plan).await?),
         None => None,
     };
@@ -160,6 +160,8 @@ struct ChatRun<'t> {
     has_stops: bool,
     stopped: bool,
     tokens: usize,
+    /// Prompt tokens the engine restored from its prefix cache.
+    cached: usize,
     reasoning: String,
     content: String,
     calls: Vec<ToolCall>,
@@ -175,6 +177,7 @@ impl<'t> ChatRun<'t> {
             has_stops: !ctx.stop.is_empty(),
             stopped: false,
             tokens: 0,
+            cached: 0,
             reasoning: String::new(),
             content: String::new(),
             calls: Vec::new(),
@@ -183,6 +186,7 @@ impl<'t> ChatRun<'t> {
 
     fn push(&mut self, ev: &Event) -> Vec<OutputDelta> {
         self.tokens += 1;
+        self.cached = ev.cached_tokens;
         let d = self.parser.push(ev.token);
         self.filter(d)
     }
@@ -294,8 +298,10 @@ fn tool_call_json(c: &ToolCall) -> Value {
     json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage object; `cached`: prompt tokens restored from the prefix cache.
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> {
@@ -340,7 +346,7 @@ async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> 
             "logprobs": if ctx.want_logprobs { json!({"content": logprobs}) } else { Value::Null },
             "finish_reason": run.finish_reason(finish),
         }],
-        "usage": usage(ctx.prompt_tokens, run.tokens),
+        "usage": usage(ctx.prompt_tokens, run.tokens, run.cached),
     });
     Ok(axum::Json(body).into_response())
 }
@@ -418,7 +424,7 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
     if include_usage {
         let u = json!({
             "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": model,
-            "choices": [], "usage": usage(ctx.prompt_tokens, run.tokens),
+            "choices": [], "usage": usage(ctx.prompt_tokens, run.tokens, run.cached),
         });
         let _ = tx.send(sse_data(&u)).await;
     }

@@ -130,8 +130,10 @@ fn reason(f: Option<FinishReason>) -> &'static str {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage object; `cached`: prompt tokens restored from the prefix cache.
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> {
@@ -157,7 +159,7 @@ async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> 
             "logprobs": if ctx.logprobs { logprobs_json(&s, &events, 0) } else { Value::Null },
             "finish_reason": reason(finish),
         }],
-        "usage": usage(ctx.prompt_tokens, events.len()),
+        "usage": usage(ctx.prompt_tokens, events.len(), events.first().map_or(0, |e| e.cached_tokens)),
     });
     Ok(axum::Json(body).into_response())
 }
@@ -165,6 +167,7 @@ async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> 
 async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: bool, tx: mpsc::Sender<Bytes>) {
     let model = s.cfg.served_model_name.clone();
     let mut n = 0usize;
+    let mut cached;
     let mut offset = 0usize;
     loop {
         // A client gone while waiting drops `sub` here, which cancels the sequence at once.
@@ -175,6 +178,7 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
         match msg {
             Some(Msg::Token(ev)) => {
                 n += 1;
+                cached = ev.cached_tokens;
                 let lp = if ctx.logprobs { logprobs_json(&s, std::slice::from_ref(&ev), offset) } else { Value::Null };
                 offset += ev.text.len();
                 let mut c = json!({
@@ -202,7 +206,7 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
     if include_usage {
         let u = json!({
             "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
-            "choices": [], "usage": usage(ctx.prompt_tokens, n),
+            "choices": [], "usage": usage(ctx.prompt_tokens, n, cached),
         });
         let _ = tx.send(sse_data(&u)).await;
     }

@@ -145,8 +145,9 @@ enum Choice {
     Named(String),
 }
 
-/// The grammar of a chat request's assistant message, if it is constrained.
-pub fn chat_plan(f: &Fields, thinking: bool, add_generation_prompt: bool) -> Result<Option<Plan>> {
+/// The grammar of a chat request's assistant message, if it is constrained; `auto_tools`:
+/// whether `tool_choice: "auto"` is enforced ([`crate::ServerConfig::tool_grammar`]).
+pub fn chat_plan(f: &Fields, thinking: bool, add_generation_prompt: bool, auto_tools: bool) -> Result<Option<Plan>> {
     let content = content(f, true)?;
     let tools: Vec<ToolDecl> = match f.get("tools") {
         Some(Value::Array(t)) => t.iter().enumerate().filter_map(|(i, t)| ToolDecl::from_json(i, t)).collect(),
@@ -154,8 +155,10 @@ pub fn chat_plan(f: &Fields, thinking: bool, add_generation_prompt: bool) -> Res
     };
     let choice = match lookup(f, "tool_choice", true) {
         _ if tools.is_empty() => None,
+        None if !auto_tools => None,
         None => Some(Choice::Auto),
         Some((Value::String(s), _)) if s == "none" => None,
+        Some((Value::String(s), _)) if s == "auto" && !auto_tools => None,
         Some((Value::String(s), _)) if s == "required" => Some(Choice::Required),
         Some((Value::Object(o), _)) => o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).map(|n| Choice::Named(n.to_owned())),
         Some(_) => Some(Choice::Auto),
@@ -242,5 +245,33 @@ fn one_line(e: &str) -> String {
         format!("{}…", l.chars().take(400).collect::<String>())
     } else {
         l.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(body: Value, auto_tools: bool) -> Option<Plan> {
+        chat_plan(&Fields(body.as_object().unwrap()), false, true, auto_tools).unwrap()
+    }
+
+    /// `--no-tool-grammar` leaves `auto` free and still enforces `required` / a named tool.
+    #[test]
+    fn auto_tools_is_a_switch_and_explicit_choices_are_not() {
+        let tools = json!([{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"x": {"type": "number"}}}}}]);
+        let with = |choice: Option<Value>| {
+            let mut b = json!({"tools": tools.clone()});
+            if let Some(c) = choice {
+                b["tool_choice"] = c;
+            }
+            b
+        };
+        assert!(plan(with(None), true).is_some());
+        assert!(plan(with(Some(json!("auto"))), true).is_some());
+        assert!(plan(with(None), false).is_none());
+        assert!(plan(with(Some(json!("auto"))), false).is_none());
+        assert!(plan(with(Some(json!("required"))), false).is_some());
+        assert!(plan(with(Some(json!({"type": "function", "function": {"name": "calc"}}))), false).is_some());
     }
 }

@@ -74,6 +74,8 @@ pub struct Metrics {
     pub itl: Histogram,
     /// Speculative decoding's counters (the engine's totals, copied after each step).
     pub spec: Mutex<k3_engine::SpecStats>,
+    /// The engine's prefix-cache counters as of its last step (`None`: the cache is off).
+    pub prefix: Mutex<Option<k3_engine::PrefixStats>>,
 }
 
 impl Metrics {
@@ -106,6 +108,22 @@ impl Metrics {
         put("k3_state_bytes", "gauge", "Bytes held by live sequence states.", self.state_bytes.load(Relaxed) as u64);
         put("k3_cancelled_total", "counter", "Sequences cancelled (client gone or stop string).", self.cancelled.load(Relaxed));
         put("k3_engine_steps_total", "counter", "Batched engine steps.", self.steps.load(Relaxed));
+        if let Some(p) = self.prefix.lock().ok().and_then(|p| p.clone()) {
+            put("k3_prefix_cache_lookups_total", "counter", "Requests looked up in the prefix cache at admission.", p.lookups);
+            put("k3_prefix_cache_hits_total", "counter", "Requests that resumed from a prefix-cache snapshot.", p.hits);
+            put("k3_prefix_cache_hit_tokens_total", "counter", "Prompt tokens restored from the prefix cache instead of prefilled.", p.hit_tokens);
+            put(
+                "k3_prefix_cache_kv_only_matches_total",
+                "counter",
+                "Lookups whose prefix matched deeper than any snapshot (a branch point snapshot is taken).",
+                p.kv_only_matches,
+            );
+            put("k3_prefix_cache_snapshots_total", "counter", "KDA snapshots published.", p.snapshots);
+            put("k3_prefix_cache_evictions_total", "counter", "Snapshots and cells evicted from the pool.", p.evictions);
+            put("k3_prefix_cache_deferred_total", "counter", "Admission steps put off because a running prefill was writing the same prefix.", p.deferred);
+            put("k3_prefix_cache_pool_bytes", "gauge", "Bytes held by the prefix-cache pool (latent cells + KDA snapshots).", p.pool_bytes);
+            put("k3_prefix_cache_pool_snapshots", "gauge", "KDA snapshots held by the pool.", p.pool_snapshots);
+        }
         if let Ok(s) = self.spec.lock() {
             put("k3_spec_decode_steps_total", "counter", "Sequence decode steps under speculative decoding (one per sequence per step).", s.steps);
             put("k3_spec_emitted_tokens_total", "counter", "Tokens those decode steps emitted.", s.emitted);

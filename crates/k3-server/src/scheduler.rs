@@ -149,6 +149,9 @@ fn run(mut backend: Box<dyn Backend>, rx: stdmpsc::Receiver<Cmd>, metrics: Arc<M
         if let Ok(mut s) = metrics.spec.lock() {
             *s = backend.spec_stats();
         }
+        if let (Some(p), Ok(mut m)) = (backend.prefix_stats(), metrics.prefix.lock()) {
+            *m = Some(p);
+        }
     }
 }
 

@@ -54,6 +54,11 @@ pub struct ServerConfig {
     pub read_timeout: Duration,
     /// On shutdown, how long open requests get to finish before the server exits anyway.
     pub shutdown_timeout: Duration,
+    /// Enforce `tool_choice: "auto"` (the default with tools) with the tools-block grammar:
+    /// once the model opens a tools block, only declared tools with valid arguments. `false`
+    /// (`--no-tool-grammar`) leaves `auto` to the model; `required` and named choices are
+    /// enforced either way.
+    pub tool_grammar: bool,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +75,7 @@ impl Default for ServerConfig {
             max_decode_pixels: k3_vision::preprocess::MAX_PIXELS,
             read_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(10),
+            tool_grammar: true,
         }
     }
 }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use k3_engine::dist::launch::NodeArgs;
 use k3_engine::dist::process::{self, Finish, Role, FINISH_LIMIT};
 use k3_engine::dist::runner::RunnerSpec;
-use k3_engine::{Engine, EngineConfig};
+use k3_engine::{Engine, EngineConfig, PrefixConfig};
 use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Parallel};
 use k3_tokenizer::Tokenizer;
@@ -57,6 +57,8 @@ pub struct ServeOptions {
     /// Seconds (validated here: positive and finite).
     pub read_timeout: f64,
     pub shutdown_timeout: f64,
+    /// See [`ServerConfig::tool_grammar`].
+    pub tool_grammar: bool,
     /// `None` for the CPU, `Some(ordinal)` for GPU `cuda:N`.
     pub device: Option<usize>,
     /// GPU only: tokens the latent caches hold across all sequences.
@@ -65,6 +67,8 @@ pub struct ServeOptions {
     pub cuda_graphs: bool,
     /// GPU only: the f32 reference precision instead of bf16.
     pub gpu_f32: bool,
+    /// The prefix cache (`--prefix-cache-grid`, `--prefix-cache-mem`); `None`: `--no-prefix-cache`.
+    pub prefix_cache: Option<PrefixConfig>,
 }
 
 /// Runs `k3 serve` until interrupted, the model laid out as `par` (`--tp/--ep/--pp`, parsed by
@@ -93,6 +97,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         max_step_tokens: a.max_step_tokens.max(a.max_batch + 1),
         kda_state: a.kda_state,
         spec: a.spec,
+        prefix: a.prefix_cache.clone(),
     };
     let spec =
         RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: a.cuda_graphs, gpu_f32 };
@@ -124,6 +129,13 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         ok
     });
     let engine = Engine::with_runner(runner, Some(tok.clone()), ecfg);
+    match (engine.prefix_status(), &a.prefix_cache) {
+        (Ok(Some(_)), Some(p)) => {
+            eprintln!("k3 serve: prefix cache on (grid {} tokens, pool {:.2} GiB)", p.grid, p.mem_bytes as f64 / (1u64 << 30) as f64)
+        }
+        (Err(why), _) => eprintln!("k3 serve: prefix cache off: {why}"),
+        _ => eprintln!("k3 serve: prefix cache off (--no-prefix-cache)"),
+    }
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());
         canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "k3".into())
@@ -140,6 +152,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         max_decode_pixels: a.max_decode_pixels,
         read_timeout,
         shutdown_timeout,
+        tool_grammar: a.tool_grammar,
     };
     let io = |what: String| move |source| ServerError::Io { what, source };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io("starting the async runtime".into()))?;

@@ -13,7 +13,7 @@ use k3_model::Parallel;
 /// `--model DIR`, defaulting to the embedded k3-nano (`run`, `serve`, `bench`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// Model directory (config.json + safetensors; default: the embedded k3-nano model).
+    /// Model directory (config.json + safetensors; default: the embedded k3-chat for `serve`, k3-nano otherwise).
     #[arg(long)]
     pub model: Option<PathBuf>,
 }
@@ -22,6 +22,11 @@ impl ModelArgs {
     /// The model directory: `--model`, or the embedded k3-nano (`model_dir::resolve_model_dir`).
     pub fn dir(&self) -> Result<PathBuf> {
         super::model_dir::resolve_model_dir(self.model.as_deref())
+    }
+
+    /// The model directory for chat: `--model`, or the embedded k3-chat (else k3-nano).
+    pub fn chat_dir(&self) -> Result<PathBuf> {
+        super::model_dir::resolve_model_dir_for(self.model.as_deref(), super::model_dir::Use::Chat)
     }
 }
 

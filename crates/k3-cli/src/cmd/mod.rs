@@ -9,6 +9,7 @@ pub mod init;
 pub mod inspect;
 pub mod logits;
 pub mod model_dir;
+pub mod prefix_args;
 pub mod run;
 pub mod serve;
 pub mod tokenize;

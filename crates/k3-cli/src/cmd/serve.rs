@@ -1,7 +1,7 @@
 //! `k3 serve`: the OpenAI-compatible server. The flags live here (the shared groups from
 //! `args.rs`: model, device, precision, KDA state, `--tp/--ep/--pp`, node); the start-up is
 //! `k3_server::run_serve`, which takes them as plain `k3_server::ServeOptions`. Without
-//! `--model` it serves the embedded k3-nano.
+//! `--model` it serves the embedded chat model k3-chat (k3-nano where k3-chat is absent).
 
 use std::path::PathBuf;
 
@@ -64,6 +64,11 @@ pub struct Args {
     /// Seconds open requests get to finish after Ctrl-C / SIGTERM before the server exits.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     pub shutdown_timeout: f64,
+    /// Leave `tool_choice: "auto"` to the model instead of enforcing the tools-block grammar
+    /// (declared tools, arguments valid against their schemas); `required` and a named
+    /// function are enforced either way.
+    #[arg(long)]
+    pub no_tool_grammar: bool,
     #[command(flatten)]
     pub device: DeviceArgs,
     /// GPU only: tokens the latent caches hold across all sequences.
@@ -78,11 +83,13 @@ pub struct Args {
     pub parallel: ParallelArgs,
     #[command(flatten)]
     pub launch: LaunchArgs,
+    #[command(flatten)]
+    pub prefix: super::prefix_args::PrefixArgs,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let par = a.parallel.layout()?;
-    let model = a.model.dir()?;
+    let model = a.model.chat_dir()?;
     let device = a.device.ordinal()?;
     let gpu_f32 = a.precision.gpu_f32(device)?;
     let opts = k3_server::ServeOptions {
@@ -105,10 +112,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_decode_pixels: a.max_decode_pixels,
         read_timeout: a.read_timeout,
         shutdown_timeout: a.shutdown_timeout,
+        tool_grammar: !a.no_tool_grammar,
         device,
         max_cache_tokens: a.max_cache_tokens,
         cuda_graphs: !a.no_cuda_graphs,
         gpu_f32,
+        prefix_cache: a.prefix.config(),
     };
     k3_server::run_serve(opts, par, &a.launch.node())?;
     Ok(())

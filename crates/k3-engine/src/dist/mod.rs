@@ -7,11 +7,14 @@
 //!   (`k3 run --tp N --device cpu`), each step sent to every rank.
 //! - [`process`]: ranks as processes: rank 0's runner over the control plane, the workers'
 //!   loop, and `launch`, which `k3 run` / `k3 serve` call to take their part.
+//! - [`monitor`]: rank 0's watch over the workers' links during a step (a dead worker
+//!   aborts the step at once).
 //! - [`launch`]: one process per GPU: the world from flags or the torchrun/Slurm environment,
 //!   local ranks started by the node's first process, the TCP rendezvous (digest check, NCCL
 //!   ids), and the NCCL groups of a rank.
 
 pub mod launch;
+pub mod monitor;
 pub mod process;
 pub mod runner;
 pub mod step;

@@ -28,14 +28,15 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use k3_core::comm::control::Control;
 use k3_model::{Checkpoint, Config};
 
 use super::launch::{NodeArgs, World};
-use super::runner::{self, panic_message, Aborter, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
+use super::monitor::{abort_grace, Monitor};
+use super::runner::{self, panic_message, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 
@@ -83,7 +84,7 @@ impl StepSource for ControlSource<'_> {
 
 /// What the leader talks to the workers through, and how the world ends: a [`World`] (its
 /// `finish` also waits for the ranks this process started) or a bare [`Control`] (tests).
-pub trait Plane: Send {
+pub trait Plane: Send + Sync {
     fn control(&self) -> &Control;
     /// Shuts the world down (workers' `recv` returns `None`), then waits for this process's
     /// children where it has any.
@@ -110,14 +111,14 @@ impl Plane for Control {
 
 #[derive(Default)]
 struct Shared {
-    plane: Mutex<Option<Box<dyn Plane>>>,
+    plane: RwLock<Option<Box<dyn Plane>>>,
     outcome: Mutex<Option<std::result::Result<(), String>>>,
     failed: AtomicBool,
 }
 
 impl Shared {
     fn end(&self) {
-        let plane = self.plane.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let plane = self.plane.write().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(p) = plane {
             let r = p.finish().map_err(|e| e.to_string());
             self.outcome.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(r);
@@ -145,7 +146,7 @@ impl Finish {
         let Some(s) = &self.0 else { return Ok(()) };
         let t0 = Instant::now();
         while s.outcome.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-            && s.plane.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+            && s.plane.read().unwrap_or_else(|p| p.into_inner()).is_some()
             && t0.elapsed() < limit
         {
             std::thread::sleep(Duration::from_millis(20));
@@ -164,14 +165,23 @@ pub struct ProcessRunner {
     released: Vec<SeqId>,
     peer_bytes: Vec<usize>,
     failed: Option<Failure>,
+    /// Watches the workers' links during each step (`monitor`); none when the local runner
+    /// has no collectives to abort.
+    monitor: Option<Monitor>,
 }
 
 impl ProcessRunner {
     /// Rank 0's runner: `local` runs rank 0's shards, `plane` reaches ranks `1..world`.
     pub fn new(local: Box<dyn Runner>, plane: Box<dyn Plane>) -> (ProcessRunner, Finish) {
         let world = plane.control().world();
-        let shared = Arc::new(Shared { plane: Mutex::new(Some(plane)), ..Default::default() });
-        let r = ProcessRunner { local, shared: shared.clone(), world, released: Vec::new(), peer_bytes: vec![0; world], failed: None };
+        let shared = Arc::new(Shared { plane: RwLock::new(Some(plane)), ..Default::default() });
+        let monitor = local.aborter().map(|abort| {
+            let s = shared.clone();
+            // A read lock per peek: rank 0's step holds another, and only the world's end writes.
+            let probe = move || s.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|p| p.control().dead_worker());
+            Monitor::start(Box::new(probe), abort, abort_grace())
+        });
+        let r = ProcessRunner { local, shared: shared.clone(), world, released: Vec::new(), peer_bytes: vec![0; world], failed: None, monitor };
         (r, Finish(Some(shared)))
     }
 
@@ -180,7 +190,7 @@ impl ProcessRunner {
     pub fn wait_ready(&mut self) -> Result<()> {
         let shared = self.shared.clone();
         let failures = {
-            let guard = shared.plane.lock().unwrap_or_else(|p| p.into_inner());
+            let guard = shared.plane.read().unwrap_or_else(|p| p.into_inner());
             let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world was already shut down".into())) };
             self.gather(plane.control())
         };
@@ -212,7 +222,7 @@ impl ProcessRunner {
             failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
         let why = format!("rank {} failed: {}", f.rank, f.msg);
         self.local.abort(&why);
-        if let Some(p) = self.shared.plane.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        if let Some(p) = self.shared.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
             p.control().abort(&why);
         }
         self.shared.outcome.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(Err(why));
@@ -244,7 +254,7 @@ impl Runner for ProcessRunner {
             return Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) });
         }
         let shared = self.shared.clone();
-        let guard = shared.plane.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = shared.plane.read().unwrap_or_else(|p| p.into_inner());
         let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world has been shut down".into())) };
         let c = plane.control();
         step.released.append(&mut self.released);
@@ -255,7 +265,13 @@ impl Runner for ProcessRunner {
             let rank = unreachable_peer(&msg).unwrap_or(0);
             return Err(self.stop(vec![Failure { rank, msg: format!("its process cannot be reached (rank 0 sending it the step: {msg})"), aborted: false }]));
         }
-        let out = match monitored(c, self.local.aborter(), || catch_unwind(AssertUnwindSafe(|| self.local.forward(step)))) {
+        let local = &mut self.local;
+        let run = move || catch_unwind(AssertUnwindSafe(|| local.forward(step)));
+        let out = match &self.monitor {
+            Some(m) => m.watch(run),
+            None => run(),
+        };
+        let out = match out {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(Failure { rank: 0, aborted: runner::is_abort(&e), msg: e.to_string() }),
             Err(p) => Err(Failure { rank: 0, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) }),
@@ -289,56 +305,6 @@ impl Drop for ProcessRunner {
         self.shared.end();
         k3_core::trace(|| "rank 0: world shut down; dropping rank 0's model".into());
     }
-}
-
-/// Runs rank 0's part of a step (`f`) while a monitor thread watches the workers' links: a
-/// worker whose process dies or aborts mid-step aborts rank 0's collectives (`aborter`) at
-/// once, so rank 0 stops waiting in them and the gather that follows names that worker —
-/// instead of waiting out the collective's timeout (a killed rank's peers in NCCL over sockets
-/// may not see it at all). If `f` has still not returned [`abort_grace`] after the abort, this
-/// process cannot get its GPU back (on one H200 with NCCL over sockets, `ncclCommAbort` was seen
-/// to spin for good once a peer was SIGKILLed mid-launch), so it says why on stderr and exits
-/// with status 70 — what PyTorch's NCCL watchdog does too — rather than hang its clients: a
-/// server's connections then close instead of waiting forever.
-fn monitored<T: Send>(c: &Control, aborter: Option<Aborter>, f: impl FnOnce() -> T) -> T {
-    let Some(abort) = aborter else { return f() };
-    let done = AtomicBool::new(false);
-    std::thread::scope(|sc| {
-        sc.spawn(|| {
-            while !done.load(Ordering::Acquire) {
-                if let Some((rank, why)) = c.dead_worker() {
-                    let why = format!("rank {rank} failed: {why}");
-                    k3_core::trace(|| format!("rank 0: mid-step: {why}: aborting rank 0's collectives"));
-                    let msg = why.clone();
-                    // Its own thread: the abort itself may be what never returns.
-                    let _ = std::thread::Builder::new().name("k3-abort".into()).spawn(move || abort(&msg));
-                    let (t0, grace) = (Instant::now(), abort_grace());
-                    while !done.load(Ordering::Acquire) {
-                        if t0.elapsed() > grace {
-                            eprintln!(
-                                "k3: {why}; rank 0 is still inside the step {:.0} s after aborting its collectives, so the GPU work waiting on that rank cannot be stopped: exiting (status 70)",
-                                grace.as_secs_f64()
-                            );
-                            std::process::exit(70);
-                        }
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        });
-        let out = f();
-        done.store(true, Ordering::Release);
-        out
-    })
-}
-
-/// How long [`monitored`] waits for rank 0's step to end after aborting it: 10 s, or
-/// `K3_ABORT_GRACE_S`.
-pub fn abort_grace() -> Duration {
-    let s = std::env::var("K3_ABORT_GRACE_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(10.0);
-    Duration::from_secs_f64(s)
 }
 
 /// The worker a failed send names (the control plane's `could not send frame N to rank P`).

@@ -37,6 +37,7 @@ pub use super::step::{Step, StepSeq};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 use crate::gpu::load_gpu;
+use crate::prefix::{state as prefix_state, Capture, KdaSnap, Segment};
 
 /// Where the engine's forwards run (see the module doc).
 pub trait Runner: Send {
@@ -86,6 +87,24 @@ pub trait Runner: Send {
     fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
         let _ = (id, drop);
         Err(EngineError::Unsupported(NO_SPECULATION.into()))
+    }
+    /// Prefix caching (`crate::prefix`): `Ok(layout)` (a digest input: the layout and state
+    /// dtypes) when this runner can capture and restore sequence states, else why it cannot —
+    /// the engine then runs without the cache and says so.
+    fn prefix_support(&self) -> std::result::Result<String, String> {
+        Err("this runner cannot capture or restore sequence states (built for the one-rank CPU runner; the GPU runner and parallel layouts do not yet)".into())
+    }
+    /// Sequence `id`'s state after the step just run (it holds exactly its grid-aligned token
+    /// count): latent rows from `from` on, cut into grid cells, and its KDA states if `kda`.
+    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        let _ = (id, from, grid, kda);
+        Err(EngineError::Unsupported("this runner cannot capture sequence states".into()))
+    }
+    /// Gives the new sequence `id` the state at `snap.at`: `cells` (the latent rows of every
+    /// grid cell before it, in order) and `snap`.
+    fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        let _ = (id, cells, snap);
+        Err(EngineError::Unsupported("this runner cannot restore sequence states".into()))
     }
 }
 
@@ -175,6 +194,17 @@ impl Worker {
     }
     pub fn state_bytes(&self) -> usize {
         self.states.values().map(SeqState::bytes).sum()
+    }
+    /// See [`Runner::capture`].
+    pub fn capture(&self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        let st = self.states.get(&id).ok_or(EngineError::UnknownSeq(id))?;
+        prefix_state::capture(st, from, grid, kda)
+    }
+    /// See [`Runner::restore`].
+    pub fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        let st = prefix_state::restore(self.model.new_state_with(self.kda), cells, snap)?;
+        self.states.insert(id, st);
+        Ok(())
     }
 
     /// Applies one step (see the module doc). Returns the logits on the first and last
@@ -489,6 +519,21 @@ impl Runner for ThreadRunner {
             return Err(EngineError::Unsupported(why));
         }
         self.leader.rollback(id, drop)
+    }
+    fn prefix_support(&self) -> std::result::Result<String, String> {
+        match self.peers.is_empty() {
+            true => Ok(format!("cpu, one rank, kda state {:?}", self.leader.kda)),
+            false => Err(format!("the prefix cache does not yet capture the states of a parallel layout ({} ranks as threads)", self.world())),
+        }
+    }
+    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        self.leader.capture(id, from, grid, kda)
+    }
+    fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        if !self.peers.is_empty() {
+            return Err(EngineError::Unsupported("prefix restore on a parallel layout".into()));
+        }
+        self.leader.restore(id, cells, snap)
     }
 }
 

@@ -140,9 +140,20 @@ impl Engine {
                 )));
             }
             let dt = t0.elapsed();
+            for (i, toks) in &prefill {
+                self.running[*i].pos += toks.len();
+            }
+            // Publish the prefix states this prefill wrote, as `Engine::step` does.
+            if let Some(pc) = self.prefix.as_mut() {
+                for (i, _) in &prefill {
+                    let s = &self.running[*i];
+                    if s.done < s.req.prompt.len() {
+                        pc.after_step(&mut *self.runner, s.id, s.req.prompt.len(), s.pos, &s.prefix)?;
+                    }
+                }
+            }
             for ((i, toks), lg) in prefill.iter().zip(logits.chunks_exact(vocab)) {
                 let s = &mut self.running[*i];
-                s.pos += toks.len();
                 s.done += toks.len();
                 s.stats.prefill_time += dt;
                 if s.done < s.req.prompt.len() {

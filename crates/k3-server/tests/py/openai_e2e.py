@@ -137,6 +137,109 @@ def _():
     assert all(t.logprob <= 0 for t in lp)
 
 
+# The embedded chat model k3-chat: a tool round trip and structured output through the client.
+CALC = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression and return the result.",
+    "parameters": {"type": "object", "properties": {"expression": {
+        "type": "string", "description": "The expression, for example 12 * (3 + 4)."}}, "required": ["expression"]}}}
+TOOL_CHAT = [{"role": "system", "content": "You are Kimi, a helpful assistant."},
+             {"role": "user", "content": "What is 37 * 12?"}]
+
+
+def calc(arguments):
+    expr = json.loads(arguments)["expression"]
+    assert re.fullmatch(r"[0-9+*/(). -]+", expr), expr
+    v = eval(expr)  # digits and operators only (checked above)
+    return str(int(v) if float(v).is_integer() else round(v, 6))
+
+
+def tool_turn(stream):
+    """Turn 1 (tool_choice auto): the call; turn 2 with the tool's result: the answer."""
+    kw = dict(model=MODEL, messages=TOOL_CHAT, tools=[CALC], tool_choice="auto", temperature=0, max_tokens=200)
+    if not stream:
+        m = client.chat.completions.create(**kw).choices[0]
+        assert m.finish_reason == "tool_calls", m
+        calls = [(c.id, c.function.name, c.function.arguments) for c in m.message.tool_calls]
+        content = m.message.content or ""
+    else:
+        parts, acc, finish = [], {}, None
+        for c in client.chat.completions.create(stream=True, **kw):
+            for ch in c.choices:
+                parts.append(ch.delta.content or "")
+                for tc in ch.delta.tool_calls or []:
+                    a = acc.setdefault(tc.index, {"id": None, "name": "", "args": ""})
+                    a["id"] = tc.id or a["id"]
+                    a["name"] += (tc.function.name or "") if tc.function else ""
+                    a["args"] += (tc.function.arguments or "") if tc.function else ""
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls", finish
+        calls = [(a["id"], a["name"], a["args"]) for _, a in sorted(acc.items())]
+        content = "".join(parts)
+    assert "<|" not in content, content
+    assert len(calls) == 1 and calls[0][1] == "calculator" and calls[0][0], calls
+    result = calc(calls[0][2])
+    msgs = TOOL_CHAT + [
+        {"role": "assistant", "content": content, "tool_calls": [
+            {"id": calls[0][0], "type": "function", "function": {"name": "calculator", "arguments": calls[0][2]}}]},
+        {"role": "tool", "tool_call_id": calls[0][0], "content": result}]
+    kw["messages"] = msgs
+    if not stream:
+        m2 = client.chat.completions.create(**kw).choices[0]
+        answer, n_calls, finish = m2.message.content or "", len(m2.message.tool_calls or []), m2.finish_reason
+    else:
+        parts, n_calls, finish = [], 0, None
+        for c in client.chat.completions.create(stream=True, **kw):
+            for ch in c.choices:
+                parts.append(ch.delta.content or "")
+                n_calls += len(ch.delta.tool_calls or [])
+                finish = ch.finish_reason or finish
+        answer = "".join(parts)
+    assert finish == "stop" and n_calls == 0, (finish, n_calls, answer)
+    assert result in answer and "<|" not in answer, (result, answer)
+    return calls[0][2], answer
+
+
+ROUND_TRIP = {}
+
+
+@check("k3-chat tool round trip (call -> tool result -> answer), non-streamed")
+def _():
+    ROUND_TRIP["plain"] = tool_turn(stream=False)
+    print(f"TOOLS call arguments {ROUND_TRIP['plain'][0]}, answer {ROUND_TRIP['plain'][1]!r}", flush=True)
+
+
+@check("k3-chat tool round trip, streamed: the same call and answer as non-streamed")
+def _():
+    got = tool_turn(stream=True)
+    assert got == ROUND_TRIP.get("plain"), (got, ROUND_TRIP)
+
+
+@check("k3-chat tool_choice required / named: exactly one declared call with valid arguments")
+def _():
+    for choice in ("required", {"type": "function", "function": {"name": "calculator"}}):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello! Who are you?"}],
+                                           tools=[CALC], tool_choice=choice, temperature=0, max_tokens=200)
+        calls = r.choices[0].message.tool_calls or []
+        assert len(calls) >= 1 and all(c.function.name == "calculator" for c in calls), r
+        assert all(isinstance(json.loads(c.function.arguments).get("expression"), str) for c in calls), r
+
+
+@check("k3-chat response_format json_schema: valid JSON of the schema in content")
+def _():
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a city and its population as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+        temperature=0, max_tokens=120)
+    text = r.choices[0].message.content
+    v = json.loads(text)
+    assert set(v) == {"city", "population"} and isinstance(v["city"], str) and len(v["city"]) <= 40, v
+    assert isinstance(v["population"], int) and 0 <= v["population"] <= 99999999, v
+    assert r.choices[0].finish_reason == "stop", r
+
+
 @check("completions: string and token-list prompts, streaming agrees, usage")
 def _():
     p = CFG["completion"]["prompt"]
