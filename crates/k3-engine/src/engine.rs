@@ -14,6 +14,9 @@
 //! next mask is computed on a worker while the forward runs, the sampled id is committed, and a
 //! grammar that is complete ends the sequence (`Stop`). A grammar failure ends it with
 //! [`Event::error`] set.
+//!
+//! With speculative decoding on ([`EngineConfig::spec`], `crate::spec`), decode steps draft
+//! tokens and verify them in one forward (`engine/spec_step.rs`, in `src/spec/`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -29,7 +32,12 @@ use crate::gpu::GpuRunner;
 use crate::grammar::{Constraint, Guide, GuideStats, MaskPool};
 use crate::prefix::{Admission, PrefixCache, PrefixConfig, PrefixStats};
 use crate::sampler::{Sampled, Sampler, SamplingParams};
+use crate::spec::{SpecConfig, SpecStats};
 use crate::stop::{StopCheck, StopMatcher};
+
+#[path = "spec/engine_step.rs"]
+mod spec_step;
+pub use spec_step::ProposerFactory;
 
 pub type SeqId = u64;
 
@@ -101,11 +109,13 @@ pub struct EngineConfig {
     /// The prefix cache (`crate::prefix`); `None`: off. With it, prefill is cut on its grid
     /// (`prefill_chunk` is then unused).
     pub prefix: Option<PrefixConfig>,
+    /// Speculative decoding (`--speculative`, `--num-speculative-tokens`); off by default.
+    pub spec: SpecConfig,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024, kda_state: Default::default(), prefix: None }
+        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024, kda_state: Default::default(), prefix: None, spec: Default::default() }
     }
 }
 
@@ -122,6 +132,8 @@ pub struct SeqStats {
     pub mask: GuideStats,
     /// Prompt tokens restored from the prefix cache.
     pub cached_tokens: usize,
+    /// Drafts and acceptance of the decode steps (speculative decoding).
+    pub spec: SpecStats,
 }
 
 struct Sequence {
@@ -140,6 +152,8 @@ struct Sequence {
     guide: Option<Guide>,
     /// What the prefix cache found at admission.
     prefix: Admission,
+    /// The proposer and draft count when this sequence speculates.
+    spec: Option<spec_step::SeqSpec>,
 }
 
 pub struct Engine {
@@ -157,6 +171,8 @@ pub struct Engine {
     prefix: Option<PrefixCache>,
     /// Why the configured prefix cache is off (the runner cannot capture states).
     prefix_off: Option<String>,
+    /// Speculative decoding's engine-wide part (request history, a plugged-in proposer).
+    spec: spec_step::EngineSpec,
 }
 
 impl Engine {
@@ -189,6 +205,7 @@ impl Engine {
             masks: None,
             prefix,
             prefix_off,
+            spec: Default::default(),
         }
     }
 
@@ -220,6 +237,7 @@ impl Engine {
 
     /// Frees a sequence's state in the runner.
     fn free(&mut self, s: Sequence) {
+        self.spec.finished(&s, self.config.spec.method);
         self.runner.release(s.id);
     }
 
@@ -282,6 +300,7 @@ impl Engine {
             stop: StopMatcher::new(req.stop.clone()),
             stats: SeqStats { prompt_tokens: req.prompt.len(), ..Default::default() },
             admitted: Instant::now(),
+            spec: self.seq_spec(&req, guide.is_some()),
             guide,
             prefix: Admission { keys, ..Default::default() },
             req,
@@ -390,20 +409,12 @@ impl Engine {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
+        if self.speculating() == Ok(true) {
+            return self.spec_run(plan, limit);
+        }
         let t0 = Instant::now();
         // The step every rank runs: ids and new tokens, and a prefill chunk's own input rows.
-        let h = self.runner.config().text.hidden_size;
-        let seqs = plan
-            .iter()
-            .map(|(i, toks)| {
-                let s = &self.running[*i];
-                let rows = match (&s.req.prompt_embeds, s.done < s.req.prompt.len()) {
-                    (Some(e), true) => Some(e[s.done * h..(s.done + toks.len()) * h].to_vec()),
-                    _ => None,
-                };
-                StepSeq { id: s.id, tokens: toks.clone(), rows }
-            })
-            .collect();
+        let seqs = plan.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
         let logits = self.runner.forward(Step { seqs, last_only: true, released: Vec::new() })?;
         for (i, toks) in &plan {
             self.running[*i].pos += toks.len();
@@ -438,94 +449,38 @@ impl Engine {
             } else {
                 s.stats.decode_time += dt;
             }
-            let mut error = None;
-            let sampled = match &mut s.guide {
-                None => s.sampler.sample(lg, &s.req.prompt, &s.output),
-                Some(g) => match g.mask() {
-                    Ok(m) => s.sampler.sample_masked(lg, &s.req.prompt, &s.output, Some(m.words())),
-                    Err(e) => {
-                        error = Some(e);
-                        s.sampler.sample(lg, &s.req.prompt, &s.output)
-                    }
-                },
-            };
-            let tok = sampled.token;
-            if s.output.is_empty() {
-                s.stats.ttft = s.admitted.elapsed();
-            }
-            s.output.push(tok);
-            s.stats.output_tokens += 1;
-            let is_stop_tok = (!s.req.ignore_eos && eos.contains(&tok)) || s.req.stop_token_ids.contains(&tok);
-            // Commit to the grammar (a stop id ends the sequence and is not part of it).
-            let mut grammar_done = false;
-            if let (Some(g), None, false) = (&mut s.guide, &error, is_stop_tok) {
-                match g.commit(tok) {
-                    Ok(done) => grammar_done = done,
-                    Err(e) => error = Some(e),
-                }
-            }
-            if let Some(e) = error {
-                s.stats.mask = s.guide.as_ref().map(|g| g.stats.clone()).unwrap_or_default();
-                finished.push(*i);
-                events.push(Event {
-                    seq: s.id,
-                    token: tok,
-                    text: String::new(),
-                    sampled,
-                    finish: Some(FinishReason::Stop),
-                    error: Some(e),
-                    cached_tokens: s.stats.cached_tokens,
-                });
-                continue;
-            }
-            let mut text = String::new();
-            let mut finish = None;
-            if let Some(tk) = &self.tokenizer {
-                if !is_stop_tok && !tk.skips_on_decode(tok) {
-                    let piece = tk.token_bytes(tok).unwrap_or_default();
-                    match s.stop.push(&s.utf8.push(piece)) {
-                        StopCheck::Continue(t) => text = t,
-                        StopCheck::Stopped(t) => {
-                            text = t;
-                            finish = Some(FinishReason::Stop);
-                        }
-                    }
-                }
-            }
-            if finish.is_none() {
-                if is_stop_tok || grammar_done {
-                    finish = Some(FinishReason::Stop);
-                } else if s.output.len() >= s.req.max_tokens || s.pos + 1 >= limit {
-                    finish = Some(FinishReason::Length);
-                }
-                if finish.is_some() && self.tokenizer.is_some() {
-                    let tail = s.utf8.finish();
-                    if let StopCheck::Stopped(t) = s.stop.push(&tail) {
-                        text.push_str(&t);
-                    } else {
-                        text.push_str(&s.stop.flush());
-                    }
-                }
-            }
-            if let Some(g) = &mut s.guide {
-                if finish.is_some() {
-                    s.stats.mask = g.stats.clone();
-                } else if let Some(pool) = &self.masks {
-                    g.prefetch(pool); // computes while the next forward runs
-                }
-            }
-            if finish.is_some() {
+            let (sampled, error) = sample_next(s, lg);
+            let ev = push_token(s, sampled, error, self.tokenizer.as_deref(), &eos, limit, self.masks.as_ref());
+            if ev.finish.is_some() {
                 finished.push(*i);
             }
-            events.push(Event { seq: s.id, token: tok, text, sampled, finish, error: None, cached_tokens: s.stats.cached_tokens });
+            events.push(ev);
         }
+        self.reap(finished);
+        Ok(events)
+    }
+
+    /// Running sequence `i`'s entry of a step with its new tokens `toks`, and a prefill
+    /// chunk's own input rows.
+    fn step_seq(&self, i: usize, toks: &[u32]) -> StepSeq {
+        let h = self.runner.config().text.hidden_size;
+        let s = &self.running[i];
+        let rows = match (&s.req.prompt_embeds, s.done < s.req.prompt.len()) {
+            (Some(e), true) => Some(e[s.done * h..(s.done + toks.len()) * h].to_vec()),
+            _ => None,
+        };
+        StepSeq { id: s.id, tokens: toks.to_vec(), rows }
+    }
+
+    /// Removes the finished running sequences (indices into `running`) and frees them.
+    fn reap(&mut self, mut finished: Vec<usize>) {
         finished.sort_unstable();
+        finished.dedup();
         for i in finished.into_iter().rev() {
             let mut s = self.running.remove(i);
             self.finished_stats.push((s.id, std::mem::take(&mut s.stats)));
             self.free(s);
         }
-        Ok(events)
     }
 
     /// Runs one request to completion, calling `on_event` per token. Returns the output
@@ -565,4 +520,100 @@ impl Engine {
             }
         }
     }
+}
+
+/// Samples `s`'s next token from `lg`, through its grammar's mask when it has one; the
+/// grammar's error when the mask failed (the token is then sampled unmasked).
+fn sample_next(s: &mut Sequence, lg: &[f32]) -> (Sampled, Option<String>) {
+    let mut error = None;
+    let sampled = match &mut s.guide {
+        None => s.sampler.sample(lg, &s.req.prompt, &s.output),
+        Some(g) => match g.mask() {
+            Ok(m) => s.sampler.sample_masked(lg, &s.req.prompt, &s.output, Some(m.words())),
+            Err(e) => {
+                error = Some(e);
+                s.sampler.sample(lg, &s.req.prompt, &s.output)
+            }
+        },
+    };
+    (sampled, error)
+}
+
+/// Appends `sampled` to `s`'s output and makes its event: the text it releases, and whether it
+/// ends the sequence (a stop token or string, a complete grammar, `max_tokens`, the context
+/// limit `limit` for `s.pos` consumed tokens; a grammar `error`). The caller finishes the
+/// sequence when the event's `finish` is set.
+fn push_token(
+    s: &mut Sequence,
+    sampled: Sampled,
+    mut error: Option<String>,
+    tokenizer: Option<&Tokenizer>,
+    eos: &[u32],
+    limit: usize,
+    masks: Option<&MaskPool>,
+) -> Event {
+    let tok = sampled.token;
+    if s.output.is_empty() {
+        s.stats.ttft = s.admitted.elapsed();
+    }
+    s.output.push(tok);
+    s.stats.output_tokens += 1;
+    let is_stop_tok = (!s.req.ignore_eos && eos.contains(&tok)) || s.req.stop_token_ids.contains(&tok);
+    // Commit to the grammar (a stop id ends the sequence and is not part of it).
+    let mut grammar_done = false;
+    if let (Some(g), None, false) = (&mut s.guide, &error, is_stop_tok) {
+        match g.commit(tok) {
+            Ok(done) => grammar_done = done,
+            Err(e) => error = Some(e),
+        }
+    }
+    if let Some(e) = error {
+        s.stats.mask = s.guide.as_ref().map(|g| g.stats.clone()).unwrap_or_default();
+        return Event {
+            seq: s.id,
+            token: tok,
+            text: String::new(),
+            sampled,
+            finish: Some(FinishReason::Stop),
+            error: Some(e),
+            cached_tokens: s.stats.cached_tokens,
+        };
+    }
+    let mut text = String::new();
+    let mut finish = None;
+    if let Some(tk) = tokenizer {
+        if !is_stop_tok && !tk.skips_on_decode(tok) {
+            let piece = tk.token_bytes(tok).unwrap_or_default();
+            match s.stop.push(&s.utf8.push(piece)) {
+                StopCheck::Continue(t) => text = t,
+                StopCheck::Stopped(t) => {
+                    text = t;
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+        }
+    }
+    if finish.is_none() {
+        if is_stop_tok || grammar_done {
+            finish = Some(FinishReason::Stop);
+        } else if s.output.len() >= s.req.max_tokens || s.pos + 1 >= limit {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() && tokenizer.is_some() {
+            let tail = s.utf8.finish();
+            if let StopCheck::Stopped(t) = s.stop.push(&tail) {
+                text.push_str(&t);
+            } else {
+                text.push_str(&s.stop.flush());
+            }
+        }
+    }
+    if let Some(g) = &mut s.guide {
+        if finish.is_some() {
+            s.stats.mask = g.stats.clone();
+        } else if let Some(pool) = masks {
+            g.prefetch(pool); // computes while the next forward runs
+        }
+    }
+    Event { seq: s.id, token: tok, text, sampled, finish, error: None, cached_tokens: s.stats.cached_tokens }
 }

@@ -8,6 +8,7 @@
 //! - [`dist`]: ranks, launch and the per-step message of a parallel layout.
 //! - [`prefix`]: KDA-aware prefix caching (a radix tree of grid cells, snapshots, a bounded pool).
 //! - [`engine`]: per-sequence state and the continuous-batching scheduler ([`Engine::step`]).
+//! - [`spec`]: speculative decoding — n-gram and suffix proposers, acceptance, adaptive drafts.
 //!
 //! The server talks to this crate only, never to model internals.
 
@@ -18,6 +19,7 @@ pub mod gpu;
 pub mod grammar;
 pub mod prefix;
 pub mod sampler;
+pub mod spec;
 pub mod stop;
 
 pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, SeqId, SeqStats};
@@ -25,3 +27,4 @@ pub use error::{EngineError, Result};
 pub use grammar::{Constraint, GrammarEnv, GrammarSpec};
 pub use prefix::{PrefixConfig, PrefixStats};
 pub use sampler::{Sampled, Sampler, SamplingParams};
+pub use spec::{SpecConfig, SpecMethod, SpecStats};

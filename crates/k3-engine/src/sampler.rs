@@ -208,6 +208,16 @@ impl Sampler {
             }
             pick
         };
+        self.report(&raw_lp, token as u32)
+    }
+
+    /// A uniform draw in [0, 1) from this sampler's generator (speculative acceptance).
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.random()
+    }
+
+    /// `token` with its log-probability (and the top-n) under the raw logits' `log_softmax`.
+    pub fn report(&self, raw_lp: &[f32], token: u32) -> Sampled {
         let top_logprobs = match self.params.logprobs {
             Some(n) if n > 0 => {
                 let mut idx: Vec<usize> = (0..raw_lp.len()).collect();
@@ -219,7 +229,7 @@ impl Sampler {
             }
             _ => Vec::new(),
         };
-        Sampled { token: token as u32, logprob: raw_lp[token], top_logprobs }
+        Sampled { token, logprob: raw_lp[token as usize], top_logprobs }
     }
 }
 

@@ -9,6 +9,8 @@
 //! - [`capacity`]: per-rank memory of a parallel layout (`k3 inspect --tp/--pp --gpu-mem`).
 //! - [`parallel`]: the sharding plan (`--tp/--ep/--pp` → what each rank holds) and the
 //!   groups a rank's forward talks to; [`source`]: one rank's shards of a checkpoint.
+//! - [`verify`]: speculative verification (the forward that scores drafts exactly as decode
+//!   steps, the rollback to the accepted prefix).
 pub mod capacity;
 pub mod checkpoint;
 pub mod config;
@@ -24,6 +26,7 @@ pub use config::Config;
 pub use error::{ModelError, Result};
 pub mod layers;
 pub mod model;
+pub mod verify;
 
 pub use model::{ForwardOpts, Model, SeqState};
 pub use parallel::{Groups, Parallel, RankPlan};

@@ -37,6 +37,10 @@ pub trait Backend: Send + 'static {
         let _ = ids;
         Err(EngineError::Param { param: "messages", msg: "this backend cannot take image inputs".into() })
     }
+    /// Speculative decoding's counters so far (none without it).
+    fn spec_stats(&self) -> k3_engine::SpecStats {
+        Default::default()
+    }
     /// The prefix cache's counters, when it is on.
     fn prefix_stats(&self) -> Option<PrefixStats> {
         None
@@ -72,6 +76,9 @@ impl Backend for Engine {
     }
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         Engine::embed(self, ids)
+    }
+    fn spec_stats(&self) -> k3_engine::SpecStats {
+        self.spec_totals().clone()
     }
     fn prefix_stats(&self) -> Option<PrefixStats> {
         self.prefix_status().ok().flatten()

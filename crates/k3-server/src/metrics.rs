@@ -72,6 +72,8 @@ pub struct Metrics {
     pub steps: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Speculative decoding's counters (the engine's totals, copied after each step).
+    pub spec: Mutex<k3_engine::SpecStats>,
     /// The engine's prefix-cache counters as of its last step (`None`: the cache is off).
     pub prefix: Mutex<Option<k3_engine::PrefixStats>>,
 }
@@ -121,6 +123,32 @@ impl Metrics {
             put("k3_prefix_cache_deferred_total", "counter", "Admission steps put off because a running prefill was writing the same prefix.", p.deferred);
             put("k3_prefix_cache_pool_bytes", "gauge", "Bytes held by the prefix-cache pool (latent cells + KDA snapshots).", p.pool_bytes);
             put("k3_prefix_cache_pool_snapshots", "gauge", "KDA snapshots held by the pool.", p.pool_snapshots);
+        }
+        if let Ok(s) = self.spec.lock() {
+            put("k3_spec_decode_steps_total", "counter", "Sequence decode steps under speculative decoding (one per sequence per step).", s.steps);
+            put("k3_spec_emitted_tokens_total", "counter", "Tokens those decode steps emitted.", s.emitted);
+            put("k3_spec_draft_tokens_total", "counter", "Drafted tokens verified.", s.drafted);
+            put("k3_spec_accepted_tokens_total", "counter", "Drafted tokens accepted.", s.accepted);
+            let _ = writeln!(
+                o,
+                "# HELP k3_spec_accepted_per_step Tokens emitted per sequence decode step (1 without speculation).\n# TYPE k3_spec_accepted_per_step gauge\nk3_spec_accepted_per_step{{model=\"{model}\"}} {}",
+                s.accepted_per_step()
+            );
+            let _ = writeln!(
+                o,
+                "# HELP k3_spec_draft_acceptance Accepted / drafted tokens.\n# TYPE k3_spec_draft_acceptance gauge\nk3_spec_draft_acceptance{{model=\"{model}\"}} {}",
+                s.draft_acceptance()
+            );
+            let _ =
+                writeln!(o, "# HELP k3_spec_position_drafted_total Drafts at each draft position (0-based).\n# TYPE k3_spec_position_drafted_total counter");
+            for (i, p) in s.per_position.iter().enumerate() {
+                let _ = writeln!(o, "k3_spec_position_drafted_total{{model=\"{model}\",position=\"{i}\"}} {}", p[0]);
+            }
+            let _ =
+                writeln!(o, "# HELP k3_spec_position_accepted_total Drafts accepted at each draft position.\n# TYPE k3_spec_position_accepted_total counter");
+            for (i, p) in s.per_position.iter().enumerate() {
+                let _ = writeln!(o, "k3_spec_position_accepted_total{{model=\"{model}\",position=\"{i}\"}} {}", p[1]);
+            }
         }
         self.ttft.render(&mut o, "k3_time_to_first_token_seconds", "Time from admission to the first generated token.");
         self.itl.render(&mut o, "k3_inter_token_latency_seconds", "Time between consecutive tokens of one sequence.");

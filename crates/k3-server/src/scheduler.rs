@@ -146,6 +146,9 @@ fn run(mut backend: Box<dyn Backend>, rx: stdmpsc::Receiver<Cmd>, metrics: Arc<M
         metrics.running.store(backend.num_running(), Relaxed);
         metrics.waiting.store(backend.num_waiting(), Relaxed);
         metrics.state_bytes.store(backend.state_bytes(), Relaxed);
+        if let Ok(mut s) = metrics.spec.lock() {
+            *s = backend.spec_stats();
+        }
         if let (Some(p), Ok(mut m)) = (backend.prefix_stats(), metrics.prefix.lock()) {
             *m = Some(p);
         }

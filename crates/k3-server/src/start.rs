@@ -48,6 +48,8 @@ pub struct ServeOptions {
     pub prefill_chunk: usize,
     pub max_step_tokens: usize,
     pub kda_state: StateDType,
+    /// Speculative decoding (`--speculative`, `--num-speculative-tokens`).
+    pub spec: k3_engine::SpecConfig,
     pub max_body_bytes: usize,
     pub allowed_local_media_path: Option<PathBuf>,
     pub max_image_bytes: usize,
@@ -94,6 +96,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         prefill_chunk: a.prefill_chunk.max(1),
         max_step_tokens: a.max_step_tokens.max(a.max_batch + 1),
         kda_state: a.kda_state,
+        spec: a.spec,
         prefix: a.prefix_cache.clone(),
     };
     let spec =

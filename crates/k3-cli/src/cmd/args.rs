@@ -40,6 +40,27 @@ pub fn parse_device(d: &str) -> Result<Option<usize>> {
     }
 }
 
+/// `--speculative ngram|suffix|off` and `--num-speculative-tokens K` (`run`, `serve`, `bench`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SpecArgs {
+    /// Speculative decoding: ngram (prompt lookup over the prompt and output), suffix (suffix
+    /// automata over the request and earlier requests) or off. Greedy output is unchanged and
+    /// sampling keeps its distribution. CPU (one rank) only for now; elsewhere decoding stays
+    /// plain and a note says why.
+    #[arg(long, default_value = "off", value_name = "ngram|suffix|off")]
+    pub speculative: String,
+    /// Most drafted tokens per sequence and step (1..=16; adapted to the acceptance).
+    #[arg(long, default_value_t = 4, value_name = "K")]
+    pub num_speculative_tokens: usize,
+}
+
+impl SpecArgs {
+    /// The engine's setting; a bad value is an error naming its flag.
+    pub fn config(&self) -> Result<k3_engine::SpecConfig> {
+        Ok(k3_engine::SpecConfig::from_flags(&self.speculative, self.num_speculative_tokens)?)
+    }
+}
+
 /// `--device cpu|cuda|cuda:N` (`run`, `logits`, `serve`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct DeviceArgs {

@@ -15,6 +15,9 @@
 //! (its `index_topk`) against the same layer run dense, and the indexer alone — the sparse
 //! attention core stays flat while the indexer grows linearly with the context.
 //!
+//! Speculative mode (`--speculative ngram,suffix`): speculative against plain greedy decoding on
+//! text-repeating workloads, tokens/s and acceptance; see `bench_spec.rs`.
+//!
 //! Constrained mode (`--json-schema FILE`, with the model mode's flags): decode with and without
 //! the schema as the output constraint in one run, and the per-token mask cost; see
 //! `bench_grammar.rs`.
@@ -67,6 +70,7 @@ const BENCH_MODES: &str = "\
 Modes:
   k3 bench [--model DIR] --prompt-len P --gen-len G [--batch B] [--threads N]
   k3 bench --json-schema FILE [--model DIR] [--prompt-len P --gen-len G --batch B]   constrained decoding overhead
+  k3 bench --speculative ngram,suffix [--num-speculative-tokens K] [--gen-len G]   speculative vs plain decoding
   k3 bench --op gemv 3072 3584                     expert GEMV: MXFP4 vs BF16 vs F32, GB/s
   k3 bench --op dsa 4096 16384 65536 --model DIR   DSA layer per-token cost vs dense
   k3 bench --device cuda --model DIR --prompt-len 4096 --batches 1,16,64 --context 512 [--profile]
@@ -91,6 +95,13 @@ pub struct ModelMode {
     /// engine, sampling at temperature 1) and report the per-token mask cost.
     #[arg(long, value_name = "FILE")]
     pub json_schema: Option<std::path::PathBuf>,
+    /// CPU: compare these speculative methods (comma separated: ngram,suffix) with plain greedy
+    /// decoding on text-repeating workloads (`bench_spec.rs`).
+    #[arg(long, value_name = "METHODS")]
+    pub speculative: Option<String>,
+    /// CPU, with --speculative: most drafted tokens per step.
+    #[arg(long, default_value_t = 4, value_name = "K")]
+    pub num_speculative_tokens: usize,
 }
 
 /// The model mode on the GPU (`--device cuda`, no --op; `bench_cuda.rs`).
@@ -196,9 +207,10 @@ pub fn run(a: Args) -> Result<()> {
         _ => bail!("--device `{}`: use cpu or cuda", a.device),
     };
     match mode {
-        Mode::CpuModel => match &a.run.json_schema {
-            Some(f) => super::bench_grammar::bench_grammar(&a, f),
-            None => bench_model(&a),
+        Mode::CpuModel => match (&a.run.json_schema, &a.run.speculative) {
+            (Some(f), _) => super::bench_grammar::bench_grammar(&a, f),
+            (None, Some(m)) => super::bench_spec::bench_spec(&a, m),
+            (None, None) => bench_model(&a),
         },
         Mode::CpuDsa => bench_cpu_dsa(&a),
         Mode::CpuGemv => bench_cpu_gemv(&a),

@@ -20,7 +20,7 @@ use k3_engine::{Engine, EngineConfig, Request};
 use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
 
-use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SamplingArgs};
+use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SamplingArgs, SpecArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -52,6 +52,8 @@ pub struct Args {
     pub prefill_chunk: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Print one JSON object (text, ids, timings) instead of streaming.
     #[arg(long)]
     pub json: bool,
@@ -98,6 +100,7 @@ pub fn run(a: Args) -> Result<()> {
         prefill_chunk: a.prefill_chunk.max(1),
         max_step_tokens: a.prefill_chunk.max(1),
         kda_state: a.kda_state.kda_state.into(),
+        spec: a.spec.config()?,
         prefix: None,
     };
     let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
@@ -120,6 +123,9 @@ pub fn run(a: Args) -> Result<()> {
         Err(e) => return Err(e.into()),
     };
     let mut engine = Engine::with_runner(runner, tokenizer.clone(), ecfg);
+    if let Err(why) = engine.speculating() {
+        eprintln!("note: --speculative {}: {why}", a.spec.speculative);
+    }
     let mut text = String::new();
     let stdout = std::io::stdout();
     // On a terminal, a bar while a long prompt is prefilled (nothing when stderr is not a TTY).
@@ -152,6 +158,7 @@ pub fn run(a: Args) -> Result<()> {
         },
         &mut prefilled,
     )?;
+    let engine_spec = engine.speculating() == Ok(true);
     k3_core::trace(|| format!("run: {} tokens generated; dropping the engine", out.len()));
     drop(engine); // shuts a world of processes down: its workers exit
     world.wait(FINISH_LIMIT)?;
@@ -164,6 +171,12 @@ pub fn run(a: Args) -> Result<()> {
             "model": dir.display().to_string(), "prompt_tokens": prompt.len(), "ids": out, "text": text,
             "finish_reason": finish, "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
             "time_to_first_token_s": stats.ttft.as_secs_f64(),
+            "speculative": a.spec.speculative, "speculating": engine_spec,
+            // Plain decoding emits one token per step and drafts nothing.
+            "accepted_per_step": if engine_spec { stats.spec.accepted_per_step() } else { 1.0 },
+            "draft_acceptance": (stats.spec.drafted > 0).then(|| stats.spec.draft_acceptance()),
+            "drafted_tokens": stats.spec.drafted, "accepted_tokens": stats.spec.accepted, "decode_steps": stats.spec.steps,
+            "acceptance_per_position": stats.spec.per_position.iter().map(|p| if p[0] == 0 { 0.0 } else { p[1] as f64 / p[0] as f64 }).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string(&v).context("serialising the result")?);
     } else {
@@ -172,6 +185,16 @@ pub fn run(a: Args) -> Result<()> {
             "[{} prompt tokens: prefill {:.1} tok/s | {} generated: decode {:.1} tok/s | finish: {:?}]",
             stats.prompt_tokens, prefill_tps, stats.output_tokens, decode_tps, finish
         );
+        if engine_spec {
+            eprintln!(
+                "[speculative {}: {:.2} tokens per step, {} of {} drafts accepted ({:.0}%)]",
+                a.spec.speculative,
+                stats.spec.accepted_per_step(),
+                stats.spec.accepted,
+                stats.spec.drafted,
+                100.0 * stats.spec.draft_acceptance()
+            );
+        }
     }
     Ok(())
 }

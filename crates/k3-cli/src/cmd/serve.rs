@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs};
+use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SpecArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -42,6 +42,8 @@ pub struct Args {
     pub max_step_tokens: usize,
     #[command(flatten)]
     pub kda_state: KdaStateArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Largest request body in bytes (413 beyond).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -103,6 +105,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         prefill_chunk: a.prefill_chunk,
         max_step_tokens: a.max_step_tokens,
         kda_state: a.kda_state.kda_state.into(),
+        spec: a.spec.config()?,
         max_body_bytes: a.max_body_bytes,
         allowed_local_media_path: a.allowed_local_media_path,
         max_image_bytes: a.max_image_bytes,

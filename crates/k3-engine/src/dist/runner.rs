@@ -5,7 +5,9 @@
 //!   row, in step order); per-sequence model state lives in the runner, keyed by sequence id.
 //!   Three implementations: [`ThreadRunner`] over one CPU model (one rank), the same over a
 //!   parallel layout (ranks as threads), and the GPU runner (`crate::gpu`, feature `cuda`).
-//!   [`load`] picks one from the flags.
+//!   [`load`] picks one from the flags. Speculative decoding adds [`Runner::verify`] (every
+//!   row's logits, each a single decode step's) and [`Runner::rollback`]; only the CPU runner
+//!   of one rank has them so far, the others say why ([`Runner::speculation`]).
 //! - [`Worker`]: one rank's model and its map sequence id → [`SeqState`]. [`Worker::apply`]
 //!   drops the released states, creates a state on a sequence's first sight, embeds the tokens
 //!   (or takes the step's own rows) and runs `Model::forward_varlen`. Every rank applies the
@@ -70,6 +72,22 @@ pub trait Runner: Send {
     fn aborter(&self) -> Option<Aborter> {
         None
     }
+    /// Whether [`Runner::verify`] works here (speculative decoding, `crate::spec`); why not.
+    fn speculation(&self) -> std::result::Result<(), String> {
+        Err(NO_SPECULATION.into())
+    }
+    /// The verify forward of speculative decoding: logits `[N, vocab]` of every row, each equal
+    /// to the single decode step at its position, keeping each sequence's state after every
+    /// token for [`Runner::rollback`].
+    fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
+        let _ = step;
+        Err(EngineError::Unsupported(NO_SPECULATION.into()))
+    }
+    /// Drops the last `drop` tokens of sequence `id`'s last verify forward (0: keeps them all).
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        let _ = (id, drop);
+        Err(EngineError::Unsupported(NO_SPECULATION.into()))
+    }
     /// Prefix caching (`crate::prefix`): `Ok(layout)` (a digest input: the layout and state
     /// dtypes) when this runner can capture and restore sequence states, else why it cannot —
     /// the engine then runs without the cache and says so.
@@ -89,6 +107,9 @@ pub trait Runner: Send {
         Err(EngineError::Unsupported("this runner cannot restore sequence states".into()))
     }
 }
+
+/// Why a runner does not verify drafts (the default of [`Runner::speculation`]).
+pub const NO_SPECULATION: &str = "speculative decoding needs per-token KDA states in the verify forward, which only the CPU runner of one rank keeps so far (not the GPU runner, not a parallel layout); decoding without speculation";
 
 /// Aborts a runner's collectives from another thread (see [`Runner::aborter`]).
 pub type Aborter = Arc<dyn Fn(&str) + Send + Sync>;
@@ -189,6 +210,21 @@ impl Worker {
     /// Applies one step (see the module doc). Returns the logits on the first and last
     /// pipeline stages, nothing on the stages between.
     pub fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, false)
+    }
+
+    /// [`Worker::apply`] as a verify forward (`Model::forward_verify`): every row's logits.
+    pub fn verify(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, true)
+    }
+
+    /// Drops the last `drop` tokens of sequence `id`'s last verify forward.
+    pub fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        let st = self.states.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
+        Ok(st.rollback(drop)?)
+    }
+
+    fn apply_with(&mut self, step: &Step, verify: bool) -> Result<Vec<f32>> {
         for id in &step.released {
             self.states.remove(id);
         }
@@ -240,7 +276,11 @@ impl Worker {
         let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
         let out = {
             let mut refs: Vec<&mut SeqState> = taken.iter_mut().collect();
-            self.model.forward_varlen(emb, &lens, &mut refs, ForwardOpts { last_only: step.last_only, ..Default::default() }, None)
+            if verify {
+                self.model.forward_verify(emb, &lens, &mut refs)
+            } else {
+                self.model.forward_varlen(emb, &lens, &mut refs, ForwardOpts { last_only: step.last_only, ..Default::default() }, None)
+            }
         };
         for (s, st) in step.seqs.iter().zip(taken) {
             self.states.insert(s.id, st);
@@ -461,6 +501,24 @@ impl Runner for ThreadRunner {
     fn aborter(&self) -> Option<Aborter> {
         let groups = self.leader.model.groups.clone();
         Some(Arc::new(move |why: &str| groups.abort(why)))
+    }
+    fn speculation(&self) -> std::result::Result<(), String> {
+        match self.peers.is_empty() {
+            true => Ok(()),
+            false => Err(format!("speculative decoding on a parallel layout ({} ranks) is not built yet (the step message carries no verify or rollback); decoding without speculation", self.world())),
+        }
+    }
+    fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
+        if let Err(why) = self.speculation() {
+            return Err(EngineError::Unsupported(why));
+        }
+        self.leader.verify(&step)
+    }
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        if let Err(why) = self.speculation() {
+            return Err(EngineError::Unsupported(why));
+        }
+        self.leader.rollback(id, drop)
     }
     fn prefix_support(&self) -> std::result::Result<String, String> {
         match self.peers.is_empty() {

@@ -41,6 +41,17 @@ pub struct KdaState {
     pub conv: [Vec<f32>; 3],
     /// Recurrent state `[nh, hd, hd]`.
     pub s: StateBuf,
+    /// After a [`KdaMode::Verify`] call of `T` tokens: the state after each of its first
+    /// `T − 1` tokens (the live state is the one after all `T`), so that a rejected draft
+    /// rolls back by a copy (`SeqState::rollback`). Empty after any other call.
+    pub snapshots: Vec<KdaSnapshot>,
+}
+
+/// The conv tails and the recurrent state after one token of a verify call.
+#[derive(Clone, Debug)]
+pub struct KdaSnapshot {
+    pub conv: [Vec<f32>; 3],
+    pub s: StateBuf,
 }
 
 impl KdaState {
@@ -60,14 +71,18 @@ impl KdaState {
             StateDType::F32 => StateBuf::F32(vec![0.0; n]),
             StateDType::Bf16 => StateBuf::Bf16(vec![0; n]),
         };
-        KdaState { conv: [vec![0.0; tail], vec![0.0; tail], vec![0.0; tail]], s }
+        KdaState { conv: [vec![0.0; tail], vec![0.0; tail], vec![0.0; tail]], s, snapshots: Vec::new() }
     }
+    /// Bytes of the live state and of any verify snapshots it holds.
     pub fn bytes(&self) -> usize {
-        let s = match &self.s {
-            StateBuf::F32(v) => 4 * v.len(),
-            StateBuf::Bf16(v) => 2 * v.len(),
+        let one = |s: &StateBuf, conv: &[Vec<f32>; 3]| {
+            let s = match s {
+                StateBuf::F32(v) => 4 * v.len(),
+                StateBuf::Bf16(v) => 2 * v.len(),
+            };
+            s + 4 * conv.iter().map(Vec::len).sum::<usize>()
         };
-        s + 4 * self.conv.iter().map(Vec::len).sum::<usize>()
+        one(&self.s, &self.conv) + self.snapshots.iter().map(|x| one(&x.s, &x.conv)).sum::<usize>()
     }
 }
 
@@ -78,6 +93,10 @@ pub enum KdaMode {
     Auto,
     Recurrent,
     Chunked,
+    /// Speculative verification: the recurrent form one token at a time — exactly what `T`
+    /// single decode steps compute, a bf16 state rounded after each token as a decode step
+    /// rounds it — keeping the state after each token in [`KdaState::snapshots`].
+    Verify,
 }
 
 pub struct Kda {
@@ -162,31 +181,22 @@ impl Kda {
         let mut o = vec![0f32; n * d]; // [N, nh, hd]
         let mut r0 = 0;
         for (&t, st) in lens.iter().zip(states.iter_mut()) {
-            let rows = r0 * d..(r0 + t) * d;
-            for (i, buf) in [&mut q, &mut k, &mut v].into_iter().enumerate() {
-                short_conv(&mut buf[rows.clone()], t, d, &self.conv1d[i], self.kernel, &mut st.conv[i]);
-            }
-            let (qs, ks) = (&mut q[rows.clone()], &mut k[rows.clone()]);
-            l2_norm_inplace(qs, hd, 1e-6); // [T, nh, hd]
-            l2_norm_inplace(ks, hd, 1e-6);
-            let scale = (hd as f32).powf(-0.5);
-            qs.iter_mut().for_each(|x| *x *= scale);
-            let dims = KdaDims { t, h: nh, dk: hd, dv: hd };
-            let chunked = match mode {
-                KdaMode::Auto => t > 1,
-                KdaMode::Chunked => true,
-                KdaMode::Recurrent => false,
-            };
-            let core = if chunked { kda_chunked } else { kda_recurrent };
-            let (qs, ks, vs, gs, bs) = (&q[rows.clone()], &k[rows.clone()], &v[rows.clone()], &g[rows.clone()], &beta[r0 * nh..(r0 + t) * nh]);
-            match &mut st.s {
-                StateBuf::F32(s) => core(qs, ks, vs, gs, bs, s, &mut o[rows], dims),
-                StateBuf::Bf16(bits) => {
-                    // Widen, run the f32 core, round back (round-to-nearest-even).
-                    let mut s: Vec<f32> = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
-                    core(qs, ks, vs, gs, bs, &mut s, &mut o[rows], dims);
-                    bits.iter_mut().zip(&s).for_each(|(b, &x)| *b = half::bf16::from_f32(x).to_bits());
+            st.snapshots.clear();
+            if mode == KdaMode::Verify {
+                // One token at a time, as decode steps run; the state kept after each but the last.
+                for j in 0..t {
+                    self.core_rows(&mut q, &mut k, &mut v, &g, &beta, &mut o, r0 + j, 1, st, false);
+                    if j + 1 < t {
+                        st.snapshots.push(KdaSnapshot { conv: st.conv.clone(), s: st.s.clone() });
+                    }
                 }
+            } else {
+                let chunked = match mode {
+                    KdaMode::Auto => t > 1,
+                    KdaMode::Chunked => true,
+                    KdaMode::Recurrent | KdaMode::Verify => false,
+                };
+                self.core_rows(&mut q, &mut k, &mut v, &g, &beta, &mut o, r0, t, st, chunked);
             }
             r0 += t;
         }
@@ -194,6 +204,49 @@ impl Kda {
         let gate = lin(x, n, &self.g_proj)?; // [N, D]
         o.iter_mut().zip(&gate).for_each(|(a, &b)| *a *= sigmoid(b));
         lin(&o, n, &self.o_proj)
+    }
+}
+
+impl Kda {
+    /// Conv + SiLU, L2 norms, q scaling and the delta-rule core over rows `r0..r0 + t` of the
+    /// packed `[N, D]` buffers (one sequence's), advancing `st`; the core's output into `o`.
+    #[allow(clippy::too_many_arguments)]
+    fn core_rows(
+        &self,
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &mut [f32],
+        g: &[f32],
+        beta: &[f32],
+        o: &mut [f32],
+        r0: usize,
+        t: usize,
+        st: &mut KdaState,
+        chunked: bool,
+    ) {
+        let (nh, hd) = (self.nh, self.hd);
+        let d = nh * hd;
+        let rows = r0 * d..(r0 + t) * d;
+        for (i, buf) in [&mut *q, &mut *k, &mut *v].into_iter().enumerate() {
+            short_conv(&mut buf[rows.clone()], t, d, &self.conv1d[i], self.kernel, &mut st.conv[i]);
+        }
+        let (qs, ks) = (&mut q[rows.clone()], &mut k[rows.clone()]);
+        l2_norm_inplace(qs, hd, 1e-6); // [T, nh, hd]
+        l2_norm_inplace(ks, hd, 1e-6);
+        let scale = (hd as f32).powf(-0.5);
+        qs.iter_mut().for_each(|x| *x *= scale);
+        let dims = KdaDims { t, h: nh, dk: hd, dv: hd };
+        let core = if chunked { kda_chunked } else { kda_recurrent };
+        let (qs, ks, vs, gs, bs) = (&q[rows.clone()], &k[rows.clone()], &v[rows.clone()], &g[rows.clone()], &beta[r0 * nh..(r0 + t) * nh]);
+        match &mut st.s {
+            StateBuf::F32(s) => core(qs, ks, vs, gs, bs, s, &mut o[rows], dims),
+            StateBuf::Bf16(bits) => {
+                // Widen, run the f32 core, round back (round-to-nearest-even).
+                let mut s: Vec<f32> = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+                core(qs, ks, vs, gs, bs, &mut s, &mut o[rows], dims);
+                bits.iter_mut().zip(&s).for_each(|(b, &x)| *b = half::bf16::from_f32(x).to_bits());
+            }
+        }
     }
 }
 

@@ -16,7 +16,7 @@
 
 use k3_core::comm::{part, Group, Single};
 use k3_core::kernels::cpu::act::{sigmoid, situ_glu_slice};
-use k3_core::kernels::cpu::matmul::Matrix;
+use k3_core::kernels::cpu::matmul::{row_exact, with_row_exact, Matrix};
 use k3_core::kernels::cpu::norm::rms_norm_inplace;
 use rayon::prelude::*;
 
@@ -214,13 +214,14 @@ impl Moe {
                 }
             }
         }
+        let exact = row_exact(); // carried to the worker threads (speculative verification)
         let outs: Vec<(usize, Vec<f32>)> = groups
             .par_iter()
             .enumerate()
             .filter(|(_, g)| !g.is_empty())
             .map(|(e, g)| {
                 let zin: Vec<f32> = g.iter().flat_map(|&(tok, _)| z[tok * lat..(tok + 1) * lat].iter().copied()).collect(); // [n_e, lat]
-                self.expert_forward(&self.experts[e], &zin, g.len()).map(|y| (e, y))
+                with_row_exact(exact, || self.expert_forward(&self.experts[e], &zin, g.len())).map(|y| (e, y))
             })
             .collect::<Result<_>>()?;
         let mut r = vec![0f32; t * lat];

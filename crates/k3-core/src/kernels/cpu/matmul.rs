@@ -245,6 +245,9 @@ pub fn linear(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
     if t == 0 || n == 0 {
         return Ok(());
     }
+    if row_exact() {
+        return gemv_row_exact(x, t, w, out);
+    }
     if t <= GEMV_MAX_T {
         return gemv(x, t, w, out);
     }
@@ -276,6 +279,76 @@ pub fn linear(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+thread_local! {
+    /// Row-exact mode of this thread (see [`with_row_exact`]).
+    static ROW_EXACT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether [`linear`] on this thread computes every row exactly as a one-row call would.
+pub fn row_exact() -> bool {
+    ROW_EXACT.with(|c| c.get())
+}
+
+/// Runs `f` with row-exact mode `on` on this thread (restored afterwards, also on a panic).
+/// In row-exact mode every output row of [`linear`] is bit-identical to what a call with that
+/// row alone (`T = 1`, the decode GEMV) gives, whatever `T` is: the per-row dot products of
+/// the decode path, the weight read once per block of rows for all of them. Speculative
+/// verification (`k3-engine`'s `spec`) runs in it, so verifying k drafts gives the logits of k
+/// single decode steps. Work handed to other threads (rayon) must carry the flag itself.
+pub fn with_row_exact<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ROW_EXACT.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(ROW_EXACT.with(|c| c.replace(on)));
+    f()
+}
+
+/// One token row `x` against MXFP4 rows `lo..hi`: `dst[r] = W[r] · x` — the decode GEMV's
+/// inner loop (two rows at a time sharing the loads of x, the rest one by one).
+///
+/// # Safety
+/// `dst` must be valid for writes at `lo..hi`, written by no one else meanwhile.
+unsafe fn mxfp4_rows_one(p: &[u8], sc: &[u8], k: usize, lo: usize, hi: usize, x: &[f32], dst: *mut f32) {
+    let row = |r: usize| (&p[r * k / 2..(r + 1) * k / 2], &sc[r * k / 32..(r + 1) * k / 32]);
+    let mut r = lo;
+    while r + 1 < hi {
+        let ((p0, s0), (p1, s1)) = (row(r), row(r + 1));
+        let Some(v) = mxfp4::dot_rows2(p0, s0, p1, s1, x) else { break };
+        *dst.add(r) = v[0];
+        *dst.add(r + 1) = v[1];
+        r += 2;
+    }
+    let mut o = [0f32; 1];
+    for r in r..hi {
+        mxfp4::dot_row(row(r).0, row(r).1, &[x], &mut o);
+        *dst.add(r) = o[0];
+    }
+}
+
+/// [`linear`] in row-exact mode: F32/BF16/F16 through the GEMV (its rows are independent for
+/// any `T`); MXFP4 block by block, each token row through [`mxfp4_rows_one`] as at `T = 1`.
+fn gemv_row_exact(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
+    let Matrix::Mxfp4 { packed, scale } = w else {
+        return gemv(x, t, w, out);
+    };
+    const RB: usize = 16;
+    let (n, k) = (w.rows(), w.cols());
+    let (p, sc) = (packed.bytes(), scale.bytes());
+    let dst = SendPtr(out.as_mut_ptr());
+    (0..n.div_ceil(RB)).into_par_iter().for_each(|b| {
+        let d = dst;
+        let (lo, hi) = (b * RB, ((b + 1) * RB).min(n));
+        for i in 0..t {
+            // SAFETY: row i's elements lo..hi are written by exactly this task.
+            unsafe { mxfp4_rows_one(p, sc, k, lo, hi, &x[i * k..(i + 1) * k], d.0.add(i * n)) };
+        }
+    });
+    Ok(())
+}
+
 /// `dst[i*ld + j] = Σ_k x[i*k + kk] · w[j*k + kk]` for i < m, j < n.
 unsafe fn gemm_f32(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], dst: *mut f32, ld: usize, par: gemm::Parallelism) {
     gemm::gemm(m, n, k, dst, 1, ld as isize, false, x.as_ptr(), 1, k as isize, w.as_ptr(), k as isize, 1, 0.0f32, 1.0f32, false, false, false, par);
@@ -302,21 +375,12 @@ fn gemv(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) -> Result<()> {
             let mut o = [0f32; GEMV_MAX_T];
             let (lo, hi) = (b * RB, ((b + 1) * RB).min(n));
             let row = |r: usize| (&p[r * k / 2..(r + 1) * k / 2], &sc[r * k / 32..(r + 1) * k / 32]);
-            let mut r = lo;
             if t == 1 {
-                // Two rows at a time, sharing the loads of x.
-                while r + 1 < hi {
-                    let ((p0, s0), (p1, s1)) = (row(r), row(r + 1));
-                    let Some(v) = mxfp4::dot_rows2(p0, s0, p1, s1, xs[0]) else { break };
-                    // SAFETY: elements (0, r) and (0, r+1) are written by exactly this task.
-                    unsafe {
-                        *d.0.add(r) = v[0];
-                        *d.0.add(r + 1) = v[1];
-                    }
-                    r += 2;
-                }
+                // SAFETY: row 0's elements lo..hi are written by exactly this task.
+                unsafe { mxfp4_rows_one(p, sc, k, lo, hi, xs[0], d.0) };
+                return;
             }
-            for r in r..hi {
+            for r in lo..hi {
                 mxfp4::dot_row(row(r).0, row(r).1, &xs, &mut o[..t]);
                 for (i, &v) in o[..t].iter().enumerate() {
                     // SAFETY: element (i, r) is written by exactly this task.
@@ -407,6 +471,39 @@ mod tests {
         for w in &mats {
             for t in [1, 3, 5, 70, 130] {
                 check(w, t, t as u64);
+            }
+        }
+    }
+
+    /// Row-exact mode: every row of a T-row call is bit-identical to that row alone (T = 1),
+    /// for every format and for T on both sides of the GEMV/GEMM switch; outside the mode a
+    /// many-row call is allowed to differ (it takes the GEMM), which is why the mode exists.
+    #[test]
+    fn row_exact_rows_equal_single_rows() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let (n, k) = (67, 96);
+        let wf: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.random()).collect();
+        let scale: Vec<u8> = (0..n * k / 32).map(|_| rng.random_range(110..135)).collect();
+        let mats = [
+            Matrix::dense(Tensor::from_f32(vec![n, k], &wf).unwrap()).unwrap(),
+            Matrix::dense(Tensor::from_bf16(vec![n, k], &wb).unwrap()).unwrap(),
+            Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap())
+                .unwrap(),
+        ];
+        for w in &mats {
+            for t in [2, 4, 5, 9, 33] {
+                let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let mut y = vec![0f32; t * n];
+                with_row_exact(true, || linear(&x, t, w, &mut y)).unwrap();
+                assert!(!row_exact(), "the mode is restored");
+                for i in 0..t {
+                    let mut one = vec![0f32; n];
+                    linear(&x[i * k..(i + 1) * k], 1, w, &mut one).unwrap();
+                    let same = one.iter().zip(&y[i * n..(i + 1) * n]).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "row {i} of T={t} ({}) differs from the row alone", w.format());
+                }
             }
         }
     }

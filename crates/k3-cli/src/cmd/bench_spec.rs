@@ -1,0 +1,151 @@
+//! `k3 bench --speculative ngram,suffix [--num-speculative-tokens K] [--gen-len G] [--model DIR]`:
+//! speculative decoding against plain decoding in one process (issue 22), greedy, on two
+//! workloads that repeat text:
+//!
+//! - `quote`: a passage given twice, then its first words again, so the model goes on quoting;
+//! - `chat`: three turns of a plain-text chat (`User:` / `Assistant:`), each turn's prompt holding
+//!   the earlier turns and asking for the last answer again, through one engine (so the suffix
+//!   proposer also sees the finished turns).
+//!
+//! Each method runs every workload in rounds (off, then each method, twice over, so drift hits
+//! all). Reported per workload and method: decode tokens/s (tokens after the first ÷ wall time
+//! after the first token, drafting and rollback included), tokens per decode step, draft
+//! acceptance, acceptance at each draft position, and whether the tokens equal plain greedy
+//! decoding's (they must).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use k3_engine::{Engine, EngineConfig, Request, SamplingParams, SpecConfig, SpecStats};
+use k3_model::{Checkpoint, Model};
+use k3_tokenizer::Tokenizer;
+
+use super::bench::Args;
+
+/// A public-domain passage (Romeo and Juliet, II.2) — k3-nano was trained on Shakespeare.
+const PASSAGE: &str = "ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. Arise, fair sun, and kill the envious moon, Who is already sick and pale with grief, That thou her maid art far more fair than she.";
+
+/// One workload's requests: (prompt text, continues the previous turn).
+fn workload(name: &str) -> Vec<String> {
+    match name {
+        "quote" => vec![format!("{PASSAGE}\n\n{PASSAGE}\n\nROMEO. But soft, what light")],
+        _ => vec![format!("User: Recite Romeo's lines.\nAssistant: {PASSAGE}\nUser: Again, word for word.\nAssistant:")],
+    }
+}
+
+/// One workload through `e`: generated ids per turn, decode seconds, decode tokens, and stats.
+fn run_workload(e: &mut Engine, tok: &Tokenizer, name: &str, gen: usize) -> Result<(Vec<Vec<u32>>, f64, usize, SpecStats)> {
+    let mut prompts = workload(name);
+    let turns = if name == "chat" { 3 } else { 1 };
+    let (mut outs, mut secs, mut toks, mut st) = (Vec::new(), 0.0, 0usize, SpecStats::default());
+    for t in 0..turns {
+        let text = prompts[t].clone();
+        let req = Request { ignore_eos: true, ..Request::new(tok.encode(&text, false), SamplingParams::greedy(), gen) };
+        let t0 = Instant::now();
+        let (out, _, s) = e.generate(req, |_| {})?;
+        let wall = t0.elapsed().as_secs_f64();
+        secs += wall - s.ttft.as_secs_f64();
+        toks += out.len().saturating_sub(1);
+        st.add(&s.spec);
+        let answer = tok.decode(&out, true).unwrap_or_default();
+        // The next turn holds this one and asks for the answer again.
+        prompts.push(format!("{text}{answer}\nUser: Say that again.\nAssistant:"));
+        outs.push(out);
+    }
+    Ok((outs, secs, toks, st))
+}
+
+pub fn bench_spec(a: &Args, methods: &str) -> Result<()> {
+    let dir = a.model.dir()?;
+    let model = Arc::new(Model::load(&Checkpoint::open(&dir)?)?);
+    let tok = Arc::new(Tokenizer::from_dir(&dir).with_context(|| format!("the tokenizer of {}", dir.display()))?);
+    let mut list = vec![SpecConfig::default()];
+    for m in methods.split(',').filter(|m| !m.is_empty()) {
+        list.push(SpecConfig::from_flags(m, a.run.num_speculative_tokens)?);
+    }
+    if list.len() < 2 {
+        bail!("--speculative: give the methods to compare, e.g. ngram,suffix");
+    }
+    let gen = a.run.gen_len;
+    let mut report = Vec::new();
+    for w in ["quote", "chat"] {
+        let mut plain: Option<Vec<Vec<u32>>> = None;
+        // (tokens/s per round, stats, identical to plain)
+        let mut acc: Vec<(Vec<f64>, SpecStats, bool)> = vec![(Vec::new(), SpecStats::default(), true); list.len()];
+        for _round in 0..2 {
+            for (i, sc) in list.iter().enumerate() {
+                let mut e = Engine::new(model.clone(), Some(tok.clone()), EngineConfig { max_batch: 1, spec: *sc, ..Default::default() });
+                let (outs, secs, n, st) = run_workload(&mut e, &tok, w, gen)?;
+                match &plain {
+                    None => plain = Some(outs),
+                    Some(p) => acc[i].2 &= *p == outs,
+                }
+                acc[i].0.push(n as f64 / secs.max(1e-9));
+                acc[i].1.add(&st);
+            }
+        }
+        for (sc, (tps, st, same)) in list.iter().zip(acc) {
+            let m = if sc.enabled() { format!("{:?}", sc.method).to_lowercase() } else { "off".into() };
+            let per_pos: Vec<f64> = st.per_position.iter().map(|p| if p[0] == 0 { 0.0 } else { p[1] as f64 / p[0] as f64 }).collect();
+            let mean = tps.iter().sum::<f64>() / tps.len() as f64;
+            report.push(serde_json::json!({
+                "workload": w, "method": m, "decode_tokens_per_s": mean, "rounds_tokens_per_s": tps,
+                "accepted_per_step": if sc.enabled() { st.accepted_per_step() } else { 1.0 },
+                "draft_acceptance": st.draft_acceptance(), "acceptance_per_position": per_pos, "identical_to_plain": same,
+            }));
+            if !a.json {
+                let rounds: Vec<String> = tps.iter().map(|x| format!("{x:.1}")).collect();
+                println!(
+                    "{w:6} {m:7} decode {mean:7.1} tok/s (rounds {}) | {:.2} tokens/step | acceptance {:.1}% | per position {:?} | identical to plain: {same}",
+                    rounds.join(", "),
+                    if sc.enabled() { st.accepted_per_step() } else { 1.0 },
+                    100.0 * st.draft_acceptance(),
+                    per_pos.iter().map(|x| (x * 100.0).round() / 100.0).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+    let costs = step_costs(&model, a.run.num_speculative_tokens)?;
+    if a.json {
+        let c: Vec<_> = costs.iter().map(|(r, ms)| serde_json::json!({"rows": r, "ms": ms})).collect();
+        println!(
+            "{}",
+            serde_json::to_string(
+                &serde_json::json!({ "model": dir.display().to_string(), "gen_len": gen, "k": a.run.num_speculative_tokens, "runs": report, "verify_step_ms": c })
+            )?
+        );
+    } else {
+        let c: Vec<String> = costs.iter().map(|(r, ms)| format!("{r} rows {ms:.2} ms")).collect();
+        println!("one sequence's step at 256 tokens of context (median of 15): plain decode {} | verify {}", c[0], c[1..].join(", "));
+    }
+    Ok(())
+}
+
+/// Median wall time of one sequence's decode step (1 row) and of verify forwards of 2..=k+1 rows,
+/// at 256 tokens of context.
+fn step_costs(model: &Model, k: usize) -> Result<Vec<(usize, f64)>> {
+    let v = model.config.text.vocab_size as u32;
+    let ctx: Vec<u32> = (0..256u32).map(|i| (i * 37 + 11) % v).collect();
+    let mut base = model.new_state();
+    model.forward(&ctx, &mut base, k3_model::ForwardOpts { last_only: true, ..Default::default() }, None)?;
+    let mut out = Vec::new();
+    for rows in [1].into_iter().chain(2..=k + 1) {
+        let toks: Vec<u32> = (0..rows as u32).map(|i| (i * 13 + 5) % v).collect();
+        let mut times = Vec::new();
+        for _ in 0..15 {
+            let mut st = base.clone();
+            let emb = model.embed(&toks)?;
+            let t = Instant::now();
+            if rows == 1 {
+                model.forward_embeds(emb, &mut st, k3_model::ForwardOpts { last_only: true, ..Default::default() }, None)?;
+            } else {
+                model.forward_verify(emb, &[rows], &mut [&mut st])?;
+            }
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        out.push((rows, times[times.len() / 2]));
+    }
+    Ok(out)
+}

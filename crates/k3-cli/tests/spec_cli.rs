@@ -1,0 +1,73 @@
+//! `k3 run --speculative ngram|suffix|off` on the embedded k3-nano (issue 22): the greedy ids
+//! equal plain decoding's, `--json` reports `accepted_per_step`, `draft_acceptance` and the
+//! acceptance per position, and bad values are errors naming their flag.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn k3(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_k3")).args(args).output().expect("run k3")
+}
+
+fn nano() -> String {
+    format!("{}/../../models/k3-nano", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn run_json(method: &str) -> Value {
+    let nano = nano();
+    let args = [
+        "run",
+        "--model",
+        &nano,
+        "--temperature",
+        "0",
+        "-n",
+        "40",
+        "--json",
+        "--speculative",
+        method,
+        "--num-speculative-tokens",
+        "5",
+        "KING EDWARD.\nI know not what I think",
+    ];
+    let o = k3(&args);
+    assert!(o.status.success(), "k3 {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn greedy_ids_equal_plain_and_json_reports_acceptance() {
+    let plain = run_json("off");
+    assert_eq!(plain["accepted_per_step"], 1.0);
+    assert!(plain["draft_acceptance"].is_null());
+    for m in ["ngram", "suffix"] {
+        let v = run_json(m);
+        assert_eq!(v["ids"], plain["ids"], "{m}: ids differ from plain greedy decoding");
+        assert_eq!(v["speculating"], true);
+        let aps = v["accepted_per_step"].as_f64().unwrap();
+        assert!(aps >= 1.0, "{m}: {aps}");
+        let per = v["acceptance_per_position"].as_array().unwrap();
+        assert!(per.len() <= 5);
+        if v["drafted_tokens"].as_u64().unwrap() > 0 {
+            let a = v["draft_acceptance"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&a));
+        }
+    }
+}
+
+#[test]
+fn bad_values_name_the_flag() {
+    let nano = nano();
+    for (args, flag) in
+        [(vec!["--speculative", "bogus"], "--speculative"), (vec!["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens")]
+    {
+        let mut a = vec!["run", "--model", &nano, "-n", "2"];
+        a.extend(args);
+        a.push("hi");
+        let o = k3(&a);
+        assert!(!o.status.success());
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains(flag), "{a:?}: {e}");
+    }
+}
