@@ -412,35 +412,42 @@ impl Engine {
         if self.speculating() == Ok(true) {
             return self.spec_run(plan, limit);
         }
+        let (mut events, mut finished) = (Vec::new(), Vec::new());
+        self.plain_forward(&plan, limit, &mut events, &mut finished)?;
+        self.reap(finished);
+        Ok(events)
+    }
+
+    /// One plain forward of `plan` (running index, new tokens): positions advance, the prefix
+    /// states it wrote are published, and every entry at the end of its prompt or decoding
+    /// emits its next token into `events` (indices of finished ones into `finished`). The
+    /// plain step, and the prefill part of a speculative one (`spec::engine_step`).
+    pub(super) fn plain_forward(&mut self, plan: &[(usize, Vec<u32>)], limit: usize, events: &mut Vec<Event>, finished: &mut Vec<usize>) -> Result<()> {
         let t0 = Instant::now();
         // The step every rank runs: ids and new tokens, and a prefill chunk's own input rows.
         let seqs = plan.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
         let logits = self.runner.forward(Step { seqs, last_only: true, released: Vec::new() })?;
-        for (i, toks) in &plan {
+        let vocab = self.runner.config().text.vocab_size;
+        if logits.len() != plan.len() * vocab {
+            return Err(EngineError::Internal(format!("the runner returned {} logits for {} sequences of vocabulary {vocab}", logits.len(), plan.len())));
+        }
+        for (i, toks) in plan {
             self.running[*i].pos += toks.len();
         }
         // Publish the prefix states this completed step wrote (prompt grid points only).
         if let Some(pc) = self.prefix.as_mut() {
-            for (i, _) in &plan {
+            for (i, _) in plan {
                 let s = &self.running[*i];
                 if s.done < s.req.prompt.len() {
                     pc.after_step(&mut *self.runner, s.id, s.req.prompt.len(), s.pos, &s.prefix)?;
                 }
             }
         }
-        let vocab = self.runner.config().text.vocab_size;
-        if logits.len() != plan.len() * vocab {
-            return Err(EngineError::Internal(format!("the runner returned {} logits for {} sequences of vocabulary {vocab}", logits.len(), plan.len())));
-        }
-        let logits: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
         let dt = t0.elapsed();
-        let mut events = Vec::new();
-        let mut finished: Vec<usize> = Vec::new();
         let eos = self.runner.config().eos_token_ids.clone();
-        for ((i, toks), lg) in plan.iter().zip(logits) {
+        for ((i, toks), lg) in plan.iter().zip(logits.chunks_exact(vocab)) {
             let s = &mut self.running[*i];
-            let prefill = s.done < s.req.prompt.len();
-            if prefill {
+            if s.done < s.req.prompt.len() {
                 s.done += toks.len();
                 s.stats.prefill_time += dt;
                 if s.done < s.req.prompt.len() {
@@ -456,8 +463,7 @@ impl Engine {
             }
             events.push(ev);
         }
-        self.reap(finished);
-        Ok(events)
+        Ok(())
     }
 
     /// Running sequence `i`'s entry of a step with its new tokens `toks`, and a prefill

@@ -127,45 +127,9 @@ impl Engine {
         let mut events = Vec::new();
         let mut finished = Vec::new();
         // Prefill chunks: a plain forward of their own (the prompt is computed as without
-        // speculation).
+        // speculation; prefix states published as in `Engine::step`).
         if !prefill.is_empty() {
-            let t0 = Instant::now();
-            let seqs = prefill.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
-            let logits = self.runner.forward(Step { seqs, last_only: true, released: Vec::new() })?;
-            if logits.len() != prefill.len() * vocab {
-                return Err(EngineError::Internal(format!(
-                    "the runner returned {} logits for {} sequences of vocabulary {vocab}",
-                    logits.len(),
-                    prefill.len()
-                )));
-            }
-            let dt = t0.elapsed();
-            for (i, toks) in &prefill {
-                self.running[*i].pos += toks.len();
-            }
-            // Publish the prefix states this prefill wrote, as `Engine::step` does.
-            if let Some(pc) = self.prefix.as_mut() {
-                for (i, _) in &prefill {
-                    let s = &self.running[*i];
-                    if s.done < s.req.prompt.len() {
-                        pc.after_step(&mut *self.runner, s.id, s.req.prompt.len(), s.pos, &s.prefix)?;
-                    }
-                }
-            }
-            for ((i, toks), lg) in prefill.iter().zip(logits.chunks_exact(vocab)) {
-                let s = &mut self.running[*i];
-                s.done += toks.len();
-                s.stats.prefill_time += dt;
-                if s.done < s.req.prompt.len() {
-                    continue;
-                }
-                let (sampled, error) = sample_next(s, lg);
-                let ev = push_token(s, sampled, error, self.tokenizer.as_deref(), &eos, limit, self.masks.as_ref());
-                if ev.finish.is_some() {
-                    finished.push(*i);
-                }
-                events.push(ev);
-            }
+            self.plain_forward(&prefill, limit, &mut events, &mut finished)?;
         }
         if !decode.is_empty() {
             let seqs = decode.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
