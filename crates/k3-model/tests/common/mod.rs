@@ -60,3 +60,39 @@ pub fn compare(got: &[f32], want: &[f32], vocab: usize) -> Cmp {
 pub fn assert_within(c: &Cmp, what: &str) {
     assert!(c.max_abs <= 1e-3 && c.max_rel_l2 <= 3e-4 && c.top1 >= 0.995, "{what}: {c:?} exceeds max_abs 1e-3 / rel_l2 3e-4 / top1 0.995");
 }
+
+/// A shipped model's `crosscheck.safetensors` (its export script's PyTorch f32 logits):
+/// prompts `ids_n` and logits `logits_n` at every position, or at the positions `pos_n` where
+/// the file lists them. Each prompt's Rust logits must be within rel-L2 2e-5 and agree on
+/// top-1 except where the reference's own top-2 margin is a float tie; at least 3 prompts.
+pub fn check_crosscheck(dir: &std::path::Path, what: &str) {
+    use k3_model::{ForwardOpts, Model};
+    let ck = Checkpoint::open(dir).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let model = Model::load(&ck).unwrap();
+    let vocab = model.config.text.vocab_size;
+    let r = k3_model::checkpoint::open_tensors_only(&dir.join("crosscheck.safetensors")).expect("crosscheck.safetensors");
+    let ints = |t: k3_core::Tensor| -> Vec<i64> { t.as_i64().unwrap().to_vec() };
+    let mut n = 0;
+    while let Ok(t) = r.tensor(&format!("ids_{n}")) {
+        let ids: Vec<u32> = ints(t).iter().map(|&x| x as u32).collect();
+        let want = ref_f32(&r, &format!("logits_{n}"));
+        let mut st = model.new_state();
+        let all = model.forward(&ids, &mut st, ForwardOpts::default(), None).unwrap();
+        let pos: Vec<usize> = match r.tensor(&format!("pos_{n}")) {
+            Ok(p) => ints(p).iter().map(|&x| x as usize).collect(),
+            Err(_) => (0..ids.len()).collect(),
+        };
+        assert_eq!(want.len(), pos.len() * vocab, "logits_{n} is [len(pos_{n}), vocab]");
+        let got: Vec<f32> = pos.iter().flat_map(|&p| all[p * vocab..(p + 1) * vocab].iter().copied()).collect();
+        let c = compare(&got, &want, vocab);
+        eprintln!("{what} prompt {n} ({} tokens, {} positions): {c:?}", ids.len(), pos.len());
+        assert!(c.max_rel_l2 <= 2e-5, "prompt {n}: max rel-L2 {} > 2e-5", c.max_rel_l2);
+        for (i, (g, w)) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)).enumerate() {
+            let am = |x: &[f32]| x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
+            let (ag, aw) = (am(g), am(w));
+            assert!(ag == aw || (w[aw] - w[ag]).abs() < 1e-3, "prompt {n} position {}: top-1 {ag} vs reference {aw}", pos[i]);
+        }
+        n += 1;
+    }
+    assert!(n >= 3, "crosscheck.safetensors holds {n} prompts");
+}
