@@ -26,7 +26,6 @@ from safetensors.torch import save_file
 HERE = os.path.dirname(os.path.abspath(__file__))
 NANO = os.path.join(HERE, "..", "k3nano")
 sys.path.insert(0, NANO)
-from model import K3Nano, NanoConfig  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("k3nano_export", os.path.join(NANO, "export.py"))
 nano_export = importlib.util.module_from_spec(_spec)
@@ -34,7 +33,6 @@ _spec.loader.exec_module(nano_export)
 from render import Encoder, render_segments  # noqa: E402
 from tasks import declaration  # noqa: E402
 
-KEEP_F32 = nano_export.KEEP_F32
 
 CALC = declaration("calculator")
 UNITS = declaration("convert_units")
@@ -77,18 +75,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "..", "..", "models", "k3-chat"))
     ap.add_argument("--gen_tokens", type=int, default=120)
     a = ap.parse_args()
-    cfgd, state, meta = nano_export.load_ckpt(a.ckpt)
-    cfgd["dropout"] = 0.0
-    c = NanoConfig(**cfgd)
-    model = K3Nano(c)
-    st = {k: (v.float() if k.endswith(KEEP_F32) else v.to(torch.bfloat16).float()) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(st, strict=False)
-    assert not unexpected and all(k.endswith(".load") for k in missing), (missing, unexpected)
-    model.eval()
-    os.makedirs(a.out, exist_ok=True)
-    rel = {k: (v.float().contiguous() if k.endswith(KEEP_F32) else v.to(torch.bfloat16).contiguous())
-           for k, v in model.release_state_dict().items()}
-    save_file(rel, os.path.join(a.out, "model.safetensors"), metadata={"format": "pt"})
+    c, model, meta = nano_export.load_export_model(a.ckpt)
+    nano_export.write_weights(model, a.out)
     enc = Encoder(os.path.join(a.tok, "tiktoken.model"))
     assert enc.n_ranks + 256 == c.vocab_size, (enc.n_ranks, c.vocab_size)
     json.dump(nano_export.release_config(c, enc.n_ranks), open(os.path.join(a.out, "config.json"), "w"), indent=2)

@@ -124,6 +124,28 @@ def generate(model, ids, n, temp=0.8, top_k=40, seed=0):
     return ids
 
 
+def load_export_model(ckpt):
+    """The checkpoint's model with its weights rounded to the export dtypes (bf16, KEEP_F32
+    tensors f32), computing in f32 with exactly those values: (config, model, checkpoint meta)."""
+    cfgd, state, meta = load_ckpt(ckpt)
+    cfgd["dropout"] = 0.0
+    c = NanoConfig(**cfgd)
+    model = K3Nano(c)
+    st = {k: (v.float() if k.endswith(KEEP_F32) else v.to(torch.bfloat16).float()) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(st, strict=False)
+    assert not unexpected and all(k.endswith(".load") for k in missing), (missing, unexpected)
+    model.eval()
+    return c, model, meta
+
+
+def write_weights(model, out):
+    """`out`/model.safetensors: the release tensor names, bf16 (KEEP_F32 tensors f32)."""
+    os.makedirs(out, exist_ok=True)
+    rel = {k: (v.float().contiguous() if k.endswith(KEEP_F32) else v.to(torch.bfloat16).contiguous())
+           for k, v in model.release_state_dict().items()}
+    save_file(rel, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="runs/h200/best")
@@ -133,20 +155,8 @@ def main():
     ap.add_argument("--out", default="../../models/k3-nano")
     ap.add_argument("--sample_tokens", type=int, default=80)
     a = ap.parse_args()
-    cfgd, state, meta = load_ckpt(a.ckpt)
-    cfgd["dropout"] = 0.0
-    c = NanoConfig(**cfgd)
-    model = K3Nano(c)
-    # round to the export dtypes, then compute in f32 with exactly those values
-    st = {k: (v.float() if k.endswith(KEEP_F32) else v.to(torch.bfloat16).float()) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(st, strict=False)
-    assert not unexpected and all(k.endswith(".load") for k in missing), (missing, unexpected)
-    model.eval()
-    os.makedirs(a.out, exist_ok=True)
-    rel = {}
-    for k, v in model.release_state_dict().items():
-        rel[k] = v.float().contiguous() if k.endswith(KEEP_F32) else v.to(torch.bfloat16).contiguous()
-    save_file(rel, os.path.join(a.out, "model.safetensors"), metadata={"format": "pt"})
+    c, model, _ = load_export_model(a.ckpt)
+    write_weights(model, a.out)
     enc = load_encoding(a.tok)
     n_ranks = enc.n_vocab - 256
     json.dump(release_config(c, n_ranks), open(os.path.join(a.out, "config.json"), "w"), indent=2)
