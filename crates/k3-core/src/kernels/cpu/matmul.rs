@@ -452,22 +452,27 @@ mod tests {
         }
     }
 
-    #[test]
-    fn all_formats_all_paths() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    /// A random 67×96 weight matrix in every format (F32, BF16, F16, MXFP4), from `seed`.
+    fn every_format(seed: u64) -> [Matrix; 4] {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let (n, k) = (67, 96);
         let wf: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
         let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
         let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.random()).collect();
         let scale: Vec<u8> = (0..n * k / 32).map(|_| rng.random_range(110..135)).collect();
-        let mats = [
+        [
             Matrix::dense(Tensor::from_f32(vec![n, k], &wf).unwrap()).unwrap(),
             Matrix::dense(Tensor::from_bf16(vec![n, k], &wb).unwrap()).unwrap(),
             Matrix::dense(Tensor::from_bytes(DType::F16, vec![n, k], bytemuck::cast_slice(&wh)).unwrap()).unwrap(),
             Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap())
                 .unwrap(),
-        ];
+        ]
+    }
+
+    #[test]
+    fn all_formats_all_paths() {
+        let mats = every_format(7);
         for w in &mats {
             for t in [1, 3, 5, 70, 130] {
                 check(w, t, t as u64);
@@ -480,18 +485,9 @@ mod tests {
     /// many-row call is allowed to differ (it takes the GEMM), which is why the mode exists.
     #[test]
     fn row_exact_rows_equal_single_rows() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let mats = every_format(9);
         let (n, k) = (67, 96);
-        let wf: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
-        let packed: Vec<u8> = (0..n * k / 2).map(|_| rng.random()).collect();
-        let scale: Vec<u8> = (0..n * k / 32).map(|_| rng.random_range(110..135)).collect();
-        let mats = [
-            Matrix::dense(Tensor::from_f32(vec![n, k], &wf).unwrap()).unwrap(),
-            Matrix::dense(Tensor::from_bf16(vec![n, k], &wb).unwrap()).unwrap(),
-            Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![n, k / 2], &packed).unwrap(), Tensor::from_bytes(DType::U8, vec![n, k / 32], &scale).unwrap())
-                .unwrap(),
-        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(10);
         for w in &mats {
             for t in [2, 4, 5, 9, 33] {
                 let x: Vec<f32> = (0..t * k).map(|_| rng.random_range(-1.0..1.0)).collect();
