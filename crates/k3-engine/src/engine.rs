@@ -16,7 +16,9 @@
 //! [`Event::error`] set.
 //!
 //! With speculative decoding on ([`EngineConfig::spec`], `crate::spec`), decode steps draft
-//! tokens and verify them in one forward (`engine/spec_step.rs`, in `src/spec/`).
+//! tokens and verify them in one forward (`spec/engine_step.rs`). On a runner that overlaps
+//! steps (a pipeline layout, [`Runner::depth`] > 1) a step per stage is in flight, each over
+//! other sequences (`dist/engine_step.rs`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -35,6 +37,8 @@ use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::spec::{SpecConfig, SpecStats};
 use crate::stop::{StopCheck, StopMatcher};
 
+#[path = "dist/engine_step.rs"]
+mod pipe_step;
 #[path = "spec/engine_step.rs"]
 mod spec_step;
 pub use spec_step::ProposerFactory;
@@ -111,11 +115,22 @@ pub struct EngineConfig {
     pub prefix: Option<PrefixConfig>,
     /// Speculative decoding (`--speculative`, `--num-speculative-tokens`); off by default.
     pub spec: SpecConfig,
+    /// Most steps in flight at once on a runner that overlaps them (`--pipeline-depth`; the
+    /// runner's depth, its pipeline stages, when `None`; 1 runs one step at a time).
+    pub pipeline_depth: Option<usize>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 32, prefill_chunk: 512, max_step_tokens: 1024, kda_state: Default::default(), prefix: None, spec: Default::default() }
+        EngineConfig {
+            max_batch: 32,
+            prefill_chunk: 512,
+            max_step_tokens: 1024,
+            kda_state: Default::default(),
+            prefix: None,
+            spec: Default::default(),
+            pipeline_depth: None,
+        }
     }
 }
 
@@ -154,6 +169,8 @@ struct Sequence {
     prefix: Admission,
     /// The proposer and draft count when this sequence speculates.
     spec: Option<spec_step::SeqSpec>,
+    /// A submitted step holds it (pipelined steps): not planned again until collected.
+    in_flight: bool,
 }
 
 pub struct Engine {
@@ -173,6 +190,8 @@ pub struct Engine {
     prefix_off: Option<String>,
     /// Speculative decoding's engine-wide part (request history, a plugged-in proposer).
     spec: spec_step::EngineSpec,
+    /// Submitted steps not yet collected, oldest first (pipelined steps).
+    flight: VecDeque<pipe_step::Flight>,
 }
 
 impl Engine {
@@ -206,6 +225,7 @@ impl Engine {
             prefix,
             prefix_off,
             spec: Default::default(),
+            flight: VecDeque::new(),
         }
     }
 
@@ -304,6 +324,7 @@ impl Engine {
             guide,
             prefix: Admission { keys, ..Default::default() },
             req,
+            in_flight: false,
         };
         self.waiting.push_back(seq);
         Ok(id)
@@ -323,7 +344,7 @@ impl Engine {
     }
 
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.flight.is_empty()
     }
     pub fn num_running(&self) -> usize {
         self.running.len()
@@ -340,10 +361,33 @@ impl Engine {
         std::mem::take(&mut self.finished_stats)
     }
 
-    /// Runs one batched forward pass and returns the tokens it produced.
+    /// Runs one batched forward pass and returns the tokens it produced (pipelined: submits
+    /// one step and, once the pipeline is full, collects the oldest).
     pub fn step(&mut self) -> Result<Vec<Event>> {
-        // Admit waiting sequences while there is room (and, on the GPU, a free state slot).
         let limit = self.runner.config().max_context();
+        self.admit_waiting(limit)?;
+        let depth = self.pipeline_depth();
+        if depth > 1 {
+            return self.pipe_step(depth, limit);
+        }
+        if self.running.is_empty() {
+            return Ok(Vec::new());
+        }
+        let plan = self.plan_step(usize::MAX);
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.speculating() == Ok(true) {
+            return self.spec_run(plan, limit);
+        }
+        let (mut events, mut finished) = (Vec::new(), Vec::new());
+        self.plain_forward(&plan, limit, &mut events, &mut finished)?;
+        self.reap(finished);
+        Ok(events)
+    }
+
+    /// Admits waiting sequences while there is room (and, on the GPU, a free state slot).
+    fn admit_waiting(&mut self, limit: usize) -> Result<()> {
         let mut deferred = Vec::new();
         while self.running.len() < self.config.max_batch {
             match self.waiting.pop_front() {
@@ -377,21 +421,23 @@ impl Engine {
         for s in deferred.into_iter().rev() {
             self.waiting.push_front(s);
         }
-        if self.running.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Plan: decode tokens first, then prefill chunks within the budget.
+        Ok(())
+    }
+
+    /// The next step's plan (running index, new tokens) over the sequences no step in flight
+    /// holds: up to `max_decode` decode tokens first, then prefill chunks within the budget.
+    fn plan_step(&self, max_decode: usize) -> Vec<(usize, Vec<u32>)> {
         let mut budget = self.config.max_step_tokens.max(1);
         let mut plan: Vec<(usize, Vec<u32>)> = Vec::new();
-        for (i, s) in self.running.iter().enumerate() {
-            if s.done == s.req.prompt.len() {
+        for (i, s) in self.running.iter().enumerate().filter(|(_, s)| !s.in_flight) {
+            if s.done == s.req.prompt.len() && plan.len() < max_decode {
                 if let Some(&last) = s.output.last() {
                     plan.push((i, vec![last]));
                     budget = budget.saturating_sub(1);
                 }
             }
         }
-        for (i, s) in self.running.iter().enumerate() {
+        for (i, s) in self.running.iter().enumerate().filter(|(_, s)| !s.in_flight) {
             let left = s.req.prompt.len() - s.done;
             if left > 0 && budget > 0 {
                 let n = match &self.prefix {
@@ -406,16 +452,7 @@ impl Engine {
                 budget = budget.saturating_sub(n);
             }
         }
-        if plan.is_empty() {
-            return Ok(Vec::new());
-        }
-        if self.speculating() == Ok(true) {
-            return self.spec_run(plan, limit);
-        }
-        let (mut events, mut finished) = (Vec::new(), Vec::new());
-        self.plain_forward(&plan, limit, &mut events, &mut finished)?;
-        self.reap(finished);
-        Ok(events)
+        plan
     }
 
     /// One plain forward of `plan` (running index, new tokens): positions advance, the prefix
@@ -427,17 +464,33 @@ impl Engine {
         // The step every rank runs: ids and new tokens, and a prefill chunk's own input rows.
         let seqs = plan.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
         let logits = self.runner.forward(Step { seqs, last_only: true, released: Vec::new() })?;
+        let plan: Vec<(usize, usize)> = plan.iter().map(|(i, t)| (*i, t.len())).collect();
+        self.take_logits(&plan, &logits, t0, limit, events, finished)
+    }
+
+    /// A completed step's logits `[plan.len(), vocab]` for `plan` (running index, tokens it
+    /// consumed), started at `t0`: positions advance, the prefix states it wrote are published,
+    /// and every entry at the end of its prompt or decoding emits its next token.
+    fn take_logits(
+        &mut self,
+        plan: &[(usize, usize)],
+        logits: &[f32],
+        t0: Instant,
+        limit: usize,
+        events: &mut Vec<Event>,
+        finished: &mut Vec<usize>,
+    ) -> Result<()> {
         let vocab = self.runner.config().text.vocab_size;
         if logits.len() != plan.len() * vocab {
             return Err(EngineError::Internal(format!("the runner returned {} logits for {} sequences of vocabulary {vocab}", logits.len(), plan.len())));
         }
-        for (i, toks) in plan {
-            self.running[*i].pos += toks.len();
+        for &(i, n) in plan {
+            self.running[i].pos += n;
         }
         // Publish the prefix states this completed step wrote (prompt grid points only).
         if let Some(pc) = self.prefix.as_mut() {
-            for (i, _) in plan {
-                let s = &self.running[*i];
+            for &(i, _) in plan {
+                let s = &self.running[i];
                 if s.done < s.req.prompt.len() {
                     pc.after_step(&mut *self.runner, s.id, s.req.prompt.len(), s.pos, &s.prefix)?;
                 }
@@ -445,10 +498,10 @@ impl Engine {
         }
         let dt = t0.elapsed();
         let eos = self.runner.config().eos_token_ids.clone();
-        for ((i, toks), lg) in plan.iter().zip(logits.chunks_exact(vocab)) {
-            let s = &mut self.running[*i];
+        for (&(i, n), lg) in plan.iter().zip(logits.chunks_exact(vocab)) {
+            let s = &mut self.running[i];
             if s.done < s.req.prompt.len() {
-                s.done += toks.len();
+                s.done += n;
                 s.stats.prefill_time += dt;
                 if s.done < s.req.prompt.len() {
                     continue; // more prompt to go: no token yet
@@ -459,7 +512,7 @@ impl Engine {
             let (sampled, error) = sample_next(s, lg);
             let ev = push_token(s, sampled, error, self.tokenizer.as_deref(), &eos, limit, self.masks.as_ref());
             if ev.finish.is_some() {
-                finished.push(*i);
+                finished.push(i);
             }
             events.push(ev);
         }

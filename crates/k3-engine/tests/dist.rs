@@ -7,9 +7,10 @@
 //! same tokens in the same order. A rank that fails or panics gives an error naming it, on
 //! time, and the runner stays failed; bad layouts and multi-GPU are refused with the flag.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use k3_engine::dist::runner::{self, Fault, Runner, RunnerSpec, Step, StepSeq, ThreadRunner};
+use k3_engine::dist::runner::{self, Fault, RankOptions, Runner, RunnerSpec, Step, StepSeq, ThreadRunner};
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
 use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Model, Parallel};
@@ -88,10 +89,123 @@ fn engine_on_threads_equals_plain_engine() {
     let ck = ck();
     let plain = run_all(&mut Engine::new(Arc::new(Model::load(&ck).unwrap()), None, cfg()));
     assert_eq!(plain.iter().filter(|e| e.2).count(), 5);
-    for p in [par(2, None, 1), par(1, None, 2), par(2, None, 2)] {
-        let mut e = Engine::with_runner(Box::new(ThreadRunner::start(&ck, p, StateDType::F32).unwrap()), None, cfg());
+    // One step at a time: the same tokens in the same order.
+    for (p, depth) in [(par(2, None, 1), None), (par(1, None, 2), Some(1)), (par(2, None, 2), Some(1))] {
+        let mut e = Engine::with_runner(Box::new(ThreadRunner::start(&ck, p, StateDType::F32).unwrap()), None, EngineConfig { pipeline_depth: depth, ..cfg() });
         assert_eq!(run_all(&mut e), plain, "{p:?}");
     }
+}
+
+/// The tests of scheduling invariances (pipelined = one step at a time, a cancel leaves the
+/// others unchanged): this random-weight fixture's router scores tie to the last bit, so a
+/// sequence's tokens can depend on which others share its steps unless every projection is
+/// row-exact, and on how its prompt is chunked — hence batch-invariant ranks and whole-prompt
+/// prefill chunks.
+fn invariant(ck: &Checkpoint, p: Parallel) -> ThreadRunner {
+    ThreadRunner::start_with(ck, p, StateDType::F32, RankOptions { batch_invariant: true, ..Default::default() }).unwrap()
+}
+
+fn whole() -> EngineConfig {
+    EngineConfig { prefill_chunk: 64, max_step_tokens: 128, ..cfg() }
+}
+
+/// The script's tokens per sequence on one batch-invariant rank, one step at a time.
+fn plain_per_seq(ck: &Checkpoint) -> std::collections::BTreeMap<u64, Vec<(u32, bool)>> {
+    let one = ThreadRunner::single_with(Arc::new(Model::load(ck).unwrap()), StateDType::F32, RankOptions { batch_invariant: true, ..Default::default() });
+    per_seq(&run_all(&mut Engine::with_runner(Box::new(one), None, whole())))
+}
+
+/// Each sequence's tokens in order (and where it finished), whatever the interleaving.
+fn per_seq(events: &[(u64, u32, bool)]) -> std::collections::BTreeMap<u64, Vec<(u32, bool)>> {
+    let mut m = std::collections::BTreeMap::<u64, Vec<(u32, bool)>>::new();
+    for &(s, t, f) in events {
+        m.entry(s).or_default().push((t, f));
+    }
+    m
+}
+
+/// A runner that counts the steps in flight through it (submitted, not yet collected).
+struct Counting {
+    inner: ThreadRunner,
+    now: usize,
+    most: Arc<AtomicUsize>,
+}
+
+impl Runner for Counting {
+    fn config(&self) -> &k3_model::Config {
+        self.inner.config()
+    }
+    fn embed(&self, ids: &[u32]) -> k3_engine::Result<Vec<f32>> {
+        self.inner.embed(ids)
+    }
+    fn release(&mut self, id: u64) {
+        self.inner.release(id)
+    }
+    fn forward(&mut self, step: Step) -> k3_engine::Result<Vec<f32>> {
+        self.most.fetch_max(1, Ordering::Relaxed);
+        self.inner.forward(step)
+    }
+    fn depth(&self) -> usize {
+        self.inner.depth()
+    }
+    fn submit(&mut self, step: Step) -> k3_engine::Result<()> {
+        self.now += 1;
+        self.most.fetch_max(self.now, Ordering::Relaxed);
+        self.inner.submit(step)
+    }
+    fn collect(&mut self) -> k3_engine::Result<Vec<f32>> {
+        self.now -= 1;
+        self.inner.collect()
+    }
+    fn state_bytes(&self) -> usize {
+        self.inner.state_bytes()
+    }
+}
+
+#[test]
+fn pipelined_steps_equal_one_step_at_a_time() {
+    // The runner: two steps in flight (submit, submit, collect, collect) give the logits of
+    // the same steps run one at a time, bit for bit, on every pipeline layout.
+    let ck = ck();
+    let a = || vec![seq(1, &[5, 17, 200, 3, 99]), seq(2, &[300, 12, 1])];
+    let b = || vec![seq(3, &[4, 4, 100]), seq(4, &[7])];
+    let a2 = || vec![seq(1, &[11]), seq(2, &[60])];
+    let step = |seqs| Step { seqs, last_only: true, released: vec![] };
+    for p in [par(1, None, 2), par(2, None, 2), par(1, None, 3), par(3, None, 2)] {
+        let mut one = ThreadRunner::start(&ck, p, StateDType::F32).unwrap();
+        let want: Vec<Vec<f32>> = [a(), b(), a2()].into_iter().map(|s| one.forward(step(s)).unwrap()).collect();
+        let mut r = ThreadRunner::start(&ck, p, StateDType::F32).unwrap();
+        assert_eq!(r.depth(), p.pp);
+        r.submit(step(a())).unwrap();
+        r.submit(step(b())).unwrap();
+        let got_a = r.collect().unwrap();
+        r.submit(step(a2())).unwrap();
+        let got = [got_a, r.collect().unwrap(), r.collect().unwrap()];
+        assert_eq!(got.as_slice(), want.as_slice(), "{p:?}: overlapped steps differ from one at a time");
+        assert!(r.forward(step(vec![seq(5, &[1])])).is_ok(), "{p:?}: a plain step after the pipeline drained");
+        r.submit(step(vec![seq(6, &[1])])).unwrap();
+        let err = r.forward(step(vec![seq(7, &[1])])).unwrap_err().to_string();
+        assert!(err.contains("not collected"), "{p:?}: {err}");
+    }
+    // The engine: with a step per stage in flight, every sequence's tokens equal the plain
+    // engine's (the steps hold other groups of sequences, so only the interleaving differs),
+    // and two steps really were in flight at once.
+    let plain = plain_per_seq(&ck);
+    for p in [par(1, None, 2), par(2, None, 2), par(1, None, 3)] {
+        let most = Arc::new(AtomicUsize::new(0));
+        let r = Counting { inner: invariant(&ck, p), now: 0, most: most.clone() };
+        let mut e = Engine::with_runner(Box::new(r), None, whole());
+        let got = per_seq(&run_all(&mut e));
+        assert_eq!(got, plain, "{p:?}: pipelined tokens differ");
+        let most = most.load(Ordering::Relaxed);
+        assert!(most >= 2 && most <= p.pp, "{p:?}: at most {most} steps were in flight");
+    }
+    // --pipeline-depth 1: one step at a time on the same layout.
+    let most = Arc::new(AtomicUsize::new(0));
+    let r = Counting { inner: invariant(&ck, par(1, None, 2)), now: 0, most: most.clone() };
+    let got = per_seq(&run_all(&mut Engine::with_runner(Box::new(r), None, EngineConfig { pipeline_depth: Some(1), ..whole() })));
+    assert_eq!(got, plain);
+    assert_eq!(most.load(Ordering::Relaxed), 1);
 }
 
 #[test]
@@ -129,4 +243,68 @@ fn bad_layouts_and_multi_gpu_are_refused() {
         RunnerSpec { par: par(2, None, 1), device: Some(0), kda_state: StateDType::F32, max_seqs: 1, max_cache_tokens: 64, cuda_graphs: false, gpu_f32: false };
     let err = runner::load(&ck, &spec).err().unwrap().to_string();
     assert!(err.contains("--tp 2") && err.contains("one process per GPU") && err.contains("docs/parallel.md"), "{err}");
+}
+
+#[test]
+fn pipelined_cancellation_and_failures() {
+    let ck = self::ck();
+    // A sequence cancelled while its step is in flight: the others' tokens are unchanged.
+    let plain = plain_per_seq(&ck);
+    let mut e = Engine::with_runner(Box::new(invariant(&ck, par(1, None, 2))), None, whole());
+    let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (0..4 + 9 * i).map(|j| (5 + 31 * i + 17 * j) % 384).collect()).collect();
+    let mut events = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut req = Request::new(p.clone(), SamplingParams::greedy(), 6 + i);
+        if i == 2 {
+            let rows: Vec<f32> = e.embed(p).unwrap().iter().map(|x| -x * 1.5).collect();
+            req.prompt_embeds = Some(Arc::new(rows));
+        }
+        e.add(req).unwrap();
+    }
+    let (mut steps, mut cancelled) = (0, false);
+    while e.has_work() {
+        let evs: Vec<_> = e.step().unwrap().iter().map(|ev| (ev.seq, ev.token, ev.finish.is_some())).collect();
+        // Sequence 3 decoding but not in this step's tokens: a step in flight holds it.
+        if !cancelled && events.iter().filter(|ev: &&(u64, u32, bool)| ev.0 == 3).count() >= 2 && !evs.iter().any(|ev| ev.0 == 3) {
+            assert!(e.cancel(3), "sequence 3 was running");
+            cancelled = true;
+        }
+        events.extend(evs);
+        steps += 1;
+        assert!(steps < 1000);
+    }
+    assert!(cancelled, "sequence 3 was never held by a step in flight");
+    let got = per_seq(&events);
+    assert!(got[&3].len() < plain[&3].len(), "sequence 3 ran to its end despite the cancel");
+    assert_eq!(got[&3][..], plain[&3][..got[&3].len()], "sequence 3 before its cancel");
+    for id in [1, 2, 4, 5] {
+        assert_eq!(got.get(&id), plain.get(&id), "sequence {id} changed when sequence 3 was cancelled mid-flight");
+    }
+    // A rank failing with several steps in flight: named, on time, and the engine stays failed.
+    for (p, fault) in [
+        (par(1, None, 2), Fault { rank: 1, at_step: 3, panic: false }), // the last stage; rank 0 is a step ahead
+        (par(1, None, 2), Fault { rank: 0, at_step: 4, panic: true }),  // rank 0 while the last stage runs its step
+        (par(2, None, 2), Fault { rank: 2, at_step: 2, panic: false }),
+    ] {
+        let what = format!("{p:?} {fault:?}");
+        let (first, again) = within(120, &what, move || {
+            let r = ThreadRunner::start_with_fault(&self::ck(), p, StateDType::F32, Some(fault)).unwrap();
+            let mut e = Engine::with_runner(Box::new(r), None, cfg());
+            for i in 0..3u32 {
+                e.add(Request::new(vec![5 + i, 17, 200, 3], SamplingParams::greedy(), 8)).unwrap();
+            }
+            let first = loop {
+                match e.step() {
+                    Ok(_) => assert!(e.has_work(), "{fault:?} never fired"),
+                    Err(err) => break err.to_string(),
+                }
+            };
+            let again = e.step().unwrap_err().to_string();
+            drop(e);
+            (first, again)
+        });
+        let rank = format!("rank {} failed", fault.rank);
+        assert!(first.contains(&rank), "{what}: {first}");
+        assert!(again.contains(&rank) && again.contains("stopped"), "{what}: {again}");
+    }
 }

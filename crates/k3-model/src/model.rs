@@ -99,11 +99,15 @@ pub struct ForwardOpts {
     pub mla: MlaForm,
     /// Compute logits only for the last position.
     pub last_only: bool,
+    /// On rank 0 of a pipeline layout: return (no logits) once the residual state is sent to
+    /// the next stage; the logits then come from [`Model::recv_logits`], so rank 0 can start
+    /// the next step while the later stages run this one (the engine's pipelined steps).
+    pub defer_logits: bool,
 }
 
 impl Default for ForwardOpts {
     fn default() -> Self {
-        ForwardOpts { kda: KdaMode::Auto, mla: MlaForm::Auto, last_only: false }
+        ForwardOpts { kda: KdaMode::Auto, mla: MlaForm::Auto, last_only: false, defer_logits: false }
     }
 }
 
@@ -300,8 +304,8 @@ impl Model {
 
     /// The packed forward: `emb` `[N, H]` holds `lens[i]` rows of sequence i (on the first
     /// pipeline stage; later stages pass an empty `emb` and receive the residual state from the
-    /// stage before). Returns the logits on the ranks of the first and the last stage, an empty
-    /// vector on the stages between.
+    /// stage before). Returns the logits on the ranks of the last stage and on rank 0 (which
+    /// samples; unless `opts.defer_logits`), an empty vector on the other ranks.
     pub fn forward_varlen(&self, emb: Vec<f32>, lens: &[usize], states: &mut [&mut SeqState], opts: ForwardOpts, mut trace: Trace<'_>) -> Result<Vec<f32>> {
         let h = self.config.text.hidden_size;
         let t: usize = lens.iter().sum();
@@ -389,8 +393,8 @@ impl Model {
         }
         let Some(head) = &self.head else {
             res.send(&*g.world, plan.peer_in_stage(plan.stage + 1))?;
-            // The first stage gets the logits back from the last one.
-            return if first { Ok(g.world.recv(plan.peer_in_stage(plan.par.pp - 1))?) } else { Ok(Vec::new()) };
+            // Rank 0 (it samples) gets the logits back from the last stage.
+            return if plan.rank == 0 && !opts.defer_logits { self.recv_logits() } else { Ok(Vec::new()) };
         };
         let mut hout = head.output_attn_res.mix(&res.output_sources(), t);
         rms_norm_inplace(&mut hout, &head.norm, eps);
@@ -409,10 +413,20 @@ impl Model {
             hout
         };
         let logits = gather_vocab(g.tp.all_gather(&lin(&x, rows, &head.lm_head)?)?, rows);
-        if plan.par.pp > 1 {
-            g.world.send(plan.peer_in_stage(0), &logits)?;
+        if plan.par.pp > 1 && plan.peer_in_stage(0) == 0 {
+            g.world.send(0, &logits)?;
         }
         Ok(logits)
+    }
+
+    /// On rank 0 of a pipeline layout: the logits of the oldest step run with
+    /// [`ForwardOpts::defer_logits`] (the last stage sends them in step order).
+    pub fn recv_logits(&self) -> Result<Vec<f32>> {
+        let plan = &self.plan;
+        if plan.rank != 0 || plan.par.pp == 1 {
+            return Err(ModelError::Input(format!("rank {} of --pp {}: only rank 0 of a pipeline layout receives the logits", plan.rank, plan.par.pp)));
+        }
+        Ok(self.groups.world.recv(plan.peer_in_stage(plan.par.pp - 1))?)
     }
 }
 

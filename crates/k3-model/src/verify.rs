@@ -31,7 +31,7 @@ impl Model {
     /// [`SeqState::rollback`]. Returns logits `[N, vocab]`. A plain decode row (`lens[i] = 1`)
     /// may share the call: it gets its batch-of-one logits.
     pub fn forward_verify(&self, emb: Vec<f32>, lens: &[usize], states: &mut [&mut SeqState]) -> Result<Vec<f32>> {
-        let opts = ForwardOpts { kda: KdaMode::Verify, mla: MlaForm::Auto, last_only: false };
+        let opts = ForwardOpts { kda: KdaMode::Verify, mla: MlaForm::Auto, last_only: false, defer_logits: false };
         with_row_exact(true, || self.forward_varlen(emb, lens, states, opts, None))
     }
 }

@@ -250,7 +250,7 @@ async fn models(State(s): State<AppState>) -> Response {
         "object": "list",
         "data": [{
             "id": s.cfg.served_model_name, "object": "model", "created": s.created, "owned_by": "k3rs",
-            "max_model_len": s.max_context,
+            "max_model_len": s.max_context, "vocab_size": s.vocab,
         }],
     });
     axum::Json(m).into_response()

@@ -69,6 +69,8 @@ pub struct ServeOptions {
     pub gpu_f32: bool,
     /// The prefix cache (`--prefix-cache-grid`, `--prefix-cache-mem`); `None`: `--no-prefix-cache`.
     pub prefix_cache: Option<PrefixConfig>,
+    /// Steps in flight at once on a pipeline layout (`--pipeline-depth`; `None`: one per stage).
+    pub pipeline_depth: Option<usize>,
 }
 
 /// Runs `k3 serve` until interrupted, the model laid out as `par` (`--tp/--ep/--pp`, parsed by
@@ -98,6 +100,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         kda_state: a.kda_state,
         spec: a.spec,
         prefix: a.prefix_cache.clone(),
+        pipeline_depth: a.pipeline_depth,
     };
     let spec =
         RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: a.cuda_graphs, gpu_f32 };

@@ -18,6 +18,9 @@
 //! Speculative mode (`--speculative ngram,suffix`): speculative against plain greedy decoding on
 //! text-repeating workloads, tokens/s and acceptance; see `bench_spec.rs`.
 //!
+//! Pipeline mode (`--tp T --pp P`, P > 1): a pipeline layout's ranks as threads, pipelined
+//! steps against one step at a time; see `bench_pipeline.rs`.
+//!
 //! Constrained mode (`--json-schema FILE`, with the model mode's flags): decode with and without
 //! the schema as the output constraint in one run, and the per-token mask cost; see
 //! `bench_grammar.rs`.
@@ -27,6 +30,9 @@
 //!
 //! GPU model mode (`--device cuda --model DIR [--prompt-len T] [--batches 1,16,64] [--context C]`):
 //! the whole model on the GPU, see `bench_cuda.rs`.
+//!
+//! Serve mode (`k3 bench serve --base-url URL ...`): a load generator for a running server; see
+//! `bench_serve.rs`.
 //!
 //! `--device` and `--op` pick the mode ([`Mode`]); each mode's flags are one group in [`Args`]
 //! and one heading in `k3 bench --help`.
@@ -41,8 +47,10 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 #[derive(clap::Args)]
-#[command(after_help = BENCH_MODES)]
+#[command(after_help = BENCH_MODES, args_conflicts_with_subcommands = true)]
 pub struct Args {
+    #[command(subcommand)]
+    pub sub: Option<BenchCommand>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// cpu | cuda (GPU 0; needs a k3 built with `--features cuda`). With --op: one op; without:
@@ -63,14 +71,27 @@ pub struct Args {
     pub op: OpMode,
     #[command(flatten)]
     pub timing: GpuTiming,
+    /// `--tp/--ep/--pp` with `--pp` > 1 (CPU): pipelined steps against one step at a time.
+    #[command(flatten)]
+    pub parallel: super::args::ParallelArgs,
+}
+
+/// `k3 bench SUBCOMMAND`.
+#[derive(clap::Subcommand)]
+pub enum BenchCommand {
+    /// Load an OpenAI-compatible server (`k3 serve`) with streaming completions: TTFT, TPOT,
+    /// ITL percentiles and throughput (like `vllm bench serve`).
+    Serve(super::bench_serve::ServeBenchArgs),
 }
 
 /// The modes, as README's `k3` section lists them.
 const BENCH_MODES: &str = "\
 Modes:
+  k3 bench serve --base-url URL [--max-concurrency C] [--num-prompts N] [--input-len I] [--output-len O]   load a server
   k3 bench [--model DIR] --prompt-len P --gen-len G [--batch B] [--threads N]
   k3 bench --json-schema FILE [--model DIR] [--prompt-len P --gen-len G --batch B]   constrained decoding overhead
   k3 bench --speculative ngram,suffix [--num-speculative-tokens K] [--gen-len G]   speculative vs plain decoding
+  k3 bench --tp T --pp P [--batch B --prompt-len L --gen-len G]   pipelined steps vs one at a time (ranks as threads)
   k3 bench --op gemv 3072 3584                     expert GEMV: MXFP4 vs BF16 vs F32, GB/s
   k3 bench --op dsa 4096 16384 65536 --model DIR   DSA layer per-token cost vs dense
   k3 bench --device cuda --model DIR --prompt-len 4096 --batches 1,16,64 --context 512 [--profile]
@@ -183,6 +204,9 @@ const CPU_OPS: &[&str] = &["gemv", "dsa"];
 const CUDA_OPS: &[&str] = &["gemm", "gemv", "copy", "rmsnorm", "dsa"];
 
 pub fn run(a: Args) -> Result<()> {
+    if let Some(BenchCommand::Serve(s)) = a.sub {
+        return super::bench_serve::run(s);
+    }
     if let Some(n) = a.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("--threads: the thread pool was already started")?;
     }
@@ -207,10 +231,11 @@ pub fn run(a: Args) -> Result<()> {
         _ => bail!("--device `{}`: use cpu or cuda", a.device),
     };
     match mode {
-        Mode::CpuModel => match (&a.run.json_schema, &a.run.speculative) {
-            (Some(f), _) => super::bench_grammar::bench_grammar(&a, f),
-            (None, Some(m)) => super::bench_spec::bench_spec(&a, m),
-            (None, None) => bench_model(&a),
+        Mode::CpuModel => match (&a.run.json_schema, &a.run.speculative, a.parallel.parallel()?) {
+            (Some(f), _, _) => super::bench_grammar::bench_grammar(&a, f),
+            (None, Some(m), _) => super::bench_spec::bench_spec(&a, m),
+            (None, None, Some(par)) => super::bench_pipeline::bench_pipeline(&a, par),
+            (None, None, None) => bench_model(&a),
         },
         Mode::CpuDsa => bench_cpu_dsa(&a),
         Mode::CpuGemv => bench_cpu_gemv(&a),

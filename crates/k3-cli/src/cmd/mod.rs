@@ -4,6 +4,8 @@ pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod bench_cuda;
 pub mod bench_grammar;
+pub mod bench_pipeline;
+pub mod bench_serve;
 pub mod bench_spec;
 pub mod init;
 pub mod inspect;

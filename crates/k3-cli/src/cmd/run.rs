@@ -102,6 +102,7 @@ pub fn run(a: Args) -> Result<()> {
         kda_state: a.kda_state.kda_state.into(),
         spec: a.spec.config()?,
         prefix: None,
+        pipeline_depth: None,
     };
     let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
     let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };

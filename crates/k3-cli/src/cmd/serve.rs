@@ -81,6 +81,10 @@ pub struct Args {
     pub precision: PrecisionArgs,
     #[command(flatten)]
     pub parallel: ParallelArgs,
+    /// Steps in flight at once on a pipeline layout (default: one per --pp stage, so every
+    /// stage works on another group of sequences); 1 runs one step at a time.
+    #[arg(long)]
+    pub pipeline_depth: Option<usize>,
     #[command(flatten)]
     pub launch: LaunchArgs,
     #[command(flatten)]
@@ -89,6 +93,9 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let par = a.parallel.layout()?;
+    if a.pipeline_depth == Some(0) {
+        anyhow::bail!("--pipeline-depth 0: give 1 (one step at a time) up to --pp (a step per stage in flight)");
+    }
     let model = a.model.chat_dir()?;
     let device = a.device.ordinal()?;
     let gpu_f32 = a.precision.gpu_f32(device)?;
@@ -118,6 +125,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         cuda_graphs: !a.no_cuda_graphs,
         gpu_f32,
         prefix_cache: a.prefix.config(),
+        pipeline_depth: a.pipeline_depth,
     };
     k3_server::run_serve(opts, par, &a.launch.node())?;
     Ok(())

@@ -3,8 +3,10 @@
 //!
 //! - [`step`]: the per-step message rank 0 sends every rank (the planned sequences, their new
 //!   tokens and own input rows, the released sequences) and its byte form.
-//! - [`runner`]: the runner interface the engine drives, and ranks as threads on the CPU
-//!   (`k3 run --tp N --device cpu`), each step sent to every rank.
+//! - [`runner`]: the runner interface the engine drives, and one rank's worker.
+//! - [`threads`]: ranks as threads on the CPU (`k3 run --tp N --device cpu`), each step sent
+//!   to every rank; on a pipeline layout successive steps overlap across the stages.
+//! - `engine_step.rs` (a part of the engine): pipelined scheduling, a step per stage in flight.
 //! - [`process`]: ranks as processes: rank 0's runner over the control plane, the workers'
 //!   loop, and `launch`, which `k3 run` / `k3 serve` call to take their part.
 //! - [`monitor`]: rank 0's watch over the workers' links during a step (a dead worker
@@ -18,3 +20,4 @@ pub mod monitor;
 pub mod process;
 pub mod runner;
 pub mod step;
+pub mod threads;

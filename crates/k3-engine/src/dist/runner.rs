@@ -17,23 +17,22 @@
 //! - [`serve`]: a non-leader rank's loop: the next step from a [`StepSource`] (a channel of
 //!   encoded steps between threads, [`ChannelSource`]; the control plane between processes,
 //!   `dist::process::ControlSource`), apply it, reply with the outcome, until the source ends.
-//! - [`ThreadRunner`]: rank 0 is a [`Worker`] on the calling thread (it gets the logits: on a
-//!   pipeline layout the last stage sends them to the first); ranks 1.. are threads running
-//!   [`serve`]. A rank that fails or panics aborts the layout's groups, so no rank waits on it;
-//!   the caller gets the failing rank's own error ([`EngineError::Rank`]), and every later step
-//!   fails with it at once. Dropping the runner ends the threads.
+//! - [`ThreadRunner`] (`dist::threads`): rank 0 on the calling thread, the other ranks as
+//!   threads running [`serve`]; on a pipeline layout it overlaps the stages of successive
+//!   steps ([`Runner::depth`], [`Runner::submit`], [`Runner::collect`]).
 
 use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
+use k3_core::kernels::cpu::matmul::with_row_exact;
 use k3_model::layers::kda::StateDType;
-use k3_model::parallel::{Groups, Parallel};
+use k3_model::parallel::Parallel;
 use k3_model::{Checkpoint, Config, ForwardOpts, Model, ModelError, SeqState};
 
 pub use super::step::{Step, StepSeq};
+pub use super::threads::ThreadRunner;
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 use crate::gpu::load_gpu;
@@ -61,6 +60,23 @@ pub trait Runner: Send {
     fn release(&mut self, id: SeqId);
     /// One batched forward: logits `[B, vocab]` with `step.last_only` (else `[N, vocab]`).
     fn forward(&mut self, step: Step) -> Result<Vec<f32>>;
+    /// Steps this runner can have in flight at once: the pipeline stages when it overlaps
+    /// them (a step's later stages run while rank 0 starts the next), else 1. With more than
+    /// one the engine drives [`Runner::submit`] and [`Runner::collect`] instead of `forward`,
+    /// each step holding other sequences.
+    fn depth(&self) -> usize {
+        1
+    }
+    /// Starts `step` (sequences no step in flight holds) and returns once rank 0's part of it
+    /// is under way; [`Runner::collect`] returns its logits, steps in submit order.
+    fn submit(&mut self, step: Step) -> Result<()> {
+        let _ = step;
+        Err(EngineError::Internal("this runner does not overlap steps (depth 1): use forward".into()))
+    }
+    /// The logits of the oldest submitted step (as [`Runner::forward`] returns them).
+    fn collect(&mut self) -> Result<Vec<f32>> {
+        Err(EngineError::Internal("this runner does not overlap steps (depth 1): use forward".into()))
+    }
     /// Bytes held by live sequence states (on a parallel layout, every rank's, as last reported).
     fn state_bytes(&self) -> usize;
     /// Aborts this runner's collectives with `why` (a peer failed: whatever waits on it stops).
@@ -131,8 +147,14 @@ pub trait RankWorker {
 /// [`RankWorker::apply`] that turns an error or a panic into a [`Failure`] and aborts the
 /// rank's collectives, so that its peers stop waiting for it.
 pub fn run_step<W: RankWorker + ?Sized>(w: &mut W, step: &Step) -> std::result::Result<Vec<f32>, Failure> {
+    guarded(w, |w| w.apply(step))
+}
+
+/// `f` on rank `w`, its error or panic turned into a [`Failure`] that aborts the rank's
+/// collectives (what [`run_step`] does for a step).
+pub fn guarded<W: RankWorker + ?Sized>(w: &mut W, f: impl FnOnce(&mut W) -> Result<Vec<f32>>) -> std::result::Result<Vec<f32>, Failure> {
     let rank = w.rank();
-    let f = match catch_unwind(AssertUnwindSafe(|| w.apply(step))) {
+    let f = match catch_unwind(AssertUnwindSafe(|| f(w))) {
         Ok(Ok(v)) => return Ok(v),
         Ok(Err(e)) => Failure { rank, aborted: is_abort(&e), msg: e.to_string() },
         Err(p) => Failure { rank, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) },
@@ -148,6 +170,18 @@ pub struct Fault {
     pub rank: usize,
     pub at_step: usize,
     pub panic: bool,
+}
+
+/// How [`ThreadRunner::start_with`] starts its ranks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RankOptions {
+    /// A deliberate failure (tests of the failure path).
+    pub fault: Option<Fault>,
+    /// Row-exact projections on every rank, so that a sequence's logits are bit-identical
+    /// whichever sequences share its steps (slower: the decode GEMV's per-row dot products for
+    /// every row); the tests of scheduling invariances use it on this random-weight fixture,
+    /// whose router scores tie to the last bit.
+    pub batch_invariant: bool,
 }
 
 /// A rank's failure as its leader learns it.
@@ -168,6 +202,16 @@ impl From<Failure> for EngineError {
 /// A rank's answer to one step: its state bytes, or its failure.
 pub type Reply = std::result::Result<usize, Failure>;
 
+/// Which forward [`Worker::apply_with`] runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Plain,
+    /// Rank 0 of a pipeline layout: the logits come later ([`Worker::recv_logits`]).
+    Deferred,
+    /// Every row's logits, each a single decode step's (`Model::forward_verify`).
+    Verify,
+}
+
 /// One rank's model and the states of the sequences it has seen.
 pub struct Worker {
     model: Arc<Model>,
@@ -175,11 +219,21 @@ pub struct Worker {
     states: HashMap<SeqId, SeqState>,
     steps: usize,
     fault: Option<Fault>,
+    /// Every projection row-exact (`with_row_exact`): a sequence's logits do not depend on
+    /// which other sequences share its steps.
+    batch_invariant: bool,
 }
 
 impl Worker {
     pub fn new(model: Arc<Model>, kda: StateDType) -> Worker {
-        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None }
+        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false }
+    }
+
+    /// This worker with [`RankOptions`] (a deliberate fault, batch invariance).
+    pub fn with_options(mut self, o: RankOptions) -> Worker {
+        self.fault = o.fault;
+        self.batch_invariant = o.batch_invariant;
+        self
     }
 
     /// The global rank.
@@ -188,6 +242,13 @@ impl Worker {
     }
     pub fn model(&self) -> &Model {
         &self.model
+    }
+    pub fn model_arc(&self) -> Arc<Model> {
+        self.model.clone()
+    }
+    /// The KDA state dtype of the states it makes.
+    pub fn kda(&self) -> StateDType {
+        self.kda
     }
     pub fn release(&mut self, id: SeqId) {
         self.states.remove(&id);
@@ -210,12 +271,23 @@ impl Worker {
     /// Applies one step (see the module doc). Returns the logits on the first and last
     /// pipeline stages, nothing on the stages between.
     pub fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
-        self.apply_with(step, false)
+        self.apply_with(step, Pass::Plain)
+    }
+
+    /// [`Worker::apply`] on rank 0 of a pipeline layout: returns (no logits) once its stage's
+    /// layers ran and the residual state is sent on; [`Worker::recv_logits`] gets the logits.
+    pub fn submit(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, Pass::Deferred)
+    }
+
+    /// The logits of the oldest step [`Worker::submit`] started.
+    pub fn recv_logits(&mut self) -> Result<Vec<f32>> {
+        Ok(self.model.recv_logits()?)
     }
 
     /// [`Worker::apply`] as a verify forward (`Model::forward_verify`): every row's logits.
     pub fn verify(&mut self, step: &Step) -> Result<Vec<f32>> {
-        self.apply_with(step, true)
+        self.apply_with(step, Pass::Verify)
     }
 
     /// Drops the last `drop` tokens of sequence `id`'s last verify forward.
@@ -224,7 +296,7 @@ impl Worker {
         Ok(st.rollback(drop)?)
     }
 
-    fn apply_with(&mut self, step: &Step, verify: bool) -> Result<Vec<f32>> {
+    fn apply_with(&mut self, step: &Step, pass: Pass) -> Result<Vec<f32>> {
         for id in &step.released {
             self.states.remove(id);
         }
@@ -276,10 +348,12 @@ impl Worker {
         let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
         let out = {
             let mut refs: Vec<&mut SeqState> = taken.iter_mut().collect();
-            if verify {
-                self.model.forward_verify(emb, &lens, &mut refs)
-            } else {
-                self.model.forward_varlen(emb, &lens, &mut refs, ForwardOpts { last_only: step.last_only, ..Default::default() }, None)
+            match pass {
+                Pass::Verify => self.model.forward_verify(emb, &lens, &mut refs),
+                _ => {
+                    let opts = ForwardOpts { last_only: step.last_only, defer_logits: pass == Pass::Deferred, ..Default::default() };
+                    with_row_exact(self.batch_invariant, || self.model.forward_varlen(emb, &lens, &mut refs, opts, None))
+                }
             }
         };
         for (s, st) in step.seqs.iter().zip(taken) {
@@ -292,10 +366,6 @@ impl Worker {
     /// aborts the rank's groups.
     pub fn run(&mut self, step: &Step) -> std::result::Result<Vec<f32>, Failure> {
         run_step(self, step)
-    }
-
-    fn fail(&self, f: &Failure) {
-        self.model.groups.abort(&format!("rank {} failed: {}", f.rank, f.msg));
     }
 }
 
@@ -371,182 +441,6 @@ pub fn serve<W: RankWorker>(mut worker: W, source: &mut dyn StepSource) -> Resul
             Err(f) => {
                 source.reply(Err(f.clone()))?;
                 return Err(f.into());
-            }
-        }
-    }
-}
-
-struct Peer {
-    rank: usize,
-    steps: Option<Sender<Arc<Vec<u8>>>>,
-    replies: Receiver<Reply>,
-    thread: Option<JoinHandle<Result<()>>>,
-    state_bytes: usize,
-}
-
-/// Rank 0 on the calling thread, the other ranks of the layout (none for one rank) as threads.
-pub struct ThreadRunner {
-    leader: Worker,
-    peers: Vec<Peer>,
-    /// Unsharded token embeddings for [`Runner::embed`] (rank 0's model on one rank).
-    embedder: Arc<Model>,
-    /// Released since the last step, for the peers (rank 0 drops states at once).
-    released: Vec<SeqId>,
-    /// The failure that stopped the layout.
-    failed: Option<Failure>,
-}
-
-impl ThreadRunner {
-    /// One rank: the whole model on the calling thread.
-    pub fn single(model: Arc<Model>, kda: StateDType) -> ThreadRunner {
-        ThreadRunner { leader: Worker::new(model.clone(), kda), peers: Vec::new(), embedder: model, released: Vec::new(), failed: None }
-    }
-
-    /// Every rank of `par` loaded from `ck` over in-process groups, ranks 1.. started as threads.
-    pub fn start(ck: &Checkpoint, par: Parallel, kda: StateDType) -> Result<ThreadRunner> {
-        Self::start_with_fault(ck, par, kda, None)
-    }
-
-    /// [`ThreadRunner::start`] with a deliberate [`Fault`] (for tests of the failure path).
-    #[doc(hidden)]
-    pub fn start_with_fault(ck: &Checkpoint, par: Parallel, kda: StateDType, fault: Option<Fault>) -> Result<ThreadRunner> {
-        let plans = par.plans(&ck.config)?;
-        let mut workers = Vec::with_capacity(plans.len());
-        for (plan, groups) in plans.into_iter().zip(Groups::host(par)) {
-            let rank = plan.rank;
-            let model = Model::load_rank(ck, plan, groups, true).map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") })?;
-            let mut w = Worker::new(Arc::new(model), kda);
-            w.fault = fault;
-            workers.push(w);
-        }
-        let mut workers = workers.into_iter();
-        let leader = workers.next().ok_or_else(|| EngineError::Unsupported("a parallel layout of no ranks".into()))?;
-        let embedder = if par.world() == 1 { leader.model.clone() } else { Arc::new(Model::load_embedding(ck)?) };
-        let mut peers = Vec::new();
-        for w in workers {
-            let rank = w.rank();
-            let (step_tx, step_rx) = channel();
-            let (reply_tx, reply_rx) = channel();
-            let thread = std::thread::Builder::new()
-                .name(format!("k3-rank-{rank}"))
-                .spawn(move || serve(w, &mut ChannelSource { steps: step_rx, replies: reply_tx }))
-                .map_err(|e| EngineError::Rank { rank, msg: format!("could not start its thread: {e}") })?;
-            peers.push(Peer { rank, steps: Some(step_tx), replies: reply_rx, thread: Some(thread), state_bytes: 0 });
-        }
-        Ok(ThreadRunner { leader, peers, embedder, released: Vec::new(), failed: None })
-    }
-
-    /// Ranks in the layout.
-    pub fn world(&self) -> usize {
-        1 + self.peers.len()
-    }
-
-    fn stop(&mut self, failures: Vec<Failure>) -> EngineError {
-        // The root cause: the first rank that failed on its own, else the first failure.
-        let f =
-            failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
-        self.leader.fail(&f);
-        self.failed = Some(f.clone());
-        f.into()
-    }
-}
-
-impl Runner for ThreadRunner {
-    fn config(&self) -> &Config {
-        &self.leader.model.config
-    }
-    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        Ok(self.embedder.embed(ids)?)
-    }
-    fn release(&mut self, id: SeqId) {
-        self.leader.release(id);
-        if !self.peers.is_empty() {
-            self.released.push(id);
-        }
-    }
-    fn forward(&mut self, mut step: Step) -> Result<Vec<f32>> {
-        if let Some(f) = &self.failed {
-            return Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) });
-        }
-        if !self.peers.is_empty() {
-            step.released.append(&mut self.released);
-            let bytes = Arc::new(step.encode());
-            for p in &self.peers {
-                if p.steps.as_ref().is_none_or(|tx| tx.send(bytes.clone()).is_err()) {
-                    let f = Failure { rank: p.rank, msg: "its thread has stopped".into(), aborted: false };
-                    return Err(self.stop(vec![f]));
-                }
-            }
-        }
-        let out = self.leader.run(&step);
-        let mut failures: Vec<Failure> = out.as_ref().err().cloned().into_iter().collect();
-        for p in &mut self.peers {
-            match p.replies.recv() {
-                Ok(Ok(bytes)) => p.state_bytes = bytes,
-                Ok(Err(f)) => failures.push(f),
-                Err(_) => failures.push(Failure { rank: p.rank, msg: "its thread stopped without answering".into(), aborted: false }),
-            }
-        }
-        if !failures.is_empty() {
-            return Err(self.stop(failures));
-        }
-        out.map_err(EngineError::from)
-    }
-    fn state_bytes(&self) -> usize {
-        self.leader.state_bytes() + self.peers.iter().map(|p| p.state_bytes).sum::<usize>()
-    }
-    fn abort(&self, why: &str) {
-        self.leader.model.groups.abort(why);
-    }
-    fn aborter(&self) -> Option<Aborter> {
-        let groups = self.leader.model.groups.clone();
-        Some(Arc::new(move |why: &str| groups.abort(why)))
-    }
-    fn speculation(&self) -> std::result::Result<(), String> {
-        match self.peers.is_empty() {
-            true => Ok(()),
-            false => Err(format!("speculative decoding on a parallel layout ({} ranks) is not built yet (the step message carries no verify or rollback); decoding without speculation", self.world())),
-        }
-    }
-    fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
-        if let Err(why) = self.speculation() {
-            return Err(EngineError::Unsupported(why));
-        }
-        self.leader.verify(&step)
-    }
-    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
-        if let Err(why) = self.speculation() {
-            return Err(EngineError::Unsupported(why));
-        }
-        self.leader.rollback(id, drop)
-    }
-    fn prefix_support(&self) -> std::result::Result<String, String> {
-        match self.peers.is_empty() {
-            true => Ok(format!("cpu, one rank, kda state {:?}", self.leader.kda)),
-            false => Err(format!("the prefix cache does not yet capture the states of a parallel layout ({} ranks as threads)", self.world())),
-        }
-    }
-    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
-        self.leader.capture(id, from, grid, kda)
-    }
-    fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
-        if !self.peers.is_empty() {
-            return Err(EngineError::Unsupported("prefix restore on a parallel layout".into()));
-        }
-        self.leader.restore(id, cells, snap)
-    }
-}
-
-impl Drop for ThreadRunner {
-    fn drop(&mut self) {
-        // Closing the step channels ends every peer's loop; a peer never waits on a collective
-        // here (each step was answered by every rank before `forward` returned).
-        for p in &mut self.peers {
-            p.steps = None;
-        }
-        for p in &mut self.peers {
-            if let Some(t) = p.thread.take() {
-                let _ = t.join();
             }
         }
     }

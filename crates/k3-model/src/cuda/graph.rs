@@ -20,7 +20,7 @@ pub struct DecodeGraph {
     batch: usize,
     width: usize,
     step: Step,
-    /// `None` on the pipeline stages between the first and the last.
+    /// `None` except on rank 0 and the last pipeline stage.
     logits: Option<CudaTensor>,
     graph: Graph,
 }
@@ -77,7 +77,7 @@ impl CudaModel {
     }
 
     /// One decode token for each of `seqs` through `g`; returns logits `[B, vocab]` on the host
-    /// (empty on the pipeline stages between the first and the last).
+    /// (empty except on rank 0 and the last pipeline stage).
     pub fn decode_step(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<f32>> {
         if tokens.len() != g.batch || seqs.len() != g.batch {
             return Err(ModelError::Input(format!("decode graph for batch {} got {} tokens and {} sequences", g.batch, tokens.len(), seqs.len())));

@@ -257,8 +257,8 @@ impl CudaModel {
     }
 
     /// The packed forward: sequence i consumes `lens[i]` rows of `input`. Returns logits for every
-    /// row, or each sequence's last row with `last_only`, as F32 on the host (on the ranks of the
-    /// first and the last pipeline stage; empty on the stages between). Every rank of a
+    /// row, or each sequence's last row with `last_only`, as F32 on the host (on rank 0 and the
+    /// ranks of the last pipeline stage; empty on the others). Every rank of a
     /// parallel layout must make the same call.
     pub fn forward_varlen(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState], last_only: bool) -> Result<Vec<f32>> {
         self.forward_traced(input, lens, seqs, last_only, None)
@@ -341,7 +341,7 @@ impl CudaModel {
     }
 
     /// Every layer on the step; returns the logits tensor F32 `[N or B, vocab]` on the device
-    /// (on the ranks of the first and the last pipeline stage; `None` on the stages between).
+    /// (on rank 0 and the ranks of the last pipeline stage; `None` on the others).
     /// Enqueues work only (no host synchronisation) when the input is token ids.
     pub(crate) fn run(&self, step: &Step, input: &Input<'_>, last_only: bool) -> Result<Option<CudaTensor>> {
         self.run_traced(step, input, last_only, None)

@@ -2,7 +2,7 @@
 //! residual state sent from one pipeline stage to the next, the column-block gather
 //! (`gather_cols`: the vocabulary shards of the logits over the tensor-parallel group, the
 //! MoE's router and latent blocks over the stage), and the logits sent back from the last
-//! stage to the first. All NCCL, on the compute stream, so a decode graph captures them too.
+//! stage to rank 0. All NCCL, on the compute stream, so a decode graph captures them too.
 //!
 //! Shapes: every residual tensor F32 `[N, H]` (`P`, the completed blocks, the pending FFN
 //! output `d`); local logits F32 `[rows, V / tp]`; logits F32 `[rows, V]`.
@@ -83,19 +83,19 @@ pub(crate) fn gather_cols<const K: usize>(g: &CudaGroup, xs: [CudaTensor; K]) ->
     Ok(out.try_into().unwrap_or_else(|_| unreachable!("one output per input")))
 }
 
-/// On the last stage of several: sends the logits to the first stage's rank with this rank's
-/// place in its stage (the engine samples there).
+/// On the last stage of several: the rank whose place in its stage is rank 0's sends the
+/// logits to rank 0 (the engine samples there).
 pub(crate) fn logits_to_first(m: &CudaModel, logits: &CudaTensor) -> Result<()> {
-    if m.plan.par.pp > 1 {
-        m.groups.world.send(m.plan.peer_in_stage(0), logits)?;
+    if m.plan.par.pp > 1 && m.plan.peer_in_stage(0) == 0 {
+        m.groups.world.send(0, logits)?;
     }
     Ok(())
 }
 
-/// After a stage without the head has sent its state on: the first stage receives the logits
-/// `[rows, V]` from the last one; the stages between return `None`.
+/// After a stage without the head has sent its state on: rank 0 receives the logits
+/// `[rows, V]` from the last stage; every other rank returns `None`.
 pub(crate) fn logits_from_last(m: &CudaModel, rows: usize) -> Result<Option<CudaTensor>> {
-    if !m.plan.first_stage() {
+    if m.plan.rank != 0 {
         return Ok(None);
     }
     let logits = CudaTensor::uninit(&m.dev, DType::F32, vec![rows, m.config.text.vocab_size])?;

@@ -1,0 +1,270 @@
+//! Ranks as threads on the CPU (`k3 run --tp N --device cpu`, and the tests of every layout):
+//! [`ThreadRunner`], the engine's [`Runner`] over them.
+//!
+//! Rank 0 is a [`Worker`] on the calling thread (it gets the logits: on a pipeline layout the
+//! last stage sends them to it); ranks 1.. are threads running [`serve`] over a channel of
+//! encoded steps. A rank that fails or panics aborts the layout's groups, so no rank waits on
+//! it; the caller gets the failing rank's own error ([`EngineError::Rank`]), and every later
+//! step fails with it at once. Dropping the runner ends the threads.
+//!
+//! On a pipeline layout (`--pp P`, P > 1) the runner overlaps steps ([`Runner::depth`] = P):
+//! [`Runner::submit`] sends the step to every rank and runs rank 0's part of it — its stage's
+//! layers, the residual state sent on — and returns; the later stages work on that step while
+//! rank 0 runs its part of the next one. [`Runner::collect`] receives the oldest step's logits
+//! from the last stage and every rank's answer to it (steps complete in submit order: every
+//! rank applies them in that order and point-to-point messages keep it).
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use k3_model::layers::kda::StateDType;
+use k3_model::parallel::{Groups, Parallel};
+use k3_model::{Checkpoint, Config, Model};
+
+use super::runner::{guarded, serve, Aborter, ChannelSource, Failure, Fault, RankOptions, Reply, Runner, Step, Worker};
+use crate::engine::SeqId;
+use crate::error::{EngineError, Result};
+use crate::prefix::{Capture, KdaSnap, Segment};
+
+struct Peer {
+    rank: usize,
+    steps: Option<Sender<Arc<Vec<u8>>>>,
+    replies: Receiver<Reply>,
+    thread: Option<JoinHandle<Result<()>>>,
+    state_bytes: usize,
+}
+
+/// Rank 0 on the calling thread, the other ranks of the layout (none for one rank) as threads.
+pub struct ThreadRunner {
+    leader: Worker,
+    peers: Vec<Peer>,
+    /// Unsharded token embeddings for [`Runner::embed`] (rank 0's model on one rank).
+    embedder: Arc<Model>,
+    /// Released since the last step, for the peers (rank 0 drops states at once).
+    released: Vec<SeqId>,
+    /// The failure that stopped the layout.
+    failed: Option<Failure>,
+    /// Steps submitted and not yet collected, oldest first: rank 0's logits when it had them
+    /// at once (one stage), `None` while they are still to come from the last stage.
+    flight: VecDeque<Option<Vec<f32>>>,
+}
+
+impl ThreadRunner {
+    /// One rank: the whole model on the calling thread.
+    pub fn single(model: Arc<Model>, kda: StateDType) -> ThreadRunner {
+        let leader = Worker::new(model.clone(), kda);
+        ThreadRunner { leader, peers: Vec::new(), embedder: model, released: Vec::new(), failed: None, flight: VecDeque::new() }
+    }
+
+    /// Every rank of `par` loaded from `ck` over in-process groups, ranks 1.. started as threads.
+    pub fn start(ck: &Checkpoint, par: Parallel, kda: StateDType) -> Result<ThreadRunner> {
+        Self::start_with_fault(ck, par, kda, None)
+    }
+
+    /// [`ThreadRunner::start`] with a deliberate [`Fault`] (for tests of the failure path).
+    #[doc(hidden)]
+    pub fn start_with_fault(ck: &Checkpoint, par: Parallel, kda: StateDType, fault: Option<Fault>) -> Result<ThreadRunner> {
+        Self::start_with(ck, par, kda, RankOptions { fault, ..Default::default() })
+    }
+
+    /// One rank (the whole model on the calling thread) with [`RankOptions`].
+    pub fn single_with(model: Arc<Model>, kda: StateDType, o: RankOptions) -> ThreadRunner {
+        let mut r = Self::single(model, kda);
+        r.leader = Worker::new(r.embedder.clone(), kda).with_options(o);
+        r
+    }
+
+    /// [`ThreadRunner::start`] with [`RankOptions`].
+    pub fn start_with(ck: &Checkpoint, par: Parallel, kda: StateDType, o: RankOptions) -> Result<ThreadRunner> {
+        let plans = par.plans(&ck.config)?;
+        let mut workers = Vec::with_capacity(plans.len());
+        for (plan, groups) in plans.into_iter().zip(Groups::host(par)) {
+            let rank = plan.rank;
+            let model = Model::load_rank(ck, plan, groups, true).map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") })?;
+            workers.push(Worker::new(Arc::new(model), kda).with_options(o));
+        }
+        let mut workers = workers.into_iter();
+        let leader = workers.next().ok_or_else(|| EngineError::Unsupported("a parallel layout of no ranks".into()))?;
+        let embedder = if par.world() == 1 { leader.model_arc() } else { Arc::new(Model::load_embedding(ck)?) };
+        let mut peers = Vec::new();
+        for w in workers {
+            let rank = w.rank();
+            let (step_tx, step_rx) = channel();
+            let (reply_tx, reply_rx) = channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("k3-rank-{rank}"))
+                .spawn(move || serve(w, &mut ChannelSource { steps: step_rx, replies: reply_tx }))
+                .map_err(|e| EngineError::Rank { rank, msg: format!("could not start its thread: {e}") })?;
+            peers.push(Peer { rank, steps: Some(step_tx), replies: reply_rx, thread: Some(thread), state_bytes: 0 });
+        }
+        Ok(ThreadRunner { leader, peers, embedder, released: Vec::new(), failed: None, flight: VecDeque::new() })
+    }
+
+    /// Ranks in the layout.
+    pub fn world(&self) -> usize {
+        1 + self.peers.len()
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.failed {
+            Some(f) => Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) }),
+            None => Ok(()),
+        }
+    }
+
+    /// Stops the layout at `failures`: aborts the groups (whatever waits in a collective
+    /// stops) and closes the step channels (each peer ends after the steps it has), reads every
+    /// other peer's remaining answers up to its failure or its end, and returns the root cause:
+    /// the first rank that failed on its own, else the first failure. Every later call fails
+    /// with it.
+    fn stop(&mut self, mut failures: Vec<Failure>) -> EngineError {
+        let first = failures.first().cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
+        self.leader.model().groups.abort(&format!("rank {} failed: {}", first.rank, first.msg));
+        let answered: HashSet<usize> = failures.iter().map(|f| f.rank).collect();
+        for p in &mut self.peers {
+            p.steps = None;
+        }
+        for p in self.peers.iter().filter(|p| !answered.contains(&p.rank)) {
+            while let Ok(r) = p.replies.recv() {
+                if let Err(f) = r {
+                    failures.push(f);
+                    break;
+                }
+            }
+        }
+        self.flight.clear();
+        let f = failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(first);
+        self.failed = Some(f.clone());
+        f.into()
+    }
+}
+
+impl Runner for ThreadRunner {
+    fn config(&self) -> &Config {
+        &self.leader.model().config
+    }
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.embedder.embed(ids)?)
+    }
+    fn release(&mut self, id: SeqId) {
+        self.leader.release(id);
+        if !self.peers.is_empty() {
+            self.released.push(id);
+        }
+    }
+    fn forward(&mut self, step: Step) -> Result<Vec<f32>> {
+        if !self.flight.is_empty() {
+            return Err(EngineError::Internal(format!("a plain forward while {} submitted step(s) are not collected", self.flight.len())));
+        }
+        self.submit(step)?;
+        self.collect()
+    }
+    fn depth(&self) -> usize {
+        self.leader.model().plan.par.pp
+    }
+    fn submit(&mut self, mut step: Step) -> Result<()> {
+        self.check()?;
+        if self.flight.len() >= self.depth() {
+            return Err(EngineError::Internal(format!("{} steps in flight: the pipeline holds {}", self.flight.len() + 1, self.depth())));
+        }
+        if !self.peers.is_empty() {
+            step.released.append(&mut self.released);
+            let bytes = Arc::new(step.encode());
+            for p in &self.peers {
+                if p.steps.as_ref().is_none_or(|tx| tx.send(bytes.clone()).is_err()) {
+                    let f = Failure { rank: p.rank, msg: "its thread has stopped".into(), aborted: false };
+                    return Err(self.stop(vec![f]));
+                }
+            }
+        }
+        let defer = self.depth() > 1;
+        match guarded(&mut self.leader, |w| if defer { w.submit(&step) } else { w.apply(&step) }) {
+            Ok(v) => {
+                self.flight.push_back((!defer).then_some(v));
+                Ok(())
+            }
+            Err(f) => Err(self.stop(vec![f])),
+        }
+    }
+    fn collect(&mut self) -> Result<Vec<f32>> {
+        self.check()?;
+        let Some(ready) = self.flight.pop_front() else { return Err(EngineError::Internal("collect without a submitted step".into())) };
+        let out = match ready {
+            Some(v) => Ok(v),
+            None => guarded(&mut self.leader, Worker::recv_logits),
+        };
+        let mut failures: Vec<Failure> = out.as_ref().err().cloned().into_iter().collect();
+        for p in &mut self.peers {
+            match p.replies.recv() {
+                Ok(Ok(bytes)) => p.state_bytes = bytes,
+                Ok(Err(f)) => failures.push(f),
+                Err(_) => failures.push(Failure { rank: p.rank, msg: "its thread stopped without answering".into(), aborted: false }),
+            }
+        }
+        if !failures.is_empty() {
+            return Err(self.stop(failures));
+        }
+        out.map_err(EngineError::from)
+    }
+    fn state_bytes(&self) -> usize {
+        self.leader.state_bytes() + self.peers.iter().map(|p| p.state_bytes).sum::<usize>()
+    }
+    fn abort(&self, why: &str) {
+        self.leader.model().groups.abort(why);
+    }
+    fn aborter(&self) -> Option<Aborter> {
+        let groups = self.leader.model().groups.clone();
+        Some(Arc::new(move |why: &str| groups.abort(why)))
+    }
+    fn speculation(&self) -> std::result::Result<(), String> {
+        match self.peers.is_empty() {
+            true => Ok(()),
+            false => Err(format!("speculative decoding on a parallel layout ({} ranks) is not built yet (the step message carries no verify or rollback); decoding without speculation", self.world())),
+        }
+    }
+    fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
+        if let Err(why) = self.speculation() {
+            return Err(EngineError::Unsupported(why));
+        }
+        self.leader.verify(&step)
+    }
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        if let Err(why) = self.speculation() {
+            return Err(EngineError::Unsupported(why));
+        }
+        self.leader.rollback(id, drop)
+    }
+    fn prefix_support(&self) -> std::result::Result<String, String> {
+        match self.peers.is_empty() {
+            true => Ok(format!("cpu, one rank, kda state {:?}", self.leader.kda())),
+            false => Err(format!("the prefix cache does not yet capture the states of a parallel layout ({} ranks as threads)", self.world())),
+        }
+    }
+    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        self.leader.capture(id, from, grid, kda)
+    }
+    fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        if !self.peers.is_empty() {
+            return Err(EngineError::Unsupported("prefix restore on a parallel layout".into()));
+        }
+        self.leader.restore(id, cells, snap)
+    }
+}
+
+impl Drop for ThreadRunner {
+    fn drop(&mut self) {
+        // Closing the step channels ends every peer's loop once it has applied the steps it
+        // has: none of them waits on rank 0 then (rank 0 ran its part of every submitted step,
+        // and the host groups' sends never wait for their receiver).
+        for p in &mut self.peers {
+            p.steps = None;
+        }
+        for p in &mut self.peers {
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
