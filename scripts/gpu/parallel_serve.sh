@@ -6,14 +6,17 @@
 # MoE with 64 MXFP4 experts; its vocabulary of 32768 splits evenly).
 # Staging: build here (no CUDA needed) —
 #   cargo build --release -p k3-cli --features cuda && mkdir -p .dev/par && cp target/release/k3 .dev/par/ && strip .dev/par/k3
-# then `bash scripts/gpu/parallel_serve.sh [run|serve|fault|all]` on the device with .dev carried.
+# then `bash scripts/gpu/parallel_serve.sh [run|serve|fault|load|all]` on the device with .dev carried.
 # Ranks are started as a launcher would (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); ranks ≠ 0
 # print nothing and must exit 0 once rank 0 is done. Logs in $PAR_LOGS (default /tmp/k3serve).
-#   run:   k3 run --temperature 0 -n 24: --tp 2 and --tp 2 --pp 2 (4 processes) print the ids of
+#   run:   k3 run --temperature 0 -n 24: --tp 2, --pp 2 and --tp 2 --pp 2 (4 processes) print the ids of
 #          --tp 1; exact in --precision f32; in bf16 (noisy on this random checkpoint: near-tied
 #          expert choices flip) the number of matching leading ids is reported, not failed.
-#   serve: k3 serve --tp 2 (f32) answers two concurrent /v1/completions (temperature 0) with the
-#          text and logprobs of --tp 1; SIGTERM to rank 0 stops it and both ranks exit 0.
+#   serve: k3 serve --tp 2, --pp 2 (pipelined steps) and --pp 2 --pipeline-depth 1 (f32) answer
+#          two concurrent /v1/completions (temperature 0) with the text and logprobs of --tp 1;
+#          SIGTERM to rank 0 stops it and both ranks exit 0.
+#   load:  one GPU, bf16: `k3 bench serve` at concurrency 64 against `k3 serve`, beside the
+#          captured decode step of `k3 bench --device cuda` at batch 64 (issue 20's baseline).
 #   fault: k3 serve --tp 2, rank 1 killed with SIGKILL: the next request fails (an error, or
 #          rank 0 exiting 70 when NCCL cannot abort its GPU work; both name rank 1)
 #          naming rank 1 within a bound (no hang), and rank 0 stops with a non-zero status.
@@ -85,7 +88,7 @@ EOF
 serve_up() {
   local tag=$1 n=$2 tp=$3; shift 3
   local port=$((20000 + RANDOM % 20000)) i
-  local args=(serve --model $M --tokenizer $TOK --device cuda --port 0 --max-batch 4 --max-cache-tokens 8192 --tp $tp "$@")
+  local args=(serve --model $M --tokenizer $TOK --device cuda --port 0 --max-batch ${MAXB:-4} --max-cache-tokens ${MAXC:-8192} --tp $tp "$@")
   PIDS=()
   if [ $n -eq 1 ]; then
     $D/k3 "${args[@]}" > $L/$tag.rank0.out 2> $L/$tag.rank0.log &
@@ -131,7 +134,7 @@ P2=$(python3 -c "print(','.join(str((1000 + 17 * j) % 4352) for j in range(11)))
 
 case "${1:-all}" in
 run | all)
-  echo "=== k3 run --temperature 0 -n 24: --tp 2 and --tp 2 --pp 2 print the ids of --tp 1 ==="
+  echo "=== k3 run --temperature 0 -n 24: --tp 2, --pp 2 and --tp 2 --pp 2 print the ids of --tp 1 ==="
   for p in f32 bf16; do
     a=(run --model $M --device cuda --precision $p --ids $IDS --temperature 0 -n 24 --json)
     t0=$(date +%s%N)
@@ -139,9 +142,11 @@ run | all)
     echo "run1_$p: $((($(date +%s%N) - t0) / 1000000)) ms  ids $(ids $L/run1_$p.out)"
     world 2 2 1 run_tp2_$p "${a[@]}"
     world 4 2 2 run_tp2pp2_$p "${a[@]}"
+    world 2 1 2 run_pp2_$p "${a[@]}"
     exact=$([ $p = f32 ] && echo 1 || echo 0)
     same run1_$p run_tp2_$p $exact
     same run1_$p run_tp2pp2_$p $exact
+    same run1_$p run_pp2_$p $exact
   done
   echo "--- eager decode (--no-cuda-graphs), f32 ---"
   world 2 2 1 run_tp2_f32_eager run --model $M --device cuda --precision f32 --ids $IDS --temperature 0 -n 24 --json --no-cuda-graphs
@@ -149,9 +154,16 @@ run | all)
   ;;&
 serve | all)
   echo "=== k3 serve --tp 2 (f32): two concurrent completions = --tp 1's; SIGTERM to rank 0 ends every rank with 0 ==="
-  for w in 1 2; do
-    tag=serve_tp$w
-    serve_up $tag $w $w --precision f32
+  # serve_pp2 and serve_pp2d1: --pp 2 with pipelined steps (two in flight, one sequence
+  # each) and with --pipeline-depth 1 (one step at a time).
+  for w in tp1 tp2 pp2 pp2d1; do
+    tag=serve_$w
+    case $w in
+    tp1) serve_up $tag 1 1 --precision f32 ;;
+    tp2) serve_up $tag 2 2 --precision f32 ;;
+    pp2) serve_up $tag 2 1 --precision f32 --pp 2 ;;
+    pp2d1) serve_up $tag 2 1 --precision f32 --pp 2 --pipeline-depth 1 ;;
+    esac
     [ -n "$ADDR" ] || continue
     complete $tag a "$P1" & ca=$!
     complete $tag b "$P2" & cb=$!
@@ -165,15 +177,16 @@ serve | all)
   python3 - $L <<'EOF' || FAILS=$((FAILS + 1))
 import json, sys
 L = sys.argv[1]; bad = 0
-for r in "ab":
+for w in ("tp2", "pp2", "pp2d1"):
+  for r in "ab":
     try:
-        a, b = (json.load(open(f"{L}/serve_tp{w}.{r}.json"))["choices"][0] for w in (1, 2))
+        a, b = (json.load(open(f"{L}/serve_{x}.{r}.json"))["choices"][0] for x in ("tp1", w))
     except Exception as e:
-        print(f"FAIL request {r}: no answer to compare ({e})"); bad += 1; continue
+        print(f"FAIL {w} request {r}: no answer to compare ({e})"); bad += 1; continue
     la, lb = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
     d = max((abs(x - y) for x, y in zip(la, lb)), default=float("inf"))
     ok = a["text"] == b["text"] and len(la) == len(lb) == 24 and d <= 1e-3
-    print(f"request {r}: --tp 2 vs --tp 1: same text {a['text'] == b['text']}, {len(lb)} tokens, max |Δ logprob| {d:.2e}  {'ok' if ok else 'FAIL'}")
+    print(f"request {r}: {w} vs tp1: same text {a['text'] == b['text']}, {len(lb)} tokens, max |Δ logprob| {d:.2e}  {'ok' if ok else 'FAIL'}")
     bad += not ok
 sys.exit(bad > 0)
 EOF
@@ -207,6 +220,20 @@ fault | all)
     else
       grep -q "rank 1" $L/$tag.dead.json || fail "$tag: the error does not name rank 1"
     fi
+  fi
+  ;;&
+load | all)
+  echo "=== one GPU, bf16: k3 bench serve (concurrency 64) against k3 serve, beside the captured step ==="
+  $D/k3 bench --device cuda --model $M --prompt-len 128 --batches 1,64 --context 512 > $L/load_bench.out 2> $L/load_bench.log || { fail "k3 bench --device cuda"; tail -3 $L/load_bench.log; }
+  cat $L/load_bench.out
+  tag=load
+  MAXB=64 MAXC=32768 serve_up $tag 1 1
+  if [ -n "$ADDR" ]; then
+    for c in 1 64; do
+      $D/k3 bench serve --base-url $ADDR --num-prompts $((c == 1 ? 8 : 128)) --max-concurrency $c --input-len 128 --output-len 128 --json > $L/load_c$c.json 2> $L/load_c$c.log || fail "k3 bench serve --max-concurrency $c"
+      echo "bench serve c=$c: $(cat $L/load_c$c.json)"
+    done
+    stop_all $tag
   fi
   ;;
 esac

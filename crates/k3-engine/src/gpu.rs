@@ -59,7 +59,9 @@ impl CacheBudget {
 mod imp {
     use std::collections::HashMap;
 
-    use k3_model::cuda::{CudaModel, CudaSeqState, DecodeGraph, Input};
+    use std::collections::VecDeque;
+
+    use k3_model::cuda::{CudaModel, CudaSeqState, DecodeGraph, HeldStep, Input};
     use k3_model::{Config, Model};
 
     use super::CacheBudget;
@@ -78,6 +80,9 @@ mod imp {
         /// captured graph holds NCCL work of the model's communicators and must be destroyed
         /// before they are.
         graphs: HashMap<usize, DecodeGraph>,
+        /// Rank 0 of a pipeline layout: the held decode graphs (its stage only, `pipe.rs` of the
+        /// GPU model), by batch size. Dropped before `model` too.
+        held_graphs: HashMap<usize, DecodeGraph>,
         pub model: CudaModel,
         /// Replay decode steps from CUDA graphs (one captured per batch size on first use).
         pub use_graphs: bool,
@@ -87,19 +92,42 @@ mod imp {
         seqs: HashMap<SeqId, GpuSeq>,
         /// A rank ≠ 0: sequences get their state on first sight (rank 0 admitted them).
         on_sight: bool,
+        /// Pipelined steps (rank 0 of a pipeline layout): the last submitted step, computed and
+        /// not yet sent on, and the steps submitted and not collected, oldest first.
+        held: Option<HeldStep>,
+        flight: VecDeque<Slot>,
+    }
+
+    /// A submitted step's logits: still to come from the last stage (its rows), or received
+    /// early (before a capture, whose warm-up step must find no message of another step).
+    enum Slot {
+        Pending(usize),
+        Ready(Vec<f32>),
     }
 
     impl Drop for GpuRunner {
         fn drop(&mut self) {
             k3_core::trace(|| format!("GPU runner: dropping {} decode graph(s), then the model and its communicators", self.graphs.len()));
             self.graphs.clear();
+            self.held_graphs.clear();
         }
     }
 
     impl GpuRunner {
         pub fn new(model: CudaModel, embedder: Model, use_graphs: bool) -> Self {
             let budget = CacheBudget::new(model.cache.max_tokens, k3_core::cuda::mla::PAGE);
-            GpuRunner { model, use_graphs, graphs: HashMap::new(), budget, embedder, seqs: HashMap::new(), on_sight: false }
+            GpuRunner {
+                model,
+                use_graphs,
+                graphs: HashMap::new(),
+                held_graphs: HashMap::new(),
+                budget,
+                embedder,
+                seqs: HashMap::new(),
+                on_sight: false,
+                held: None,
+                flight: VecDeque::new(),
+            }
         }
 
         /// A rank ≠ 0 of a multi-process world: it applies rank 0's steps ([`RankWorker`]);
@@ -135,6 +163,106 @@ mod imp {
             };
             Ok(self.model.forward_varlen(input, lens, seqs, true)?)
         }
+
+        /// [`GpuRunner::forward_packed`] of rank 0's stage alone, held (pipelined steps). A
+        /// decode batch size seen for the first time is captured here; its warm-up step runs
+        /// whole, so every step in flight is sent and its logits received first.
+        fn held_packed(&mut self, tokens: &[u32], emb: Option<&[f32]>, lens: &[usize], seqs: &mut [&mut GpuSeq]) -> Result<HeldStep> {
+            let mut seqs: Vec<&mut CudaSeqState> = seqs.iter_mut().map(|s| &mut s.state).collect();
+            let seqs = seqs.as_mut_slice();
+            let decode = emb.is_none() && lens.iter().all(|&l| l == 1);
+            if decode && self.use_graphs {
+                let b = lens.len();
+                if !self.held_graphs.contains_key(&b) {
+                    self.drain()?;
+                    let ctx = self.model.cache.max_tokens.min(self.model.config.max_context());
+                    let g = self.model.capture_decode_held(b, ctx)?;
+                    self.held_graphs.insert(b, g);
+                }
+                if let Some(g) = self.held_graphs.get(&b) {
+                    return Ok(self.model.decode_step_held(g, tokens, seqs)?);
+                }
+            }
+            let input = match emb {
+                Some(e) => Input::Embeds(e),
+                None => Input::Tokens(tokens),
+            };
+            Ok(self.model.forward_held(input, lens, seqs)?)
+        }
+
+        /// Sends the held step on (`wait`: and lets the stream run it out, so that the next
+        /// step may rewrite the tables it used).
+        fn flush(&mut self, wait: bool) -> Result<()> {
+            if let Some(h) = self.held.take() {
+                let g = h.graph_batch().and_then(|b| self.held_graphs.get(&b));
+                self.model.send_held(h, g)?;
+                if wait {
+                    self.model.dev.synchronize().map_err(k3_model::ModelError::from)?;
+                }
+            }
+            Ok(())
+        }
+
+        /// Sends the held step and receives the logits of every step in flight (kept for
+        /// `collect`): no message of an earlier step is outstanding afterwards.
+        fn drain(&mut self) -> Result<()> {
+            self.flush(true)?;
+            for slot in self.flight.iter_mut() {
+                if let Slot::Pending(rows) = *slot {
+                    *slot = Slot::Ready(self.model.recv_logits(rows)?);
+                }
+            }
+            Ok(())
+        }
+
+        /// A step's sequences taken out of the map (their states made on first sight on a
+        /// rank ≠ 0), its token ids, lengths and own rows, after dropping the released states.
+        fn take_step(&mut self, step: &Step) -> Result<Taken> {
+            for &id in &step.released {
+                self.release(id);
+            }
+            if !step.last_only {
+                return Err(EngineError::Internal("the GPU runner returns last-row logits only".into()));
+            }
+            if self.on_sight {
+                for s in &step.seqs {
+                    if !self.seqs.contains_key(&s.id) {
+                        let state = self.model.new_sequence()?;
+                        self.seqs.insert(s.id, GpuSeq { state, pages: 0 });
+                    }
+                }
+            }
+            let mut seen = std::collections::HashSet::new();
+            if let Some(s) = step.seqs.iter().find(|s| !self.seqs.contains_key(&s.id) || !seen.insert(s.id)) {
+                return Err(EngineError::Internal(format!("sequence {} has no GPU state or is planned twice", s.id)));
+            }
+            let tokens: Vec<u32> = step.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+            let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
+            // Own rows for some sequence: every sequence's rows go in (token embeddings for the rest).
+            let emb = match step.seqs.iter().any(|s| s.rows.is_some()) {
+                false => None,
+                true => {
+                    let mut e = Vec::new();
+                    for s in &step.seqs {
+                        match &s.rows {
+                            Some(r) => e.extend_from_slice(r),
+                            None => e.extend(self.embedder.embed(&s.tokens)?),
+                        }
+                    }
+                    Some(e)
+                }
+            };
+            let seqs = step.seqs.iter().filter_map(|s| self.seqs.remove(&s.id).map(|g| (s.id, g))).collect();
+            Ok(Taken { tokens, lens, emb, seqs })
+        }
+    }
+
+    /// [`GpuRunner::take_step`]'s parts of a step.
+    struct Taken {
+        tokens: Vec<u32>,
+        lens: Vec<usize>,
+        emb: Option<Vec<f32>>,
+        seqs: Vec<(SeqId, GpuSeq)>,
     }
 
     impl Runner for GpuRunner {
@@ -171,47 +299,55 @@ mod imp {
             }
         }
         fn forward(&mut self, step: Step) -> Result<Vec<f32>> {
-            for &id in &step.released {
-                self.release(id);
+            if !self.flight.is_empty() || self.held.is_some() {
+                return Err(EngineError::Internal(format!("a plain forward while {} submitted step(s) are not collected", self.flight.len())));
             }
-            if !step.last_only {
-                return Err(EngineError::Internal("the GPU runner returns last-row logits only".into()));
-            }
-            if self.on_sight {
-                for s in &step.seqs {
-                    if !self.seqs.contains_key(&s.id) {
-                        let state = self.model.new_sequence()?;
-                        self.seqs.insert(s.id, GpuSeq { state, pages: 0 });
-                    }
-                }
-            }
-            let mut seen = std::collections::HashSet::new();
-            if let Some(s) = step.seqs.iter().find(|s| !self.seqs.contains_key(&s.id) || !seen.insert(s.id)) {
-                return Err(EngineError::Internal(format!("sequence {} has no GPU state or is planned twice", s.id)));
-            }
-            let tokens: Vec<u32> = step.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-            let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
-            // Own rows for some sequence: every sequence's rows go in (token embeddings for the rest).
-            let emb = match step.seqs.iter().any(|s| s.rows.is_some()) {
-                false => None,
-                true => {
-                    let mut e = Vec::new();
-                    for s in &step.seqs {
-                        match &s.rows {
-                            Some(r) => e.extend_from_slice(r),
-                            None => e.extend(self.embedder.embed(&s.tokens)?),
-                        }
-                    }
-                    Some(e)
-                }
-            };
-            let mut taken: Vec<(SeqId, GpuSeq)> = step.seqs.iter().filter_map(|s| self.seqs.remove(&s.id).map(|g| (s.id, g))).collect();
+            let mut t = self.take_step(&step)?;
             let out = {
-                let mut refs: Vec<&mut GpuSeq> = taken.iter_mut().map(|(_, g)| g).collect();
-                self.forward_packed(&tokens, emb.as_deref(), &lens, &mut refs)
+                let mut refs: Vec<&mut GpuSeq> = t.seqs.iter_mut().map(|(_, g)| g).collect();
+                self.forward_packed(&t.tokens, t.emb.as_deref(), &t.lens, &mut refs)
             };
-            self.seqs.extend(taken);
+            self.seqs.extend(t.seqs);
             out
+        }
+        fn depth(&self) -> usize {
+            match self.model.holds_steps() && !self.on_sight {
+                true => self.model.plan.par.pp,
+                false => 1,
+            }
+        }
+        fn submit(&mut self, step: Step) -> Result<()> {
+            if self.depth() == 1 {
+                return Err(EngineError::Internal("only rank 0 of a pipeline layout overlaps steps".into()));
+            }
+            if self.flight.len() >= self.depth() {
+                return Err(EngineError::Internal(format!("{} steps in flight: the pipeline holds {}", self.flight.len() + 1, self.depth())));
+            }
+            // Filling the pipeline (no collect since the last submit): the held step goes on.
+            self.flush(true)?;
+            let mut t = self.take_step(&step)?;
+            let out = {
+                let mut refs: Vec<&mut GpuSeq> = t.seqs.iter_mut().map(|(_, g)| g).collect();
+                self.held_packed(&t.tokens, t.emb.as_deref(), &t.lens, &mut refs)
+            };
+            self.seqs.extend(t.seqs);
+            self.held = Some(out?);
+            self.flight.push_back(Slot::Pending(t.lens.len()));
+            Ok(())
+        }
+        fn collect(&mut self) -> Result<Vec<f32>> {
+            if self.flight.len() == 1 {
+                self.flush(false)?; // the step collected is the one held: it goes on first
+            }
+            let slot = self.flight.pop_front().ok_or_else(|| EngineError::Internal("collect without a submitted step".into()))?;
+            let logits = match slot {
+                Slot::Ready(l) => l,
+                Slot::Pending(rows) => self.model.recv_logits(rows)?,
+            };
+            // The oldest step's logits are in (the stream ran the held step's compute before
+            // them): the held step goes on now, after that receive, as one step at a time orders.
+            self.flush(false)?;
+            Ok(logits)
         }
         fn state_bytes(&self) -> usize {
             0 // the states live in the device pools, sized at start-up

@@ -364,3 +364,71 @@ fn replies_round_trip_and_bad_ones_name_the_rank() {
         assert!(f.rank == 5 && f.msg.contains("bad reply") && !f.aborted, "{bad:?}: {f:?}");
     }
 }
+
+/// Pipelined steps over the control plane: rank 0's own runner is a `--pp 2` layout (ranks as
+/// threads, depth 2), so the engine keeps two steps in flight through the `ProcessRunner`; the
+/// worker (a world-1 model) must receive every step in order and answer each, and a worker
+/// failing with steps in flight is named with nothing left hanging.
+#[test]
+fn pipelined_steps_over_the_control_plane() {
+    use k3_engine::dist::runner::RankOptions;
+    use k3_engine::EngineConfig;
+    let inv = RankOptions { batch_invariant: true, ..Default::default() };
+    let whole = EngineConfig { prefill_chunk: 64, max_step_tokens: 128, ..cfg() };
+    let per_seq = |ev: &[(u64, u32, bool)]| {
+        let mut m = std::collections::BTreeMap::<u64, Vec<u32>>::new();
+        ev.iter().for_each(|&(s, t, _)| m.entry(s).or_default().push(t));
+        m
+    };
+    let plain = per_seq(&run_all(&mut Engine::with_runner(Box::new(ThreadRunner::single_with(model(), StateDType::F32, inv)), None, whole.clone())));
+    for fault in [None, Some(Inject { at: 3, panic: false })] {
+        let whole = whole.clone();
+        let (result, worker_steps, worker) = within(120, "pipelined steps over the control plane", move || {
+            let (c0, c1) = pair();
+            let log = Log::default();
+            let inner = Worker::new(model(), StateDType::F32).with_options(inv);
+            let w = RecWorker { inner, rank: 1, log: log.clone(), steps: 0, fault };
+            let (tx, worker) = mpsc::channel();
+            std::thread::spawn(move || {
+                let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
+                let _ = tx.send(r);
+            });
+            let ck = Checkpoint::open(&golden::fixture("k3_small_mxfp4")).unwrap();
+            let local = ThreadRunner::start_with(&ck, k3_model::Parallel::new(1, None, 2).unwrap(), StateDType::F32, inv).unwrap();
+            let (mut r, finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
+            r.wait_ready().unwrap();
+            assert_eq!(r.depth(), 2);
+            let mut e = Engine::with_runner(Box::new(r), None, whole);
+            let result = match fault {
+                None => Ok(run_all(&mut e)),
+                Some(_) => {
+                    for i in 0..3u32 {
+                        e.add(Request::new(vec![5 + i, 17, 200, 3], SamplingParams::greedy(), 8)).unwrap();
+                    }
+                    loop {
+                        match e.step() {
+                            Ok(_) => assert!(e.has_work(), "the fault never fired"),
+                            Err(err) => break Err(err.to_string()),
+                        }
+                    }
+                }
+            };
+            drop(e);
+            let _ = finish.wait(Duration::from_secs(10));
+            let steps = log.lock().unwrap().len();
+            (result, steps, worker.recv_timeout(Duration::from_secs(10)).expect("the worker's loop ends"))
+        });
+        match (fault, result) {
+            (None, Ok(events)) => {
+                assert_eq!(per_seq(&events), plain, "pipelined tokens over the process runner");
+                assert!(worker_steps > 10, "the worker applied {worker_steps} steps");
+                worker.expect("the worker's loop ends Ok on the shutdown");
+            }
+            (Some(_), Err(err)) => {
+                assert!(err.contains("rank 1 failed") && err.contains("injected worker fault"), "{err}");
+                assert!(worker.unwrap_err().to_string().contains("injected worker fault"));
+            }
+            (f, r) => panic!("fault {:?}: {r:?}", f.map(|f| f.at)),
+        }
+    }
+}

@@ -168,6 +168,8 @@ pub struct ProcessRunner {
     /// Watches the workers' links during each step (`monitor`); none when the local runner
     /// has no collectives to abort.
     monitor: Option<Monitor>,
+    /// Steps submitted and not collected (pipelined steps, [`Runner::submit`]).
+    in_flight: usize,
 }
 
 impl ProcessRunner {
@@ -181,7 +183,7 @@ impl ProcessRunner {
             let probe = move || s.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|p| p.control().dead_worker());
             Monitor::start(Box::new(probe), abort, abort_grace())
         });
-        let r = ProcessRunner { local, shared: shared.clone(), world, released: Vec::new(), peer_bytes: vec![0; world], failed: None, monitor };
+        let r = ProcessRunner { local, shared: shared.clone(), world, released: Vec::new(), peer_bytes: vec![0; world], failed: None, monitor, in_flight: 0 };
         (r, Finish(Some(shared)))
     }
 
@@ -202,17 +204,111 @@ impl ProcessRunner {
 
     /// Every worker's next reply; their failures (a dead link is its rank's).
     fn gather(&mut self, c: &Control) -> Vec<Failure> {
+        self.gather_n(c, 1)
+    }
+
+    /// Every worker's next `n` replies (up to its first failure or a dead link); the failures.
+    fn gather_n(&mut self, c: &Control, n: usize) -> Vec<Failure> {
         let mut failures = Vec::new();
         for rank in 1..self.world {
-            match c.recv_from(rank) {
-                Ok(b) => match decode_reply(&b, rank) {
-                    Ok(bytes) => self.peer_bytes[rank] = bytes,
-                    Err(f) => failures.push(f),
-                },
-                Err(e) => failures.push(Failure { rank, msg: format!("no answer from its process: {e}"), aborted: false }),
+            for _ in 0..n {
+                match c.recv_from(rank) {
+                    Ok(b) => match decode_reply(&b, rank) {
+                        Ok(bytes) => self.peer_bytes[rank] = bytes,
+                        Err(f) => {
+                            failures.push(f);
+                            break;
+                        }
+                    },
+                    Err(e) => {
+                        failures.push(Failure { rank, msg: format!("no answer from its process: {e}"), aborted: false });
+                        break;
+                    }
+                }
             }
         }
         failures
+    }
+
+    /// `f` on rank 0's own runner under the monitor (a worker that dies mid-call aborts it),
+    /// its error or panic as rank 0's [`Failure`].
+    fn local_call<T>(&mut self, f: impl FnOnce(&mut dyn Runner) -> Result<T>) -> std::result::Result<T, Failure> {
+        let local = &mut self.local;
+        let run = move || catch_unwind(AssertUnwindSafe(|| f(&mut **local)));
+        let out = match &self.monitor {
+            Some(m) => m.watch(run),
+            None => run(),
+        };
+        match out {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Failure { rank: 0, aborted: runner::is_abort(&e), msg: e.to_string() }),
+            Err(p) => Err(Failure { rank: 0, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) }),
+        }
+    }
+
+    /// Rank 0 failed with `f` while `owed` steps are unanswered by the workers: its
+    /// collectives are aborted (workers inside a step stop and answer), their answers read, and
+    /// the world stopped at the root cause.
+    fn fail_local(&mut self, f: Failure, owed: usize) -> EngineError {
+        self.local.abort(&format!("rank 0 failed: {}", f.msg));
+        let shared = self.shared.clone();
+        let mut failures = match shared.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(plane) => self.gather_n(plane.control(), owed),
+            None => Vec::new(),
+        };
+        // A worker's own failure is the likelier cause of rank 0's (rank 0 then waited on it).
+        failures.push(f);
+        self.in_flight = 0;
+        self.stop(failures)
+    }
+
+    /// Rank 0's outcome `out` of the oldest unanswered step and every worker's answer to it
+    /// (`n` answers each); on a failure anywhere also the answers to the `later` steps in
+    /// flight, and the world stops at the root cause.
+    fn answers<T>(&mut self, out: std::result::Result<T, Failure>, n: usize, later: usize) -> Result<T> {
+        let out = match out {
+            Ok(v) => v,
+            Err(f) => return Err(self.fail_local(f, n + later)),
+        };
+        let shared = self.shared.clone();
+        let failures = match shared.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(plane) => self.gather_n(plane.control(), n),
+            None => return Err(EngineError::Launch("the world has been shut down".into())),
+        };
+        if !failures.is_empty() {
+            self.local.abort(&format!("rank {} failed: {}", failures[0].rank, failures[0].msg));
+            let mut failures = failures;
+            let shared = self.shared.clone();
+            if let Some(plane) = shared.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                failures.extend(self.gather_n(plane.control(), later));
+            }
+            self.in_flight = 0;
+            return Err(self.stop(failures));
+        }
+        Ok(out)
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.failed {
+            Some(f) => Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) }),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends `step` (with the ids released since the last one) to every worker.
+    fn broadcast(&mut self, step: &mut Step) -> Result<()> {
+        step.released.append(&mut self.released);
+        let shared = self.shared.clone();
+        let guard = shared.plane.read().unwrap_or_else(|p| p.into_inner());
+        let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world has been shut down".into())) };
+        if let Err(e) = plane.control().broadcast(&step.encode()) {
+            // Some workers may have the step and wait in its collectives: abort them.
+            drop(guard);
+            let msg = e.to_string();
+            let rank = unreachable_peer(&msg).unwrap_or(0);
+            return Err(self.stop(vec![Failure { rank, msg: format!("its process cannot be reached (rank 0 sending it the step: {msg})"), aborted: false }]));
+        }
+        Ok(())
     }
 
     /// Stops the world at `failures`: rank 0's collectives and the control plane are aborted
@@ -250,46 +346,40 @@ impl Runner for ProcessRunner {
         self.released.push(id);
     }
     fn forward(&mut self, mut step: Step) -> Result<Vec<f32>> {
-        if let Some(f) = &self.failed {
-            return Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) });
+        self.check()?;
+        if self.in_flight > 0 {
+            return Err(EngineError::Internal(format!("a plain forward while {} submitted step(s) are not collected", self.in_flight)));
         }
-        let shared = self.shared.clone();
-        let guard = shared.plane.read().unwrap_or_else(|p| p.into_inner());
-        let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world has been shut down".into())) };
-        let c = plane.control();
-        step.released.append(&mut self.released);
-        if let Err(e) = c.broadcast(&step.encode()) {
-            // Some workers may have the step and wait in its collectives: abort them.
-            drop(guard);
-            let msg = e.to_string();
-            let rank = unreachable_peer(&msg).unwrap_or(0);
-            return Err(self.stop(vec![Failure { rank, msg: format!("its process cannot be reached (rank 0 sending it the step: {msg})"), aborted: false }]));
+        self.broadcast(&mut step)?;
+        let out = self.local_call(move |l| l.forward(step));
+        self.answers(out, 1, 0)
+    }
+    fn depth(&self) -> usize {
+        self.local.depth()
+    }
+    fn submit(&mut self, mut step: Step) -> Result<()> {
+        self.check()?;
+        self.broadcast(&mut step)?;
+        match self.local_call(move |l| l.submit(step)) {
+            Ok(()) => {
+                self.in_flight += 1;
+                Ok(())
+            }
+            Err(f) => {
+                let owed = self.in_flight + 1;
+                Err(self.fail_local(f, owed))
+            }
         }
-        let local = &mut self.local;
-        let run = move || catch_unwind(AssertUnwindSafe(|| local.forward(step)));
-        let out = match &self.monitor {
-            Some(m) => m.watch(run),
-            None => run(),
-        };
-        let out = match out {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(Failure { rank: 0, aborted: runner::is_abort(&e), msg: e.to_string() }),
-            Err(p) => Err(Failure { rank: 0, aborted: false, msg: format!("panicked: {}", panic_message(p.as_ref())) }),
-        };
-        if let Err(f) = &out {
-            // Workers still inside this step's collectives stop now, and answer.
-            self.local.abort(&format!("rank 0 failed: {}", f.msg));
+    }
+    fn collect(&mut self) -> Result<Vec<f32>> {
+        self.check()?;
+        if self.in_flight == 0 {
+            return Err(EngineError::Internal("collect without a submitted step".into()));
         }
-        let mut failures: Vec<Failure> = self.gather(c);
-        drop(guard);
-        if let Err(f) = &out {
-            // A worker's own failure is the likelier cause of rank 0's (rank 0 then waited on it).
-            failures.push(f.clone());
-        }
-        if !failures.is_empty() {
-            return Err(self.stop(failures));
-        }
-        out.map_err(EngineError::from)
+        let out = self.local_call(|l| l.collect());
+        self.in_flight -= 1;
+        let later = self.in_flight;
+        self.answers(out, 1, later)
     }
     fn state_bytes(&self) -> usize {
         self.local.state_bytes() + self.peer_bytes.iter().sum::<usize>()

@@ -12,6 +12,7 @@
 use k3_core::cuda::mla::PAGE;
 use k3_core::cuda::{capture, CudaTensor, Graph};
 
+use super::stage::Residual;
 use super::state::{Step, StepHost};
 use super::{CudaModel, CudaSeqState, Input};
 use crate::error::{ModelError, Result};
@@ -22,6 +23,9 @@ pub struct DecodeGraph {
     step: Step,
     /// `None` except on rank 0 and the last pipeline stage.
     logits: Option<CudaTensor>,
+    /// A held graph (rank 0's pipelined steps, `pipe.rs`): the residual state its stage
+    /// leaves, sent on outside the graph.
+    pub(crate) held: Option<Residual>,
     graph: Graph,
 }
 
@@ -44,6 +48,13 @@ impl CudaModel {
     /// tokens. On a parallel rank the graph holds the step's NCCL calls: drop it before the
     /// model (whose communicators it uses).
     pub fn capture_decode(&mut self, batch: usize, max_context: usize) -> Result<DecodeGraph> {
+        self.capture_with(batch, max_context, false)
+    }
+
+    /// [`CudaModel::capture_decode`] of rank 0's stage alone on a pipeline layout (`held`): the
+    /// graph stops at the residual state, which [`DecodeGraph::send_held`] sends on later (the
+    /// warm-up step runs whole, so its messages pair with the other ranks' warm-up).
+    pub(crate) fn capture_with(&mut self, batch: usize, max_context: usize, held: bool) -> Result<DecodeGraph> {
         if batch == 0 || batch > self.cache.max_seqs {
             return Err(ModelError::Input(format!("decode graph batch {batch}: must be 1..={} (CacheConfig.max_seqs)", self.cache.max_seqs)));
         }
@@ -63,22 +74,47 @@ impl CudaModel {
             drop(o);
             Ok(self.dev.synchronize()?)
         });
-        let mut out = None;
+        let (mut out, mut kept) = (None, None);
         let graph = warm.and_then(|_| {
             Ok(capture(&self.dev, || {
-                out = Some(self.run(&step, &input, true).map_err(|e| k3_core::CoreError::Device(e.to_string()))?);
+                let dev_err = |e: ModelError| k3_core::CoreError::Device(e.to_string());
+                match held {
+                    true => kept = Some(self.run_stage(&step, &input).map_err(dev_err)?),
+                    false => out = Some(self.run(&step, &input, true).map_err(dev_err)?),
+                }
                 Ok(())
             })?)
         });
         super::TUNE_GEMMS.with(|t| t.set(false));
         let graph = graph?;
-        let logits = out.ok_or_else(|| ModelError::Internal("graph capture did not run the step".into()))?;
-        Ok(DecodeGraph { batch, width, step, logits, graph })
+        if out.is_none() && kept.is_none() {
+            return Err(ModelError::Internal("graph capture did not run the step".into()));
+        }
+        Ok(DecodeGraph { batch, width, step, logits: out.flatten(), held: kept, graph })
     }
 
     /// One decode token for each of `seqs` through `g`; returns logits `[B, vocab]` on the host
     /// (empty except on rank 0 and the last pipeline stage).
     pub fn decode_step(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<f32>> {
+        self.replay_step(g, tokens, seqs)?;
+        let out = match &g.logits {
+            Some(l) => l.to_f32_vec()?,
+            None => Vec::new(),
+        };
+        Ok(out)
+    }
+
+    /// [`CudaModel::decode_step`] through a held graph (rank 0's pipelined steps): enqueues the
+    /// step and returns; [`DecodeGraph::send_held`] sends its residual state on.
+    pub(crate) fn decode_held(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<()> {
+        if g.held.is_none() {
+            return Err(ModelError::Internal("decode_held through a graph that sends its state itself".into()));
+        }
+        self.replay_step(g, tokens, seqs)
+    }
+
+    /// Writes this step's tables into `g` and replays it (enqueued; no host synchronisation).
+    fn replay_step(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<()> {
         if tokens.len() != g.batch || seqs.len() != g.batch {
             return Err(ModelError::Input(format!("decode graph for batch {} got {} tokens and {} sequences", g.batch, tokens.len(), seqs.len())));
         }
@@ -99,13 +135,19 @@ impl CudaModel {
         g.graph.launch()?;
         // The graph's NCCL calls are outside the communicators' view: start their watchdog clock.
         self.groups.watch("decode graph")?;
-        let out = match &g.logits {
-            Some(l) => l.to_f32_vec()?,
-            None => Vec::new(),
-        };
         for s in seqs.iter_mut() {
             s.pos += 1;
         }
-        Ok(out)
+        Ok(())
+    }
+}
+
+impl DecodeGraph {
+    /// Sends a held graph's residual state (its last replay's) to the next stage.
+    pub(crate) fn send_held(&self, m: &CudaModel) -> Result<()> {
+        match &self.held {
+            Some(r) => r.send(m),
+            None => Err(ModelError::Internal("send_held on a graph that sends its state itself".into())),
+        }
     }
 }

@@ -14,6 +14,7 @@ mod graph;
 mod kda;
 mod mla;
 mod moe;
+mod pipe;
 mod stage;
 mod state;
 mod upload;
@@ -25,6 +26,7 @@ use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
 pub use graph::DecodeGraph;
+pub use pipe::HeldStep;
 pub use state::{CacheConfig, CudaSeqState};
 
 use crate::checkpoint::Checkpoint;
@@ -348,6 +350,42 @@ impl CudaModel {
     }
 
     fn run_traced(&self, step: &Step, input: &Input<'_>, last_only: bool, mut trace: GpuTrace<'_>) -> Result<Option<CudaTensor>> {
+        let res = self.stage_traced(step, input, &mut trace)?;
+        let mut emit = |name: &dyn Fn() -> String, t: &CudaTensor| -> Result<()> {
+            if let Some(f) = trace.as_mut() {
+                f(&name(), t)?;
+            }
+            Ok(())
+        };
+        let (h, n) = (self.config.text.hidden_size, step.n);
+        let eps = self.config.text.rms_norm_eps;
+        let dev = &self.dev;
+        let rows = if last_only { step.lens.len() } else { n };
+        let Some(head) = &self.head else {
+            res.send(self)?;
+            return stage::logits_from_last(self, rows);
+        };
+        let x = CudaTensor::uninit(dev, self.dtype, vec![n, h])?; // [N, H]
+        let srcs: Vec<&CudaTensor> = res.blocks.iter().collect();
+        let upd = if res.d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
+        let o = &head.output_attn_res;
+        attn_res_norm(&srcs, &res.p, upd, res.d.as_ref(), None, &o.c, o.eps, &head.norm, eps, &x)?;
+        emit(&|| "output_norm".into(), &x)?;
+        let local = if last_only {
+            let last = CudaTensor::uninit(dev, x.dtype(), vec![rows, h])?; // [B, H]
+            gather_rows(&x, &step.last_rows, &last)?;
+            lin(&last, &head.lm_head, DType::F32)?
+        } else {
+            lin(&x, &head.lm_head, DType::F32)?
+        }; // [rows, V / tp]
+        let logits = stage::gather_vocab(self, local)?;
+        stage::logits_to_first(self, &logits)?;
+        Ok(Some(logits))
+    }
+
+    /// This stage's part of the step: the embeddings (or the state the previous stage sends)
+    /// through this stage's layers; the residual state after its last layer.
+    fn stage_traced(&self, step: &Step, input: &Input<'_>, trace: &mut GpuTrace<'_>) -> Result<stage::Residual> {
         let mut emit = |name: &dyn Fn() -> String, t: &CudaTensor| -> Result<()> {
             if let Some(f) = trace.as_mut() {
                 f(&name(), t)?;
@@ -411,26 +449,7 @@ impl CudaModel {
             emit(&|| format!("blk.{l}.ffn.out"), &out)?;
             res.d = Some(out);
         }
-        let rows = if last_only { step.lens.len() } else { n };
-        let Some(head) = &self.head else {
-            res.send(self)?;
-            return stage::logits_from_last(self, rows);
-        };
-        let srcs: Vec<&CudaTensor> = res.blocks.iter().collect();
-        let upd = if res.d.is_some() { ResUpdate::Add } else { ResUpdate::Keep };
-        let o = &head.output_attn_res;
-        attn_res_norm(&srcs, &res.p, upd, res.d.as_ref(), None, &o.c, o.eps, &head.norm, eps, &x)?;
-        emit(&|| "output_norm".into(), &x)?;
-        let local = if last_only {
-            let last = CudaTensor::uninit(dev, x.dtype(), vec![rows, h])?; // [B, H]
-            gather_rows(&x, &step.last_rows, &last)?;
-            lin(&last, &head.lm_head, DType::F32)?
-        } else {
-            lin(&x, &head.lm_head, DType::F32)?
-        }; // [rows, V / tp]
-        let logits = stage::gather_vocab(self, local)?;
-        stage::logits_to_first(self, &logits)?;
-        Ok(Some(logits))
+        Ok(res)
     }
 
     /// Weight bytes one decode token reads (every non-expert matrix, `top_k` routed experts per
