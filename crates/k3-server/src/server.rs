@@ -250,7 +250,9 @@ async fn models(State(s): State<AppState>) -> Response {
         "object": "list",
         "data": [{
             "id": s.cfg.served_model_name, "object": "model", "created": s.created, "owned_by": "k3rs",
-            "max_model_len": s.max_context, "vocab_size": s.vocab,
+            "max_model_len": s.max_context,
+            // The ids a prompt of token ids may hold (the tokenizer's and the model's, both).
+            "vocab_size": s.vocab.min(s.tok.vocab_size()),
         }],
     });
     axum::Json(m).into_response()
