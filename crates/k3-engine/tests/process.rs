@@ -432,3 +432,75 @@ fn pipelined_steps_over_the_control_plane() {
         }
     }
 }
+
+/// One bar for the world's loading: a worker's progress frames reach rank 0 while rank 0
+/// loads its own shards, the bar shows the sum, the worker's "loaded" reply comes back for
+/// `take_ready`; a worker that fails to load is named; rank 0 failing to load aborts the plane
+/// so nothing waits.
+#[test]
+fn loading_progress_reaches_rank_0s_world_bar() {
+    let (got, replies, bar_at, worker) = within(60, "world loading bar", || {
+        let (c0, c1) = pair();
+        let w = std::thread::spawn(move || {
+            process::worker_load(&c1, |report| {
+                for b in [10u64, 20, 30] {
+                    report(b);
+                    std::thread::sleep(Duration::from_millis(300)); // past the throttle: each is sent
+                }
+                report(35); // sent as the last count before the reply
+                Ok(())
+            })
+        });
+        let bar = indicatif::ProgressBar::hidden();
+        bar.set_length(100);
+        let (got, replies) = process::load_with_world_bar(&c0, &bar, |report| {
+            report(60);
+            std::thread::sleep(Duration::from_millis(1200)); // the worker's frames arrive meanwhile
+            Ok(7)
+        });
+        let bar_at = bar.position();
+        let worker = w.join().unwrap();
+        let local = ThreadRunner::single(model(), StateDType::F32);
+        let (mut r, _finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
+        r.take_ready(replies.clone()).unwrap();
+        (got.unwrap(), replies, bar_at, worker)
+    });
+    assert_eq!(got, 7);
+    assert_eq!(bar_at, 95, "rank 0's 60 bytes + the worker's last count 35");
+    assert!(replies.len() == 1 && replies[0].is_ok(), "{replies:?}");
+    worker.unwrap();
+
+    // A worker that cannot load: its failure is its reply, and take_ready names it.
+    let err = within(60, "a worker failing to load", || {
+        let (c0, c1) = pair();
+        let w = std::thread::spawn(move || {
+            process::worker_load(&c1, |report| -> k3_engine::Result<()> {
+                report(5);
+                Err(EngineError::Unsupported("no such GPU".into()))
+            })
+        });
+        let (got, replies) = process::load_with_world_bar(&c0, &indicatif::ProgressBar::hidden(), |_| Ok(()));
+        got.unwrap();
+        assert!(w.join().unwrap().is_err());
+        let local = ThreadRunner::single(model(), StateDType::F32);
+        let (mut r, _finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
+        r.take_ready(replies).unwrap_err().to_string()
+    });
+    assert!(err.contains("rank 1 failed") && err.contains("no such GPU"), "{err}");
+
+    // Rank 0 failing to load: the plane is aborted, the watcher and the worker end.
+    let (err, worker) = within(60, "rank 0 failing to load", || {
+        let (c0, c1) = pair();
+        let w = std::thread::spawn(move || {
+            let loaded = process::worker_load(&c1, |_| Ok(()));
+            loaded.and_then(|_| c1.recv().map_err(|e| EngineError::Launch(e.to_string())).map(drop))
+        });
+        let (got, replies) = process::load_with_world_bar(&c0, &indicatif::ProgressBar::hidden(), |_| -> k3_engine::Result<()> {
+            Err(EngineError::Unsupported("rank 0's GPU is gone".into()))
+        });
+        assert_eq!(replies.len(), 1);
+        (got.unwrap_err().to_string(), w.join().unwrap())
+    });
+    assert!(err.contains("rank 0's GPU is gone"), "{err}");
+    assert!(worker.unwrap_err().to_string().contains("rank 0's GPU is gone"));
+}

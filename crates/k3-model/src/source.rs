@@ -5,9 +5,12 @@
 //! gives this rank: row shards (heads, vocabulary rows, FFN rows) are views of the memory map,
 //! column shards (the row-parallel `o_proj`/`down_proj`/`w2`) a copy of just those columns.
 //! So no rank reads more of the checkpoint than it holds. On a terminal, rank 0's source
-//! draws a progress bar over the bytes its plan holds (a real K3 rank loads ~100 GB).
+//! draws a progress bar over the bytes its plan holds (a real K3 rank loads ~100 GB); in a
+//! world of processes every rank's source reports its bytes instead ([`Source::report_to`])
+//! and rank 0 draws one bar for the whole world (`k3_engine::dist::process`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use k3_core::Tensor;
 
@@ -41,7 +44,13 @@ pub struct Source<'a> {
     specs: HashMap<String, TensorSpec>,
     /// Bytes handed out so far, over the bytes this rank holds (drawn on rank 0's terminal).
     progress: indicatif::ProgressBar,
+    /// Where the bytes handed out so far are reported (a world's loading), with their count.
+    report: Option<&'a LoadReport<'a>>,
+    handed: AtomicU64,
 }
+
+/// Receives the bytes a rank's source has handed out so far (cumulative), as it loads.
+pub type LoadReport<'a> = dyn Fn(u64) + Sync + 'a;
 
 impl<'a> Source<'a> {
     pub fn new(ck: &'a Checkpoint, plan: RankPlan) -> Source<'a> {
@@ -58,7 +67,7 @@ impl<'a> Source<'a> {
     fn from_table(ck: &'a Checkpoint, plan: RankPlan, table: Vec<TensorSpec>) -> Source<'a> {
         let progress = indicatif::ProgressBar::hidden();
         let specs = table.into_iter().map(|s| (s.name.clone(), s)).collect();
-        Source { ck, plan, specs, progress }
+        Source { ck, plan, specs, progress, report: None, handed: AtomicU64::new(0) }
     }
 
     /// Bytes of the checkpoint this rank's plan holds (what the loaders will be handed).
@@ -73,6 +82,16 @@ impl<'a> Source<'a> {
             let style = indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
             self.progress = indicatif::ProgressBar::new(self.held_bytes()).with_style(style).with_message(what.to_string());
+        }
+        self
+    }
+
+    /// Reports the bytes handed out to `r` (cumulative, after each tensor) instead of drawing a
+    /// bar of its own; `None` leaves the source as it is.
+    pub fn report_to(mut self, r: Option<&'a LoadReport<'a>>) -> Self {
+        if r.is_some() {
+            self.progress = indicatif::ProgressBar::hidden();
+            self.report = r;
         }
         self
     }
@@ -111,7 +130,11 @@ impl Tensors for Source<'_> {
         let t = self.ck.tensor(name)?;
         let terr = |e: k3_core::CoreError| ModelError::Tensor { name: name.into(), msg: e.to_string() };
         let whole = self.ck.entry(name).map_or(0, |e| e.len as u64);
-        self.progress.inc(self.plan.shard_bytes(spec, whole));
+        let n = self.plan.shard_bytes(spec, whole);
+        self.progress.inc(n);
+        if let Some(r) = self.report {
+            r(self.handed.fetch_add(n, Ordering::Relaxed) + n);
+        }
         Ok(match self.shard(spec)? {
             Shard::Whole => t,
             Shard::Rows(r) => t.narrow_rows(r.start, r.len()).map_err(terr)?,

@@ -102,7 +102,7 @@ fn gpu_rank_logits(a: &Args, ck: &Checkpoint, par: k3_model::Parallel, ord: usiz
     let world = World::start(par, &a.launch.node(), &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
     let rank = world.rank();
     let cache = k3_model::cuda::CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 };
-    let mut m = load_gpu_rank(&world, ck, ord, cache, gpu_precision(f32))?;
+    let mut m = load_gpu_rank(&world, ck, ord, cache, gpu_precision(f32), None)?;
     let out = gpu_pieces(&mut m, ids, None, step, !a.no_cuda_graphs).with_context(|| format!("rank {rank}"));
     if out.is_err() {
         m.groups.abort(&format!("rank {rank} failed"));

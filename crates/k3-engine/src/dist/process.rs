@@ -51,6 +51,19 @@ pub fn encode_reply(r: &Reply) -> Vec<u8> {
     }
 }
 
+/// A worker's loading progress for rank 0's world bar: `2 | u64 bytes read so far`.
+pub fn encode_progress(bytes: u64) -> Vec<u8> {
+    [&[2u8][..], &bytes.to_le_bytes()].concat()
+}
+
+/// The bytes of an [`encode_progress`] frame; `None` for any other frame.
+pub fn decode_progress(b: &[u8]) -> Option<u64> {
+    match b.split_first() {
+        Some((2, rest)) => rest.try_into().ok().map(u64::from_le_bytes),
+        _ => None,
+    }
+}
+
 /// Parses [`encode_reply`]'s bytes from worker `rank` (a bad frame is that rank's failure).
 pub fn decode_reply(b: &[u8], rank: usize) -> Reply {
     let bad = |why: String| Failure { rank, msg: format!("sent a bad reply ({why}; are all ranks the same k3?)"), aborted: false };
@@ -185,6 +198,23 @@ impl ProcessRunner {
         });
         let r = ProcessRunner { local, shared: shared.clone(), world, released: Vec::new(), peer_bytes: vec![0; world], failed: None, monitor, in_flight: 0 };
         (r, Finish(Some(shared)))
+    }
+
+    /// Takes every worker's "loaded" reply as [`load_with_world_bar`] read them (rank `i + 1`
+    /// at `i`): a rank that could not load its shards is reported by rank before anything is
+    /// served.
+    pub fn take_ready(&mut self, replies: Vec<Reply>) -> Result<()> {
+        let mut failures = Vec::new();
+        for (i, r) in replies.into_iter().enumerate() {
+            match r {
+                Ok(bytes) => self.peer_bytes[i + 1] = bytes,
+                Err(f) => failures.push(f),
+            }
+        }
+        match failures.is_empty() {
+            true => Ok(()),
+            false => Err(self.stop(failures)),
+        }
     }
 
     /// Waits for every worker's "loaded" reply (sent by [`worker_ready`]), so a rank that could
@@ -416,6 +446,81 @@ pub fn worker_ready<T>(c: &Control, loaded: Result<T>) -> Result<T> {
     Ok(v)
 }
 
+/// How often a loading worker reports its bytes to rank 0 (and the last count always).
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// A worker's loading: `load` gets a reporter of the bytes read so far, which goes to rank 0
+/// as progress frames (at most every 250 ms, and the last count before the reply); then the
+/// "loaded" reply ([`worker_ready`]). Frames keep the link busy, so a long load is not taken
+/// for a silent peer.
+pub fn worker_load<T>(c: &Control, load: impl FnOnce(&k3_model::source::LoadReport<'_>) -> Result<T>) -> Result<T> {
+    let state = Mutex::new((None::<Instant>, 0u64, 0u64)); // last sent, bytes so far, bytes sent
+    let report = |bytes: u64| {
+        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+        st.1 = bytes;
+        if st.0.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
+            st.0 = Some(Instant::now());
+            st.2 = bytes;
+            let _ = c.send_to_leader(&encode_progress(bytes)); // a dead link fails the reply below
+        }
+    };
+    let loaded = load(&report);
+    let (_, now, sent) = *state.lock().unwrap_or_else(|p| p.into_inner());
+    if now != sent {
+        let _ = c.send_to_leader(&encode_progress(now));
+    }
+    worker_ready(c, loaded)
+}
+
+/// Rank 0's loading beside its workers': `load` runs here (with a reporter of rank 0's bytes)
+/// while one thread per worker reads that worker's progress frames until its "loaded" reply;
+/// `bar` (the world's bytes) shows the sum. Returns `load`'s result and each worker's reply
+/// (rank `i + 1` at `i`), for [`ProcessRunner::take_ready`]; the caller ends the bar. When
+/// `load` fails the control plane is aborted, so no thread waits on a worker.
+pub fn load_with_world_bar<T>(
+    c: &Control,
+    bar: &indicatif::ProgressBar,
+    load: impl FnOnce(&k3_model::source::LoadReport<'_>) -> Result<T>,
+) -> (Result<T>, Vec<Reply>) {
+    let world = c.world();
+    let done: Vec<std::sync::atomic::AtomicU64> = (0..world).map(|_| Default::default()).collect();
+    let show = |rank: usize, bytes: u64| {
+        done[rank].store(bytes, Ordering::Relaxed);
+        bar.set_position(done.iter().map(|d| d.load(Ordering::Relaxed)).sum());
+    };
+    std::thread::scope(|s| {
+        let watchers: Vec<_> = (1..world)
+            .map(|rank| {
+                let show = &show;
+                s.spawn(move || loop {
+                    match c.recv_from(rank) {
+                        Ok(b) => match decode_progress(&b) {
+                            Some(bytes) => show(rank, bytes),
+                            None => return decode_reply(&b, rank),
+                        },
+                        Err(e) => return Err(Failure { rank, msg: format!("no answer from its process while loading: {e}"), aborted: false }),
+                    }
+                })
+            })
+            .collect();
+        let own = |bytes: u64| show(0, bytes);
+        let loaded = load(&own);
+        if let Err(e) = &loaded {
+            c.abort(&format!("rank 0 failed: {e}"));
+        }
+        let replies = watchers
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| {
+                w.join().unwrap_or_else(|p| {
+                    Err(Failure { rank: i + 1, msg: format!("its loading watcher panicked: {}", panic_message(p.as_ref())), aborted: false })
+                })
+            })
+            .collect();
+        (loaded, replies)
+    })
+}
+
 /// A worker's whole life after loading: [`runner::serve`] over its control link until rank 0
 /// shuts the world down (`Ok`) or a step fails (its failure, already sent to rank 0).
 pub fn work<W: RankWorker>(worker: W, c: &Control) -> Result<()> {
@@ -460,25 +565,37 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     let digest = k3_core::comm::control::digest(&[world_digest(ck, par)?.as_bytes(), spec_digest(spec).as_bytes()]);
     let world = World::start(par, node, &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
     let cache = k3_model::cuda::CacheConfig { max_seqs: spec.max_seqs, max_tokens: spec.max_cache_tokens };
-    let loaded = load_gpu_rank(&world, ck, ord, cache, precision(spec.gpu_f32)).and_then(|m| Ok((m, k3_model::Model::load_embedding(ck)?)));
+    let prec = precision(spec.gpu_f32);
+    let load = |report: &k3_model::source::LoadReport<'_>| {
+        load_gpu_rank(&world, ck, ord, cache, prec, Some(report)).and_then(|m| Ok((m, k3_model::Model::load_embedding(ck)?)))
+    };
     if world.rank() != 0 {
-        let (model, embedder) = worker_ready(&world.control, loaded)?;
+        let (model, embedder) = worker_load(&world.control, load)?;
         let served = work(GpuRunner::worker(model, embedder, spec.cuda_graphs), &world.control);
         k3_core::trace(|| format!("rank {}: step loop ended ({}), model dropped", world.rank(), if served.is_ok() { "stop" } else { "failure" }));
         let finished = world.finish(FINISH_LIMIT);
         return served.and(finished).map(|_| Role::Worker);
     }
-    let (model, embedder) = match loaded {
-        Ok(g) => g,
-        Err(e) => {
-            world.control.abort(&format!("rank 0 failed: {e}"));
-            return Err(e);
-        }
-    };
+    let bar = world_bar(ck, par, ord)?;
+    let (loaded, replies) = load_with_world_bar(&world.control, &bar, load);
+    bar.finish_and_clear();
+    let (model, embedder) = loaded?; // (the control plane is aborted then)
     let gpu = GpuRunner::new(model, embedder, spec.cuda_graphs);
     let (mut r, finish) = ProcessRunner::new(Box::new(gpu), Box::new(world));
-    r.wait_ready()?;
+    r.take_ready(replies)?;
     Ok(Role::Leader(Box::new(r), finish))
+}
+
+/// Rank 0's bar over the bytes every rank of `par` loads (drawn when stderr is a terminal).
+pub fn world_bar(ck: &Checkpoint, par: k3_model::Parallel, ordinal: usize) -> Result<indicatif::ProgressBar> {
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return Ok(indicatif::ProgressBar::hidden());
+    }
+    let total: u64 = par.plans(&ck.config)?.into_iter().map(|p| k3_model::Source::new(ck, p).held_bytes()).sum();
+    let style = indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    let what = format!("uploading {} ranks' weights (GPU {ordinal}.. on each node)", par.world());
+    Ok(indicatif::ProgressBar::new(total).with_style(style).with_message(what))
 }
 
 #[cfg(not(feature = "cuda"))]

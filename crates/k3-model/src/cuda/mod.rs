@@ -182,6 +182,20 @@ impl CudaModel {
     /// One rank's model on `dev`: only the tensors `plan` gives it are read and uploaded (row
     /// shards are views of the memory map, column shards copies of their columns).
     pub fn load_rank(ck: &Checkpoint, dev: &CudaDevice, plan: RankPlan, groups: CudaGroups, cache: CacheConfig, precision: Precision) -> Result<CudaModel> {
+        Self::load_rank_reporting(ck, dev, plan, groups, cache, precision, None)
+    }
+
+    /// [`CudaModel::load_rank`] that reports the bytes it has read to `report` (a world's
+    /// loading: rank 0 draws one bar for every rank) instead of drawing rank 0's own bar.
+    pub fn load_rank_reporting(
+        ck: &Checkpoint,
+        dev: &CudaDevice,
+        plan: RankPlan,
+        groups: CudaGroups,
+        cache: CacheConfig,
+        precision: Precision,
+        report: Option<&crate::source::LoadReport<'_>>,
+    ) -> Result<CudaModel> {
         let dt = precision.dtype();
         let cfg = ck.config.clone();
         let t = &cfg.text;
@@ -192,7 +206,7 @@ impl CudaModel {
                 msg: format!("{v} does not split evenly over --tp {}: the GPU gathers the logits in equal parts", plan.par.tp),
             });
         }
-        let src = Source::checked(ck, plan)?.show_progress(&format!("uploading rank 0's weights to GPU {}", dev.ordinal()));
+        let src = Source::checked(ck, plan)?.show_progress(&format!("uploading rank 0's weights to GPU {}", dev.ordinal())).report_to(report);
         let plan = &src.plan;
         let free = Free::new(&cache);
         let layers = cfg.layers[plan.layers.clone()]
