@@ -257,6 +257,19 @@ mod imp {
         }
     }
 
+    impl GpuRunner {
+        /// `run` (a packed forward) on `step`'s sequences, taken out of the map and put back.
+        fn on_step<R>(&mut self, step: &Step, run: fn(&mut Self, &[u32], Option<&[f32]>, &[usize], &mut [&mut GpuSeq]) -> Result<R>) -> Result<R> {
+            let mut t = self.take_step(step)?;
+            let out = {
+                let mut refs: Vec<&mut GpuSeq> = t.seqs.iter_mut().map(|(_, g)| g).collect();
+                run(self, &t.tokens, t.emb.as_deref(), &t.lens, &mut refs)
+            };
+            self.seqs.extend(t.seqs);
+            out
+        }
+    }
+
     /// [`GpuRunner::take_step`]'s parts of a step.
     struct Taken {
         tokens: Vec<u32>,
@@ -302,13 +315,7 @@ mod imp {
             if !self.flight.is_empty() || self.held.is_some() {
                 return Err(EngineError::Internal(format!("a plain forward while {} submitted step(s) are not collected", self.flight.len())));
             }
-            let mut t = self.take_step(&step)?;
-            let out = {
-                let mut refs: Vec<&mut GpuSeq> = t.seqs.iter_mut().map(|(_, g)| g).collect();
-                self.forward_packed(&t.tokens, t.emb.as_deref(), &t.lens, &mut refs)
-            };
-            self.seqs.extend(t.seqs);
-            out
+            self.on_step(&step, Self::forward_packed)
         }
         fn depth(&self) -> usize {
             match self.model.holds_steps() && !self.on_sight {
@@ -325,14 +332,8 @@ mod imp {
             }
             // Filling the pipeline (no collect since the last submit): the held step goes on.
             self.flush(true)?;
-            let mut t = self.take_step(&step)?;
-            let out = {
-                let mut refs: Vec<&mut GpuSeq> = t.seqs.iter_mut().map(|(_, g)| g).collect();
-                self.held_packed(&t.tokens, t.emb.as_deref(), &t.lens, &mut refs)
-            };
-            self.seqs.extend(t.seqs);
-            self.held = Some(out?);
-            self.flight.push_back(Slot::Pending(t.lens.len()));
+            self.held = Some(self.on_step(&step, Self::held_packed)?);
+            self.flight.push_back(Slot::Pending(step.seqs.len()));
             Ok(())
         }
         fn collect(&mut self) -> Result<Vec<f32>> {

@@ -16,7 +16,7 @@ use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Model, Parallel};
 
 mod common;
-use common::{cfg, run_all};
+use common::{add_script, cfg, run_all};
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
 #[path = "../../../tests/support/numeric.rs"]
@@ -251,16 +251,8 @@ fn pipelined_cancellation_and_failures() {
     // A sequence cancelled while its step is in flight: the others' tokens are unchanged.
     let plain = plain_per_seq(&ck);
     let mut e = Engine::with_runner(Box::new(invariant(&ck, par(1, None, 2))), None, whole());
-    let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (0..4 + 9 * i).map(|j| (5 + 31 * i + 17 * j) % 384).collect()).collect();
+    add_script(&mut e);
     let mut events = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        let mut req = Request::new(p.clone(), SamplingParams::greedy(), 6 + i);
-        if i == 2 {
-            let rows: Vec<f32> = e.embed(p).unwrap().iter().map(|x| -x * 1.5).collect();
-            req.prompt_embeds = Some(Arc::new(rows));
-        }
-        e.add(req).unwrap();
-    }
     let (mut steps, mut cancelled) = (0, false);
     while e.has_work() {
         let evs: Vec<_> = e.step().unwrap().iter().map(|ev| (ev.seq, ev.token, ev.finish.is_some())).collect();

@@ -12,8 +12,8 @@ pub fn cfg() -> EngineConfig {
     EngineConfig { max_batch: 3, prefill_chunk: 5, max_step_tokens: 8, ..Default::default() }
 }
 
-/// Runs the script to the end on `e`; every step keeps within `e.config.max_batch`.
-pub fn run_all(e: &mut Engine) -> Vec<(u64, u32, bool)> {
+/// Adds the script's five requests to `e` (sequence ids 1..=5 on a fresh engine).
+pub fn add_script(e: &mut Engine) {
     let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (0..4 + 9 * i).map(|j| (5 + 31 * i + 17 * j) % 384).collect()).collect();
     for (i, p) in prompts.iter().enumerate() {
         let mut req = Request::new(p.clone(), SamplingParams::greedy(), 6 + i);
@@ -23,6 +23,11 @@ pub fn run_all(e: &mut Engine) -> Vec<(u64, u32, bool)> {
         }
         e.add(req).unwrap();
     }
+}
+
+/// Runs the script to the end on `e`; every step keeps within `e.config.max_batch`.
+pub fn run_all(e: &mut Engine) -> Vec<(u64, u32, bool)> {
+    add_script(e);
     let mut events = Vec::new();
     let mut steps = 0;
     while e.has_work() {
