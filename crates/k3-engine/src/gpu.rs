@@ -257,9 +257,12 @@ mod imp {
         }
     }
 
+    /// A packed forward of the runner: token ids, own rows, lengths, the sequences.
+    type Packed<R> = fn(&mut GpuRunner, &[u32], Option<&[f32]>, &[usize], &mut [&mut GpuSeq]) -> Result<R>;
+
     impl GpuRunner {
         /// `run` (a packed forward) on `step`'s sequences, taken out of the map and put back.
-        fn on_step<R>(&mut self, step: &Step, run: fn(&mut Self, &[u32], Option<&[f32]>, &[usize], &mut [&mut GpuSeq]) -> Result<R>) -> Result<R> {
+        fn on_step<R>(&mut self, step: &Step, run: Packed<R>) -> Result<R> {
             let mut t = self.take_step(step)?;
             let out = {
                 let mut refs: Vec<&mut GpuSeq> = t.seqs.iter_mut().map(|(_, g)| g).collect();
