@@ -4,48 +4,22 @@
 //! the generator reports; requests the server refuses are counted as failed with the server's
 //! message; bad flags and an unreachable server are clear errors.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+#[path = "../../../tests/support/serve.rs"]
+mod serve;
 
 /// `k3 serve` of k3-nano on a free port; its base URL.
-fn serve() -> (Server, String) {
+fn serve() -> (serve::Server, String) {
     let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
-        .arg("serve")
-        .arg("--model")
-        .arg(&model)
-        .args(["--host", "127.0.0.1", "--port", "0", "--max-batch", "8"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn k3 serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let server = Server(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-                let _ = tx.send(url.trim_end_matches('/').to_owned());
-            }
-        }
-    });
-    let base = rx.recv_timeout(Duration::from_secs(60)).expect("k3 serve printed its address");
-    (server, base)
+    let (server, addr) = serve::start(&["--model", model.to_str().expect("utf-8 path"), "--max-batch", "8"], Duration::from_secs(60));
+    (server, format!("http://{addr}"))
 }
 
 fn bench(args: &[&str]) -> (bool, Value, String) {

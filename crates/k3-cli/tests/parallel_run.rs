@@ -5,16 +5,17 @@
 //! without CUDA, node flags and `--precision` on the CPU, and a bad layout are refused naming
 //! the flags (the GPU world itself: `scripts/gpu/parallel_serve.sh`).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
+#[path = "../../../tests/support/serve.rs"]
+mod serve;
 
 fn k3(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_k3")).args(args).output().expect("run k3")
@@ -77,36 +78,9 @@ fn multi_gpu_and_bad_layouts_are_refused() {
     }
 }
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts `k3 serve` (the embedded k3-nano) with `extra`, returns it and its `host:port`.
-fn serve(extra: &[&str]) -> (Server, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
-        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--served-model-name", "k3"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn k3 serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let server = Server(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(url) = line.split_whitespace().find_map(|w| w.strip_prefix("http://")) {
-                let _ = tx.send(url.to_owned());
-            }
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("k3 serve {extra:?} printed no address"));
-    (server, addr)
+fn serve(extra: &[&str]) -> (serve::Server, String) {
+    serve::start(&[&["--served-model-name", "k3"], extra].concat(), Duration::from_secs(120))
 }
 
 fn post(addr: &str, path: &str, body: &Value) -> Value {

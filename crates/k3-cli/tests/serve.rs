@@ -9,22 +9,14 @@
 //! and run explicitly by `.ci/run` (`cargo test -p k3-cli --test serve -- --ignored`), where a
 //! missing package is a failure, not a skip.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+#[path = "../../../tests/support/serve.rs"]
+mod serve;
 
 fn python_with_openai() -> bool {
     Command::new("python3").args(["-c", "import openai"]).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
@@ -40,26 +32,9 @@ fn serve_with_openai_python_client() {
     // the default model of `k3 serve`: the embedded chat model (the script's tool checks need it)
     let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-chat");
     let key = "test-key-123";
-    let mut child = Command::new(env!("CARGO_BIN_EXE_k3"))
-        .arg("serve")
-        .args(["--host", "127.0.0.1", "--port", "0", "--api-key", key])
-        .args(["--served-model-name", "k3-small", "--max-batch", "32", "--max-queue", "64"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn k3 serve");
-    let pid = child.id();
-    let stdout = child.stdout.take().expect("stdout");
-    let server = Server(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-                let _ = tx.send(url.to_owned());
-            }
-        }
-    });
-    let base = rx.recv_timeout(Duration::from_secs(60)).expect("k3 serve printed its address");
+    let (server, addr) =
+        serve::start(&["--api-key", key, "--served-model-name", "k3-small", "--max-batch", "32", "--max-queue", "64"], Duration::from_secs(60));
+    let (pid, base) = (server.0.id(), format!("http://{addr}"));
 
     let tok = k3_tokenizer::Tokenizer::from_dir(&model).expect("tokenizer");
     let messages = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]);

@@ -321,7 +321,7 @@ mod imp {
             self.on_step(&step, Self::forward_packed)
         }
         fn depth(&self) -> usize {
-            match self.model.holds_steps() && !self.on_sight {
+            match self.model.holds_steps() {
                 true => self.model.plan.par.pp,
                 false => 1,
             }

@@ -301,21 +301,17 @@ impl ProcessRunner {
             Err(f) => return Err(self.fail_local(f, n + later)),
         };
         let shared = self.shared.clone();
-        let failures = match shared.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            Some(plane) => self.gather_n(plane.control(), n),
-            None => return Err(EngineError::Launch("the world has been shut down".into())),
-        };
-        if !failures.is_empty() {
-            self.local.abort(&format!("rank {} failed: {}", failures[0].rank, failures[0].msg));
-            let mut failures = failures;
-            let shared = self.shared.clone();
-            if let Some(plane) = shared.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                failures.extend(self.gather_n(plane.control(), later));
-            }
-            self.in_flight = 0;
-            return Err(self.stop(failures));
+        let guard = shared.plane.read().unwrap_or_else(|p| p.into_inner());
+        let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world has been shut down".into())) };
+        let mut failures = self.gather_n(plane.control(), n);
+        if failures.is_empty() {
+            return Ok(out);
         }
-        Ok(out)
+        self.local.abort(&format!("rank {} failed: {}", failures[0].rank, failures[0].msg));
+        failures.extend(self.gather_n(plane.control(), later));
+        drop(guard); // `stop` takes the plane's lock itself
+        self.in_flight = 0;
+        Err(self.stop(failures))
     }
 
     fn check(&self) -> Result<()> {

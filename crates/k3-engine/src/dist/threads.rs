@@ -54,8 +54,7 @@ pub struct ThreadRunner {
 impl ThreadRunner {
     /// One rank: the whole model on the calling thread.
     pub fn single(model: Arc<Model>, kda: StateDType) -> ThreadRunner {
-        let leader = Worker::new(model.clone(), kda);
-        ThreadRunner { leader, peers: Vec::new(), embedder: model, released: Vec::new(), failed: None, flight: VecDeque::new() }
+        Self::single_with(model, kda, RankOptions::default())
     }
 
     /// Every rank of `par` loaded from `ck` over in-process groups, ranks 1.. started as threads.
@@ -71,9 +70,8 @@ impl ThreadRunner {
 
     /// One rank (the whole model on the calling thread) with [`RankOptions`].
     pub fn single_with(model: Arc<Model>, kda: StateDType, o: RankOptions) -> ThreadRunner {
-        let mut r = Self::single(model, kda);
-        r.leader = Worker::new(r.embedder.clone(), kda).with_options(o);
-        r
+        let leader = Worker::new(model.clone(), kda).with_options(o);
+        ThreadRunner { leader, peers: Vec::new(), embedder: model, released: Vec::new(), failed: None, flight: VecDeque::new() }
     }
 
     /// [`ThreadRunner::start`] with [`RankOptions`].
