@@ -224,17 +224,23 @@ fault | all)
   ;;&
 load | all)
   echo "=== one GPU, bf16: k3 bench serve (concurrency 64) against k3 serve, beside the captured step ==="
-  $D/k3 bench --device cuda --model $M --prompt-len 128 --batches 1,64 --context 512 > $L/load_bench.out 2> $L/load_bench.log || { fail "k3 bench --device cuda"; tail -3 $L/load_bench.log; }
+  $D/k3 bench --device cuda --model $M --prompt-len 128 --batches 1,16,64 --context 512 > $L/load_bench.out 2> $L/load_bench.log || { fail "k3 bench --device cuda"; tail -3 $L/load_bench.log; }
   cat $L/load_bench.out
-  tag=load
-  MAXB=64 MAXC=32768 serve_up $tag 1 1
-  if [ -n "$ADDR" ]; then
-    for c in 1 64; do
-      $D/k3 bench serve --base-url $ADDR --num-prompts $((c == 1 ? 8 : 128)) --max-concurrency $c --input-len 128 --output-len 128 --json > $L/load_c$c.json 2> $L/load_c$c.log || fail "k3 bench serve --max-concurrency $c"
-      echo "bench serve c=$c: $(cat $L/load_c$c.json)"
-    done
-    stop_all $tag
-  fi
+  # The step budget (--max-step-tokens, default 1024) decides how many prompts prefill per step.
+  for budget in 1024 8192; do
+    tag=load_s$budget
+    MAXB=64 MAXC=65536 serve_up $tag 1 1 --max-step-tokens $budget
+    if [ -n "$ADDR" ]; then
+      for c in 1 64; do
+        $D/k3 bench serve --base-url $ADDR --num-prompts $((c == 1 ? 8 : 128)) --max-concurrency $c --input-len 128 --output-len 128 --json > $L/$tag.c$c.json 2> $L/$tag.c$c.log || fail "k3 bench serve --max-concurrency $c"
+        echo "bench serve budget=$budget c=$c in=128 out=128: $(cat $L/$tag.c$c.json)"
+      done
+      # Decode-dominated: short prompts, long answers (the served decode step against the captured one).
+      $D/k3 bench serve --base-url $ADDR --num-prompts 64 --max-concurrency 64 --input-len 16 --output-len 512 --json > $L/$tag.long.json 2> $L/$tag.long.log || fail "k3 bench serve long"
+      echo "bench serve budget=$budget c=64 in=16 out=512: $(cat $L/$tag.long.json)"
+      stop_all $tag
+    fi
+  done
   ;;
 esac
 echo "FAILS=$FAILS"

@@ -33,7 +33,8 @@ use crate::error::{param, EngineError, Result};
 use crate::gpu::GpuRunner;
 use crate::grammar::{Constraint, Guide, GuideStats, MaskPool};
 use crate::prefix::{Admission, PrefixCache, PrefixConfig, PrefixStats};
-use crate::sampler::{Sampled, Sampler, SamplingParams};
+use crate::sample_rows::{self, RowSample};
+use crate::sampler::{penalty_pairs, Sampled, Sampler, SamplingParams};
 use crate::spec::{SpecConfig, SpecStats};
 use crate::stop::{StopCheck, StopMatcher};
 
@@ -458,19 +459,26 @@ impl Engine {
     /// One plain forward of `plan` (running index, new tokens): positions advance, the prefix
     /// states it wrote are published, and every entry at the end of its prompt or decoding
     /// emits its next token into `events` (indices of finished ones into `finished`). The
-    /// plain step, and the prefill part of a speculative one (`spec::engine_step`).
+    /// plain step, and the prefill part of a speculative one (`spec::engine_step`). The runner
+    /// samples where the logits are (`Runner::forward_sample`): the rows to sample — draws,
+    /// penalties, grammar masks — are made while its forward runs.
     pub(super) fn plain_forward(&mut self, plan: &[(usize, Vec<u32>)], limit: usize, events: &mut Vec<Event>, finished: &mut Vec<usize>) -> Result<()> {
         let t0 = Instant::now();
         // The step every rank runs: ids and new tokens, and a prefill chunk's own input rows.
         let seqs = plan.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
-        let logits = self.runner.forward(Step { seqs, last_only: true, released: Vec::new() })?;
+        let step = Step { seqs, last_only: true, released: Vec::new() };
+        let mut errors: Vec<Option<String>> = vec![None; plan.len()];
+        let sampled = {
+            let (running, errs) = (&mut self.running, &mut errors);
+            let mut rows = || plan.iter().zip(errs.iter_mut()).map(|((i, toks), e)| row_for(&mut running[*i], toks.len(), e)).collect();
+            self.runner.forward_sample(step, &mut rows)?
+        };
         let plan: Vec<(usize, usize)> = plan.iter().map(|(i, t)| (*i, t.len())).collect();
-        self.take_logits(&plan, &logits, t0, limit, events, finished)
+        self.take_sampled(&plan, sampled, errors, t0, limit, events, finished)
     }
 
     /// A completed step's logits `[plan.len(), vocab]` for `plan` (running index, tokens it
-    /// consumed), started at `t0`: positions advance, the prefix states it wrote are published,
-    /// and every entry at the end of its prompt or decoding emits its next token.
+    /// consumed), started at `t0`, sampled on the host (pipelined steps).
     fn take_logits(
         &mut self,
         plan: &[(usize, usize)],
@@ -483,6 +491,30 @@ impl Engine {
         let vocab = self.runner.config().text.vocab_size;
         if logits.len() != plan.len() * vocab {
             return Err(EngineError::Internal(format!("the runner returned {} logits for {} sequences of vocabulary {vocab}", logits.len(), plan.len())));
+        }
+        let mut errors: Vec<Option<String>> = vec![None; plan.len()];
+        let rows: Vec<Option<RowSample>> = plan.iter().zip(errors.iter_mut()).map(|(&(i, n), e)| row_for(&mut self.running[i], n, e)).collect();
+        let sampled = sample_rows::on_host(logits, vocab, &rows);
+        self.take_sampled(plan, sampled, errors, t0, limit, events, finished)
+    }
+
+    /// A completed step's sampled tokens for `plan` (running index, tokens it consumed; one
+    /// entry per row, `Some` for every row that ends its prompt or decodes, `errors` the
+    /// grammar's), started at `t0`: positions advance, the prefix states it wrote are
+    /// published, and every entry at the end of its prompt or decoding emits its next token.
+    #[allow(clippy::too_many_arguments)]
+    fn take_sampled(
+        &mut self,
+        plan: &[(usize, usize)],
+        sampled: Vec<Option<Sampled>>,
+        errors: Vec<Option<String>>,
+        t0: Instant,
+        limit: usize,
+        events: &mut Vec<Event>,
+        finished: &mut Vec<usize>,
+    ) -> Result<()> {
+        if sampled.len() != plan.len() {
+            return Err(EngineError::Internal(format!("the runner sampled {} rows for a step of {} sequences", sampled.len(), plan.len())));
         }
         for &(i, n) in plan {
             self.running[i].pos += n;
@@ -498,7 +530,7 @@ impl Engine {
         }
         let dt = t0.elapsed();
         let eos = self.runner.config().eos_token_ids.clone();
-        for (&(i, n), lg) in plan.iter().zip(logits.chunks_exact(vocab)) {
+        for ((&(i, n), sm), error) in plan.iter().zip(sampled).zip(errors) {
             let s = &mut self.running[i];
             if s.done < s.req.prompt.len() {
                 s.done += n;
@@ -509,7 +541,7 @@ impl Engine {
             } else {
                 s.stats.decode_time += dt;
             }
-            let (sampled, error) = sample_next(s, lg);
+            let sampled = sm.ok_or_else(|| EngineError::Internal(format!("the runner sampled no token for sequence {}", s.id)))?;
             let ev = push_token(s, sampled, error, self.tokenizer.as_deref(), &eos, limit, self.masks.as_ref());
             if ev.finish.is_some() {
                 finished.push(i);
@@ -596,6 +628,28 @@ fn sample_next(s: &mut Sequence, lg: &[f32]) -> (Sampled, Option<String>) {
         },
     };
     (sampled, error)
+}
+
+/// What sequence `s` samples after a step that gives it `n` more tokens: a row when the step
+/// ends its prompt or decodes (its draw is consumed here), `None` mid-prompt; `error` gets the
+/// grammar's error when the mask failed (the token is then sampled unmasked).
+fn row_for(s: &mut Sequence, n: usize, error: &mut Option<String>) -> Option<RowSample> {
+    if s.done + n < s.req.prompt.len() {
+        return None;
+    }
+    let allowed = match &mut s.guide {
+        None => None,
+        Some(g) => match g.mask() {
+            Ok(m) => Some(m.words().to_vec()),
+            Err(e) => {
+                *error = Some(e);
+                None
+            }
+        },
+    };
+    let u = s.sampler.draw();
+    let pairs = penalty_pairs(&s.sampler.params, &s.req.prompt, &s.output);
+    Some(RowSample { params: s.sampler.params.clone(), u, pairs, allowed })
 }
 
 /// Appends `sampled` to `s`'s output and makes its event: the text it releases, and whether it

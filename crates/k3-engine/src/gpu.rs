@@ -61,6 +61,8 @@ mod imp {
 
     use std::collections::VecDeque;
 
+    use k3_core::cuda::sample::Sampler as DeviceSampler;
+    use k3_core::cuda::CudaTensor;
     use k3_model::cuda::{CudaModel, CudaSeqState, DecodeGraph, HeldStep, Input};
     use k3_model::{Config, Model};
 
@@ -68,6 +70,8 @@ mod imp {
     use crate::dist::runner::{RankWorker, Runner, Step};
     use crate::engine::SeqId;
     use crate::error::{EngineError, Result};
+    use crate::sample_rows::{self, RowsFn};
+    use crate::sampler::Sampled;
 
     /// One sequence's place in the GPU pools and its cache reservation.
     pub struct GpuSeq {
@@ -96,6 +100,8 @@ mod imp {
         /// not yet sent on, and the steps submitted and not collected, oldest first.
         held: Option<HeldStep>,
         flight: VecDeque<Slot>,
+        /// Samples on the device from the step's logits (`Runner::forward_sample`).
+        sampler: DeviceSampler,
     }
 
     /// A submitted step's logits: still to come from the last stage (its rows), or received
@@ -116,6 +122,7 @@ mod imp {
     impl GpuRunner {
         pub fn new(model: CudaModel, embedder: Model, use_graphs: bool) -> Self {
             let budget = CacheBudget::new(model.cache.max_tokens, k3_core::cuda::mla::PAGE);
+            let sampler = DeviceSampler::new(&model.dev);
             GpuRunner {
                 model,
                 use_graphs,
@@ -127,6 +134,7 @@ mod imp {
                 on_sight: false,
                 held: None,
                 flight: VecDeque::new(),
+                sampler,
             }
         }
 
@@ -143,6 +151,15 @@ mod imp {
         /// One packed step; `emb` replaces the token embeddings when given. Returns each
         /// sequence's last-row logits `[B, vocab]`.
         fn forward_packed(&mut self, tokens: &[u32], emb: Option<&[f32]>, lens: &[usize], seqs: &mut [&mut GpuSeq]) -> Result<Vec<f32>> {
+            Ok(match self.device_packed(tokens, emb, lens, seqs)? {
+                Some(l) => l.to_f32_vec().map_err(k3_model::ModelError::from)?,
+                None => Vec::new(),
+            })
+        }
+
+        /// [`GpuRunner::forward_packed`] leaving the logits `[B, vocab]` on the device (a graph's
+        /// buffer or the eager step's tensor; `None` on a rank without logits), not waited for.
+        fn device_packed(&mut self, tokens: &[u32], emb: Option<&[f32]>, lens: &[usize], seqs: &mut [&mut GpuSeq]) -> Result<Option<CudaTensor>> {
             let mut seqs: Vec<&mut CudaSeqState> = seqs.iter_mut().map(|s| &mut s.state).collect();
             let seqs = seqs.as_mut_slice();
             let decode = emb.is_none() && lens.iter().all(|&l| l == 1);
@@ -154,14 +171,14 @@ mod imp {
                     self.graphs.insert(b, g);
                 }
                 if let Some(g) = self.graphs.get(&b) {
-                    return Ok(self.model.decode_step(g, tokens, seqs)?);
+                    return Ok(self.model.decode_step_device(g, tokens, seqs)?);
                 }
             }
             let input = match emb {
                 Some(e) => Input::Embeds(e),
                 None => Input::Tokens(tokens),
             };
-            Ok(self.model.forward_varlen(input, lens, seqs, true)?)
+            Ok(self.model.forward_device(input, lens, seqs)?)
         }
 
         /// [`GpuRunner::forward_packed`] of rank 0's stage alone, held (pipelined steps). A
@@ -319,6 +336,30 @@ mod imp {
                 return Err(EngineError::Internal(format!("a plain forward while {} submitted step(s) are not collected", self.flight.len())));
             }
             self.on_step(&step, Self::forward_packed)
+        }
+        fn samples_on_device(&self) -> bool {
+            true
+        }
+        fn forward_sample(&mut self, step: Step, rows: &mut RowsFn<'_>) -> Result<Vec<Option<Sampled>>> {
+            if !self.flight.is_empty() || self.held.is_some() {
+                return Err(EngineError::Internal(format!("a plain forward while {} submitted step(s) are not collected", self.flight.len())));
+            }
+            let logits = self.on_step(&step, Self::device_packed)?;
+            let rows = rows();
+            let Some(logits) = logits else {
+                return Err(EngineError::Internal(format!("rank {} has no logits to sample from", self.model.plan.rank)));
+            };
+            if rows.len() != step.seqs.len() || logits.shape().first() != Some(&rows.len()) {
+                return Err(EngineError::Internal(format!(
+                    "{} sampling rows for a step of {} sequences ({:?} logits)",
+                    rows.len(),
+                    step.seqs.len(),
+                    logits.shape()
+                )));
+            }
+            let (packed, pens, masks) = sample_rows::pack(&rows);
+            let out = self.sampler.sample(&logits, &packed, &pens, &masks).map_err(k3_model::ModelError::from)?;
+            Ok(rows.iter().zip(&out).map(|(r, o)| r.as_ref().map(|r| sample_rows::unpack(o, r))).collect())
         }
         fn depth(&self) -> usize {
             match self.model.holds_steps() {

@@ -18,6 +18,7 @@ pub mod error;
 pub mod gpu;
 pub mod grammar;
 pub mod prefix;
+pub mod sample_rows;
 pub mod sampler;
 pub mod spec;
 pub mod stop;

@@ -115,65 +115,12 @@ impl Sampler {
 
     /// Applies the penalties in place. `prompt` and `output` are the sequence's tokens so far.
     pub fn apply_penalties(&self, logits: &mut [f32], prompt: &[u32], output: &[u32]) {
-        let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; logits.len()];
-            for &t in prompt.iter().chain(output) {
-                if let Some(s) = seen.get_mut(t as usize) {
-                    *s = true;
-                }
-            }
-            for (l, s) in logits.iter_mut().zip(seen) {
-                if s {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-                }
-            }
-        }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            let mut count = std::collections::HashMap::<u32, u32>::new();
-            for &t in output {
-                *count.entry(t).or_insert(0) += 1;
-            }
-            for (t, c) in count {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= p.presence_penalty + p.frequency_penalty * c as f32;
-                }
-            }
-        }
+        apply_pairs(&self.params, logits, &penalty_pairs(&self.params, prompt, output));
     }
 
     /// The probability distribution after temperature, top-k, top-p and min-p (sums to 1).
     pub fn distribution(&self, logits: &[f32]) -> Vec<f32> {
-        let p = &self.params;
-        let scaled: Vec<f32> = logits.iter().map(|l| l / p.temperature).collect();
-        let mut probs = log_softmax(&scaled).into_iter().map(f32::exp).collect::<Vec<_>>();
-        let mut order: Vec<usize> = (0..probs.len()).collect();
-        order.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
-        let mut keep = order.len();
-        if p.top_k > 0 {
-            keep = keep.min(p.top_k);
-        }
-        if p.top_p < 1.0 {
-            let mut acc = 0f32;
-            for (i, &ix) in order.iter().enumerate().take(keep) {
-                acc += probs[ix];
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if p.min_p > 0.0 {
-            let thr = p.min_p * probs[order[0]];
-            keep = order[..keep].iter().take_while(|&&ix| probs[ix] >= thr).count().max(1);
-        }
-        let mut mask = vec![false; probs.len()];
-        order[..keep].iter().for_each(|&ix| mask[ix] = true);
-        let total: f32 = order[..keep].iter().map(|&ix| probs[ix]).sum();
-        for (pr, m) in probs.iter_mut().zip(mask) {
-            *pr = if m { *pr / total } else { 0.0 };
-        }
-        probs
+        distribution(&self.params, logits)
     }
 
     /// Picks the next token from raw `logits` given the tokens so far.
@@ -186,29 +133,18 @@ impl Sampler {
     /// temperature and the filters, so greedy takes the highest-logit allowed id and top-k/p,
     /// min-p act on the allowed ones. Logprobs stay those of the raw model distribution.
     pub fn sample_masked(&mut self, logits: &[f32], prompt: &[u32], output: &[u32], allowed: Option<&[u32]>) -> Sampled {
-        let raw_lp = log_softmax(logits);
-        let mut l = logits.to_vec();
-        self.apply_penalties(&mut l, prompt, output);
-        if let Some(words) = allowed {
-            apply_mask(&mut l, words);
-        }
-        let token = if self.params.temperature == 0.0 {
-            argmax(&l)
+        let u = self.draw();
+        pick(&self.params, logits, &penalty_pairs(&self.params, prompt, output), allowed, u)
+    }
+
+    /// The uniform draw the next token consumes: one from the generator when sampling, none
+    /// (0) when greedy. A device sampler gets the same draws, so a seed means one thing on both.
+    pub fn draw(&mut self) -> f32 {
+        if self.params.temperature == 0.0 {
+            0.0
         } else {
-            let probs = self.distribution(&l);
-            let u: f32 = self.rng.random();
-            let mut acc = 0f32;
-            let mut pick = argmax(&probs);
-            for (i, &pr) in probs.iter().enumerate() {
-                acc += pr;
-                if pr > 0.0 && u < acc {
-                    pick = i;
-                    break;
-                }
-            }
-            pick
-        };
-        self.report(&raw_lp, token as u32)
+            self.rng.random()
+        }
     }
 
     /// A uniform draw in [0, 1) from this sampler's generator (speculative acceptance).
@@ -218,19 +154,119 @@ impl Sampler {
 
     /// `token` with its log-probability (and the top-n) under the raw logits' `log_softmax`.
     pub fn report(&self, raw_lp: &[f32], token: u32) -> Sampled {
-        let top_logprobs = match self.params.logprobs {
-            Some(n) if n > 0 => {
-                let mut idx: Vec<usize> = (0..raw_lp.len()).collect();
-                let n = n.min(idx.len());
-                idx.select_nth_unstable_by(n - 1, |&a, &b| raw_lp[b].partial_cmp(&raw_lp[a]).unwrap_or(std::cmp::Ordering::Equal));
-                idx.truncate(n);
-                idx.sort_by(|&a, &b| raw_lp[b].partial_cmp(&raw_lp[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
-                idx.into_iter().map(|i| (i as u32, raw_lp[i])).collect()
-            }
-            _ => Vec::new(),
-        };
-        Sampled { token, logprob: raw_lp[token as usize], top_logprobs }
+        report(&self.params, raw_lp, token)
     }
+}
+
+/// The penalties' sparse form: `(token, count in output)` for each distinct token they touch —
+/// every token of `prompt` and `output` when `repetition_penalty` ≠ 1, else those of `output`
+/// when presence or frequency penalties are on, else none — in token order.
+pub fn penalty_pairs(p: &SamplingParams, prompt: &[u32], output: &[u32]) -> Vec<(u32, u32)> {
+    let rep = p.repetition_penalty != 1.0;
+    if !rep && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+        return Vec::new();
+    }
+    let mut count = std::collections::BTreeMap::<u32, u32>::new();
+    if rep {
+        for &t in prompt {
+            count.entry(t).or_insert(0);
+        }
+    }
+    for &t in output {
+        *count.entry(t).or_insert(0) += 1;
+    }
+    count.into_iter().collect()
+}
+
+/// Applies penalties given as [`penalty_pairs`] in place: repetition (divide a positive logit,
+/// multiply a negative one) on every pair, then presence + frequency × count on output tokens.
+pub fn apply_pairs(p: &SamplingParams, logits: &mut [f32], pairs: &[(u32, u32)]) {
+    for &(t, c) in pairs {
+        let Some(l) = logits.get_mut(t as usize) else { continue };
+        if p.repetition_penalty != 1.0 {
+            *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+        }
+        if c > 0 && (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) {
+            *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+        }
+    }
+}
+
+/// The probability distribution of `logits` after temperature, top-k, top-p and min-p.
+pub fn distribution(p: &SamplingParams, logits: &[f32]) -> Vec<f32> {
+    let scaled: Vec<f32> = logits.iter().map(|l| l / p.temperature).collect();
+    let mut probs = log_softmax(&scaled).into_iter().map(f32::exp).collect::<Vec<_>>();
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+    let mut keep = order.len();
+    if p.top_k > 0 {
+        keep = keep.min(p.top_k);
+    }
+    if p.top_p < 1.0 {
+        let mut acc = 0f64;
+        for (i, &ix) in order.iter().enumerate().take(keep) {
+            acc += probs[ix] as f64;
+            if acc >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        let thr = p.min_p * probs[order[0]];
+        keep = order[..keep].iter().take_while(|&&ix| probs[ix] >= thr).count().max(1);
+    }
+    let mut mask = vec![false; probs.len()];
+    order[..keep].iter().for_each(|&ix| mask[ix] = true);
+    let total = order[..keep].iter().map(|&ix| probs[ix] as f64).sum::<f64>();
+    for (pr, m) in probs.iter_mut().zip(mask) {
+        *pr = if m { (*pr as f64 / total) as f32 } else { 0.0 };
+    }
+    probs
+}
+
+/// The host sampler proper (the device sampler's oracle): penalties `pairs`, the mask
+/// `allowed`, then greedy, or the filtered distribution walked in id order to the uniform `u`.
+pub fn pick(p: &SamplingParams, logits: &[f32], pairs: &[(u32, u32)], allowed: Option<&[u32]>, u: f32) -> Sampled {
+    let raw_lp = log_softmax(logits);
+    let mut l = logits.to_vec();
+    apply_pairs(p, &mut l, pairs);
+    if let Some(words) = allowed {
+        apply_mask(&mut l, words);
+    }
+    let token = if p.temperature == 0.0 {
+        argmax(&l)
+    } else {
+        let probs = distribution(p, &l);
+        // f64 running sum: an f32 one drifts by ~1e-5 over a 163840-token vocabulary.
+        let mut acc = 0f64;
+        let mut pick = argmax(&probs);
+        for (i, &pr) in probs.iter().enumerate() {
+            acc += pr as f64;
+            if pr > 0.0 && (u as f64) < acc {
+                pick = i;
+                break;
+            }
+        }
+        pick
+    };
+    report(p, &raw_lp, token as u32)
+}
+
+/// `token` with its log-probability (and the top-n) under the raw logits' `log_softmax`.
+pub fn report(p: &SamplingParams, raw_lp: &[f32], token: u32) -> Sampled {
+    let top_logprobs = match p.logprobs {
+        Some(n) if n > 0 => {
+            let mut idx: Vec<usize> = (0..raw_lp.len()).collect();
+            let n = n.min(idx.len());
+            idx.select_nth_unstable_by(n - 1, |&a, &b| raw_lp[b].partial_cmp(&raw_lp[a]).unwrap_or(std::cmp::Ordering::Equal));
+            idx.truncate(n);
+            idx.sort_by(|&a, &b| raw_lp[b].partial_cmp(&raw_lp[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+            idx.into_iter().map(|i| (i as u32, raw_lp[i])).collect()
+        }
+        _ => Vec::new(),
+    };
+    Sampled { token, logprob: raw_lp[token as usize], top_logprobs }
 }
 
 /// Sets the logits of the ids whose bit in `words` is clear (and of those past its end) to −∞.
@@ -328,6 +364,34 @@ mod tests {
         assert_eq!(l[1], -8.0); // negative × 2
         assert_eq!(l[2], 1.0 / 2.0 - 0.5 - 0.5); // repetition, presence, 2 × frequency
         assert_eq!(l[3], 1.0);
+    }
+
+    #[test]
+    fn penalty_pairs_touch_each_distinct_token_once() {
+        let p = SamplingParams { repetition_penalty: 1.5, presence_penalty: 0.3, frequency_penalty: 0.2, ..Default::default() };
+        assert_eq!(penalty_pairs(&p, &[5, 1, 5], &[2, 1, 2, 2]), vec![(1, 1), (2, 3), (5, 0)]);
+        let only_out = SamplingParams { presence_penalty: 0.3, ..Default::default() };
+        assert_eq!(penalty_pairs(&only_out, &[5, 1], &[2, 2]), vec![(2, 2)]);
+        assert!(penalty_pairs(&SamplingParams::default(), &[5], &[2]).is_empty());
+        // Ids past the vocabulary are skipped, not a panic.
+        let mut l = vec![1.0f32; 3];
+        apply_pairs(&p, &mut l, &[(7, 2)]);
+        assert_eq!(l, vec![1.0; 3]);
+    }
+
+    #[test]
+    fn draw_consumes_the_generator_only_when_sampling() {
+        let mut g = Sampler::new(SamplingParams { seed: Some(3), ..SamplingParams::greedy() });
+        assert_eq!(g.draw(), 0.0);
+        let mut a = s(SamplingParams::default());
+        let mut b = s(SamplingParams::default());
+        let logits: Vec<f32> = (0..40).map(|i| (i % 7) as f32 * 0.4).collect();
+        // sample = pick with the draw it consumes: the same tokens from the same seed.
+        for _ in 0..50 {
+            let u = b.draw();
+            assert!((0.0..1.0).contains(&u));
+            assert_eq!(a.sample(&logits, &[], &[]).token, pick(&b.params, &logits, &[], None, u).token);
+        }
     }
 
     #[test]

@@ -5,8 +5,9 @@
 //! compiles kernels), tokens/s by wall clock of the median of three (includes the last-row
 //! logits copy). Decode, for each batch in `--batches`: B sequences prefilled with `--context`
 //! tokens, one decode step captured as a CUDA graph, replayed `--repeats` times between CUDA
-//! events (median); the same step end to end through `decode_step` (table upload + replay +
-//! logits download) by wall clock. The HBM floor of a step is the bytes it must move —
+//! events (median); the same step end to end by wall clock as the server runs it (table upload +
+//! replay + greedy sampling on the device + ids back, `decode_step_device` and
+//! `k3_core::cuda::sample`), and with the logits downloaded instead (`decode_step`). The HBM floor of a step is the bytes it must move —
 //! non-expert weights, the routed experts it touches (exact at batch 1; the expected number of
 //! distinct experts for uniform routing above), KDA states read and written, latent and
 //! indexer-key caches read — divided by the device-to-device copy bandwidth measured here.
@@ -117,7 +118,8 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     );
     println!("copy bw    {:.0} GB/s (device-to-device, read + write)", copy_bw / 1e9);
     println!("prefill    T={}: {:.1} ms, {:.0} tokens/s", a.run.prompt_len, prefill_s * 1e3, a.run.prompt_len as f64 / prefill_s);
-    let mut rows = Vec::new();
+    let mut out_rows = Vec::new();
+    let mut sampler = k3_core::cuda::sample::Sampler::new(&dev);
     for &b in &batches {
         let mut seqs: Vec<CudaSeqState> = (0..b).map(|_| m.new_sequence()).collect::<k3_model::Result<_>>()?;
         let ctx_tokens: Vec<Vec<u32>> = (0..b).map(|_| prompt(a.gpu.context)).collect();
@@ -126,7 +128,7 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
         }
         let g = m.capture_decode(b, a.gpu.context + a.timing.warmup + a.timing.repeats + 8)?;
         let toks: Vec<u32> = prompt(b);
-        // End to end through decode_step (advances the sequences).
+        // End to end through decode_step (advances the sequences): logits downloaded.
         let mut wall = Vec::new();
         for i in 0..(a.timing.warmup.min(5) + a.timing.repeats.min(20)) {
             let mut refs: Vec<&mut CudaSeqState> = seqs.iter_mut().collect();
@@ -136,20 +138,35 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
                 wall.push(t.elapsed().as_secs_f64() * 1e3);
             }
         }
+        // End to end as the server steps: replay, greedy sampling on the device, ids back.
+        let mut sampled = Vec::new();
+        let rows = vec![k3_core::cuda::sample::SampleRow::default(); b];
+        for i in 0..(a.timing.warmup.min(5) + a.timing.repeats.min(20)) {
+            let mut refs: Vec<&mut CudaSeqState> = seqs.iter_mut().collect();
+            let t = Instant::now();
+            let logits = m.decode_step_device(&g, &toks, &mut refs)?.context("no logits on this device")?;
+            sampler.sample(&logits, &rows, &[], &[])?;
+            if i >= a.timing.warmup.min(5) {
+                sampled.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        sampled.sort_by(f64::total_cmp);
         wall.sort_by(f64::total_cmp);
         // Replays of the captured step alone, between CUDA events.
         let ms = time_calls(&dev, a.timing.warmup, a.timing.repeats, || g.replay())?;
         let step = median(&ms);
         let floor = floor_bytes(&m, b, a.gpu.context) / copy_bw * 1e3;
         println!(
-            "decode     B={b:>3} ctx={}: graph {step:.3} ms/step = {:.3} ms/layer; floor {floor:.3} ms/step ({:.2}x); end to end {:.3} ms/step; {:.0} tokens/s",
+            "decode     B={b:>3} ctx={}: graph {step:.3} ms/step = {:.3} ms/layer; floor {floor:.3} ms/step ({:.2}x); end to end {:.3} ms/step sampled on the GPU ({:.2}x the graph), {:.3} ms/step with the logits downloaded; {:.0} tokens/s",
             a.gpu.context,
             step / layers as f64,
             step / floor,
+            median(&sampled),
+            median(&sampled) / step,
             median(&wall),
             b as f64 / (step * 1e-3)
         );
-        rows.push(serde_json::json!({"batch": b, "context": a.gpu.context, "graph_ms_per_step": step, "ms_per_layer": step / layers as f64, "floor_ms_per_step": floor, "ratio_to_floor": step / floor, "end_to_end_ms_per_step": median(&wall)}));
+        out_rows.push(serde_json::json!({"batch": b, "context": a.gpu.context, "graph_ms_per_step": step, "ms_per_layer": step / layers as f64, "floor_ms_per_step": floor, "ratio_to_floor": step / floor, "end_to_end_ms_per_step": median(&sampled), "end_to_end_host_logits_ms_per_step": median(&wall)}));
         drop(g);
         for s in seqs {
             m.release(s);
@@ -159,7 +176,7 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
         profile_decode(&mut m, &dev, a.gpu.context)?;
     }
     if a.json {
-        let r = serde_json::json!({"model": dir.display().to_string(), "layers": layers, "copy_gb_s": copy_bw / 1e9, "prefill_tokens": a.run.prompt_len, "prefill_tokens_per_s": a.run.prompt_len as f64 / prefill_s, "decode": rows});
+        let r = serde_json::json!({"model": dir.display().to_string(), "layers": layers, "copy_gb_s": copy_bw / 1e9, "prefill_tokens": a.run.prompt_len, "prefill_tokens_per_s": a.run.prompt_len as f64 / prefill_s, "decode": out_rows});
         println!("{}", serde_json::to_string(&r)?);
     }
     Ok(())

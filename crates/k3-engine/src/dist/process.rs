@@ -39,6 +39,8 @@ use super::monitor::{abort_grace, Monitor};
 use super::runner::{self, panic_message, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
+use crate::sample_rows::RowsFn;
+use crate::sampler::Sampled;
 
 /// How long the end of a run waits for the ranks this process started.
 pub const FINISH_LIMIT: Duration = Duration::from_secs(120);
@@ -378,6 +380,18 @@ impl Runner for ProcessRunner {
         }
         self.broadcast(&mut step)?;
         let out = self.local_call(move |l| l.forward(step));
+        self.answers(out, 1, 0)
+    }
+    fn samples_on_device(&self) -> bool {
+        self.local.samples_on_device()
+    }
+    fn forward_sample(&mut self, mut step: Step, rows: &mut RowsFn<'_>) -> Result<Vec<Option<Sampled>>> {
+        self.check()?;
+        if self.in_flight > 0 {
+            return Err(EngineError::Internal(format!("a plain forward while {} submitted step(s) are not collected", self.in_flight)));
+        }
+        self.broadcast(&mut step)?;
+        let out = self.local_call(move |l| l.forward_sample(step, rows));
         self.answers(out, 1, 0)
     }
     fn depth(&self) -> usize {

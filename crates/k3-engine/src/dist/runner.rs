@@ -37,6 +37,8 @@ use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 use crate::gpu::load_gpu;
 use crate::prefix::{state as prefix_state, Capture, KdaSnap, Segment};
+use crate::sample_rows::{self, RowsFn};
+use crate::sampler::Sampled;
 
 /// Where the engine's forwards run (see the module doc).
 pub trait Runner: Send {
@@ -60,6 +62,28 @@ pub trait Runner: Send {
     fn release(&mut self, id: SeqId);
     /// One batched forward: logits `[B, vocab]` with `step.last_only` (else `[N, vocab]`).
     fn forward(&mut self, step: Step) -> Result<Vec<f32>>;
+    /// Whether [`Runner::forward_sample`] samples on this runner's device (only token ids and
+    /// logprobs come back from it), rather than on the host from downloaded logits.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// One batched forward (last rows) whose rows are sampled where the logits are: `rows` is
+    /// called once the forward is under way and gives one entry per step sequence (`None`:
+    /// nothing to sample). The default runs [`Runner::forward`] and the host sampler.
+    fn forward_sample(&mut self, step: Step, rows: &mut RowsFn<'_>) -> Result<Vec<Option<Sampled>>> {
+        let n = step.seqs.len();
+        let logits = self.forward(step)?;
+        let rows = rows();
+        let vocab = self.config().text.vocab_size;
+        if logits.len() != n * vocab || rows.len() != n {
+            return Err(EngineError::Internal(format!(
+                "{} logits and {} sampling rows for a step of {n} sequences of vocabulary {vocab}",
+                logits.len(),
+                rows.len()
+            )));
+        }
+        Ok(sample_rows::on_host(&logits, vocab, &rows))
+    }
     /// Steps this runner can have in flight at once: the pipeline stages when it overlaps
     /// them (a step's later stages run while rank 0 starts the next), else 1. With more than
     /// one the engine drives [`Runner::submit`] and [`Runner::collect`] instead of `forward`,

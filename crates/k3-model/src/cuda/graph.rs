@@ -96,12 +96,18 @@ impl CudaModel {
     /// One decode token for each of `seqs` through `g`; returns logits `[B, vocab]` on the host
     /// (empty except on rank 0 and the last pipeline stage).
     pub fn decode_step(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<f32>> {
-        self.replay_step(g, tokens, seqs)?;
-        let out = match &g.logits {
+        Ok(match self.decode_step_device(g, tokens, seqs)? {
             Some(l) => l.to_f32_vec()?,
             None => Vec::new(),
-        };
-        Ok(out)
+        })
+    }
+
+    /// [`CudaModel::decode_step`] leaving the logits on the device: the graph's logits buffer
+    /// F32 `[B, vocab]` (rank 0 and the last pipeline stage; `None` elsewhere), enqueued and
+    /// not waited for, valid until the graph's next replay.
+    pub fn decode_step_device(&mut self, g: &DecodeGraph, tokens: &[u32], seqs: &mut [&mut CudaSeqState]) -> Result<Option<CudaTensor>> {
+        self.replay_step(g, tokens, seqs)?;
+        Ok(g.logits.clone())
     }
 
     /// [`CudaModel::decode_step`] through a held graph (rank 0's pipelined steps): enqueues the

@@ -280,6 +280,18 @@ impl CudaModel {
         self.forward_traced(input, lens, seqs, last_only, None)
     }
 
+    /// [`CudaModel::forward_varlen`] of each sequence's last row leaving the logits on the
+    /// device: F32 `[B, vocab]` (rank 0 and the last pipeline stage; `None` elsewhere), enqueued
+    /// and not waited for when the input is token ids.
+    pub fn forward_device(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState]) -> Result<Option<CudaTensor>> {
+        let step = self.prepare(&input, lens, seqs)?;
+        let logits = self.run(&step, &input, true)?;
+        for (s, &n) in seqs.iter_mut().zip(lens) {
+            s.pos += n;
+        }
+        Ok(logits)
+    }
+
     /// [`CudaModel::forward_varlen`] that also hands named intermediates to `trace` (the CPU
     /// model's names: `embed`, `blk.L.attn_in`, `blk.L.kda.out` / `blk.L.mla.out`, `blk.L.ffn_in`,
     /// `blk.L.ffn.out`, `output_norm`) as device tensors `[N, width]`.

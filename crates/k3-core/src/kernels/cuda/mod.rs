@@ -52,8 +52,11 @@ pub const MLA: Source = Source { name: "mla", code: include_str!("mla.cu") };
 /// DSA lightning indexer and radix top-k (`index_key_append_*`, `dsa_index_scores`, `dsa_topk_*`).
 pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
 
+/// Token sampling: mask, penalties, greedy / top-k / top-p / min-p draw, logprobs (`sample_*`).
+pub const SAMPLE: Source = Source { name: "sample", code: include_str!("sample.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 13] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, DSA];
+pub const ALL: [Source; 14] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, DSA, SAMPLE];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
