@@ -613,30 +613,23 @@ impl Engine {
     }
 }
 
-/// Samples `s`'s next token from `lg`, through its grammar's mask when it has one; the
-/// grammar's error when the mask failed (the token is then sampled unmasked).
+/// Samples `s`'s next token from `lg` on the host, through its grammar's mask when it has one;
+/// the grammar's error when the mask failed (the token is then sampled unmasked).
 fn sample_next(s: &mut Sequence, lg: &[f32]) -> (Sampled, Option<String>) {
     let mut error = None;
-    let sampled = match &mut s.guide {
-        None => s.sampler.sample(lg, &s.req.prompt, &s.output),
-        Some(g) => match g.mask() {
-            Ok(m) => s.sampler.sample_masked(lg, &s.req.prompt, &s.output, Some(m.words())),
-            Err(e) => {
-                error = Some(e);
-                s.sampler.sample(lg, &s.req.prompt, &s.output)
-            }
-        },
-    };
+    let sampled = row(s, &mut error).on_host(lg);
     (sampled, error)
 }
 
-/// What sequence `s` samples after a step that gives it `n` more tokens: a row when the step
-/// ends its prompt or decodes (its draw is consumed here), `None` mid-prompt; `error` gets the
-/// grammar's error when the mask failed (the token is then sampled unmasked).
+/// What sequence `s` samples after a step that gives it `n` more tokens: its [`row`] when the
+/// step ends its prompt or decodes, `None` mid-prompt.
 fn row_for(s: &mut Sequence, n: usize, error: &mut Option<String>) -> Option<RowSample> {
-    if s.done + n < s.req.prompt.len() {
-        return None;
-    }
+    (s.done + n >= s.req.prompt.len()).then(|| row(s, error))
+}
+
+/// `s`'s next token's sampling inputs (its draw is consumed here); `error` gets the grammar's
+/// error when the mask failed (the token is then sampled unmasked).
+fn row(s: &mut Sequence, error: &mut Option<String>) -> RowSample {
     let allowed = match &mut s.guide {
         None => None,
         Some(g) => match g.mask() {
@@ -649,7 +642,7 @@ fn row_for(s: &mut Sequence, n: usize, error: &mut Option<String>) -> Option<Row
     };
     let u = s.sampler.draw();
     let pairs = penalty_pairs(&s.sampler.params, &s.req.prompt, &s.output);
-    Some(RowSample { params: s.sampler.params.clone(), u, pairs, allowed })
+    RowSample { params: s.sampler.params.clone(), u, pairs, allowed }
 }
 
 /// Appends `sampled` to `s`'s output and makes its event: the text it releases, and whether it

@@ -130,8 +130,8 @@ impl Sampler {
         let b32 = u32::try_from(b).map_err(|_| CoreError::Shape { op: OP, detail: format!("{b} rows") })?;
         let work = CudaTensor::uninit(&dev, DType::F32, vec![b, v])?;
         let rows_d = CudaTensor::from_pod(&dev, DType::U8, vec![std::mem::size_of_val(rows)], rows)?;
-        let pens_d = CudaTensor::from_pod(&dev, DType::U8, vec![4 * pens.len().max(1)], &nonempty(pens))?;
-        let masks_d = CudaTensor::from_pod(&dev, DType::U8, vec![4 * masks.len().max(1)], &nonempty(masks))?;
+        let pens_d = CudaTensor::from_pod(&dev, DType::U8, vec![4 * pens.len().max(1)], nonempty(pens))?;
+        let masks_d = CudaTensor::from_pod(&dev, DType::U8, vec![4 * masks.len().max(1)], nonempty(masks))?;
         let out = CudaTensor::uninit(&dev, DType::U8, vec![b * std::mem::size_of::<SampleOut>()])?;
         let (lp, wp, rp, pp, mp, op) = (logits.ptr(), work.ptr(), rows_d.ptr(), pens_d.ptr(), masks_d.ptr(), out.ptr());
         let gx = v.div_ceil(256 * 8).clamp(1, 64) as u32;
@@ -170,11 +170,11 @@ impl Sampler {
 }
 
 /// At least one element (a kernel argument must point at an allocation).
-fn nonempty(x: &[u32]) -> Vec<u32> {
+fn nonempty(x: &[u32]) -> &[u32] {
     if x.is_empty() {
-        vec![0]
+        &[0]
     } else {
-        x.to_vec()
+        x
     }
 }
 

@@ -25,7 +25,9 @@ __device__ __forceinline__ float ld(const bf16_t* p, long long i) { return bf16_
 __device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Any type __shfl_xor_sync takes (float, double, int, ...).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -38,13 +40,15 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Block-wide sum / max for blockDim.x a multiple of 32 (<= 1024). Every thread gets the result.
-// `scratch` is 32 floats of shared memory; the call ends with the scratch free for reuse.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// `scratch` is 32 elements of shared memory (block_sum: of its type T, any warp_sum type;
+// block_max: floats); the call ends with the scratch free for reuse.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_sum(v);
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = (lane < nw) ? scratch[lane] : 0.0f;
+    v = (lane < nw) ? scratch[lane] : (T)0;
     v = warp_sum(v);
     __syncthreads();
     return v;

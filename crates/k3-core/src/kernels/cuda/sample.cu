@@ -74,26 +74,7 @@ extern "C" __global__ void sample_penalize(float* work, const SampleRow* rows, c
     }
 }
 
-// ---- block helpers (blockDim.x a multiple of 32; every thread gets the result) ----
-
-template <typename T>
-__device__ __forceinline__ T s_warp_sum(T v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-template <typename T>
-__device__ __forceinline__ T s_block_sum(T v, T* sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = s_warp_sum(v);
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = lane < nw ? sh[lane] : (T)0;
-    v = s_warp_sum(v);
-    __syncthreads();
-    return v;
-}
+// ---- block helpers beside common.cuh's (blockDim.x a multiple of 32; every thread gets the result) ----
 
 // (value, index): the larger value wins, the lower index on equal values; NaN never wins.
 __device__ __forceinline__ bool s_better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
@@ -181,7 +162,7 @@ __device__ double s_mass(const L& l, unsigned b, bool gt, Shared& sh) {
         const unsigned pb = __float_as_uint(p);
         if (gt ? pb > b : pb >= b) s += (double)p;
     }
-    return s_block_sum(s, sh.d);
+    return block_sum(s, sh.d);
 }
 
 template <typename L>
@@ -191,7 +172,7 @@ __device__ int s_count(const L& l, unsigned b, int mode, Shared& sh) {  // mode 
         const unsigned pb = __float_as_uint(l.p(k));
         c += mode == 0 ? pb >= b : mode == 1 ? pb > b : pb == b;
     }
-    return s_block_sum(c, sh.i);
+    return block_sum(c, sh.i);
 }
 
 // The filters' kept set on list `l`: bits `vk` of the K-th value and how many elements equal to
@@ -320,8 +301,8 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
         z += exp((double)(x[i] - mx));
         if (draw) zs += exp((double)(w[i] / T - ms));
     }
-    z = s_block_sum(z, sh.d);
-    zs = s_block_sum(zs, sh.d);
+    z = block_sum(z, sh.d);
+    zs = block_sum(zs, sh.d);
     const float lse = mx + (float)log(z);
 
     int tok = greedy;
@@ -355,8 +336,8 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
             int js = -1, nc = 0, lc = 0;
 #pragma unroll
             for (int j = 0; j < SAMPLE_LEVELS; ++j) {
-                const int c = s_block_sum(cnt[j], sh.i);
-                const double m = s_block_sum(mass[j], sh.d);
+                const int c = block_sum(cnt[j], sh.i);
+                const double m = block_sum(mass[j], sh.d);
                 if (js < 0 && c <= SAMPLE_CAP) {
                     const bool decided = (R.top_k > 0 && R.top_k < V && c >= R.top_k) || (R.top_p < 1.0f && m >= (double)R.top_p) ||
                                          (R.min_p > 0.0f && R.min_p * pmax >= cut[j]);
