@@ -9,7 +9,8 @@
 # Usage: bash scripts/gpu/model_run.sh SUITE [ARGS]; logs in $OUT (or /tmp).
 #   parity                      cuda_model_ops (K3_CUDA_SYNC=1) and cuda_model
 #   nano                        k3 run on k3-nano, GPU then CPU (the same greedy text)
-#   nano-logits                 k3-nano, 96 tokens: GPU f32 (full and decode) and bf16 logits vs CPU
+#   nano-logits                 k3-nano, 96 tokens: GPU f32 (full and decode), bf16, and bf16 with FP8
+#                               caches (full and decode) logits vs CPU
 #   kernel-cache                k3 run on k3-nano twice in fresh processes with K3_KERNEL_CACHE:
 #                               the first compiles with NVRTC and stores the cubins, the second reads them
 #   tests SUITE...              the staged test executables one after another (--nocapture, all
@@ -22,8 +23,10 @@
 #   bench-bf16                  bench k3r4bf
 #   dsa [RECIPE]                DSA decode at contexts 16384, 131072, 524288 (default k31r4mx)
 #   ncu RECIPE                  per-kernel GPU times of one batch-1 step (ncu gpu__time_duration.sum,
-#                               CSV in $OUT/ncu_RECIPE.csv)
-#   nsys RECIPE                 an nsys trace of a short batch-1 bench (kernel summary and trace CSVs in $OUT)
+#                               CSV in $OUT/ncu_RECIPE.csv, summed per kernel name by ncu_sum.py);
+#                               NCU_PROMPT=4096 also covers the bench's four prefills of that length
+#   nsys RECIPE                 an nsys trace of a short batch-1 bench (kernel summary and trace CSVs in $OUT);
+#                               NSYS_PROMPT=4096 traces prefills of that length instead of 64 tokens
 #   ab RECIPE OLD NEW [ROUNDS]  prefill T=4096 and decode B=1 of two staged binaries .dev/model/OLD and
 #                               .dev/model/NEW, alternated for ROUNDS rounds (default 2), on one machine
 set -o pipefail
@@ -35,7 +38,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noh
 suite=${1:-parity}
 shift
 # one_step RECIPE: the `k3 bench` arguments of a single batch-1 step (for the profilers).
-one_step() { echo "bench --device cuda --model /tmp/$1 --prompt-len 1 --batches 1 --context 1 --warmup 0 --repeats 1"; }
+one_step() { echo "bench --device cuda --model /tmp/$1 --prompt-len ${NCU_PROMPT:-1} --batches 1 --context 1 --warmup 0 --repeats 1"; }
 case $suite in
 parity)
   echo "=== cuda_model_ops ==="; K3_CUDA_SYNC=1 timeout 120 $D/cuda_model_ops --test-threads=1 2>&1 | grep -vE "^\s*$" | tail -25
@@ -49,12 +52,14 @@ nano-logits)
   $D/k3 logits --model $N --ids $IDS --out $L/g32.npy --device cuda --precision f32 2>&1 | tail -1
   $D/k3 logits --model $N --ids $IDS --out $L/g32d.npy --device cuda --precision f32 --mode decode 2>&1 | tail -1
   $D/k3 logits --model $N --ids $IDS --out $L/gbf.npy --device cuda 2>&1 | tail -1
+  $D/k3 logits --model $N --ids $IDS --out $L/gfp8.npy --device cuda --kv-cache-dtype fp8 2>&1 | tail -1
+  $D/k3 logits --model $N --ids $IDS --out $L/gfp8d.npy --device cuda --kv-cache-dtype fp8 --mode decode 2>&1 | tail -1
   python3 - "$L" <<'PY'
 import sys
 import numpy as np
 d = sys.argv[1]
 c = np.load(f'{d}/cpu.npy').astype(np.float64)
-for n in ['g32', 'g32d', 'gbf']:
+for n in ['g32', 'g32d', 'gbf', 'gfp8', 'gfp8d']:
     g = np.load(f'{d}/{n}.npy').astype(np.float64)
     rel = np.sqrt(((g - c)**2).sum(1) / (c**2).sum(1))
     print(f"k3-nano 96 tokens, {n} vs CPU: max abs {np.abs(g-c).max():.3e}, per-position rel L2 max {rel.max():.3e} median {np.median(rel):.3e}, top-1 {(g.argmax(1)==c.argmax(1)).mean():.3f}")
@@ -91,13 +96,14 @@ ncu)
   k3_model $R $D/k3 || exit 1
   # shellcheck disable=SC2046
   timeout 150 ncu --metrics gpu__time_duration.sum --csv --clock-control none --cache-control none --log-file $L/ncu_$R.csv $D/k3 $(one_step $R) > $L/ncu_run_$R.log 2>&1
-  echo "ncu rc=$?"; tail -3 $L/ncu_run_$R.log; wc -l $L/ncu_$R.csv ;;
+  echo "ncu rc=$?"; tail -3 $L/ncu_run_$R.log; wc -l $L/ncu_$R.csv
+  python3 "$(dirname "$0")/ncu_sum.py" $L/ncu_$R.csv | head -${NCU_TOP:-30} ;;
 nsys)
   R=${1:?nsys RECIPE}
   k3_model $R $D/k3 || exit 1
   NS=$(which nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2> /dev/null | head -1)
   [ -n "$NS" ] || { echo "no nsys on this machine"; exit 1; }
-  timeout 120 $NS profile --cuda-graph-trace=node -o $L/$R -f true $D/k3 bench --device cuda --model /tmp/$R --prompt-len 64 --batches 1 --context 512 --warmup 2 --repeats 5 > $L/nsys_run_$R.log 2>&1
+  timeout 120 $NS profile --cuda-graph-trace=node -o $L/$R -f true $D/k3 bench --device cuda --model /tmp/$R --prompt-len ${NSYS_PROMPT:-64} --batches 1 --context 512 --warmup 2 --repeats 5 > $L/nsys_run_$R.log 2>&1
   echo "nsys rc=$?"
   timeout 60 $NS stats --report cuda_gpu_kern_sum,cuda_gpu_trace --format csv -o $L/$R $L/$R.nsys-rep > /dev/null 2>&1
   rm -f $L/$R.sqlite $L/$R.nsys-rep; ls $L | grep "^$R" ;;

@@ -157,3 +157,18 @@ fn sigterm_exits_with_a_half_sent_request_open() {
     drop(s);
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
 }
+
+/// `--kv-cache-dtype` names the fix: it applies to the GPU, fp8 needs the bf16 precision, and an
+/// unknown format lists the choices.
+#[test]
+fn kv_cache_dtype_is_checked() {
+    let e = fails(k3().args(["run", "-n", "1", "--kv-cache-dtype", "fp8", "hi"]));
+    assert!(e.contains("--kv-cache-dtype") && e.contains("--device cuda"), "{e}");
+    let nano = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
+    let e = fails(k3().args(["logits", "--ids", "1,2", "--out", "/dev/null", "--kv-cache-dtype", "fp8", "--model"]).arg(&nano));
+    assert!(e.contains("--kv-cache-dtype") && e.contains("--device cuda"), "{e}");
+    let e = fails(k3().args(["run", "-n", "1", "--device", "cuda", "--precision", "f32", "--kv-cache-dtype", "fp8", "hi"]));
+    assert!(e.contains("--kv-cache-dtype fp8") && e.contains("--precision bf16"), "{e}");
+    let e = fails(k3().args(["run", "-n", "1", "--device", "cuda", "--kv-cache-dtype", "fp4", "hi"]));
+    assert!(e.contains("fp4") && e.contains("bf16, fp8"), "{e}");
+}

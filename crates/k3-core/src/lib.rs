@@ -7,6 +7,7 @@
 //!   per op family; the model crate calls them by the same names as its layers.
 //! - [`comm`]: the communicators the parallel model runs on (world-1, in-process threads,
 //!   and NCCL with the `cuda` feature) and the TCP control plane that starts a world.
+//! - [`fp8`]: the FP8 (E4M3, tile-scaled) cache formats, defined on the CPU for the GPU kernels.
 //! - [`kernels::cuda`] (feature `cuda`): the CUDA path, loaded at run time (cudarc).
 //!
 //! Imports point one way: this crate knows nothing of Kimi K3's config or checkpoint names.
@@ -17,6 +18,7 @@ pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod fp8;
 pub mod kernels;
 pub mod npy;
 pub mod tensor;

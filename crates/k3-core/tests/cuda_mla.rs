@@ -16,7 +16,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{check, device, paging, poisoned, prefill_rows, rng, rvec, say, slot, up, up_i32};
+use cuda_common::{check, device, paging, poisoned, prefill_rows, rng, rvec, say, slot, time_attend, up, up_i32};
 
 use half::bf16;
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
@@ -217,20 +217,6 @@ fn attend_real_dims() {
     // Prefill of one sequence: 96 rows x 6 head groups fill the GPU (one split, direct write).
     let p = problem(&mut r, nh, rr, dr, &[96], 96, false);
     run_attend(&dev, &p, scale, "real prefill 96 rows");
-}
-
-/// Times `iters` calls of `mla_attend` with CUDA events; returns microseconds per call.
-fn time_attend(dev: &CudaDevice, q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, rr: usize, out: &CudaTensor, iters: usize) -> f64 {
-    mla_attend(q, cache, batch, None, rr, 0.07, out).expect("warm-up");
-    let (e0, e1) = (dev.new_event(true).expect("event"), dev.new_event(true).expect("event"));
-    e0.record(&dev.stream()).expect("record");
-    for _ in 0..iters {
-        mla_attend(q, cache, batch, None, rr, 0.07, out).expect("attend");
-    }
-    e1.record(&dev.stream()).expect("record");
-    let ms = e0.elapsed_ms(&e1).expect("elapsed") / iters as f32;
-    assert!(out.to_f32_vec().expect("read").iter().all(|v| v.is_finite()));
-    ms as f64 * 1e3
 }
 
 #[test]

@@ -63,6 +63,7 @@ mod imp {
 
     use k3_core::cuda::sample::Sampler as DeviceSampler;
     use k3_core::cuda::CudaTensor;
+    use k3_model::capacity::KvDtype;
     use k3_model::cuda::{CudaModel, CudaSeqState, DecodeGraph, HeldStep, Input};
     use k3_model::{Config, Model};
 
@@ -422,11 +423,12 @@ mod imp {
     }
 
     /// Uploads the checkpoint to CUDA device `ordinal` with room for `max_seqs` live sequences
-    /// and `max_tokens` cached tokens, in bf16 (or f32 when `f32`); decode steps use CUDA
-    /// graphs when `graphs`.
-    pub fn load_gpu(ck: &k3_model::Checkpoint, ordinal: usize, max_seqs: usize, max_tokens: usize, graphs: bool, f32: bool) -> Result<GpuRunner> {
+    /// and `max_tokens` cached tokens in caches of format `kv`, in bf16 (or f32 when `f32`);
+    /// decode steps use CUDA graphs when `graphs`.
+    pub fn load_gpu(ck: &k3_model::Checkpoint, ordinal: usize, max_seqs: usize, max_tokens: usize, kv: KvDtype, graphs: bool, f32: bool) -> Result<GpuRunner> {
         let dev = k3_core::cuda::CudaDevice::new(ordinal).map_err(k3_model::ModelError::from)?;
-        let model = CudaModel::load_with(ck, &dev, k3_model::cuda::CacheConfig { max_seqs, max_tokens }, precision(f32))?;
+        let cache = k3_model::cuda::CacheConfig { max_seqs, max_tokens, kv_cache_dtype: kv };
+        let model = CudaModel::load_with(ck, &dev, cache, precision(f32))?;
         Ok(GpuRunner::new(model, Model::load_embedding(ck)?, graphs))
     }
 
@@ -442,6 +444,7 @@ mod imp {
 
 #[cfg(not(feature = "cuda"))]
 mod imp {
+    use k3_model::capacity::KvDtype;
     use k3_model::Config;
 
     use crate::dist::runner::{Runner, Step};
@@ -472,7 +475,7 @@ mod imp {
     }
 
     /// Always an error: this build has no CUDA support.
-    pub fn load_gpu(_: &k3_model::Checkpoint, _: usize, _: usize, _: usize, _: bool, _: bool) -> Result<GpuRunner> {
+    pub fn load_gpu(_: &k3_model::Checkpoint, _: usize, _: usize, _: usize, _: KvDtype, _: bool, _: bool) -> Result<GpuRunner> {
         Err(crate::error::EngineError::Unsupported("this build has no CUDA support: rebuild with `cargo build --release --features cuda`".into()))
     }
 }

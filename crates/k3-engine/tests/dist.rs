@@ -239,8 +239,16 @@ fn bad_layouts_and_multi_gpu_are_refused() {
     let ck = ck();
     let err = ThreadRunner::start(&ck, par(1, None, 9), StateDType::F32).err().unwrap().to_string();
     assert!(err.contains("--pp 9"), "{err}");
-    let spec =
-        RunnerSpec { par: par(2, None, 1), device: Some(0), kda_state: StateDType::F32, max_seqs: 1, max_cache_tokens: 64, cuda_graphs: false, gpu_f32: false };
+    let spec = RunnerSpec {
+        par: par(2, None, 1),
+        device: Some(0),
+        kda_state: StateDType::F32,
+        max_seqs: 1,
+        max_cache_tokens: 64,
+        cuda_graphs: false,
+        gpu_f32: false,
+        kv_cache_dtype: Default::default(),
+    };
     let err = runner::load(&ck, &spec).err().unwrap().to_string();
     assert!(err.contains("--tp 2") && err.contains("one process per GPU") && err.contains("docs/parallel.md"), "{err}");
 }

@@ -10,8 +10,10 @@
 
 use serde::Serialize;
 
-use crate::config::{Config, Mixer};
-use crate::inspect::{cache_bytes_per_token, kda_state_bytes, shipped_bytes, FP8_DS_MLA_BYTES, FP8_INDEXER_BYTES};
+use k3_core::fp8::{KeyFp8, LatentFp8};
+
+use crate::config::{Config, Mixer, RawTextConfig as TextConfig};
+use crate::inspect::{cache_bytes_per_token, kda_state_bytes, shipped_bytes};
 use crate::parallel::Parallel;
 use crate::weights::tensor_table;
 
@@ -22,13 +24,40 @@ pub const GIB: f64 = (1u64 << 30) as f64;
 pub const CONTEXTS: [u64; 2] = [131_072, 1_048_576];
 
 /// The cache layout the planner assumes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KvDtype {
     /// 2 bytes per latent / indexer-key value.
+    #[default]
     Bf16,
-    /// vLLM's `fp8_ds_mla` (656 B per token per layer) and FP8 indexer key (132 B).
+    /// vLLM's `fp8_ds_mla` (656 B per token per layer) and FP8 indexer key (132 B); the
+    /// layouts are `k3_core::fp8`'s.
     Fp8,
+}
+
+impl KvDtype {
+    /// Bytes per token of one MLA/DSA layer's latent cache and of one DSA layer's indexer-key
+    /// cache (0 without `dsa_config`).
+    pub fn bytes_per_token(self, t: &TextConfig) -> (u64, u64) {
+        let (r, dr) = (t.kv_lora_rank, t.qk_rope_head_dim);
+        let id = t.dsa_config.as_ref().map_or(0, |d| d.index_head_dim);
+        match self {
+            KvDtype::Bf16 => (2 * (r + dr) as u64, 2 * id as u64),
+            KvDtype::Fp8 => {
+                let key = if id == 0 { 0 } else { KeyFp8 { id }.row_bytes() };
+                (LatentFp8 { r, dr }.row_bytes() as u64, key as u64)
+            }
+        }
+    }
+
+    /// The `--kv-cache-dtype` value.
+    pub fn parse(s: &str) -> Option<KvDtype> {
+        match s {
+            "bf16" | "auto" => Some(KvDtype::Bf16),
+            "fp8" | "fp8_ds_mla" => Some(KvDtype::Fp8),
+            _ => None,
+        }
+    }
 }
 
 /// One rank's memory.
@@ -73,12 +102,7 @@ pub fn capacity(cfg: &Config, par: Parallel, gpu_mem: u64, reserve: u64, kv: KvD
     let table = tensor_table(cfg);
     let plans = par.plans(cfg)?;
     let t = &cfg.text;
-    let lat = (t.kv_lora_rank + t.qk_rope_head_dim) as u64;
-    let idx = t.dsa_config.as_ref().map_or(0, |d| d.index_head_dim) as u64;
-    let (mla_tok, dsa_tok) = match kv {
-        KvDtype::Bf16 => (2 * lat, 2 * idx),
-        KvDtype::Fp8 => (FP8_DS_MLA_BYTES, FP8_INDEXER_BYTES),
-    };
+    let (mla_tok, dsa_tok) = kv.bytes_per_token(t);
     let mut ranks = Vec::with_capacity(plans.len());
     for p in &plans {
         let weight_bytes: u64 = table.iter().map(|s| p.shard_bytes(s, shipped_bytes(s))).sum();

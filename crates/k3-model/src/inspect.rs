@@ -23,14 +23,10 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use crate::capacity::KvDtype;
 use crate::checkpoint::Checkpoint;
 use crate::config::{Config, Ffn, LayerSpec, Mixer};
 use crate::weights::{self, Component, Kind, TensorSpec};
-
-/// vLLM `fp8_ds_mla`: 512 e4m3 + 4 f32 tile scales + 64 bf16 `k_pe` (around-backbone §2.4).
-pub const FP8_DS_MLA_BYTES: u64 = 656;
-/// vLLM indexer cache entry: 128 e4m3 + one f32 scale (text-backbone §5.8).
-pub const FP8_INDEXER_BYTES: u64 = 132;
 
 /// One run of consecutive layers of the same kind.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -224,8 +220,10 @@ pub fn report(cfg: &Config) -> Report {
     let layer_kinds = layer_kinds(cfg, &table);
     let lat = t.kv_lora_rank + t.qk_rope_head_dim;
     let idx = t.dsa_config.as_ref().map_or(0, |d| d.index_head_dim);
-    let kv_bf16 = cache_bytes_per_token(&cfg.layers, 2 * lat as u64, 2 * idx as u64);
-    let kv_fp8 = cache_bytes_per_token(&cfg.layers, FP8_DS_MLA_BYTES, FP8_INDEXER_BYTES);
+    let (b16, k16) = KvDtype::Bf16.bytes_per_token(t);
+    let kv_bf16 = cache_bytes_per_token(&cfg.layers, b16, k16);
+    let (b8, k8) = KvDtype::Fp8.bytes_per_token(t);
+    let kv_fp8 = cache_bytes_per_token(&cfg.layers, b8, k8);
     let ctx = cfg.max_context() as u64;
     let (rec, conv) = kda_state_bytes(cfg, t.linear_attn_config.num_heads, kda);
 

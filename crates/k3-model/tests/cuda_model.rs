@@ -23,8 +23,10 @@
 //!   tolerances: prefill, stepwise decode (eager and graph) and chunked prefill;
 //! - the three golden fixtures in BF16 (KDA head dim 32: the general KDA kernel), full prefill;
 //! - k3-nano (trained, bf16), GPU = CPU, and every named intermediate within 2e-2;
-//! - random release-format checkpoints (`k3 init`) with top-k = all experts: KDA head dim 128
-//!   (the chunked and fused decode kernels) with MXFP4 experts; a DSA model;
+//! - random release-format checkpoints (`k3 init`) with top-k = all experts: K3's attention head
+//!   dims (the explicit-form prefill attention); KDA head dim 128 (the chunked and fused decode
+//!   kernels) with MXFP4 experts; a DSA model;
+//! - FP8 latent and indexer-key caches: k3-nano and the DSA model within the same tolerances;
 //! - on the GPU: stepwise decode (eager and CUDA-graph replay) and chunked prefill = full prefill;
 //!   several sequences packed in one step = each run alone.
 //!
@@ -37,6 +39,7 @@ use common::*;
 mod cuda;
 use cuda::device;
 use k3_core::cuda::CudaDevice;
+use k3_model::capacity::KvDtype;
 use k3_model::config::builtin_config;
 use k3_model::cuda::{CacheConfig, CudaModel, Input, Precision};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
@@ -72,7 +75,7 @@ fn check(got: &[f32], want: &[f32], vocab: usize, tol: f32, top1: Option<f32>, w
 }
 
 fn gpu(ck: &Checkpoint, dev: &CudaDevice, seqs: usize, tokens: usize) -> CudaModel {
-    CudaModel::load(ck, dev, CacheConfig { max_seqs: seqs, max_tokens: tokens }).expect("load on GPU")
+    CudaModel::load(ck, dev, CacheConfig { max_seqs: seqs, max_tokens: tokens, ..Default::default() }).expect("load on GPU")
 }
 
 /// GPU logits of `toks` fed in pieces of `step` (decode steps through a graph when `graph`).
@@ -162,7 +165,8 @@ fn golden_fixtures_on_gpu_f32() {
     let Some(dev) = device("golden_fixtures_on_gpu_f32") else { return };
     for name in ["k3_small_f32", "k31_small_dsa_f32", "k3_small_mxfp4"] {
         let ck = Checkpoint::open(&fixture(name)).unwrap();
-        let mut m = CudaModel::load_with(&ck, &dev, CacheConfig { max_seqs: 2, max_tokens: 512 }, Precision::F32).expect("load on GPU (F32)");
+        let mut m =
+            CudaModel::load_with(&ck, &dev, CacheConfig { max_seqs: 2, max_tokens: 512, ..Default::default() }, Precision::F32).expect("load on GPU (F32)");
         let r = reference(name);
         let vocab = m.config.text.vocab_size;
         for l in [5, 40, 160] {
@@ -250,12 +254,17 @@ fn random_model(dir: &std::path::Path, base: &str, set: &[(&str, serde_json::Val
 }
 
 fn gpu_vs_cpu(ck: &Checkpoint, dev: &CudaDevice, n: usize, tol: f32, top1: Option<f32>, what: &str) {
+    gpu_vs_cpu_kv(ck, dev, n, tol, top1, what, KvDtype::Bf16)
+}
+
+/// [`gpu_vs_cpu`] with the GPU's latent / indexer-key caches in format `kv`.
+fn gpu_vs_cpu_kv(ck: &Checkpoint, dev: &CudaDevice, n: usize, tol: f32, top1: Option<f32>, what: &str, kv: KvDtype) {
     let cpu = Model::load(ck).unwrap();
     let vocab = cpu.config.text.vocab_size;
     let toks: Vec<u32> = (0..n).map(|i| ((i * 131 + 17) % vocab) as u32).collect();
     let mut st = cpu.new_state();
     let want = cpu.forward(&toks, &mut st, ForwardOpts::default(), None).unwrap();
-    let mut m = gpu(ck, dev, 2, n + 64);
+    let mut m = CudaModel::load(ck, dev, CacheConfig { max_seqs: 2, max_tokens: n + 64, kv_cache_dtype: kv }).expect("load on GPU");
     check(&run_pieces(&mut m, &toks, n, false), &want, vocab, tol, top1, &format!("{what}: GPU prefill vs CPU"));
     // The CPU model decoding the same tokens gives the same logits as its prefill (tested
     // elsewhere); the GPU decode graph must match it too.
@@ -279,7 +288,20 @@ fn random_cases(dir: &std::path::Path) -> Vec<(Checkpoint, usize, &'static str)>
     // (selection itself is checked exactly against a full sort in k3-core's cuda_dsa tests).
     let mut dsa = vec![("linear_attn_config.head_dim", json!(32)), ("dsa_config.index_topk", json!(256))];
     dsa.extend(all(4));
+    // K3's attention head dims (qk 128 + 64, v 128): a fresh prefill of >= 64 rows attends in
+    // the explicit form (mla_prefill_attend), the graph decode in the absorbed one.
+    let mut k3_heads = vec![
+        ("linear_attn_config.head_dim", json!(32)),
+        ("qk_nope_head_dim", json!(128)),
+        ("qk_rope_head_dim", json!(64)),
+        ("v_head_dim", json!(128)),
+        ("kv_lora_rank", json!(64)),
+        ("num_attention_heads", json!(3)),
+        ("num_key_value_heads", json!(3)),
+    ];
+    k3_heads.extend(all(4));
     vec![
+        (random_model(&dir.join("k3heads"), "tiny", &k3_heads, ExpertFormat::Float(FloatDType::BF16)), 150, "tiny, K3 head dims (explicit prefill)"),
         (random_model(&dir.join("hd128"), "tiny", &hd128, ExpertFormat::Mxfp4), 150, "tiny, KDA hd 128, MXFP4"),
         (random_model(&dir.join("dsa"), "tiny_dsa", &dsa, ExpertFormat::Float(FloatDType::BF16)), 90, "tiny_dsa, KDA hd 32, indexer + top-256"),
     ]
@@ -299,6 +321,19 @@ fn k3_nano_gpu_equals_cpu() {
     let Some(dev) = device("k3_nano_gpu_equals_cpu") else { return };
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
     gpu_vs_cpu(&Checkpoint::open(&dir).unwrap(), &dev, 120, TOL_MEDIAN, Some(TOL_TOP1), "k3-nano");
+}
+
+/// FP8 latent and indexer-key caches (`--kv-cache-dtype fp8`) keep the logits within the bf16
+/// tolerances of the BF16-cache tests above, prefill and graph decode: k3-nano (trained, MLA)
+/// and the DSA model (FP8 keys scored, FP8 latents attended).
+#[test]
+fn fp8_caches_keep_logits_within_bf16_tolerance() {
+    let Some(dev) = device("fp8_caches_keep_logits_within_bf16_tolerance") else { return };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
+    gpu_vs_cpu_kv(&Checkpoint::open(&dir).unwrap(), &dev, 120, TOL_MEDIAN, Some(TOL_TOP1), "k3-nano, fp8 caches", KvDtype::Fp8);
+    let d = tempfile::tempdir().unwrap();
+    let (ck, n, what) = random_cases(d.path()).pop().expect("the DSA case");
+    gpu_vs_cpu_kv(&ck, &dev, n, TOL_RANDOM, None, &format!("{what}, fp8 caches"), KvDtype::Fp8);
 }
 
 /// Every named intermediate of one GPU prefill against the CPU model's (relative L2 per tensor

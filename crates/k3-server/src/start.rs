@@ -67,6 +67,8 @@ pub struct ServeOptions {
     pub cuda_graphs: bool,
     /// GPU only: the f32 reference precision instead of bf16.
     pub gpu_f32: bool,
+    /// GPU: `--kv-cache-dtype`.
+    pub kv_cache_dtype: k3_model::capacity::KvDtype,
     /// The prefix cache (`--prefix-cache-grid`, `--prefix-cache-mem`); `None`: `--no-prefix-cache`.
     pub prefix_cache: Option<PrefixConfig>,
     /// Steps in flight at once on a pipeline layout (`--pipeline-depth`; `None`: one per stage).
@@ -102,8 +104,16 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         prefix: a.prefix_cache.clone(),
         pipeline_depth: a.pipeline_depth,
     };
-    let spec =
-        RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: a.max_batch, max_cache_tokens: a.max_cache_tokens, cuda_graphs: a.cuda_graphs, gpu_f32 };
+    let spec = RunnerSpec {
+        par,
+        device,
+        kda_state: ecfg.kda_state,
+        max_seqs: a.max_batch,
+        max_cache_tokens: a.max_cache_tokens,
+        cuda_graphs: a.cuda_graphs,
+        gpu_f32,
+        kv_cache_dtype: a.kv_cache_dtype,
+    };
     let (runner, finish) = match process::launch(&ck, &spec, node) {
         Ok(Role::Leader(r, f)) => (r, f),
         Ok(Role::Worker) => return Ok(()), // rank 0 served; it has stopped

@@ -3,6 +3,7 @@
 //! directory, the device (`--device` is parsed here and nowhere else), the GPU precision,
 //! the KDA state storage, sampling, the parallel layout and where a process sits in its world.
 
+use k3_model::capacity::KvDtype;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
@@ -83,6 +84,11 @@ pub struct PrecisionArgs {
     /// activations, plain kernels; slow, for checks). The CPU computes in f32.
     #[arg(long)]
     pub precision: Option<String>,
+    /// GPU latent and indexer-key cache format: bf16 (indexer keys f32), or fp8 — vLLM's
+    /// `fp8_ds_mla` latent rows (656 B per token per layer in K3 instead of 1152) and 132-byte
+    /// FP8 indexer keys; needs --precision bf16.
+    #[arg(long, value_name = "bf16|fp8")]
+    pub kv_cache_dtype: Option<String>,
 }
 
 impl PrecisionArgs {
@@ -96,6 +102,19 @@ impl PrecisionArgs {
             (Some("f32"), Some(_)) => Ok(true),
             (Some(p), Some(_)) => bail!("--precision `{p}` is not one of bf16, f32"),
         }
+    }
+
+    /// The `--kv-cache-dtype` on `device` (GPU only; fp8 needs the bf16 precision).
+    pub fn kv_dtype(&self, device: Option<usize>) -> Result<KvDtype> {
+        let Some(s) = self.kv_cache_dtype.as_deref() else { return Ok(KvDtype::Bf16) };
+        let kv = KvDtype::parse(s).ok_or_else(|| anyhow::anyhow!("--kv-cache-dtype `{s}` is not one of bf16, fp8"))?;
+        if device.is_none() {
+            bail!("--kv-cache-dtype applies to --device cuda (the CPU model caches f32): drop it or add --device cuda");
+        }
+        if kv == KvDtype::Fp8 && self.gpu_f32(device)? {
+            bail!("--kv-cache-dtype fp8 with --precision f32: the f32 reference path keeps f32 caches; use --precision bf16");
+        }
+        Ok(kv)
     }
 }
 

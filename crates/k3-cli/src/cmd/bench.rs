@@ -135,9 +135,13 @@ pub struct GpuModelMode {
     /// Tokens already in each sequence's cache when decode is timed.
     #[arg(long, default_value_t = 512)]
     pub context: usize,
-    /// Also time each sublayer of one eager batch-1 decode step (CUDA events).
+    /// Also time each sublayer of one eager batch-1 decode step and of one eager prefill of
+    /// --prompt-len tokens (CUDA events).
     #[arg(long)]
     pub profile: bool,
+    /// Latent / indexer-key cache format: bf16, fp8 (`fp8_ds_mla` + FP8 indexer keys).
+    #[arg(long, default_value = "bf16", value_name = "bf16|fp8")]
+    pub kv_cache_dtype: String,
 }
 
 /// One op instead of the model (--op).

@@ -4,15 +4,17 @@
 //! Prefill: one sequence of `--prompt-len` tokens in one forward (after a warm-up forward that
 //! compiles kernels), tokens/s by wall clock of the median of three (includes the last-row
 //! logits copy). Decode, for each batch in `--batches`: B sequences prefilled with `--context`
-//! tokens, one decode step captured as a CUDA graph, replayed `--repeats` times between CUDA
+//! tokens (above 16384 filled with random latents instead, `CudaModel::fill_context`), one
+//! decode step captured as a CUDA graph, replayed `--repeats` times between CUDA
 //! events (median); the same step end to end by wall clock as the server runs it (table upload +
 //! replay + greedy sampling on the device + ids back, `decode_step_device` and
 //! `k3_core::cuda::sample`), and with the logits downloaded instead (`decode_step`). The HBM floor of a step is the bytes it must move —
 //! non-expert weights, the routed experts it touches (exact at batch 1; the expected number of
 //! distinct experts for uniform routing above), KDA states read and written, latent and
 //! indexer-key caches read — divided by the device-to-device copy bandwidth measured here.
-//! `--profile` adds one eager batch-1 decode step timed sublayer by sublayer (CUDA events at the
-//! named intermediates; the `embed` mark includes the step-table upload).
+//! `--profile` adds one eager batch-1 decode step and one eager prefill of `--prompt-len` tokens
+//! timed sublayer by sublayer (CUDA events at the named intermediates; the `embed` mark includes
+//! the step-table upload), the prefill also summed per kind of sublayer.
 
 use std::time::Instant;
 
@@ -20,12 +22,17 @@ use anyhow::{bail, Context, Result};
 use k3_core::cuda::bench::time_calls;
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
+use k3_model::capacity::KvDtype;
 use k3_model::config::Mixer;
 use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input};
 use k3_model::Checkpoint;
 use rand::{Rng, SeedableRng};
 
 use super::bench::Args;
+
+/// Longer `--context`s are filled with random cached latents (`CudaModel::fill_context`) instead
+/// of prefilled: the same decode work, without minutes of quadratic prefill.
+const PREFILL_CONTEXT_UP_TO: usize = 16384;
 
 fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
@@ -89,7 +96,9 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     eprintln!("device: {}", dev.info());
     let t0 = Instant::now();
     let ck = Checkpoint::open(&dir)?;
-    let cache = CacheConfig { max_seqs: max_b + 2, max_tokens: (max_b + 2) * (a.gpu.context.max(a.run.prompt_len) + a.timing.repeats + a.timing.warmup + 64) };
+    let kv = KvDtype::parse(&a.gpu.kv_cache_dtype).with_context(|| format!("--kv-cache-dtype `{}` is not one of bf16, fp8", a.gpu.kv_cache_dtype))?;
+    let tokens = (max_b + 2) * (a.gpu.context.max(a.run.prompt_len) + a.timing.repeats + a.timing.warmup + 64);
+    let cache = CacheConfig { max_seqs: max_b + 2, max_tokens: tokens, kv_cache_dtype: kv };
     let mut m = CudaModel::load(&ck, &dev, cache)?;
     let load_s = t0.elapsed().as_secs_f64();
     let vocab = m.config.text.vocab_size as u32;
@@ -122,9 +131,15 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     let mut sampler = k3_core::cuda::sample::Sampler::new(&dev);
     for &b in &batches {
         let mut seqs: Vec<CudaSeqState> = (0..b).map(|_| m.new_sequence()).collect::<k3_model::Result<_>>()?;
-        let ctx_tokens: Vec<Vec<u32>> = (0..b).map(|_| prompt(a.gpu.context)).collect();
-        for (s, p) in seqs.iter_mut().zip(&ctx_tokens) {
-            m.forward_varlen(Input::Tokens(p), &[p.len()], &mut [s], true)?;
+        if a.gpu.context > PREFILL_CONTEXT_UP_TO {
+            for (i, s) in seqs.iter_mut().enumerate() {
+                m.fill_context(s, a.gpu.context, i as u64)?;
+            }
+        } else {
+            let ctx_tokens: Vec<Vec<u32>> = (0..b).map(|_| prompt(a.gpu.context)).collect();
+            for (s, p) in seqs.iter_mut().zip(&ctx_tokens) {
+                m.forward_varlen(Input::Tokens(p), &[p.len()], &mut [s], true)?;
+            }
         }
         let g = m.capture_decode(b, a.gpu.context + a.timing.warmup + a.timing.repeats + 8)?;
         let toks: Vec<u32> = prompt(b);
@@ -174,6 +189,7 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
     }
     if a.gpu.profile {
         profile_decode(&mut m, &dev, a.gpu.context)?;
+        profile_prefill(&mut m, &dev, a.run.prompt_len)?;
     }
     if a.json {
         let r = serde_json::json!({"model": dir.display().to_string(), "layers": layers, "copy_gb_s": copy_bw / 1e9, "prefill_tokens": a.run.prompt_len, "prefill_tokens_per_s": a.run.prompt_len as f64 / prefill_s, "decode": out_rows});
@@ -187,12 +203,50 @@ pub fn bench_cuda_model(a: &Args) -> Result<()> {
 /// output norm + lm_head. Eager launches may add gaps a graph would not have; the sum is printed
 /// beside the graph figure above.
 fn profile_decode(m: &mut CudaModel, dev: &CudaDevice, ctx: usize) -> Result<()> {
-    use k3_core::cuda::Event;
     let vocab = m.config.text.vocab_size as u32;
-    let mut s = m.new_sequence()?;
     let p: Vec<u32> = (0..ctx as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let mut s = m.new_sequence()?;
     m.forward(&p, &mut s, true)?;
     m.forward(&[1], &mut s, true)?; // warm-up of the one-row shapes
+    let marks = traced(m, dev, &[2], &mut s);
+    m.release(s);
+    print_profile(&format!("one eager decode step, batch 1, ctx {ctx}"), &marks?)
+}
+
+/// The prefill of `t` tokens into an empty sequence, timed the same way as [`profile_decode`]
+/// (the prefill figure above is this forward by wall clock), with the per-kind totals.
+fn profile_prefill(m: &mut CudaModel, dev: &CudaDevice, t: usize) -> Result<()> {
+    let vocab = m.config.text.vocab_size as u32;
+    let p: Vec<u32> = (0..t as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let mut s = m.new_sequence()?;
+    m.forward(&p, &mut s, true)?; // warm-up of the T-row shapes
+    m.release(s);
+    let mut s = m.new_sequence()?;
+    let marks = traced(m, dev, &p, &mut s);
+    m.release(s);
+    let marks = marks?;
+    print_profile(&format!("one eager prefill of T={t} tokens"), &marks)?;
+    // Per kind (the mark's name after `blk.N.`): where the prefill goes.
+    let mut kinds: Vec<(String, f64)> = Vec::new();
+    for (name, ms) in &marks {
+        let kind = name.splitn(3, '.').nth(2).unwrap_or(name).to_string();
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, v)) => *v += ms,
+            None => kinds.push((kind, *ms)),
+        }
+    }
+    let total: f64 = marks.iter().map(|(_, v)| v).sum();
+    println!("profile    prefill T={t} by kind:");
+    for (k, v) in &kinds {
+        println!("  {k:<20} {v:8.3} ms  {:5.1}%", 100.0 * v / total);
+    }
+    Ok(())
+}
+
+/// One eager forward of `tokens` on `s` with a CUDA event at every named intermediate; the ms
+/// from each mark to the next (the last one: the output norm to the end, named `lm_head`).
+fn traced(m: &mut CudaModel, dev: &CudaDevice, tokens: &[u32], s: &mut CudaSeqState) -> Result<Vec<(String, f64)>> {
+    use k3_core::cuda::Event;
     let start = dev.new_event(true)?;
     let mut marks: Vec<(String, Event)> = Vec::new();
     start.record(&dev.stream())?;
@@ -202,22 +256,26 @@ fn profile_decode(m: &mut CudaModel, dev: &CudaDevice, ctx: usize) -> Result<()>
         marks.push((name.to_string(), e));
         Ok(())
     };
-    m.forward_traced(Input::Tokens(&[2]), &[1], &mut [&mut s], true, Some(&mut rec))?;
+    m.forward_traced(Input::Tokens(tokens), &[tokens.len()], &mut [s], true, Some(&mut rec))?;
     let end = dev.new_event(true)?;
     end.record(&dev.stream())?;
     end.synchronize()?;
-    m.release(s);
-    println!("profile    one eager decode step, batch 1, ctx {ctx} (ms from the previous mark):");
+    let mut out = Vec::with_capacity(marks.len() + 1);
     let mut prev = &start;
-    let mut total = 0.0;
     for (name, e) in &marks {
-        let ms = prev.elapsed_ms(e)? as f64;
-        total += ms;
-        println!("  {name:<20} {ms:8.4}");
+        out.push((name.clone(), prev.elapsed_ms(e)? as f64));
         prev = e;
     }
-    let tail = prev.elapsed_ms(&end)? as f64;
-    println!("  {:<20} {tail:8.4}\n  {:<20} {:8.4}", "lm_head", "total", total + tail);
+    out.push(("lm_head".to_string(), prev.elapsed_ms(&end)? as f64));
+    Ok(out)
+}
+
+fn print_profile(what: &str, marks: &[(String, f64)]) -> Result<()> {
+    println!("profile    {what} (ms from the previous mark):");
+    for (name, ms) in marks {
+        println!("  {name:<20} {ms:8.4}");
+    }
+    println!("  {:<20} {:8.4}", "total", marks.iter().map(|(_, v)| v).sum::<f64>());
     Ok(())
 }
 
@@ -240,7 +298,8 @@ pub fn bench_cuda_dsa(a: &Args) -> Result<()> {
     let Some(dsa) = ck.config.text.dsa_config.clone() else { bail!("{}: no dsa_config (give a K3.1-style model)", dir.display()) };
     let n_dsa = ck.config.layers.iter().filter(|l| l.mixer == Mixer::Dsa).count();
     let max_ctx = ctxs.iter().copied().max().unwrap_or(1);
-    let mut m = CudaModel::load(&ck, &dev, CacheConfig { max_seqs: 1, max_tokens: max_ctx + a.timing.warmup + a.timing.repeats + 64 })?;
+    let kv = KvDtype::parse(&a.gpu.kv_cache_dtype).with_context(|| format!("--kv-cache-dtype `{}` is not one of bf16, fp8", a.gpu.kv_cache_dtype))?;
+    let mut m = CudaModel::load(&ck, &dev, CacheConfig { max_seqs: 1, max_tokens: max_ctx + a.timing.warmup + a.timing.repeats + 64, kv_cache_dtype: kv })?;
     let (ih, id, k) = (dsa.index_num_heads, dsa.index_head_dim, dsa.index_topk);
     println!("model {} ({} layers, {n_dsa} DSA; indexer {ih}×{id}, top-{k})", dir.display(), m.config.layers.len());
     let mut first: Option<(f64, f64)> = None;

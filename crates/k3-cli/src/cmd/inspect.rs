@@ -57,11 +57,7 @@ fn plan(a: &Args, cfg: &Config) -> Result<Option<Capacity>> {
             anyhow::bail!("{flag} {v}: give a positive number of GiB");
         }
     }
-    let kv = match a.kv_cache_dtype.as_str() {
-        "bf16" => KvDtype::Bf16,
-        "fp8" => KvDtype::Fp8,
-        o => anyhow::bail!("--kv-cache-dtype `{o}` is not one of bf16, fp8"),
-    };
+    let kv = KvDtype::parse(&a.kv_cache_dtype).ok_or_else(|| anyhow::anyhow!("--kv-cache-dtype `{}` is not one of bf16, fp8", a.kv_cache_dtype))?;
     Ok(Some(capacity(cfg, par, (mem * GIB) as u64, (a.reserve * GIB) as u64, kv)?))
 }
 

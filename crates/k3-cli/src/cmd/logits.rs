@@ -77,11 +77,12 @@ pub fn parse_mode(mode: &str) -> Result<Option<usize>> {
 /// Logits of every position on the GPU: the sequence fed in pieces of `step` rows (decode steps
 /// through a CUDA graph when `step` is 1 and `graphs`).
 #[cfg(feature = "cuda")]
-fn gpu_logits(ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, step: usize, graphs: bool, f32: bool) -> Result<Vec<f32>> {
+fn gpu_logits(a: &Args, ck: &Checkpoint, ord: usize, ids: &[u32], emb: Option<&[f32]>, step: usize) -> Result<Vec<f32>> {
     use k3_model::cuda::{CacheConfig, CudaModel};
     let dev = k3_core::cuda::CudaDevice::new(ord)?;
-    let mut m = CudaModel::load_with(ck, &dev, CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 }, gpu_precision(f32))?;
-    gpu_pieces(&mut m, ids, emb, step, graphs)
+    let cache = CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64, kv_cache_dtype: a.precision.kv_dtype(Some(ord))? };
+    let mut m = CudaModel::load_with(ck, &dev, cache, gpu_precision(a.precision.gpu_f32(Some(ord))?))?;
+    gpu_pieces(&mut m, ids, emb, step, !a.no_cuda_graphs)
 }
 
 #[cfg(feature = "cuda")]
@@ -101,7 +102,7 @@ fn gpu_rank_logits(a: &Args, ck: &Checkpoint, par: k3_model::Parallel, ord: usiz
     let digest = world_digest(ck, par)?;
     let world = World::start(par, &a.launch.node(), &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
     let rank = world.rank();
-    let cache = k3_model::cuda::CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64 };
+    let cache = k3_model::cuda::CacheConfig { max_seqs: 1, max_tokens: ids.len() + 64, kv_cache_dtype: a.precision.kv_dtype(Some(ord))? };
     let mut m = load_gpu_rank(&world, ck, ord, cache, gpu_precision(f32), None)?;
     let out = gpu_pieces(&mut m, ids, None, step, !a.no_cuda_graphs).with_context(|| format!("rank {rank}"));
     if out.is_err() {
@@ -139,7 +140,7 @@ fn gpu_pieces(m: &mut k3_model::cuda::CudaModel, ids: &[u32], emb: Option<&[f32]
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_logits(_: &Checkpoint, _: usize, _: &[u32], _: Option<&[f32]>, _: usize, _: bool, _: bool) -> Result<Vec<f32>> {
+fn gpu_logits(_: &Args, _: &Checkpoint, _: usize, _: &[u32], _: Option<&[f32]>, _: usize) -> Result<Vec<f32>> {
     bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
 }
 
@@ -158,6 +159,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--trace is CPU-only: drop --device or --trace");
     }
     let f32_gpu = a.precision.gpu_f32(device)?;
+    a.precision.kv_dtype(device)?; // a bad --kv-cache-dtype fails before the checkpoint loads
     if device.is_none() && a.launch.is_set() {
         bail!("--nnodes/--node-rank/--master-addr start one process per GPU: add --device cuda (on the CPU, --tp/--ep/--pp run as threads of one process)");
     }
@@ -222,7 +224,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     match (device, &cpu) {
-        (Some(ord), _) => logits = gpu_logits(&ck, ord, &ids, emb.as_deref(), step, !a.no_cuda_graphs, f32_gpu)?,
+        (Some(ord), _) => logits = gpu_logits(&a, &ck, ord, &ids, emb.as_deref(), step)?,
         (None, Some(model)) => {
             let mut state = model.new_state();
             for (ci, piece) in ids.chunks(step).enumerate() {

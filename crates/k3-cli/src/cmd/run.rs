@@ -105,7 +105,16 @@ pub fn run(a: Args) -> Result<()> {
         pipeline_depth: None,
     };
     let cache = (prompt.len() + a.max_tokens + 64).min(ck.config.max_context());
-    let spec = RunnerSpec { par, device, kda_state: ecfg.kda_state, max_seqs: 1, max_cache_tokens: cache, cuda_graphs: !a.no_cuda_graphs, gpu_f32 };
+    let spec = RunnerSpec {
+        par,
+        device,
+        kda_state: ecfg.kda_state,
+        max_seqs: 1,
+        max_cache_tokens: cache,
+        cuda_graphs: !a.no_cuda_graphs,
+        gpu_f32,
+        kv_cache_dtype: a.precision.kv_dtype(device)?,
+    };
     // A GPU load draws its own bar over the bytes it uploads (k3_model::Source::show_progress).
     let spinner = (tty && device.is_none()).then(|| {
         let sp = indicatif::ProgressBar::new_spinner();

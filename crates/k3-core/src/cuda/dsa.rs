@@ -3,11 +3,13 @@
 //!
 //! Shape legend: `N` packed rows, `ih` index heads, `id` index head dim (multiple of 8),
 //! `L` score-row length (> every `row_pos`), `k` = index_topk. The indexer-key cache of one
-//! layer is F32 `[num_pages, PAGE, id]`, paged like the MLA latent cache ([`super::mla`]).
+//! layer is F32 `[num_pages, PAGE, id]`, or FP8: U8 `[num_pages, PAGE, row_bytes]` (k3-core
+//! `fp8::KeyFp8`, 132 B for K3.1), paged like the MLA latent cache ([`super::mla`]).
 //! Every function here is CUDA-graph capturable (workspaces from [`CudaTensor::uninit`]).
 
 use super::mla::{same_dev, PagedBatch, PAGE};
 use super::{derr, kargs, CudaTensor};
+use crate::fp8::KeyFp8;
 use crate::kernels::cuda::DSA;
 use crate::{CoreError, DType, Result};
 
@@ -23,15 +25,26 @@ fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CoreError::Shape { op, detail: format!("{what} = {v} exceeds i32") })
 }
 
-fn key_cache_dims(op: &'static str, kc: &CudaTensor) -> Result<usize> {
-    if kc.dtype() != DType::F32 || kc.shape().len() != 3 || kc.shape()[1] != PAGE {
-        return Err(CoreError::Shape { op, detail: format!("key_cache {kc:?} must be F32 [num_pages, {PAGE}, id]") });
+/// The index dim `id` of a key cache and, for an FP8 one, its layout: F32 `[num_pages, PAGE, id]`,
+/// or U8 `[num_pages, PAGE, KeyFp8 { id }.row_bytes()]` with `id` given by the caller (`id_of`:
+/// the width of the other operand).
+fn key_cache_dims(op: &'static str, kc: &CudaTensor, id_of: usize) -> Result<(usize, Option<KeyFp8>)> {
+    let fp8 = kc.dtype() == DType::U8;
+    if !(kc.dtype() == DType::F32 || fp8) || kc.shape().len() != 3 || kc.shape()[1] != PAGE {
+        return Err(CoreError::Shape { op, detail: format!("key_cache {kc:?} must be F32 [num_pages, {PAGE}, id] or U8 [num_pages, {PAGE}, fp8 row bytes]") });
     }
-    let id = kc.shape()[2];
+    let id = if fp8 { id_of } else { kc.shape()[2] };
     if id == 0 || !id.is_multiple_of(8) {
         return Err(CoreError::Shape { op, detail: format!("index dim id = {id} must be a positive multiple of 8") });
     }
-    Ok(id)
+    if !fp8 {
+        return Ok((id, None));
+    }
+    let lay = KeyFp8 { id };
+    if kc.shape()[2] != lay.row_bytes() {
+        return Err(CoreError::Shape { op, detail: format!("FP8 key_cache {kc:?} must be U8 [num_pages, {PAGE}, {}] for id = {id}", lay.row_bytes()) });
+    }
+    Ok((id, Some(lay)))
 }
 
 /// Appends `LayerNorm(k[i])` (gain `ln_w`, bias `ln_b`, `eps`; f32 statistics, biased variance)
@@ -42,7 +55,7 @@ pub fn index_key_append(k: &CudaTensor, ln_w: &CudaTensor, ln_b: &CudaTensor, ep
     let dev = k.cuda_device();
     let (n, max_pages) = batch.check(OP, dev)?;
     same_dev(OP, dev, &[("ln_w", ln_w), ("ln_b", ln_b), ("key_cache", key_cache)])?;
-    let id = key_cache_dims(OP, key_cache)?;
+    let (id, fp8) = key_cache_dims(OP, key_cache, ln_w.numel())?;
     for (name, t) in [("ln_w", ln_w), ("ln_b", ln_b)] {
         if t.dtype() != DType::F32 || t.shape() != [id] {
             return Err(CoreError::Shape { op: OP, detail: format!("{name} {t:?} must be F32 [id={id}]") });
@@ -51,10 +64,12 @@ pub fn index_key_append(k: &CudaTensor, ln_w: &CudaTensor, ln_b: &CudaTensor, ep
     if k.shape() != [n, id] {
         return Err(CoreError::Shape { op: OP, detail: format!("k {k:?} must be [N={n}, id={id}]") });
     }
-    let name = match k.dtype() {
-        DType::F32 => "index_key_append_f32",
-        DType::BF16 => "index_key_append_bf16",
-        d => return Err(CoreError::DType { op: OP, dtype: format!("k {d} (F32 or BF16 needed)") }),
+    let name = match (k.dtype(), fp8.is_some()) {
+        (DType::F32, false) => "index_key_append_f32",
+        (DType::BF16, false) => "index_key_append_bf16",
+        (DType::F32, true) => "index_key_append_fp8_f32",
+        (DType::BF16, true) => "index_key_append_fp8_bf16",
+        (d, _) => return Err(CoreError::DType { op: OP, dtype: format!("k {d} (F32 or BF16 needed)") }),
     };
     if n == 0 {
         return Ok(());
@@ -62,7 +77,14 @@ pub fn index_key_append(k: &CudaTensor, ln_w: &CudaTensor, ln_b: &CudaTensor, ep
     let rows = u32::try_from(n).map_err(|_| CoreError::Shape { op: OP, detail: format!("{n} rows exceed the grid") })?;
     let (mp, id32) = (i32_of(OP, "max_pages", max_pages)?, id as i32);
     let (kp, wp, bp, bt, rs, rp, kc) = (k.ptr(), ln_w.ptr(), ln_b.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), key_cache.ptr());
-    dev.launch(DSA, name, (rows, 1, 1), (128, 1, 1), 0, &mut kargs![kp, wp, bp, eps, bt, mp, rs, rp, kc, id32])
+    // 128 threads (fp8: exactly one value of every 128-value tile per thread, dsa.cu).
+    match fp8 {
+        Some(l) => {
+            let kb = l.row_bytes() as i32;
+            dev.launch(DSA, name, (rows, 1, 1), (crate::fp8::TILE as u32, 1, 1), 0, &mut kargs![kp, wp, bp, eps, bt, mp, rs, rp, kc, id32, kb])
+        }
+        None => dev.launch(DSA, name, (rows, 1, 1), (128, 1, 1), 0, &mut kargs![kp, wp, bp, eps, bt, mp, rs, rp, kc, id32]),
+    }
 }
 
 /// `scores[i, s] = Σ_h a[i,h] · ReLU(q[i,h,:] · key[s])` for `s in 0..=row_pos[i]`; entries
@@ -73,7 +95,7 @@ pub fn index_scores(q: &CudaTensor, a: &CudaTensor, key_cache: &CudaTensor, batc
     let dev = q.cuda_device();
     let (n, max_pages) = batch.check(OP, dev)?;
     same_dev(OP, dev, &[("a", a), ("key_cache", key_cache), ("scores", scores)])?;
-    let id = key_cache_dims(OP, key_cache)?;
+    let (id, fp8) = key_cache_dims(OP, key_cache, q.shape().get(2).copied().unwrap_or(0))?;
     if q.dtype() != DType::F32 || q.shape().len() != 3 || q.shape()[0] != n || q.shape()[2] != id {
         return Err(CoreError::Shape { op: OP, detail: format!("q {q:?} must be F32 [N={n}, ih, id={id}]") });
     }
@@ -95,7 +117,8 @@ pub fn index_scores(q: &CudaTensor, a: &CudaTensor, key_cache: &CudaTensor, batc
     if smem > 227 * 1024 {
         return Err(CoreError::Shape { op: OP, detail: format!("ih={ih}, id={id} need {smem} bytes of shared memory (> 227 KiB)") });
     }
-    let f = dev.function(DSA, "dsa_index_scores")?;
+    let name = if fp8.is_some() { "dsa_index_scores_fp8" } else { "dsa_index_scores" };
+    let f = dev.function(DSA, name)?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(derr("raising the shared-memory limit of dsa_index_scores"))?;
     let rows =
@@ -103,7 +126,14 @@ pub fn index_scores(q: &CudaTensor, a: &CudaTensor, key_cache: &CudaTensor, batc
     let gx = u32::try_from(l.div_ceil(KEYS_PER_BLOCK)).map_err(|_| CoreError::Shape { op: OP, detail: format!("L = {l} too large") })?;
     let (mp, l64, ih32, id32) = (i32_of(OP, "max_pages", max_pages)?, l as i64, i32_of(OP, "ih", ih)?, id as i32);
     let (qp, ap, kc, bt, rs, rp, sp) = (q.ptr(), a.ptr(), key_cache.ptr(), batch.block_table.ptr(), batch.row_seq.ptr(), batch.row_pos.ptr(), scores.ptr());
-    dev.launch(DSA, "dsa_index_scores", (gx, rows, 1), (KEYS_PER_BLOCK as u32, 1, 1), smem as u32, &mut kargs![qp, ap, kc, bt, mp, rs, rp, sp, l64, ih32, id32])
+    let (grid, block) = ((gx, rows, 1), (KEYS_PER_BLOCK as u32, 1, 1));
+    match fp8 {
+        Some(lay) => {
+            let kb = lay.row_bytes() as i32;
+            dev.launch(DSA, name, grid, block, smem as u32, &mut kargs![qp, ap, kc, bt, mp, rs, rp, sp, l64, ih32, id32, kb])
+        }
+        None => dev.launch(DSA, name, grid, block, smem as u32, &mut kargs![qp, ap, kc, bt, mp, rs, rp, sp, l64, ih32, id32]),
+    }
 }
 
 /// Per row i with `n = row_pos[i]+1` candidates (`scores[i, 0..n]`): if `n <= k`,

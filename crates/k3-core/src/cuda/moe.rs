@@ -25,8 +25,6 @@
 //! copy its BF16 weights), two cuBLAS GEMMs with f32 output, SiTU-GLU rounded to BF16 between
 //! them (the GEMM operand), then scatter to the pair rows and the same combine.
 
-use cudarc::driver::result as dres;
-
 use super::{blas, derr, kargs, CudaTensor};
 use crate::kernels::cuda::{MOE, MOE_MMA};
 use crate::{CoreError, DType, Result};
@@ -448,45 +446,53 @@ fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usi
         return Ok(Pairs { y });
     }
     let pairs_d = CudaTensor::from_pod(dev, DType::I32, vec![pairs.len()], &pairs)?;
-    let w13e = CudaTensor::uninit(dev, DType::BF16, vec![2 * f, l])?;
-    let w2e = CudaTensor::uninit(dev, DType::BF16, vec![l, f])?;
+    // MXFP4: each expert's weights are dequantized to BF16 [2F, L] and [L, F] scratch; BF16
+    // experts are multiplied in place (their slices of the stacked weights).
+    let scratch = match w.format {
+        ExpertFormat::Mxfp4 => Some((CudaTensor::uninit(dev, DType::BF16, vec![2 * f, l])?, CudaTensor::uninit(dev, DType::BF16, vec![l, f])?)),
+        ExpertFormat::F32 => return Err(f32_experts()),
+        ExpertFormat::Bf16 => None,
+    };
     let (s13, s2) = w.scale_ptrs();
     let (k32, l32, f32_) = (k as i32, l as i32, f as i32);
+    let es = |rows: usize, cols: usize| (rows * cols) as u64; // elements of one expert's matrix
     for &(ex, start, n) in &groups {
         let pp = pairs_d.ptr() + 4 * start as u64;
         let n32 = n as i32;
-        // This expert's weights as BF16 [2F, L] and [L, F].
-        for (dst, src, scale, rows, cols) in [(&w13e, w.w13.ptr(), s13, 2 * f, l), (&w2e, w.w2.ptr(), s2, l, f)] {
-            let elems = (rows * cols) as u64;
-            match w.format {
-                ExpertFormat::Mxfp4 => {
+        let (w13p, w2p) = match &scratch {
+            Some((w13e, w2e)) => {
+                for (dst, src, scale, elems) in [(w13e, w.w13.ptr(), s13, es(2 * f, l)), (w2e, w.w2.ptr(), s2, es(l, f))] {
                     let (pk, sc, groups32, dp) = (src + ex as u64 * elems / 2, scale + ex as u64 * elems / 32, (elems / 32) as i64, dst.ptr());
                     let grid = dev.elementwise_grid(groups32 as usize, 256);
                     dev.launch(MOE, "moe_dequant", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![pk, sc, groups32, dp])?;
                 }
-                ExpertFormat::F32 => return Err(f32_experts()),
-                ExpertFormat::Bf16 => {
-                    dev.bind()?;
-                    // SAFETY: both ranges lie inside their tensors (validated shapes); stream-ordered.
-                    unsafe { dres::memcpy_dtod_async(dst.ptr(), src + ex as u64 * elems * 2, (elems * 2) as usize, dev.cu_stream()) }
-                        .map_err(derr("copying an expert's BF16 weights"))?;
-                }
+                (w13e.ptr(), w2e.ptr())
             }
-        }
+            None => (w.w13.ptr() + ex as u64 * es(2 * f, l) * 2, w.w2.ptr() + ex as u64 * es(l, f) * 2),
+        };
         let zg = CudaTensor::uninit(dev, DType::BF16, vec![n, l])?;
         let (zp, zgp) = (z.ptr(), zg.ptr());
         dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
         let h = CudaTensor::uninit(dev, DType::F32, vec![n, 2 * f])?;
+        let st = |ptr: u64, ld: usize| blas::Strided { ptr, ld, stride: 0 };
         // Heuristic algorithm: the row count changes with every routing, and tuning each new
         // shape would time several candidates per expert per call.
         let heur = blas::GemmOptions { algo: blas::Algo::Heuristic, ..Default::default() };
-        blas::gemm(&zg, &w13e, &h, blas::Layout::BT, heur)?; // [n, 2F]
+        // h [n, 2F] = zg [n, L] · W13ᵀ (W13 [2F, L]), f32 out for the activation.
+        match &scratch {
+            Some((w13e, _)) => blas::gemm(&zg, w13e, &h, blas::Layout::BT, heur)?,
+            None => blas::gemm_strided_batched(dev, n, 2 * f, l, 1, st(zgp, l), st(w13p, l), blas::Layout::BT, st(h.ptr(), 2 * f), DType::BF16, DType::F32)?,
+        }
         let act = CudaTensor::uninit(dev, DType::BF16, vec![n, f])?;
         let (hp, ap) = (h.ptr(), act.ptr());
         let grid = dev.elementwise_grid(n * f, 256);
         dev.launch(MOE, "moe_situ_split", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
         let yg = CudaTensor::uninit(dev, DType::F32, vec![n, l])?;
-        blas::gemm(&act, &w2e, &yg, blas::Layout::BT, heur)?; // [n, L]
+        // yg [n, L] = act [n, F] · W2ᵀ (W2 [L, F]).
+        match &scratch {
+            Some((_, w2e)) => blas::gemm(&act, w2e, &yg, blas::Layout::BT, heur)?,
+            None => blas::gemm_strided_batched(dev, n, l, f, 1, st(ap, f), st(w2p, f), blas::Layout::BT, st(yg.ptr(), l), DType::BF16, DType::F32)?,
+        }
         let (ygp, yp) = (yg.ptr(), y.ptr());
         dev.launch(MOE, "moe_scatter", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![ygp, pp, n32, l32, yp])?;
     }

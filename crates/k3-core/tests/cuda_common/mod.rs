@@ -14,7 +14,7 @@ pub use cuda::*;
 pub use numeric::rel_l2;
 
 use half::bf16;
-use k3_core::cuda::mla::PAGE;
+use k3_core::cuda::mla::{mla_attend, PagedBatch, PAGE};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 use rand::seq::SliceRandom;
@@ -75,4 +75,18 @@ pub fn slot(bt: &[i32], max_pages: usize, seq: usize, pos: usize) -> usize {
 /// (row_seq, row_pos).
 pub fn prefill_rows(lens: &[usize]) -> (Vec<i32>, Vec<i32>) {
     lens.iter().enumerate().flat_map(|(b, &l)| (0..l).map(move |p| (b as i32, p as i32))).unzip()
+}
+
+/// Times `iters` calls of `mla_attend` with CUDA events; returns microseconds per call.
+pub fn time_attend(dev: &CudaDevice, q: &CudaTensor, cache: &CudaTensor, batch: &PagedBatch, rr: usize, out: &CudaTensor, iters: usize) -> f64 {
+    mla_attend(q, cache, batch, None, rr, 0.07, out).expect("warm-up");
+    let (e0, e1) = (dev.new_event(true).expect("event"), dev.new_event(true).expect("event"));
+    e0.record(&dev.stream()).expect("record");
+    for _ in 0..iters {
+        mla_attend(q, cache, batch, None, rr, 0.07, out).expect("attend");
+    }
+    e1.record(&dev.stream()).expect("record");
+    let ms = e0.elapsed_ms(&e1).expect("elapsed") / iters as f32;
+    assert!(out.to_f32_vec().expect("read").iter().all(|v| v.is_finite()));
+    ms as f64 * 1e3
 }

@@ -562,8 +562,8 @@ pub fn launch(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs) -> Result<Rol
 /// graphs and precision (a mismatch would make the decode-graph choices or capacity differ).
 pub fn spec_digest(spec: &RunnerSpec) -> String {
     format!(
-        "max_seqs={} max_cache_tokens={} cuda_graphs={} gpu_f32={} kda={:?}",
-        spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs, spec.gpu_f32, spec.kda_state
+        "max_seqs={} max_cache_tokens={} cuda_graphs={} gpu_f32={} kda={:?} kv={:?}",
+        spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs, spec.gpu_f32, spec.kda_state, spec.kv_cache_dtype
     )
 }
 
@@ -574,7 +574,7 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     let par = spec.par;
     let digest = k3_core::comm::control::digest(&[world_digest(ck, par)?.as_bytes(), spec_digest(spec).as_bytes()]);
     let world = World::start(par, node, &digest, |k| std::env::var(k).ok(), || nccl_ids(par))?;
-    let cache = k3_model::cuda::CacheConfig { max_seqs: spec.max_seqs, max_tokens: spec.max_cache_tokens };
+    let cache = k3_model::cuda::CacheConfig { max_seqs: spec.max_seqs, max_tokens: spec.max_cache_tokens, kv_cache_dtype: spec.kv_cache_dtype };
     let prec = precision(spec.gpu_f32);
     let load = |report: &k3_model::source::LoadReport<'_>| {
         load_gpu_rank(&world, ck, ord, cache, prec, Some(report)).and_then(|m| Ok((m, k3_model::Model::load_embedding(ck)?)))

@@ -21,6 +21,7 @@
 //!   threads running [`serve`]; on a pipeline layout it overlaps the stages of successive
 //!   steps ([`Runner::depth`], [`Runner::submit`], [`Runner::collect`]).
 
+use k3_model::capacity::KvDtype;
 use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{Receiver, Sender};
@@ -486,6 +487,8 @@ pub struct RunnerSpec {
     pub cuda_graphs: bool,
     /// GPU: the f32 reference precision instead of bf16 (`--precision f32`).
     pub gpu_f32: bool,
+    /// GPU: the latent / indexer-key cache format (`--kv-cache-dtype`).
+    pub kv_cache_dtype: KvDtype,
 }
 
 /// The runner for `spec` in this process: one CPU model, ranks as threads, or the model on one
@@ -496,7 +499,7 @@ pub fn load(ck: &Checkpoint, spec: &RunnerSpec) -> Result<Box<dyn Runner>> {
     Ok(match (spec.device, p.world() > 1) {
         (None, false) => Box::new(ThreadRunner::single(Arc::new(Model::load(ck)?), spec.kda_state)),
         (None, true) => Box::new(ThreadRunner::start(ck, p, spec.kda_state)?),
-        (Some(ord), false) => Box::new(load_gpu(ck, ord, spec.max_seqs, spec.max_cache_tokens, spec.cuda_graphs, spec.gpu_f32)?),
+        (Some(ord), false) => Box::new(load_gpu(ck, ord, spec.max_seqs, spec.max_cache_tokens, spec.kv_cache_dtype, spec.cuda_graphs, spec.gpu_f32)?),
         (Some(_), true) => {
             return Err(EngineError::Unsupported(format!(
                 "--tp {} --ep {} --pp {} with --device cuda runs one process per GPU: start it with dist::process::launch (k3 run / k3 serve do; see docs/parallel.md), not in one process",

@@ -6,6 +6,8 @@
 
 use half::bf16;
 use k3_core::cuda::mla::PAGE;
+use k3_core::fp8::{KeyFp8, LatentFp8};
+use k3_core::DType;
 use rand::{Rng, SeedableRng};
 
 use super::{CudaModel, CudaSeqState, Mixer};
@@ -19,18 +21,38 @@ impl CudaModel {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for l in &self.layers {
             let Mixer::Mla(m) = &l.mixer else { continue };
-            let w = m.cache.shape()[2];
-            let page: Vec<bf16> = (0..PAGE * w).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-            let bytes: &[u8] = bytemuck::cast_slice(&page);
+            let w = m.r + m.dr;
+            let vals: Vec<f32> = (0..PAGE * w).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let bytes: Vec<u8> = match m.cache.dtype() {
+                DType::U8 => {
+                    let lay = LatentFp8 { r: m.r, dr: m.dr };
+                    let mut b = vec![0u8; PAGE * lay.row_bytes()];
+                    for (row, out) in vals.chunks(w).zip(b.chunks_mut(lay.row_bytes())) {
+                        lay.encode(row, out);
+                    }
+                    b
+                }
+                _ => bytemuck::cast_slice(&vals.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).to_vec(),
+            };
             for &p in &seq.pages {
-                m.cache.write_at(p as usize * bytes.len(), bytes)?;
+                m.cache.write_at(p as usize * bytes.len(), &bytes)?;
             }
             if let Some(ix) = &m.indexer {
-                let id = ix.key_cache.shape()[2];
+                let id = ix.head_dim;
                 let keys: Vec<f32> = (0..PAGE * id).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                let kb: &[u8] = bytemuck::cast_slice(&keys);
+                let kb: Vec<u8> = match ix.key_cache.dtype() {
+                    DType::U8 => {
+                        let lay = KeyFp8 { id };
+                        let mut b = vec![0u8; PAGE * lay.row_bytes()];
+                        for (key, out) in keys.chunks(id).zip(b.chunks_mut(lay.row_bytes())) {
+                            lay.encode(key, out);
+                        }
+                        b
+                    }
+                    _ => bytemuck::cast_slice(&keys).to_vec(),
+                };
                 for &p in &seq.pages {
-                    ix.key_cache.write_at(p as usize * kb.len(), kb)?;
+                    ix.key_cache.write_at(p as usize * kb.len(), &kb)?;
                 }
             }
         }

@@ -14,18 +14,22 @@
 
 use k3_core::cuda::blas::{gemm_strided_batched, Layout, Strided};
 use k3_core::cuda::dsa::{index_key_append, index_scores, topk};
-use k3_core::cuda::mla::{mla_attend, mla_cache_append, PagedBatch, PAGE};
+use k3_core::cuda::mla::{mla_attend, mla_cache_append, mla_prefill_attend, PagedBatch, PAGE, PREFILL_DIMS};
 use k3_core::cuda::ops::{copy_strided, rms_norm_cols, sigmoid_mul};
 use k3_core::cuda::{CudaDevice, CudaTensor};
+use k3_core::fp8::{KeyFp8, LatentFp8};
 use k3_core::DType;
 
 use super::state::Step;
 use super::upload::{matrix, vector};
 use super::{lin, lin_many};
+use crate::capacity::KvDtype;
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 use crate::source::Source;
 
+/// Rows from which a fresh prefill attends in the explicit form (fewer: the absorbed kernel).
+const EXPLICIT_MIN_ROWS: usize = 64;
 /// MLA q/kv latent norm eps (the class default, §4 DISAGREEMENT note; as `layers/mla.rs`).
 const LATENT_EPS: f32 = 1e-6;
 
@@ -40,7 +44,7 @@ pub struct Indexer {
     /// F32 `[P, PAGE, id]`.
     pub key_cache: CudaTensor,
     heads: usize,
-    head_dim: usize,
+    pub(crate) head_dim: usize,
     topk: usize,
     eps: f32,
 }
@@ -59,15 +63,17 @@ pub struct Mla {
     pub cache: CudaTensor,
     nh: usize,
     dn: usize,
-    dr: usize,
+    pub(crate) dr: usize,
     dv: usize,
-    r: usize,
+    pub(crate) r: usize,
 }
 
 impl Mla {
     /// Layer `l`'s attention: this rank's heads (all of them on one rank), a latent cache of
     /// `max_pages` pages.
-    pub fn load(dev: &CudaDevice, ck: &Source<'_>, cfg: &Config, l: usize, dsa: bool, max_pages: usize, dt: DType) -> Result<Self> {
+    /// With `kv` FP8 the latent and indexer-key caches are U8 rows in k3-core `fp8`'s layouts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(dev: &CudaDevice, ck: &Source<'_>, cfg: &Config, l: usize, dsa: bool, max_pages: usize, dt: DType, kv: KvDtype) -> Result<Self> {
         let t = &cfg.text;
         let (h, dn, dr, dv, r) = (t.hidden_size, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
         let nh = ck.plan.tp_share(t.num_attention_heads).len();
@@ -77,6 +83,16 @@ impl Mla {
             return Err(ModelError::Field {
                 field: "kv_lora_rank / qk_rope_head_dim".into(),
                 msg: format!("{r} / {dr}: the CUDA MLA kernels need multiples of 8"),
+            });
+        }
+        let fp8 = kv == KvDtype::Fp8;
+        if fp8 && (dt == DType::F32 || r > 512) {
+            return Err(ModelError::Field {
+                field: "--kv-cache-dtype".into(),
+                msg: format!(
+                    "fp8 needs --precision bf16 and kv_lora_rank <= 512 (here {} and {r}): use --kv-cache-dtype bf16",
+                    if dt == DType::F32 { "f32" } else { "bf16" }
+                ),
             });
         }
         let indexer = match (&t.dsa_config, dsa) {
@@ -95,7 +111,10 @@ impl Mla {
                     k_norm_weight: vector(dev, ck, &format!("{p}indexer.k_norm.weight"), id)?,
                     k_norm_bias: vector(dev, ck, &format!("{p}indexer.k_norm.bias"), id)?,
                     weights_proj,
-                    key_cache: CudaTensor::zeros(dev, DType::F32, vec![max_pages, PAGE, id])?,
+                    key_cache: match fp8 {
+                        true => CudaTensor::zeros(dev, DType::U8, vec![max_pages, PAGE, KeyFp8 { id }.row_bytes()])?,
+                        false => CudaTensor::zeros(dev, DType::F32, vec![max_pages, PAGE, id])?,
+                    },
                     heads: ih,
                     head_dim: id,
                     topk: d.index_topk,
@@ -114,7 +133,10 @@ impl Mla {
             g_proj: matrix(dev, ck, &format!("{p}g_proj.weight"), nh * dv, h, dt)?,
             o_proj: matrix(dev, ck, &format!("{p}o_proj.weight"), h, nh * dv, dt)?,
             indexer,
-            cache: CudaTensor::zeros(dev, dt, vec![max_pages, PAGE, r + dr])?,
+            cache: match fp8 {
+                true => CudaTensor::zeros(dev, DType::U8, vec![max_pages, PAGE, LatentFp8 { r, dr }.row_bytes()])?,
+                false => CudaTensor::zeros(dev, dt, vec![max_pages, PAGE, r + dr])?,
+            },
             nh,
             dn,
             dr,
@@ -135,6 +157,17 @@ impl Mla {
         rms_norm_cols(&c_q_raw, c_q.last_dim(), &self.q_a_layernorm, LATENT_EPS, &c_q)?;
         let q = lin(&c_q, &self.q_b_proj, bf)?; // [N, nh, dn+dr]
         mla_cache_append(&ckv, &self.kv_a_layernorm, LATENT_EPS, &batch, &self.cache)?;
+        let scale = ((dn + dr) as f32).powf(-0.5);
+        if self.explicit_prefill(step, bf) {
+            // A fresh prefill attends in the explicit form: k_nope | v = kv_b_proj(c_kv) per head.
+            let c_kv = CudaTensor::uninit(dev, bf, vec![n, r])?; // [N, r], as the cache holds it
+            rms_norm_cols(&ckv, r, &self.kv_a_layernorm, LATENT_EPS, &c_kv)?;
+            let kv = lin(&c_kv, &self.kv_b_proj, bf)?; // [N, nh, dn+dv]
+            let o = CudaTensor::uninit(dev, bf, vec![n, nh * dv])?; // [N, nh·dv]
+            mla_prefill_attend(&q, &kv, &self.cache, r, &batch, nh, scale, &o)?;
+            sigmoid_mul(&o, &gate)?;
+            return lin(&o, &self.o_proj, DType::F32);
+        }
         // Absorb W_uk: q_lat_h [N, r] = q_nope_h [N, dn] · W_uk_h [dn, r], into the first r
         // columns of each head's absorbed query; q_pe goes to the last dr.
         let q_abs = CudaTensor::uninit(dev, bf, vec![n, nh, r + dr])?; // [N, nh, r+dr]
@@ -159,7 +192,6 @@ impl Mla {
             None => None,
         };
         let o_lat = CudaTensor::uninit(dev, bf, vec![n, nh, r])?; // [N, nh, r]
-        let scale = ((dn + dr) as f32).powf(-0.5);
         mla_attend(&q_abs, &self.cache, &batch, sel.as_ref().map(|(i, c)| (i, c)), r, scale, &o_lat)?;
         // Un-absorb: o_h [N, dv] = o_lat_h [N, r] · W_uv_hᵀ (W_uv_h [dv, r]).
         let o = CudaTensor::uninit(dev, bf, vec![n, nh * dv])?; // [N, nh·dv]
@@ -178,6 +210,20 @@ impl Mla {
         )?;
         sigmoid_mul(&o, &gate)?;
         lin(&o, &self.o_proj, DType::F32)
+    }
+
+    /// Whether this step's attention runs in the explicit form (`mla_prefill_attend`): a fresh
+    /// prefill (no cached context, not a decode step) of at least [`EXPLICIT_MIN_ROWS`] rows, BF16,
+    /// K3's head dims, no DSA selection (`K3_MLA_PREFILL=absorbed` keeps the absorbed form).
+    fn explicit_prefill(&self, step: &Step, bf: DType) -> bool {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *OFF.get_or_init(|| std::env::var("K3_MLA_PREFILL").is_ok_and(|v| v == "absorbed"));
+        !off && step.fresh
+            && !step.decode
+            && step.n >= EXPLICIT_MIN_ROWS
+            && bf == DType::BF16
+            && self.indexer.is_none()
+            && (self.dn, self.dr, self.dv) == PREFILL_DIMS
     }
 
     pub fn weight_bytes(&self) -> u64 {

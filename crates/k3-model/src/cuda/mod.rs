@@ -220,8 +220,8 @@ impl CudaModel {
                     input_layernorm: upload::vector(dev, &src, &format!("{p}input_layernorm.weight"), h)?,
                     mixer: match spec.mixer {
                         MixerKind::Kda => Mixer::Kda(kda::Kda::load(dev, &src, &cfg, l, free.pool_slots(), dt)?),
-                        MixerKind::Mla => Mixer::Mla(mla::Mla::load(dev, &src, &cfg, l, false, free.pool_pages(), dt)?),
-                        MixerKind::Dsa => Mixer::Mla(mla::Mla::load(dev, &src, &cfg, l, true, free.pool_pages(), dt)?),
+                        MixerKind::Mla => Mixer::Mla(mla::Mla::load(dev, &src, &cfg, l, false, free.pool_pages(), dt, cache.kv_cache_dtype)?),
+                        MixerKind::Dsa => Mixer::Mla(mla::Mla::load(dev, &src, &cfg, l, true, free.pool_pages(), dt, cache.kv_cache_dtype)?),
                     },
                     mlp_res: AttnRes::load(dev, &src, &format!("{p}mlp_res"), h, eps)?,
                     post_attention_layernorm: upload::vector(dev, &src, &format!("{p}post_attention_layernorm.weight"), h)?,

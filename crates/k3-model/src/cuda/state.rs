@@ -5,7 +5,8 @@
 //!   `[S, 3, 3, D]` and recurrent state F32 `[S, H, hd, hd]` (text-backbone §3.8); the slot is the
 //!   same in every layer.
 //! - MLA / DSA layers: a **paged** latent cache BF16 `[P, PAGE, r + dr]` per layer (normed latent
-//!   then raw `k_pe`, §4) and for DSA the indexer-key cache F32 `[P, PAGE, id]` (§5). A sequence
+//!   then raw `k_pe`, §4) and for DSA the indexer-key cache F32 `[P, PAGE, id]` (§5); with
+//!   `--kv-cache-dtype fp8` both are U8 rows in the FP8 layouts of k3-core `fp8`. A sequence
 //!   owns a list of page ids (the same ids in every layer) and grows by whole pages, never by
 //!   copying.
 //! - [`Step`]: what one packed forward needs on the device — token ids, each row's sequence and
@@ -16,6 +17,7 @@ use k3_core::cuda::mla::PAGE;
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
+use crate::capacity::KvDtype;
 use crate::error::{ModelError, Result};
 
 /// How much state the pools hold.
@@ -25,11 +27,14 @@ pub struct CacheConfig {
     pub max_seqs: usize,
     /// Cached tokens across all sequences (MLA pages × PAGE).
     pub max_tokens: usize,
+    /// Latent and indexer-key cache format: BF16 (indexer keys F32), or FP8 (`fp8_ds_mla`
+    /// latents and FP8 keys, k3-core `fp8`).
+    pub kv_cache_dtype: KvDtype,
 }
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        CacheConfig { max_seqs: 8, max_tokens: 1 << 16 }
+        CacheConfig { max_seqs: 8, max_tokens: 1 << 16, kv_cache_dtype: KvDtype::Bf16 }
     }
 }
 
@@ -122,6 +127,8 @@ pub(crate) struct Step {
     pub max_len: usize,
     /// I32 `[B]`: each sequence's last row (for last-position logits).
     pub last_rows: CudaTensor,
+    /// Every sequence starts at position 0 (a fresh prefill: no cached context).
+    pub fresh: bool,
 }
 
 fn i32s(dev: &CudaDevice, v: &[i32], shape: Vec<usize>) -> Result<CudaTensor> {
@@ -137,14 +144,23 @@ pub(crate) struct StepHost {
     pub slots: Vec<i32>,
     pub last_rows: Vec<i32>,
     pub max_len: usize,
+    pub fresh: bool,
 }
 
 impl StepHost {
     /// Tables for sequences `seqs` consuming `lens` new rows each; the block table is `width`
     /// pages wide (at least every sequence's page count).
     pub fn build(seqs: &[&CudaSeqState], lens: &[usize], width: usize) -> StepHost {
-        let mut h =
-            StepHost { row_seq: vec![], row_pos: vec![], block_table: vec![0; seqs.len() * width], width, slots: vec![], last_rows: vec![], max_len: 0 };
+        let mut h = StepHost {
+            row_seq: vec![],
+            row_pos: vec![],
+            block_table: vec![0; seqs.len() * width],
+            width,
+            slots: vec![],
+            last_rows: vec![],
+            max_len: 0,
+            fresh: seqs.iter().all(|s| s.pos == 0),
+        };
         let mut r = 0;
         for (b, (s, &n)) in seqs.iter().zip(lens).enumerate() {
             for j in 0..n {
@@ -177,6 +193,7 @@ impl StepHost {
             decode: lens.iter().all(|&l| l == 1),
             max_len: self.max_len,
             last_rows: i32s(dev, &self.last_rows, vec![b])?,
+            fresh: self.fresh,
         })
     }
 }
@@ -187,7 +204,7 @@ mod tests {
 
     #[test]
     fn pages_are_taken_by_whole_pages_and_returned() {
-        let mut f = Free::new(&CacheConfig { max_seqs: 2, max_tokens: 3 * PAGE });
+        let mut f = Free::new(&CacheConfig { max_seqs: 2, max_tokens: 3 * PAGE, ..Default::default() });
         assert_eq!((f.pool_slots(), f.pool_pages()), (3, 4), "one scratch slot and page beyond the configured ones");
         let mut a = CudaSeqState { slot: f.take_slot().unwrap(), pages: vec![], pos: 0 };
         f.cover(&mut a, 1).unwrap();

@@ -65,6 +65,35 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return v;
 }
 
+// ---- FP8 E4M3 (the cache formats of k3-core `fp8.rs`, which these must match bit for bit):
+// f32 -> e4m3 rounds to nearest even and saturates to +-448 (NaN -> 0x7f); e4m3 -> f32 is exact.
+__device__ __forceinline__ unsigned char f32_to_e4m3(float x) {
+    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fabsf(x);
+    if (a != a) return (unsigned char)(sign | 0x7fu);
+    if (!(a <= 448.0f)) return (unsigned char)(sign | 0x7eu);
+    if (a < 0.015625f) return (unsigned char)(sign | (unsigned)__float2int_rn(a * 512.0f));  // subnormal: m * 2^-9
+    unsigned u = __float_as_uint(a);
+    u = (u + 0x7ffffu + ((u >> 20) & 1u)) & 0xfff00000u;  // round the mantissa to 3 bits
+    const unsigned v = ((((u >> 23) - 120u) << 3) | ((u >> 20) & 7u));
+    return (unsigned char)(sign | min(v, 0x7eu));
+}
+__device__ __forceinline__ float e4m3_to_f32(unsigned b) {
+    const unsigned e = (b >> 3) & 15u, m = b & 7u;
+    const float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    return (b & 0x80u) ? -v : v;
+}
+// The power-of-two scale of a tile with largest magnitude `amax` (k3-core `fp8::tile_scale`).
+__device__ __forceinline__ float e4m3_tile_scale(float amax) {
+    const float t = amax / 448.0f;
+    if (!(t > 0.0f)) return 1.0f;
+    if (t < 1.17549435e-38f) return 1.17549435e-38f;
+    const unsigned bits = __float_as_uint(t);
+    unsigned e = bits >> 23;
+    if (bits & 0x7fffffu) e++;
+    return __uint_as_float(min(e, 254u) << 23);
+}
+
 // 16-byte vector loads/stores: 4 f32 or 8 bf16 per access.
 __device__ __forceinline__ void ld_vec(const float* p, float* f) {
     float4 v = *reinterpret_cast<const float4*>(p);
@@ -120,6 +149,20 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+// Four e4m3 (the bytes of `w`, lowest first) times the power-of-two `s` as four BF16 (two words,
+// lowest first): exact, since e4m3 · 2^k fits BF16. sm_89+ converts in hardware (e4m3x2 -> f16x2).
+__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(unsigned w, float s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned h01, h23;
+    asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi; }" : "=r"(h01), "=r"(h23) : "r"(w));
+    float f0, f1, f2, f3;
+    asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b; }" : "=f"(f0), "=f"(f1) : "r"(h01));
+    asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b; }" : "=f"(f2), "=f"(f3) : "r"(h23));
+#else
+    const float f0 = e4m3_to_f32(w & 0xffu), f1 = e4m3_to_f32((w >> 8) & 0xffu), f2 = e4m3_to_f32((w >> 16) & 0xffu), f3 = e4m3_to_f32(w >> 24);
+#endif
+    return make_uint2(pack_bf16(f0 * s, f1 * s), pack_bf16(f2 * s, f3 * s));
+}
 __device__ __forceinline__ float lo_bf16(unsigned u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float hi_bf16(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
 // Shared-memory address of a generic pointer, for PTX that takes one.
@@ -145,6 +188,14 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
+// 16-byte asynchronous global -> shared copies (zero-filled past `bytes`), in commit groups.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 // f32 rounded to TF32 (for mma .tf32 operands).
 __device__ __forceinline__ unsigned tf32(float x) {
     unsigned r;

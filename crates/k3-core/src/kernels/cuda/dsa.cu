@@ -51,11 +51,57 @@ extern "C" __global__ void index_key_append_bf16(const bf16_t* k, const float* l
     index_key_append_row<bf16_t>(k, lw, lb, eps, bt, mp, rs, rp, kc, id);
 }
 
+// FP8 key cache (k3-core fp8.rs `KeyFp8`): row of `kb` bytes = e4m3 [id] | f32 scales
+// [ceil(id/128)] | zeros to 4 B. One block of exactly 128 threads per row (value 128 j + t).
+template <typename T>
+__device__ __forceinline__ void index_key_append_fp8_row(const T* __restrict__ k, const float* __restrict__ lw, const float* __restrict__ lb,
+                                                         float eps, const int* __restrict__ bt, int mp, const int* __restrict__ rs,
+                                                         const int* __restrict__ rp, unsigned char* __restrict__ kc, int id, int kb) {
+    __shared__ float scratch[32];
+    const int i = blockIdx.x, tid = threadIdx.x;
+    const T* x = k + (long long)i * id;
+    float s = 0.0f;
+    for (int d = tid; d < id; d += blockDim.x) s += ld(x, d);
+    const float mu = block_sum(s, scratch) / (float)id;
+    float v2 = 0.0f;
+    for (int d = tid; d < id; d += blockDim.x) {
+        float c = ld(x, d) - mu;
+        v2 += c * c;
+    }
+    const float var = block_sum(v2, scratch) / (float)id;
+    const float inv = 1.0f / sqrtf(var + eps);
+    const int pos = rp[i];
+    const int page = bt[(long long)rs[i] * mp + pos / DSA_PAGE];
+    unsigned char* dst = kc + ((long long)page * DSA_PAGE + pos % DSA_PAGE) * kb;
+    const int tiles = (id + 127) / 128;
+    for (int j = 0; j < tiles; j++) {
+        const int d = 128 * j + tid;
+        const float v = d < id ? (ld(x, d) - mu) * inv * lw[d] + lb[d] : 0.0f;
+        const float sc = e4m3_tile_scale(block_max(fabsf(v), scratch));
+        if (d < id) dst[d] = f32_to_e4m3(v * (1.0f / sc));
+        if (tid == 0) *reinterpret_cast<float*>(dst + id + 4 * j) = sc;
+    }
+    for (int b = id + 4 * tiles + tid; b < kb; b += blockDim.x) dst[b] = 0;
+}
+
+extern "C" __global__ void index_key_append_fp8_f32(const float* k, const float* lw, const float* lb, float eps, const int* bt, int mp,
+                                                    const int* rs, const int* rp, unsigned char* kc, int id, int kb) {
+    index_key_append_fp8_row<float>(k, lw, lb, eps, bt, mp, rs, rp, kc, id, kb);
+}
+extern "C" __global__ void index_key_append_fp8_bf16(const bf16_t* k, const float* lw, const float* lb, float eps, const int* bt, int mp,
+                                                     const int* rs, const int* rp, unsigned char* kc, int id, int kb) {
+    index_key_append_fp8_row<bf16_t>(k, lw, lb, eps, bt, mp, rs, rp, kc, id, kb);
+}
+
 // Grid (ceil(L / 128), N), 128 threads, one key per thread. Dynamic smem: keys f32
 // [128][id+4] | q f32 [ih][id] | a f32 [ih].
-extern "C" __global__ void __launch_bounds__(DSA_KEYS) dsa_index_scores(
-    const float* __restrict__ q, const float* __restrict__ a, const float* __restrict__ kc, const int* __restrict__ bt, int mp,
-    const int* __restrict__ rs, const int* __restrict__ rp, float* __restrict__ scores, long long L, int ih, int id) {
+// `kb` > 0: the cache is FP8 rows of kb bytes (decoded to f32 into the same shared tile).
+template <bool FP8>
+__device__ __forceinline__ void dsa_index_scores_impl(
+    const float* __restrict__ q, const float* __restrict__ a, const void* __restrict__ kcv, const int* __restrict__ bt, int mp,
+    const int* __restrict__ rs, const int* __restrict__ rp, float* __restrict__ scores, long long L, int ih, int id, int kb) {
+    const float* kc = reinterpret_cast<const float*>(kcv);
+    const unsigned char* kc8 = reinterpret_cast<const unsigned char*>(kcv);
     extern __shared__ __align__(16) float dsm[];
     const int i = blockIdx.y, tid = threadIdx.x, idp = id + 4;
     const int n = rp[i] + 1;
@@ -74,7 +120,16 @@ extern "C" __global__ void __launch_bounds__(DSA_KEYS) dsa_index_scores(
         float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
         if (s < n) {
             const int page = bt[seq_base + s / DSA_PAGE];
-            val = *reinterpret_cast<const float4*>(kc + ((long long)page * DSA_PAGE + s % DSA_PAGE) * id + c);
+            const long long row = (long long)page * DSA_PAGE + s % DSA_PAGE;
+            if constexpr (FP8) {
+                const unsigned char* kr8 = kc8 + row * kb;
+                const unsigned b = *reinterpret_cast<const unsigned*>(kr8 + c);
+                const float sc = *reinterpret_cast<const float*>(kr8 + id + 4 * (c / 128));
+                val = make_float4(e4m3_to_f32(b & 0xffu) * sc, e4m3_to_f32((b >> 8) & 0xffu) * sc, e4m3_to_f32((b >> 16) & 0xffu) * sc,
+                                  e4m3_to_f32(b >> 24) * sc);
+            } else {
+                val = *reinterpret_cast<const float4*>(kc + row * id + c);
+            }
         }
         *reinterpret_cast<float4*>(ks + t * idp + c) = val;
     }
@@ -103,6 +158,16 @@ extern "C" __global__ void __launch_bounds__(DSA_KEYS) dsa_index_scores(
             if (h < hn) total += as[hb + h] * fmaxf(acc[h], 0.0f);
     }
     scores[(long long)i * L + s] = total;
+}
+
+extern "C" __global__ void __launch_bounds__(DSA_KEYS) dsa_index_scores(const float* q, const float* a, const float* kc, const int* bt, int mp,
+                                                                        const int* rs, const int* rp, float* scores, long long L, int ih, int id) {
+    dsa_index_scores_impl<false>(q, a, kc, bt, mp, rs, rp, scores, L, ih, id, 0);
+}
+extern "C" __global__ void __launch_bounds__(DSA_KEYS) dsa_index_scores_fp8(const float* q, const float* a, const unsigned char* kc, const int* bt,
+                                                                            int mp, const int* rs, const int* rp, float* scores, long long L,
+                                                                            int ih, int id, int kb) {
+    dsa_index_scores_impl<true>(q, a, kc, bt, mp, rs, rp, scores, L, ih, id, kb);
 }
 
 // ---- top-k ----

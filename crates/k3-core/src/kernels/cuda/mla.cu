@@ -58,6 +58,51 @@ extern "C" __global__ void mla_cache_append_bf16(const bf16_t* ckv, const float*
     mla_cache_append_row<bf16_t, bf16_t>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr);
 }
 
+// FP8 cache (`fp8_ds_mla`, k3-core fp8.rs `LatentFp8`): row of `rb` bytes = e4m3 latent [r] |
+// f32 scales [ceil(r/128)] | zeros to 16 B | bf16 k_pe [dr] at byte `pe` | zeros. One block of
+// exactly 128 threads per row: thread t holds latent value 128 j + t of tile j; each tile's
+// amax is a block max, its scale the power of two of `e4m3_tile_scale`.
+template <typename T>
+__device__ __forceinline__ void mla_cache_append_fp8_row(const T* __restrict__ ckv, const float* __restrict__ kv_norm, float eps,
+                                                         const int* __restrict__ block_table, int max_pages,
+                                                         const int* __restrict__ row_seq, const int* __restrict__ row_pos,
+                                                         unsigned char* __restrict__ cache, int r, int dr, int pe, int rb) {
+    __shared__ float scratch[32];
+    const int i = blockIdx.x, w = r + dr, tid = threadIdx.x;
+    const T* x = ckv + (long long)i * w;
+    float ss = 0.0f;
+    for (int d = tid; d < r; d += blockDim.x) {
+        float v = ld(x, d);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)r + eps);
+    const int pos = row_pos[i];
+    const int page = block_table[(long long)row_seq[i] * max_pages + pos / MLA_PAGE];
+    unsigned char* dst = cache + ((long long)page * MLA_PAGE + pos % MLA_PAGE) * rb;
+    const int tiles = (r + 127) / 128;
+    for (int j = 0; j < tiles; j++) {
+        const int d = 128 * j + tid;
+        const float v = d < r ? ld(x, d) * inv * kv_norm[d] : 0.0f;
+        const float s = e4m3_tile_scale(block_max(fabsf(v), scratch));
+        if (d < r) dst[d] = f32_to_e4m3(v * (1.0f / s));
+        if (tid == 0) *reinterpret_cast<float*>(dst + r + 4 * j) = s;
+    }
+    for (int b = r + 4 * tiles + tid; b < pe; b += blockDim.x) dst[b] = 0;
+    bf16_t* kpe = reinterpret_cast<bf16_t*>(dst + pe);
+    for (int d = tid; d < dr; d += blockDim.x) kpe[d] = f32_to_bf16(ld(x, r + d));
+    for (int b = pe + 2 * dr + tid; b < rb; b += blockDim.x) dst[b] = 0;
+}
+
+extern "C" __global__ void mla_cache_append_fp8_f32(const float* ckv, const float* kv_norm, float eps, const int* bt, int mp,
+                                                    const int* rs, const int* rp, unsigned char* cache, int r, int dr, int pe, int rb) {
+    mla_cache_append_fp8_row<float>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr, pe, rb);
+}
+extern "C" __global__ void mla_cache_append_fp8_bf16(const bf16_t* ckv, const float* kv_norm, float eps, const int* bt, int mp,
+                                                     const int* rs, const int* rp, unsigned char* cache, int r, int dr, int pe, int rb) {
+    mla_cache_append_fp8_row<bf16_t>(ckv, kv_norm, eps, bt, mp, rs, rp, cache, r, dr, pe, rb);
+}
+
 // Dynamic shared memory: qs f32 [HGM][W] | ks bf16 [TILE][W+8] | ps f32 [TILE][HGM] |
 // m, l, alpha f32 [HGM] | rowoff i64 [TILE].
 template <int P, int HGM>
@@ -299,32 +344,34 @@ __device__ __forceinline__ unsigned ld_u32(const bf16_t* p) { return *reinterpre
 #define TC_SS 36
 #define TC_PS 40
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache, const int* __restrict__ block_table, int max_pages,
+// FP8: the cache rows are `fp8_ds_mla` (rb bytes, k_pe at byte pe; see the append above). The
+// raw rows of a tile are double-buffered instead (cp.async of rb bytes per key) and each tile is
+// expanded once into one BF16 key tile — e4m3 · scale is exact in BF16 — before the same math:
+// the result equals the BF16 kernel over the dequantized cache. Dynamic smem: qs | kt bf16
+// [32][WK+8] | raw u8 [2][32][rb] | ss | pb | m, l, alpha | rowoff.
+template <bool FP8, int MT>
+__device__ __forceinline__ void mla_attend_tc_impl(
+    const bf16_t* __restrict__ q, const unsigned char* __restrict__ cache, const int* __restrict__ block_table, int max_pages,
     const int* __restrict__ row_seq, const int* __restrict__ row_pos, const int* __restrict__ sel_idx,
     const int* __restrict__ sel_count, int sel_k, int nh, int r, int dr, float scale, int splits, bf16_t* __restrict__ out,
-    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    float* __restrict__ part_acc, float* __restrict__ part_ml, int pe, int rb) {
     extern __shared__ __align__(16) unsigned char smem_tc[];
     const int w = r + dr, wk = (w + 15) / 16 * 16, kst = wk + 8, wv = wk / 8;
+    const int row_bytes = FP8 ? rb : 2 * w, rv = row_bytes / 16;
     bf16_t* qs = reinterpret_cast<bf16_t*>(smem_tc);
-    bf16_t* ks = qs + 16 * kst;
-    float* ss = reinterpret_cast<float*>(ks + 2 * TC_TILE * kst);
-    bf16_t* pb = reinterpret_cast<bf16_t*>(ss + 2 * 16 * TC_SS);
-    float* m_s = reinterpret_cast<float*>(pb + 16 * TC_PS);
-    float* l_s = m_s + 16;
-    float* a_s = l_s + 16;
-    long long* rowoff = reinterpret_cast<long long*>(a_s + 16);
+    constexpr int HB = 16 * MT;  // heads per block: MT m16 tiles
+    bf16_t* ks = qs + HB * kst;
+    unsigned char* raw = reinterpret_cast<unsigned char*>(ks + (FP8 ? 1 : 2) * TC_TILE * kst);
+    float* ss = reinterpret_cast<float*>(FP8 ? raw + 2 * TC_TILE * rb : raw);
+    bf16_t* pb = reinterpret_cast<bf16_t*>(ss + 2 * HB * TC_SS);
+    float* m_s = reinterpret_cast<float*>(pb + HB * TC_PS);
+    float* l_s = m_s + HB;
+    float* a_s = l_s + HB;
+    long long* rowoff = reinterpret_cast<long long*>(a_s + HB);
 
-    const int i = blockIdx.x, h0 = blockIdx.y * 16, split = blockIdx.z;
-    const int hg = min(16, nh - h0);
+    const int i = blockIdx.x, h0 = blockIdx.y * HB, split = blockIdx.z;
+    const int hg = min(HB, nh - h0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int n = sel_idx ? sel_count[i] : row_pos[i] + 1;
     int chunk = (n + splits - 1) / splits;
@@ -333,31 +380,58 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
     const long long seq_base = (long long)row_seq[i] * max_pages;
     const float qscale = scale * MLA_LOG2E;
 
-    auto key_off = [&](int j) -> long long {
+    auto key_off = [&](int j) -> long long {  // byte offset of key j's row
         if (j >= end) return -1;
         const int pos = sel_idx ? sel_idx[(long long)i * sel_k + j] : j;
         const int page = block_table[seq_base + pos / MLA_PAGE];
-        return ((long long)page * MLA_PAGE + pos % MLA_PAGE) * w;
+        return ((long long)page * MLA_PAGE + pos % MLA_PAGE) * row_bytes;
     };
     auto issue = [&](int buf) {
-        bf16_t* kb = ks + buf * TC_TILE * kst;
         const long long* ro = rowoff + buf * TC_TILE;
-        for (int v = tid; v < TC_TILE * wv; v += MLA_THREADS) {
-            const int t = v / wv, c = (v % wv) * 8;
-            const long long off = ro[t];
-            const bool ok = off >= 0 && c < w;
-            cp_async16(kb + t * kst + c, ok ? (const void*)(cache + off + c) : (const void*)cache, ok ? 16 : 0);
+        if constexpr (FP8) {
+            unsigned char* rbuf = raw + buf * TC_TILE * rb;
+            for (int v = tid; v < TC_TILE * rv; v += MLA_THREADS) {
+                const int t = v / rv, c = (v % rv) * 16;
+                const long long off = ro[t];
+                cp_async16(rbuf + t * rb + c, off >= 0 ? (const void*)(cache + off + c) : (const void*)cache, off >= 0 ? 16 : 0);
+            }
+        } else {
+            bf16_t* kb = ks + buf * TC_TILE * kst;
+            for (int v = tid; v < TC_TILE * wv; v += MLA_THREADS) {
+                const int t = v / wv, c = (v % wv) * 8;
+                const long long off = ro[t];
+                const bool ok = off >= 0 && c < w;
+                cp_async16(kb + t * kst + c, ok ? (const void*)(cache + off + 2 * c) : (const void*)cache, ok ? 16 : 0);
+            }
         }
         cp_async_commit();
     };
+    // FP8: raw rows of `buf` -> the BF16 key tile (8 values per step; r, dr multiples of 8).
+    auto expand = [&](int buf) {
+        const unsigned char* rbuf = raw + buf * TC_TILE * rb;
+        for (int v = tid; v < TC_TILE * wv; v += MLA_THREADS) {
+            const int t = v / wv, c = (v % wv) * 8;
+            const unsigned char* row = rbuf + t * rb;
+            uint4 o = make_uint4(0u, 0u, 0u, 0u);
+            if (c < r) {
+                const uint2 b = *reinterpret_cast<const uint2*>(row + c);
+                const float sc = *reinterpret_cast<const float*>(row + r + 4 * (c / 128));
+                const uint2 lo = e4m3x4_to_bf16x4(b.x, sc), hi = e4m3x4_to_bf16x4(b.y, sc);
+                o = make_uint4(lo.x, lo.y, hi.x, hi.y);
+            } else if (c < w) {
+                o = *reinterpret_cast<const uint4*>(row + pe + 2 * (c - r));
+            }
+            *reinterpret_cast<uint4*>(ks + t * kst + c) = o;
+        }
+    };
 
-    for (int v = tid; v < 16 * wv; v += MLA_THREADS) {
+    for (int v = tid; v < HB * wv; v += MLA_THREADS) {
         const int h = v / wv, c = (v % wv) * 8;
         uint4 val = make_uint4(0u, 0u, 0u, 0u);
         if (h < hg && c < w) val = *reinterpret_cast<const uint4*>(q + ((long long)i * nh + h0 + h) * w + c);
         *reinterpret_cast<uint4*>(qs + h * kst + c) = val;
     }
-    if (tid < 16) {
+    if (tid < HB) {
         m_s[tid] = -K3_INF;
         l_s[tid] = 0.0f;
     }
@@ -365,9 +439,11 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
     __syncthreads();
     if (start < end) issue(0);
 
-    float acc[8][4];
+    float acc[MT][8][4];
 #pragma unroll
-    for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.0f;
     const int ksteps = wk / 16, half = (ksteps + 1) / 2;
     const int kh = warp >> 2, nbk = warp & 3;
     const int kbeg = kh * half * 16, kend = min(ksteps, (kh + 1) * half) * 16;
@@ -383,32 +459,54 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
             cp_async_wait_0();
         }
         __syncthreads();
-        const bf16_t* kt = ks + buf * TC_TILE * kst;
+        if constexpr (FP8) {
+            expand(buf);
+            __syncthreads();
+        }
+        const bf16_t* kt = FP8 ? ks : ks + buf * TC_TILE * kst;
         {
-            float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c5[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const bf16_t* qa = qs + g * kst + 2 * t4;
-            const bf16_t* qb = qs + (g + 8) * kst + 2 * t4;
+            // The key fragments (B) are loaded once and used by every m16 tile of heads.
+            float c4[MT][4], c5[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) c4[mt][0] = c4[mt][1] = c4[mt][2] = c4[mt][3] = c5[mt][0] = c5[mt][1] = c5[mt][2] = c5[mt][3] = 0.0f;
             const bf16_t* kb = kt + (8 * nbk + g) * kst + 2 * t4;
             int k0 = kbeg;
             for (; k0 + 32 <= kend; k0 += 32) {
-                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
-                mma_bf16_16816(c5, ld_u32(qa + k0 + 16), ld_u32(qb + k0 + 16), ld_u32(qa + k0 + 24), ld_u32(qb + k0 + 24), ld_u32(kb + k0 + 16), ld_u32(kb + k0 + 24));
+                const unsigned b0 = ld_u32(kb + k0), b1 = ld_u32(kb + k0 + 8), b2 = ld_u32(kb + k0 + 16), b3 = ld_u32(kb + k0 + 24);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    const bf16_t* qa = qs + (16 * mt + g) * kst + 2 * t4;
+                    const bf16_t* qb = qa + 8 * kst;
+                    mma_bf16_16816(c4[mt], ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), b0, b1);
+                    mma_bf16_16816(c5[mt], ld_u32(qa + k0 + 16), ld_u32(qb + k0 + 16), ld_u32(qa + k0 + 24), ld_u32(qb + k0 + 24), b2, b3);
+                }
             }
-            if (k0 < kend)
-                mma_bf16_16816(c4, ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), ld_u32(kb + k0), ld_u32(kb + k0 + 8));
-            float* sh = ss + kh * 16 * TC_SS;
+            if (k0 < kend) {
+                const unsigned b0 = ld_u32(kb + k0), b1 = ld_u32(kb + k0 + 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    const bf16_t* qa = qs + (16 * mt + g) * kst + 2 * t4;
+                    const bf16_t* qb = qa + 8 * kst;
+                    mma_bf16_16816(c4[mt], ld_u32(qa + k0), ld_u32(qb + k0), ld_u32(qa + k0 + 8), ld_u32(qb + k0 + 8), b0, b1);
+                }
+            }
+            float* sh = ss + kh * HB * TC_SS;
             const int col = 8 * nbk + 2 * t4;
-            sh[g * TC_SS + col] = c4[0] + c5[0];
-            sh[g * TC_SS + col + 1] = c4[1] + c5[1];
-            sh[(g + 8) * TC_SS + col] = c4[2] + c5[2];
-            sh[(g + 8) * TC_SS + col + 1] = c4[3] + c5[3];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                const int ra = 16 * mt + g, rb2 = ra + 8;
+                sh[ra * TC_SS + col] = c4[mt][0] + c5[mt][0];
+                sh[ra * TC_SS + col + 1] = c4[mt][1] + c5[mt][1];
+                sh[rb2 * TC_SS + col] = c4[mt][2] + c5[mt][2];
+                sh[rb2 * TC_SS + col + 1] = c4[mt][3] + c5[mt][3];
+            }
         }
         __syncthreads();
 #pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int h = 2 * warp + hh;
+        for (int hh = 0; hh < 2 * MT; hh++) {
+            const int h = 2 * MT * warp + hh;
             const bool valid = t0 + lane < end;
-            const float s = valid ? (ss[h * TC_SS + lane] + ss[(16 + h) * TC_SS + lane]) * qscale : -K3_INF;
+            const float s = valid ? (ss[h * TC_SS + lane] + ss[(HB + h) * TC_SS + lane]) * qscale : -K3_INF;
             const float m_old = m_s[h];
             const float m_new = fmaxf(m_old, warp_max(s));
             const bf16_t p = f32_to_bf16(exp2f(s - m_new));
@@ -424,16 +522,26 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
         }
         __syncthreads();
         {
-            const float al0 = a_s[g], al1 = a_s[g + 8];
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                acc[j][0] *= al0; acc[j][1] *= al0;
-                acc[j][2] *= al1; acc[j][3] *= al1;
+            for (int mt = 0; mt < MT; mt++) {
+                const float al0 = a_s[16 * mt + g], al1 = a_s[16 * mt + g + 8];
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    acc[mt][j][0] *= al0; acc[mt][j][1] *= al0;
+                    acc[mt][j][2] *= al1; acc[mt][j][3] *= al1;
+                }
             }
             const int kmax = min(TC_TILE, end - t0);
             for (int k0 = 0; k0 < kmax; k0 += 16) {
-                const unsigned a0 = ld_u32(pb + g * TC_PS + k0 + 2 * t4), a1 = ld_u32(pb + (g + 8) * TC_PS + k0 + 2 * t4);
-                const unsigned a2 = ld_u32(pb + g * TC_PS + k0 + 8 + 2 * t4), a3 = ld_u32(pb + (g + 8) * TC_PS + k0 + 8 + 2 * t4);
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    const bf16_t* pa = pb + (16 * mt + g) * TC_PS + k0 + 2 * t4;
+                    a[mt][0] = ld_u32(pa);
+                    a[mt][1] = ld_u32(pa + 8 * TC_PS);
+                    a[mt][2] = ld_u32(pa + 8);
+                    a[mt][3] = ld_u32(pa + 8 * TC_PS + 8);
+                }
                 const bf16_t* vrow = kt + (k0 + (lane & 15)) * kst;
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
@@ -441,47 +549,67 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attend_tc(
                     if (d0 < r) {
                         unsigned b0, b1;
                         ldmatrix_x2_trans(b0, b1, vrow + d0);
-                        mma_bf16_16816(acc[j], a0, a1, a2, a3, b0, b1);
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++) mma_bf16_16816(acc[mt][j], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
                     }
                 }
             }
         }
         __syncthreads();
     }
-    const int rows2[2] = {g, g + 8};
     if (splits == 1) {
 #pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int h = rows2[hh];
-            if (h < hg) {
-                const float l = l_s[h];
-                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const int d = 8 * (warp + 8 * j) + 2 * t4;
-                    if (d < r) {
-                        const unsigned o = (unsigned)f32_to_bf16(acc[j][2 * hh] * inv) | ((unsigned)f32_to_bf16(acc[j][2 * hh + 1] * inv) << 16);
-                        *reinterpret_cast<unsigned*>(out + ((long long)i * nh + h0 + h) * r + d) = o;
+            for (int hh = 0; hh < 2; hh++) {
+                const int h = 16 * mt + g + 8 * hh;
+                if (h < hg) {
+                    const float l = l_s[h];
+                    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        const int d = 8 * (warp + 8 * j) + 2 * t4;
+                        if (d < r) {
+                            const unsigned o = (unsigned)f32_to_bf16(acc[mt][j][2 * hh] * inv) | ((unsigned)f32_to_bf16(acc[mt][j][2 * hh + 1] * inv) << 16);
+                            *reinterpret_cast<unsigned*>(out + ((long long)i * nh + h0 + h) * r + d) = o;
+                        }
                     }
                 }
             }
-        }
     } else {
         const long long base = ((long long)i * splits + split) * nh + h0;
 #pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int h = rows2[hh];
-            if (h < hg) {
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const int d = 8 * (warp + 8 * j) + 2 * t4;
-                    if (d < r) *reinterpret_cast<float2*>(part_acc + (base + h) * r + d) = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+            for (int hh = 0; hh < 2; hh++) {
+                const int h = 16 * mt + g + 8 * hh;
+                if (h < hg) {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        const int d = 8 * (warp + 8 * j) + 2 * t4;
+                        if (d < r) *reinterpret_cast<float2*>(part_acc + (base + h) * r + d) = make_float2(acc[mt][j][2 * hh], acc[mt][j][2 * hh + 1]);
+                    }
                 }
             }
-        }
         if (tid < hg) *reinterpret_cast<float2*>(part_ml + (base + tid) * 2) = make_float2(m_s[tid], l_s[tid]);
     }
 }
+
+#define MLA_ATTEND_TC_ARGS                                                                                               \
+    const bf16_t *q, const unsigned char *cache, const int *block_table, int max_pages, const int *row_seq, const int *row_pos, \
+        const int *sel_idx, const int *sel_count, int sel_k, int nh, int r, int dr, float scale, int splits, bf16_t *out,   \
+        float *part_acc, float *part_ml
+#define MLA_ATTEND_TC(NAME, FP8, MT)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MLA_THREADS) NAME(MLA_ATTEND_TC_ARGS, int pe, int rb) {                   \
+        mla_attend_tc_impl<FP8, MT>(q, cache, block_table, max_pages, row_seq, row_pos, sel_idx, sel_count, sel_k, nh, r, dr, \
+                                    scale, splits, out, part_acc, part_ml, pe, rb);                                           \
+    }
+// 16 or 32 heads per block (32: half the key loads and FP8 expansions per head, twice the
+// accumulator registers), over a BF16 or an FP8 cache.
+MLA_ATTEND_TC(mla_attend_tc, false, 1)
+MLA_ATTEND_TC(mla_attend_tc32, false, 2)
+MLA_ATTEND_TC(mla_attend_tc_fp8, true, 1)
+MLA_ATTEND_TC(mla_attend_tc32_fp8, true, 2)
 
 // ---- F32 reference attend (the reference precision; any r + dr): q, cache and out F32. -------
 // Block (row, head), MLA_F32_T threads. Keys in tiles of MLA_F32_T, one key per thread for the

@@ -49,6 +49,8 @@ pub const GEMV: Source = Source { name: "gemv", code: include_str!("gemv.cu") };
 
 /// Absorbed MLA over a paged latent cache (`mla_cache_append_*`, `mla_attend_p*`, `mla_combine`).
 pub const MLA: Source = Source { name: "mla", code: include_str!("mla.cu") };
+/// Causal attention of a fresh prefill in MLA's explicit form (`mla_prefill_attend`).
+pub const MLA_PREFILL: Source = Source { name: "mla_prefill", code: include_str!("mla_prefill.cu") };
 /// DSA lightning indexer and radix top-k (`index_key_append_*`, `dsa_index_scores`, `dsa_topk_*`).
 pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
 
@@ -56,7 +58,7 @@ pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
 pub const SAMPLE: Source = Source { name: "sample", code: include_str!("sample.cu") };
 
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 14] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, DSA, SAMPLE];
+pub const ALL: [Source; 15] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, MLA_PREFILL, DSA, SAMPLE];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
