@@ -19,6 +19,8 @@ pub mod projector;
 pub mod prompt;
 pub mod resample;
 pub mod tower;
+pub mod video;
+pub mod video_decode;
 
 use std::path::Path;
 
@@ -210,27 +212,115 @@ impl ImageFeatures {
     /// The `k3 vision` file: `pixel_values` f32 `[n,3,ps,ps]`, `grid_thw` i64 `[3]`, `vit_out` f32
     /// `[h·w, C]`, `merged` f32 `[(h/2)(w/2), 4, C]`, `projected` f32 `[(h/2)(w/2), text_hidden]`.
     pub fn to_safetensors(&self) -> Result<Vec<u8>> {
-        use safetensors::tensor::TensorView;
+        serialize(self.stages(""))
+    }
+
+    /// The stages as `(name, dtype, shape, bytes)`, names prefixed with `prefix`.
+    fn stages(&self, prefix: &str) -> Vec<Stage> {
         use safetensors::Dtype;
         let n = self.num_tokens.max(1);
         let patches = self.grid_thw.iter().product::<usize>().max(1);
         let c = self.vit_out.len() / patches;
         let ps = ((self.pixel_values.len() / (3 * patches)) as f64).sqrt().round() as usize;
-        let f32b = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
         let grid: Vec<u8> = self.grid_thw.iter().flat_map(|&g| (g as i64).to_le_bytes()).collect();
-        let bufs = [
-            ("pixel_values", Dtype::F32, vec![patches, 3, ps, ps], f32b(&self.pixel_values)),
-            ("grid_thw", Dtype::I64, vec![3], grid),
-            ("vit_out", Dtype::F32, vec![patches, c], f32b(&self.vit_out)),
-            ("merged", Dtype::F32, vec![n, self.merged.len() / (n * c.max(1)), c], f32b(&self.merged)),
-            ("projected", Dtype::F32, vec![n, self.projected.len() / n], f32b(&self.projected)),
-        ];
-        let views = bufs
-            .iter()
-            .map(|(k, d, s, b)| TensorView::new(*d, s.clone(), b).map(|v| (*k, v)))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| error::input(format!("serialising features: {e}")))?;
-        safetensors::tensor::serialize(views, None).map_err(|e| error::input(format!("serialising features: {e}")))
+        vec![
+            (format!("{prefix}pixel_values"), Dtype::F32, vec![patches, 3, ps, ps], f32_bytes(&self.pixel_values)),
+            (format!("{prefix}grid_thw"), Dtype::I64, vec![3], grid),
+            (format!("{prefix}vit_out"), Dtype::F32, vec![patches, c], f32_bytes(&self.vit_out)),
+            (format!("{prefix}merged"), Dtype::F32, vec![n, self.merged.len() / (n * c.max(1)), c], f32_bytes(&self.merged)),
+            (format!("{prefix}projected"), Dtype::F32, vec![n, self.projected.len() / n], f32_bytes(&self.projected)),
+        ]
+    }
+}
+
+type Stage = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn serialize(bufs: Vec<Stage>) -> Result<Vec<u8>> {
+    use safetensors::tensor::TensorView;
+    let views = bufs
+        .iter()
+        .map(|(k, d, s, b)| TensorView::new(*d, s.clone(), b).map(|v| (k.as_str(), v)))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| error::input(format!("serialising features: {e}")))?;
+    safetensors::tensor::serialize(views, None).map_err(|e| error::input(format!("serialising features: {e}")))
+}
+
+/// Everything one video goes through: one [`ImageFeatures`] per chunk (grid `(t, h, w)`).
+#[derive(Clone, Debug)]
+pub struct VideoFeatures {
+    pub info: video_decode::ClipInfo,
+    /// `(seconds of the chunk's first frame, source frame indices, features)`.
+    pub chunks: Vec<(f64, Vec<usize>, ImageFeatures)>,
+}
+
+impl VideoFeatures {
+    /// The video's prompt: every chunk's block, in order, with its N pads.
+    pub fn prompt_text(&self) -> String {
+        self.chunks.iter().map(|(t, _, f)| video::chunk_prompt_text(*t, f.num_tokens)).collect()
+    }
+
+    /// Projected rows of every chunk, in order (what the pad runs take).
+    pub fn projected(&self) -> Vec<&[f32]> {
+        self.chunks.iter().map(|(_, _, f)| f.projected.as_slice()).collect()
+    }
+
+    /// The `k3 vision --video` file: `chunk{c}.{pixel_values,grid_thw,vit_out,merged,projected}`,
+    /// `time_s` f64 `[chunks]` and `frames` i64 `[chunks, k]` (−1 past a short chunk's end).
+    pub fn to_safetensors(&self) -> Result<Vec<u8>> {
+        use safetensors::Dtype;
+        let k = self.chunks.iter().map(|c| c.1.len()).max().unwrap_or(1);
+        let mut bufs: Vec<Stage> = Vec::new();
+        for (i, (_, _, f)) in self.chunks.iter().enumerate() {
+            bufs.extend(f.stages(&format!("chunk{i}.")));
+        }
+        let times: Vec<u8> = self.chunks.iter().flat_map(|c| c.0.to_le_bytes()).collect();
+        let frames: Vec<u8> = self.chunks.iter().flat_map(|c| (0..k).flat_map(|j| c.1.get(j).map_or(-1i64, |&x| x as i64).to_le_bytes())).collect();
+        bufs.push(("time_s".into(), Dtype::F64, vec![self.chunks.len()], times));
+        bufs.push(("frames".into(), Dtype::I64, vec![self.chunks.len(), k], frames));
+        serialize(bufs)
+    }
+}
+
+impl VisionModel {
+    /// Decodes, samples and chunks a video (MP4/H.264, animated GIF or WebP) and runs every
+    /// stage on each chunk; `name` names the video in errors.
+    pub fn encode_video_bytes(&self, bytes: &[u8], name: &str, limits: &video::VideoLimits) -> Result<VideoFeatures> {
+        let k = self.processor.temporal_merge_kernel_size;
+        if k > 1 && k > self.spec.tower.pos_t {
+            return Err(VisionError::Config {
+                path: "preprocessor_config.json".into(),
+                msg: format!("temporal_merge_kernel_size {k} is over the tower's time table (vision_config.init_pos_emb_time {})", self.spec.tower.pos_t),
+            });
+        }
+        let v = video::preprocess_video_bytes(bytes, name, &self.processor, limits)?;
+        let chunks = v
+            .chunks
+            .into_iter()
+            .map(|c| {
+                let f = self.encode_pixels(c.pixel_values, c.grid_thw)?;
+                Ok((c.time_s, c.frames, f))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(VideoFeatures { info: v.info, chunks })
+    }
+
+    /// [`Self::encode_video_bytes`] of a file.
+    pub fn encode_video(&self, path: &Path, limits: &video::VideoLimits) -> Result<VideoFeatures> {
+        let name = path.display().to_string();
+        let bad = |msg: String| VisionError::Image { path: name.clone(), msg };
+        let meta = std::fs::metadata(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        if !meta.is_file() {
+            return Err(bad("is not a regular file".into()));
+        }
+        if meta.len() > video::MAX_VIDEO_FILE_BYTES {
+            return Err(bad(format!("is {} bytes, over the {} MiB limit", meta.len(), video::MAX_VIDEO_FILE_BYTES >> 20)));
+        }
+        let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        self.encode_video_bytes(&bytes, &name, limits)
     }
 }
 

@@ -89,6 +89,25 @@ pub struct ProcessorConfig {
     pub transparent_bg_config: Option<TransparentBg>,
     #[serde(default = "before_resize")]
     pub transparent_bg_fill_stage: String,
+    /// Video (around-backbone §3.6, K2.5-style chunks; see `video`): frames sampled per second
+    /// (capped at the clip's own rate).
+    #[serde(default = "two")]
+    pub sample_fps: f64,
+    /// Patch budget of one video frame (`None`: `in_patch_limit`).
+    #[serde(default)]
+    pub in_patch_limit_each_frame: Option<usize>,
+    /// Patch budget of one video chunk, shared by its frames (`None`: no chunk budget).
+    #[serde(default)]
+    pub in_patch_limit_video: Option<usize>,
+    /// Frames per video chunk (one tower sample with `t` ≤ this).
+    #[serde(default = "four")]
+    pub temporal_merge_kernel_size: usize,
+}
+fn two() -> f64 {
+    2.0
+}
+fn four() -> usize {
+    4
 }
 
 impl ProcessorConfig {
@@ -119,6 +138,12 @@ impl ProcessorConfig {
         }
         if self.fixed_output_tokens.is_some() {
             return Err("fixed_output_tokens is set; only null (tokens from the grid) is supported, as in the release".into());
+        }
+        if !(self.sample_fps > 0.0 && self.sample_fps.is_finite()) {
+            return Err(format!("sample_fps {} must be a positive number of frames per second", self.sample_fps));
+        }
+        if self.temporal_merge_kernel_size == 0 || self.in_patch_limit_each_frame == Some(0) || self.in_patch_limit_video == Some(0) {
+            return Err("temporal_merge_kernel_size, in_patch_limit_each_frame and in_patch_limit_video must be > 0".into());
         }
         if self.image_std.iter().any(|&s| s == 0.0 || !s.is_finite()) {
             return Err(format!("image_std {:?} must be finite and non-zero", self.image_std));
@@ -157,10 +182,16 @@ pub struct ResizePlan {
 
 /// The resize plan (§4.2) of a `width × height` image. Errors where the reference asserts.
 pub fn resize_plan(width: usize, height: usize, cfg: &ProcessorConfig) -> Result<ResizePlan> {
+    resize_plan_within(width, height, cfg, cfg.in_patch_limit)
+}
+
+/// [`resize_plan`] with the patch budget `limit` in place of `in_patch_limit` (video frames use
+/// `in_patch_limit_each_frame`).
+pub fn resize_plan_within(width: usize, height: usize, cfg: &ProcessorConfig, limit: usize) -> Result<ResizePlan> {
     if width == 0 || height == 0 {
         return Err(crate::error::input(format!("image size {width}x{height} is empty")));
     }
-    let (ps, mk, l, s) = (cfg.patch_size, cfg.merge(), cfg.in_patch_limit, cfg.patch_limit_on_one_side);
+    let (ps, mk, l, s) = (cfg.patch_size, cfg.merge(), limit, cfg.patch_limit_on_one_side);
     let s1 = (l as f64 / (((width / ps).max(1) as f64) * ((height / ps).max(1) as f64))).sqrt();
     let s2 = (s * ps) as f64 / width as f64;
     let s3 = (s * ps) as f64 / height as f64;

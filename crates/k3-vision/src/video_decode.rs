@@ -1,0 +1,271 @@
+//! Video containers and codecs for the video path ([`crate::video`]): MP4 with H.264 (the `mp4`
+//! demuxer and Cisco's OpenH264 through the `openh264` crate, built from source), animated GIF
+//! and animated WebP (the `image` crate). WebM/VP9 and other MP4 codecs are refused with the
+//! command that converts them.
+//!
+//! Shape legend: a clip is `F` frames of `W×H` in presentation order, frame `i` at `i / fps`
+//! seconds (`fps = F / duration`, the average rate, as decord reports it). Frames are decoded one
+//! at a time and handed to a callback only when wanted, so memory is one decoded frame plus
+//! what the callback keeps, never the whole clip.
+
+use std::io::Cursor;
+
+use image::AnimationDecoder;
+
+use crate::error::{Result, VisionError};
+use crate::preprocess::{Decoded, Mode};
+use crate::resample::Raster;
+
+/// Header facts of a clip, read before any frame is kept.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClipInfo {
+    pub format: &'static str,
+    pub width: usize,
+    pub height: usize,
+    /// Frames in the clip.
+    pub num_frames: usize,
+    /// Average frames per second.
+    pub fps: f64,
+}
+
+fn err(name: &str, msg: impl Into<String>) -> VisionError {
+    VisionError::Image { path: name.to_string(), msg: msg.into() }
+}
+
+const CONVERT: &str = "convert it with `ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT.mp4`";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Container {
+    Mp4,
+    Gif,
+    WebP,
+}
+
+fn container(bytes: &[u8], name: &str) -> Result<Container> {
+    if bytes.is_empty() {
+        return Err(err(name, "is empty (0 bytes): not a video"));
+    }
+    if bytes.len() >= 12 && &bytes[4..8] == b"ftyp" {
+        return Ok(Container::Mp4);
+    }
+    if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+        return Ok(Container::Gif);
+    }
+    if bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP" {
+        return Ok(Container::WebP);
+    }
+    if bytes.starts_with(&[0x1A, 0x45, 0xDF, 0xA3]) {
+        return Err(err(name, format!("is WebM/Matroska, which this build does not decode (supported: MP4 with H.264, animated GIF, animated WebP); {CONVERT}")));
+    }
+    Err(err(name, "is not a recognised video (supported: MP4 with H.264, animated GIF, animated WebP)"))
+}
+
+/// Reads the clip's header: size, frame count and average rate (GIF and WebP are walked once,
+/// one frame in memory at a time, since their frame count is not in a header). Refuses clips
+/// over `max_source_frames` frames or `max_frame_pixels` pixels per frame before decoding them.
+pub fn probe(bytes: &[u8], name: &str, max_source_frames: usize, max_frame_pixels: u64) -> Result<ClipInfo> {
+    let info = match container(bytes, name)? {
+        Container::Mp4 => {
+            let (rd, track) = mp4_track(bytes, name)?;
+            let t = &rd.tracks()[&track];
+            let n = t.sample_count() as usize;
+            if t.timescale() == 0 {
+                return Err(err(name, "MP4 video track has timescale 0 (corrupt header)"));
+            }
+            // The average rate over the sample durations (`stts`), as FFmpeg's `avg_frame_rate`;
+            // the media header's duration may include an edit-list shift.
+            let ticks: u64 = t.trak.mdia.minf.stbl.stts.entries.iter().map(|e| e.sample_count as u64 * e.sample_delta as u64).sum();
+            let secs = if ticks > 0 { ticks as f64 / t.timescale() as f64 } else { t.duration().as_secs_f64() };
+            let fps = if secs > 0.0 { n as f64 / secs } else { 0.0 };
+            ClipInfo { format: "MP4/H.264", width: t.width() as usize, height: t.height() as usize, num_frames: n, fps }
+        }
+        Container::Gif | Container::WebP => {
+            let (mut n, mut ms, mut size) = (0usize, 0f64, (0, 0));
+            animation_frames(bytes, name, max_source_frames, max_frame_pixels, &mut |_, d, delay_ms| {
+                n += 1;
+                ms += delay_ms;
+                size = (d.raster.w, d.raster.h);
+                Ok(false)
+            })?;
+            // Browsers show zero-delay frames for 100 ms; so does this rate.
+            let fps = if ms > 0.0 { n as f64 * 1000.0 / ms } else { 10.0 };
+            let format = if container(bytes, name)? == Container::Gif { "GIF" } else { "WebP" };
+            ClipInfo { format, width: size.0, height: size.1, num_frames: n, fps }
+        }
+    };
+    if info.num_frames == 0 {
+        return Err(err(name, format!("{} video holds no frames", info.format)));
+    }
+    if info.width == 0 || info.height == 0 {
+        return Err(err(name, format!("{} video is zero-sized ({}x{})", info.format, info.width, info.height)));
+    }
+    if !(info.fps.is_finite() && info.fps > 0.0) {
+        return Err(err(name, format!("{} video has no usable duration (frame rate {})", info.format, info.fps)));
+    }
+    if info.num_frames > max_source_frames {
+        return Err(err(name, format!("has {} frames, over the limit of {max_source_frames}", info.num_frames)));
+    }
+    let px = info.width as u64 * info.height as u64;
+    if px > max_frame_pixels {
+        return Err(err(name, format!("frames are {}x{} = {px} pixels, over the limit of {max_frame_pixels} per frame", info.width, info.height)));
+    }
+    Ok(info)
+}
+
+/// Decodes the clip in presentation order and calls `keep(i, frame)` for every `i` in `wanted`
+/// (ascending); stops after the last wanted frame.
+pub fn decode_frames(bytes: &[u8], name: &str, info: &ClipInfo, wanted: &[usize], keep: &mut dyn FnMut(usize, Decoded) -> Result<()>) -> Result<()> {
+    let mut next = 0;
+    let mut offer = |i: usize, d: Decoded| -> Result<bool> {
+        if (d.raster.w, d.raster.h) != (info.width, info.height) {
+            return Err(err(name, format!("frame {i} is {}x{}, the clip {}x{}: frame sizes must not change", d.raster.w, d.raster.h, info.width, info.height)));
+        }
+        if next < wanted.len() && wanted[next] == i {
+            next += 1;
+            keep(i, d)?;
+        }
+        Ok(next == wanted.len())
+    };
+    match container(bytes, name)? {
+        Container::Mp4 => mp4_frames(bytes, name, &mut offer)?,
+        Container::Gif | Container::WebP => animation_frames(bytes, name, usize::MAX, u64::MAX, &mut |i, d, _| offer(i, d))?,
+    }
+    if next < wanted.len() {
+        return Err(err(name, format!("frame {} could not be decoded: the stream ends after fewer frames than its header counts", wanted[next])));
+    }
+    Ok(())
+}
+
+fn mp4_track<'a>(bytes: &'a [u8], name: &str) -> Result<(mp4::Mp4Reader<Cursor<&'a [u8]>>, u32)> {
+    let rd = mp4::Mp4Reader::read_header(Cursor::new(bytes), bytes.len() as u64).map_err(|e| err(name, format!("is not a readable MP4 file: {e}")))?;
+    let mut video: Vec<(u32, String)> = Vec::new();
+    for (&id, t) in rd.tracks() {
+        if matches!(t.track_type(), Ok(mp4::TrackType::Video)) {
+            let codec = t.media_type().map(|m| m.to_string()).unwrap_or_else(|_| t.box_type().map(|b| b.to_string()).unwrap_or_else(|_| "unknown".into()));
+            video.push((id, codec));
+        }
+    }
+    video.sort();
+    match video.iter().find(|(_, c)| c == "h264") {
+        Some(&(id, _)) => Ok((rd, id)),
+        None if video.is_empty() => Err(err(name, "MP4 file has no video track")),
+        None => Err(err(name, format!("MP4 video codec {} is not decoded by this build (H.264 only); {CONVERT}", video[0].1))),
+    }
+}
+
+/// Length-prefixed (AVCC) NAL units → Annex-B start codes.
+fn annex_b(avcc: &[u8], out: &mut Vec<u8>) -> bool {
+    out.clear();
+    let mut p = 0;
+    while p < avcc.len() {
+        let Some(len) = avcc.get(p..p + 4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize) else {
+            return false;
+        };
+        let Some(nal) = avcc.get(p + 4..p + 4 + len) else {
+            return false;
+        };
+        out.extend_from_slice(&[0, 0, 0, 1]);
+        out.extend_from_slice(nal);
+        p += 4 + len;
+    }
+    true
+}
+
+fn yuv_to_decoded(y: &openh264::decoder::DecodedYUV<'_>) -> Decoded {
+    use openh264::formats::YUVSource;
+    let (w, h) = y.dimensions();
+    let mut rgb = vec![0u8; w * h * 3];
+    y.write_rgb8(&mut rgb);
+    Decoded { mode: Mode::Rgb, raster: Raster::new(w, h, 3, rgb) }
+}
+
+/// Every frame of the first H.264 track, in presentation order: the decoder's k-th picture is
+/// the k-th smallest presentation time (`start + composition offset`).
+fn mp4_frames(bytes: &[u8], name: &str, offer: &mut dyn FnMut(usize, Decoded) -> Result<bool>) -> Result<()> {
+    let (mut rd, track) = mp4_track(bytes, name)?;
+    let t = &rd.tracks()[&track];
+    let sps = t.sequence_parameter_set().map_err(|e| err(name, format!("H.264 track has no SPS: {e}")))?.to_vec();
+    let pps = t.picture_parameter_set().map_err(|e| err(name, format!("H.264 track has no PPS: {e}")))?.to_vec();
+    let n = t.sample_count();
+    // No flush after each packet: B-frames need the reorder buffer (openh264-rs #50, #64).
+    let cfg = openh264::decoder::DecoderConfig::new().flush_after_decode(openh264::decoder::Flush::NoFlush);
+    let mut dec = openh264::decoder::Decoder::with_api_config(openh264::OpenH264API::from_source(), cfg)
+        .map_err(|e| err(name, format!("cannot start the H.264 decoder: {e}")))?;
+    let mut head = Vec::with_capacity(sps.len() + pps.len() + 8);
+    for ps in [&sps, &pps] {
+        head.extend_from_slice(&[0, 0, 0, 1]);
+        head.extend_from_slice(ps);
+    }
+    dec.decode(&head).map_err(|e| err(name, format!("corrupt H.264 parameter sets: {e}")))?;
+    let mut out_index = 0;
+    let mut nal = Vec::new();
+    for s in 1..=n {
+        let sample = rd
+            .read_sample(track, s)
+            .map_err(|e| err(name, format!("MP4 sample {s} cannot be read: {e}")))?
+            .ok_or_else(|| err(name, format!("MP4 sample {s} is missing")))?;
+        if !annex_b(&sample.bytes, &mut nal) {
+            return Err(err(name, format!("MP4 sample {s} is corrupt (a NAL length runs past its end)")));
+        }
+        let pic = dec.decode(&nal).map_err(|e| err(name, format!("corrupt H.264 data in sample {s}: {e}")))?;
+        if let Some(y) = pic {
+            let d = yuv_to_decoded(&y);
+            if offer(out_index, d)? {
+                return Ok(());
+            }
+            out_index += 1;
+        }
+    }
+    let rest = dec.flush_remaining().map_err(|e| err(name, format!("corrupt H.264 data at the end of the stream: {e}")))?;
+    for y in rest {
+        if offer(out_index, yuv_to_decoded(&y))? {
+            return Ok(());
+        }
+        out_index += 1;
+    }
+    Ok(())
+}
+
+/// Every composited frame of an animated GIF or WebP, with its delay in ms.
+fn animation_frames(bytes: &[u8], name: &str, max_frames: usize, max_pixels: u64, f: &mut dyn FnMut(usize, Decoded, f64) -> Result<bool>) -> Result<()> {
+    let kind = container(bytes, name)?;
+    let corrupt = |e: image::ImageError| err(name, format!("corrupt or truncated {kind:?} data: {e}"));
+    let frames = match kind {
+        Container::Gif => {
+            let d = image::codecs::gif::GifDecoder::new(Cursor::new(bytes)).map_err(corrupt)?;
+            check_canvas(name, image::ImageDecoder::dimensions(&d), max_pixels)?;
+            d.into_frames()
+        }
+        _ => {
+            let d = image::codecs::webp::WebPDecoder::new(Cursor::new(bytes)).map_err(corrupt)?;
+            check_canvas(name, image::ImageDecoder::dimensions(&d), max_pixels)?;
+            if !d.has_animation() {
+                return Err(err(name, "is a still WebP image, not an animation: send it as an image part"));
+            }
+            d.into_frames()
+        }
+    };
+    for (i, fr) in frames.enumerate() {
+        if i >= max_frames {
+            return Err(err(name, format!("has more than {max_frames} frames, over the limit")));
+        }
+        let fr = fr.map_err(corrupt)?;
+        let (num, den) = fr.delay().numer_denom_ms();
+        let ms = if den == 0 { 0.0 } else { num as f64 / den as f64 };
+        let ms = if ms <= 0.0 { 100.0 } else { ms };
+        let buf = fr.into_buffer();
+        let (w, h) = (buf.width() as usize, buf.height() as usize);
+        let d = Decoded { mode: Mode::Rgba, raster: Raster::new(w, h, 4, buf.into_raw()) };
+        if f(i, d, ms)? {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+fn check_canvas(name: &str, (w, h): (u32, u32), max_pixels: u64) -> Result<()> {
+    if w as u64 * h as u64 > max_pixels {
+        return Err(err(name, format!("frames are {w}x{h} = {} pixels, over the limit of {max_pixels} per frame", w as u64 * h as u64)));
+    }
+    Ok(())
+}

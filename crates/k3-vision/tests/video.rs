@@ -1,0 +1,371 @@
+//! Video input (around-backbone §3.3, §3.6–3.7; K2.5's chunk recipe, `k3_vision::video`):
+//! synthetic clips made here (H.264 in MP4 through OpenH264 and the `mp4` writer; animated GIF
+//! through `image`), a random tiny tower, and a float64 reference of the tower and merger for
+//! chunks of t = 1..4 frames.
+
+use std::collections::HashMap;
+use std::io::Cursor;
+
+use k3_core::Tensor;
+use k3_vision::preprocess::ProcessorConfig;
+use k3_vision::video::{preprocess_video_bytes, VideoLimits};
+use k3_vision::{TowerDims, VisionModel, VisionSpec};
+use rand::{Rng, SeedableRng};
+
+const DIMS: TowerDims = TowerDims { hidden: 32, heads: 2, qkv: 48, intermediate: 40, layers: 2, patch: 14, pos_h: 4, pos_w: 6, pos_t: 4 };
+
+fn processor(sample_fps: f64) -> ProcessorConfig {
+    serde_json::from_value(serde_json::json!({
+        "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 24, "patch_limit_on_one_side": 16,
+        "fixed_output_tokens": null, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "transparent_bg_config": {"pattern": "chessboard", "chessboard_square_size": 8, "chessboard_square_on_top_left": true,
+            "chessboard_white_value": 255, "chessboard_gray_value": 180},
+        "transparent_bg_fill_stage": "after_resize",
+        "in_patch_limit_each_frame": 24, "sample_fps": sample_fps, "temporal_merge_kernel_size": 4
+    }))
+    .unwrap()
+}
+
+/// Random weights N-ish(0, 1/fan_in), norm gains around 1.
+fn weights() -> HashMap<String, Tensor> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut w = HashMap::new();
+    let mut add = |name: String, shape: Vec<usize>, fan_in: usize| {
+        let n: usize = shape.iter().product();
+        let s = (1.0 / fan_in.max(1) as f32).sqrt() * 1.7;
+        let v: Vec<f32> = (0..n).map(|_| if fan_in == 0 { 1.0 + rng.random_range(-0.2..0.2) } else { rng.random_range(-s..s) }).collect();
+        w.insert(name, Tensor::from_f32(shape, &v).unwrap());
+    };
+    let (c, q, i) = (DIMS.hidden, DIMS.qkv, DIMS.intermediate);
+    add("vision_tower.patch_embed.proj.weight".into(), vec![c, 3, 14, 14], 588);
+    add("vision_tower.patch_embed.pos_emb.weight".into(), vec![DIMS.pos_h, DIMS.pos_w, c], 4);
+    for b in 0..DIMS.layers {
+        let p = format!("vision_tower.encoder.blocks.{b}.");
+        add(format!("{p}norm0.weight"), vec![c], 0);
+        add(format!("{p}norm1.weight"), vec![c], 0);
+        add(format!("{p}wqkv.weight"), vec![3 * q, c], c);
+        add(format!("{p}wo.weight"), vec![c, q], q);
+        add(format!("{p}mlp.fc0.weight"), vec![i, c], c);
+        add(format!("{p}mlp.fc1.weight"), vec![c, i], i);
+    }
+    add("vision_tower.encoder.final_layernorm.weight".into(), vec![c], 0);
+    add("mm_projector.proj.0.weight".into(), vec![4 * c, 4 * c], 4 * c);
+    add("mm_projector.proj.2.weight".into(), vec![16, 4 * c], 4 * c);
+    add("mm_projector.post_norm.weight".into(), vec![16], 0);
+    w
+}
+
+fn model(w: &HashMap<String, Tensor>, cfg: ProcessorConfig) -> VisionModel {
+    let spec = VisionSpec { tower: DIMS, merge: (2, 2), text_hidden: 16, projector_eps: 1e-5 };
+    let get = |n: &str| w.get(n).cloned().ok_or_else(|| k3_vision::VisionError::Weight { name: n.into(), msg: "missing".into() });
+    VisionModel::from_parts(spec, cfg, &get, 163605).unwrap()
+}
+
+/// Frame `i` of the synthetic clips: red = 8·i, a green ramp across, blue constant.
+fn frame_rgb(i: usize, w: usize, h: usize) -> Vec<u8> {
+    (0..w * h).flat_map(|p| [(8 * i) as u8, (p % w * 255 / w) as u8, 90]).collect()
+}
+
+/// An MP4 with one H.264 track of `n` frames at `fps` (timescale 100·fps, 100 ticks a frame).
+fn mp4_clip(n: usize, fps: f64, w: usize, h: usize) -> Vec<u8> {
+    use openh264::formats::{RgbSliceU8, YUVBuffer};
+    let mut enc = openh264::encoder::Encoder::new().unwrap();
+    let (mut sps, mut pps, mut samples) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        let rgb = frame_rgb(i, w, h);
+        let bs = enc.encode(&YUVBuffer::from_rgb8_source(RgbSliceU8::new(&rgb, (w, h)))).unwrap().to_vec();
+        let mut avcc = Vec::new();
+        for nal in openh264::nal_units(&bs) {
+            let nal = nal.strip_prefix(&[0, 0, 0, 1][..]).or(nal.strip_prefix(&[0, 0, 1][..])).unwrap_or(nal);
+            match nal[0] & 0x1f {
+                7 => sps = nal.to_vec(),
+                8 => pps = nal.to_vec(),
+                _ => {
+                    avcc.extend_from_slice(&(nal.len() as u32).to_be_bytes());
+                    avcc.extend_from_slice(nal);
+                }
+            }
+        }
+        samples.push(avcc);
+    }
+    let cfg = mp4::Mp4Config { major_brand: "isom".parse().unwrap(), minor_version: 512, compatible_brands: vec!["isom".parse().unwrap()], timescale: 1000 };
+    let mut wr = mp4::Mp4Writer::write_start(Cursor::new(Vec::new()), &cfg).unwrap();
+    let media_conf = mp4::MediaConfig::AvcConfig(mp4::AvcConfig { width: w as u16, height: h as u16, seq_param_set: sps, pic_param_set: pps });
+    let timescale = (fps * 100.0).round() as u32;
+    wr.add_track(&mp4::TrackConfig { track_type: mp4::TrackType::Video, timescale, language: "und".into(), media_conf }).unwrap();
+    let dur = 100u32;
+    for (i, s) in samples.into_iter().enumerate() {
+        let sample = mp4::Mp4Sample { start_time: i as u64 * dur as u64, duration: dur, rendering_offset: 0, is_sync: i == 0, bytes: s.into() };
+        wr.write_sample(1, &sample).unwrap();
+    }
+    wr.write_end().unwrap();
+    wr.into_writer().into_inner()
+}
+
+/// An animated GIF of `n` frames, `delay_ms` each.
+fn gif_clip(n: usize, delay_ms: u32, w: usize, h: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    {
+        let mut enc = image::codecs::gif::GifEncoder::new(&mut out);
+        for i in 0..n {
+            let rgba: Vec<u8> = frame_rgb(i, w, h).chunks(3).flat_map(|p| [p[0], p[1], p[2], 255]).collect();
+            let buf = image::RgbaImage::from_raw(w as u32, h as u32, rgba).unwrap();
+            enc.encode_frame(image::Frame::from_parts(buf, 0, 0, image::Delay::from_numer_denom_ms(delay_ms, 1))).unwrap();
+        }
+    }
+    out
+}
+
+/// Mean red byte of frame `f` of a chunk (pixels inside the resized area only).
+fn mean_red(pv: &[f32], grid: [usize; 3], f: usize, new_w: usize, new_h: usize) -> f64 {
+    let (gh, gw) = (grid[1], grid[2]);
+    let (mut s, mut n) = (0f64, 0usize);
+    for y in 0..new_h {
+        for x in 0..new_w {
+            let patch = f * gh * gw + (y / 14) * gw + x / 14;
+            let v = pv[patch * 588 + (y % 14) * 14 + x % 14] as f64;
+            s += (v * 0.5 + 0.5) * 255.0;
+            n += 1;
+        }
+    }
+    s / n as f64
+}
+
+#[test]
+fn mp4_frames_are_sampled_timed_and_chunked() {
+    // 24 frames at 12 fps, sampled at 8 fps: round(24·8/12) = 16 frames in 4 chunks of 4.
+    let clip = mp4_clip(24, 12.0, 64, 48);
+    let v = preprocess_video_bytes(&clip, "clip.mp4", &processor(8.0), &VideoLimits::default()).unwrap();
+    assert_eq!((v.info.width, v.info.height, v.info.num_frames), (64, 48, 24));
+    assert!((v.info.fps - 12.0).abs() < 1e-9, "{}", v.info.fps);
+    let frames: Vec<usize> = v.chunks.iter().flat_map(|c| c.frames.clone()).collect();
+    assert_eq!(frames, vec![0, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18, 20, 21, 23]);
+    assert_eq!(v.chunks.len(), 4);
+    for c in &v.chunks {
+        assert_eq!(c.grid_thw[0], 4);
+        assert!((c.time_s - c.frames[0] as f64 / 12.0).abs() < 1e-12);
+        // The budget of 24 patches per frame: 64×48 → 4·4.58 … resized and padded to 28s.
+        assert!(c.grid_thw[1] * c.grid_thw[2] <= 24 + 12, "{:?}", c.grid_thw);
+        assert_eq!(c.pixel_values.len(), c.grid_thw.iter().product::<usize>() * 588);
+        for (j, &src) in c.frames.iter().enumerate() {
+            let r = mean_red(&c.pixel_values, c.grid_thw, j, c.plan.new_width, c.plan.new_height);
+            assert!((r - 8.0 * src as f64).abs() < 6.0, "frame {src}: mean red {r}, want {}", 8 * src);
+        }
+    }
+    // 25 frames: a last chunk of one frame, kept (not padded).
+    let clip = mp4_clip(25, 25.0, 32, 32);
+    let v = preprocess_video_bytes(&clip, "clip.mp4", &processor(5.0), &VideoLimits::default()).unwrap();
+    let t: Vec<usize> = v.chunks.iter().map(|c| c.grid_thw[0]).collect();
+    assert_eq!(t, vec![4, 1]);
+    assert_eq!(v.chunks[1].frames, vec![24]);
+    assert_eq!(k3_vision::video::timestamp(v.chunks[1].time_s), "00:00:00.960");
+}
+
+/// A High-profile x264 clip with B-frames (tests/data/README.md): decoded in presentation order
+/// (frame i has red 5·i), at its average rate of 24 fps, not the media header's.
+#[test]
+fn b_frames_come_out_in_presentation_order() {
+    let clip = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/x264_high_bframes.mp4")).unwrap();
+    let v = preprocess_video_bytes(&clip, "x264_high_bframes.mp4", &processor(24.0), &VideoLimits::default()).unwrap();
+    assert_eq!((v.info.num_frames, v.info.fps, v.info.width, v.info.height), (48, 24.0, 96, 64));
+    let mut n = 0;
+    for c in &v.chunks {
+        for (j, &src) in c.frames.iter().enumerate() {
+            let r = mean_red(&c.pixel_values, c.grid_thw, j, c.plan.new_width, c.plan.new_height);
+            assert!((r - 5.0 * src as f64).abs() < 3.0, "frame {src}: mean red {r}, want {}", 5 * src);
+            n += 1;
+        }
+    }
+    assert_eq!(n, 48);
+}
+
+#[test]
+fn gif_frames_follow_their_delays() {
+    // 10 frames of 250 ms: 4 fps, sampled at 2 fps → 5 frames: linspace(0, 9, 5) = 0, 2.25, 4.5, 6.75, 9.
+    let clip = gif_clip(10, 250, 40, 30);
+    let v = preprocess_video_bytes(&clip, "clip.gif", &processor(2.0), &VideoLimits::default()).unwrap();
+    assert!((v.info.fps - 4.0).abs() < 1e-9);
+    let frames: Vec<usize> = v.chunks.iter().flat_map(|c| c.frames.clone()).collect();
+    assert_eq!(frames, vec![0, 2, 4, 7, 9]);
+    assert_eq!(v.chunks.iter().map(|c| c.time_s).collect::<Vec<_>>(), vec![0.0, 2.25]);
+    let c = &v.chunks[1];
+    let r = mean_red(&c.pixel_values, c.grid_thw, 0, c.plan.new_width, c.plan.new_height);
+    assert!((r - 72.0).abs() < 4.0, "frame 9: mean red {r}");
+}
+
+/// A one-frame video gives exactly the image path's features for the same pixels.
+#[test]
+fn one_frame_video_equals_the_image_path() {
+    let w = weights();
+    let vm = model(&w, processor(2.0));
+    for (clip, name) in [(mp4_clip(1, 10.0, 60, 44), "one.mp4"), (gif_clip(1, 100, 60, 44), "one.gif")] {
+        let v = vm.encode_video_bytes(&clip, name, &VideoLimits::default()).unwrap();
+        assert_eq!(v.chunks.len(), 1);
+        let (_, frames, f) = &v.chunks[0];
+        assert_eq!((frames.as_slice(), f.grid_thw[0]), (&[0usize][..], 1));
+        // The same decoded frame as a PNG, through the image path.
+        let info = k3_vision::video_decode::probe(&clip, name, 10, 1 << 20).unwrap();
+        let mut png = Vec::new();
+        k3_vision::video_decode::decode_frames(&clip, name, &info, &[0], &mut |_, d| {
+            let ct = if d.raster.bands == 3 { image::ExtendedColorType::Rgb8 } else { image::ExtendedColorType::Rgba8 };
+            image::ImageEncoder::write_image(image::codecs::png::PngEncoder::new(&mut png), &d.raster.data, d.raster.w as u32, d.raster.h as u32, ct).unwrap();
+            Ok(())
+        })
+        .unwrap();
+        let img = vm.encode_bytes(&png, "frame.png").unwrap();
+        assert_eq!(img.grid_thw, f.grid_thw);
+        assert_eq!(img.pixel_values, f.pixel_values, "{name}: pixels");
+        assert_eq!(img.projected, f.projected, "{name}: projected rows");
+        assert!(v.prompt_text().starts_with("00:00:00.000<|media_begin|>video<|media_content|><|media_pad|>"));
+        assert_eq!(v.prompt_text().matches("<|media_pad|>").count(), f.num_tokens);
+    }
+}
+
+// ---- float64 reference of §3.1–3.7 for one sample (h, w equal to the position table) ----
+
+fn tensor64(w: &HashMap<String, Tensor>, n: &str) -> Vec<f64> {
+    w[n].to_f32().unwrap().iter().map(|&x| x as f64).collect()
+}
+
+/// `y[r] = W · x[r]` with `W` `[out, in]`.
+fn lin(x: &[f64], wt: &[f64], out: usize) -> Vec<f64> {
+    let inn = wt.len() / out;
+    x.chunks(inn).flat_map(|r| (0..out).map(move |o| r.iter().zip(&wt[o * inn..(o + 1) * inn]).map(|(a, b)| a * b).sum::<f64>())).collect()
+}
+
+fn rms(x: &[f64], g: &[f64]) -> Vec<f64> {
+    let eps = f32::EPSILON as f64;
+    x.chunks(g.len())
+        .flat_map(|r| {
+            let s = (r.iter().map(|v| v * v).sum::<f64>() / r.len() as f64 + eps).sqrt();
+            r.iter().zip(g).map(move |(v, g)| v / s * g)
+        })
+        .collect()
+}
+
+fn reference(w: &HashMap<String, Tensor>, pixels: &[f32], [t, h, wd]: [usize; 3]) -> Vec<f64> {
+    let (c, dq, heads) = (DIMS.hidden, DIMS.qkv, DIMS.heads);
+    let hd = dq / heads;
+    let l = t * h * wd;
+    let px: Vec<f64> = pixels.iter().map(|&v| v as f64).collect();
+    let mut x = lin(&px, &tensor64(w, "vision_tower.patch_embed.proj.weight"), c);
+    let pos = tensor64(w, "vision_tower.patch_embed.pos_emb.weight");
+    for n in 0..l {
+        let (tau, p) = (n / (h * wd), n % (h * wd));
+        for k in 0..c {
+            x[n * c + k] += pos[p * c + k];
+            if t > 1 {
+                // §3.3: concat(sin(τ·ω), cos(τ·ω)), ω_j = 10000^(−j/(C/2)).
+                let j = k % (c / 2);
+                let a = tau as f64 * 10000f64.powf(-(j as f64) / (c as f64 / 2.0));
+                x[n * c + k] += if k < c / 2 { a.sin() } else { a.cos() };
+            }
+        }
+    }
+    for b in 0..DIMS.layers {
+        let p = format!("vision_tower.encoder.blocks.{b}.");
+        let hn = rms(&x, &tensor64(w, &format!("{p}norm0.weight")));
+        let mut qkv = lin(&hn, &tensor64(w, &format!("{p}wqkv.weight")), 3 * dq);
+        for n in 0..l {
+            let (r, col) = ((n % (h * wd)) / wd, n % wd);
+            for part in 0..2 {
+                for head in 0..heads {
+                    for j in 0..hd / 2 {
+                        let (pp, k) = if j % 2 == 0 { (col, j / 2) } else { (r, j / 2) };
+                        let a = pp as f64 * 10000f64.powf(-(4.0 * k as f64) / hd as f64);
+                        let i0 = n * 3 * dq + part * dq + head * hd + 2 * j;
+                        let (u, v) = (qkv[i0], qkv[i0 + 1]);
+                        qkv[i0] = u * a.cos() - v * a.sin();
+                        qkv[i0 + 1] = u * a.sin() + v * a.cos();
+                    }
+                }
+            }
+        }
+        // Joint attention over all t·h·w patches of the sample.
+        let mut att = vec![0f64; l * dq];
+        for head in 0..heads {
+            for i in 0..l {
+                let q = &qkv[i * 3 * dq + head * hd..][..hd];
+                let s: Vec<f64> = (0..l).map(|j| q.iter().zip(&qkv[j * 3 * dq + dq + head * hd..][..hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()).collect();
+                let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for j in 0..l {
+                    for d in 0..hd {
+                        att[i * dq + head * hd + d] += e[j] / z * qkv[j * 3 * dq + 2 * dq + head * hd + d];
+                    }
+                }
+            }
+        }
+        let o = lin(&att, &tensor64(w, &format!("{p}wo.weight")), c);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let hn = rms(&x, &tensor64(w, &format!("{p}norm1.weight")));
+        let f: Vec<f64> = lin(&hn, &tensor64(w, &format!("{p}mlp.fc0.weight")), DIMS.intermediate)
+            .into_iter()
+            .map(|u| 0.5 * u * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (u + 0.044715 * u * u * u)).tanh()))
+            .collect();
+        let o = lin(&f, &tensor64(w, &format!("{p}mlp.fc1.weight")), c);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+    }
+    let x = rms(&x, &tensor64(w, "vision_tower.encoder.final_layernorm.weight"));
+    // §3.7: 2×2 space-to-depth, mean over τ; token (R, C), element (dy·2+dx)·C + ch.
+    let (mh, mw) = (h / 2, wd / 2);
+    let mut out = vec![0f64; mh * mw * 4 * c];
+    for tau in 0..t {
+        for r in 0..h {
+            for col in 0..wd {
+                let tok = (r / 2) * mw + col / 2;
+                let sub = (r % 2) * 2 + col % 2;
+                for ch in 0..c {
+                    out[(tok * 4 + sub) * c + ch] += x[(tau * h * wd + r * wd + col) * c + ch] / t as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn chunks_of_one_to_four_frames_match_a_float64_reference() {
+    let w = weights();
+    let vm = model(&w, processor(2.0));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    for t in 1..=4 {
+        let grid = [t, DIMS.pos_h, DIMS.pos_w];
+        let pixels: Vec<f32> = (0..grid.iter().product::<usize>() * 588).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let f = vm.encode_pixels(pixels.clone(), grid).unwrap();
+        let want = reference(&w, &pixels, grid);
+        let err = f.merged.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt() / want.iter().map(|b| b * b).sum::<f64>().sqrt();
+        assert!(err < 1e-5, "t = {t}: merged rel-L2 {err:.2e}");
+        assert_eq!(f.num_tokens, (DIMS.pos_h / 2) * (DIMS.pos_w / 2));
+    }
+}
+
+#[test]
+fn corrupt_unsupported_and_oversize_videos_are_refused() {
+    let cfg = processor(2.0);
+    let lim = VideoLimits::default();
+    let e = |b: &[u8], l: &VideoLimits| preprocess_video_bytes(b, "messages[0].content[1].video_url", &cfg, l).unwrap_err().to_string();
+    let m = e(b"", &lim);
+    assert!(m.contains("video_url") && m.contains("empty"), "{m}");
+    assert!(e(b"hello, not a video at all", &lim).contains("not a recognised video"));
+    let m = e(&[0x1A, 0x45, 0xDF, 0xA3, 1, 2, 3, 4], &lim);
+    assert!(m.contains("WebM") && m.contains("ffmpeg"), "{m}");
+    let clip = mp4_clip(12, 12.0, 32, 32);
+    for cut in [clip.len() / 3, clip.len() - 20] {
+        let m = e(&clip[..cut], &lim);
+        assert!(m.contains("video_url"), "{m}");
+    }
+    let mut broken = clip.clone();
+    let mdat = broken.windows(4).position(|w| w == b"mdat").unwrap();
+    for b in &mut broken[mdat + 40..mdat + 400] {
+        *b ^= 0x5A;
+    }
+    let _ = preprocess_video_bytes(&broken, "broken.mp4", &cfg, &lim); // an error or noisy frames, never a panic
+    let m = e(&clip, &VideoLimits { max_frames: 1, ..lim });
+    assert!(m.contains("over the limit of 1 frames"), "{m}");
+    let m = e(&clip, &VideoLimits { max_frame_pixels: 1000, ..lim });
+    assert!(m.contains("32x32") && m.contains("over the limit"), "{m}");
+    let m = e(&gif_clip(3, 100, 8, 8), &VideoLimits { max_source_frames: 2, ..lim });
+    assert!(m.contains("over the limit"), "{m}");
+}
