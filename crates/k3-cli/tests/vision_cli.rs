@@ -1,4 +1,5 @@
-//! `k3 vision` and `k3 logits --image` on the `vision_small_f32` fixture, run as a user would.
+//! `k3 vision` (images and videos), `k3 logits --image` and `k3 run --image/--video` on the
+//! `vision_small_f32` fixture, run as a user would.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -120,4 +121,68 @@ fn run_with_image_continues_like_logits() {
     assert!(!bad.status.success());
     let e = String::from_utf8_lossy(&bad.stderr);
     assert!(e.contains("377") && e.contains("12"), "{e}");
+}
+
+/// Six 56×42 frames of 100 ms: at sample_fps 8, frames 0, 1, 2, 4, 5 in chunks of 4 and 1.
+fn write_gif(path: &std::path::Path) {
+    let mut out = Vec::new();
+    {
+        let mut enc = image::codecs::gif::GifEncoder::new(&mut out);
+        for i in 0..6u32 {
+            let buf = image::RgbaImage::from_fn(56, 42, |x, y| image::Rgba([(40 * i) as u8, (x * 4) as u8, (y * 6) as u8, 255]));
+            enc.encode_frame(image::Frame::from_parts(buf, 0, 0, image::Delay::from_numer_denom_ms(100, 1))).unwrap();
+        }
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+/// `k3 vision --video` writes every chunk's stages, times and frame indices; `k3 run --video`
+/// takes the two chunks' pads in `--ids` and names the counts when they do not match.
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn video_stages_and_run() {
+    let d = tempfile::tempdir().unwrap();
+    let gif = d.path().join("clip.gif");
+    write_gif(&gif);
+    let out = d.path().join("clip.safetensors");
+    let o = Command::new(env!("CARGO_BIN_EXE_k3")).args(["vision", "--model"]).arg(fixture()).arg("--video").arg(&gif).arg("--out").arg(&out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("2 chunks, 8 video tokens"), "{}", String::from_utf8_lossy(&o.stderr));
+    let got = open_tensors_only(&out).unwrap();
+    assert_eq!(&*got.tensor("chunk0.grid_thw").unwrap().as_i64().unwrap(), &[4, 4, 4]);
+    assert_eq!(&*got.tensor("chunk1.grid_thw").unwrap().as_i64().unwrap(), &[1, 4, 4]);
+    assert_eq!(got.tensor("chunk0.pixel_values").unwrap().shape(), &[64, 3, 14, 14]);
+    assert_eq!(got.tensor("chunk1.projected").unwrap().shape(), &[4, 96]);
+    assert_eq!(&*got.tensor("frames").unwrap().as_i64().unwrap(), &[0, 1, 2, 4, 5, -1, -1, -1]);
+    let t = got.tensor("time_s").unwrap();
+    assert_eq!(&*t.to_f32().unwrap(), &[0.0, 0.5]);
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 2, "no temporary file is left");
+
+    let pads = ["377"; 4].join(",");
+    let ids = format!("165,22,378,379,{pads},380,378,379,{pads},380,350");
+    let run = |ids: &str| {
+        Command::new(env!("CARGO_BIN_EXE_k3"))
+            .args(["run", "--model"])
+            .arg(fixture())
+            .args(["--ids", ids, "-n", "2", "--temperature", "0", "--video"])
+            .arg(&gif)
+            .output()
+            .unwrap()
+    };
+    let o = run(&ids);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run(&format!("165,22,378,379,{pads},380,350"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("4 <|media_pad|>") && err.contains("[4, 4]"), "{err}");
+    let o = Command::new(env!("CARGO_BIN_EXE_k3"))
+        .args(["vision", "--model"])
+        .arg(fixture())
+        .arg("--video")
+        .arg(fixture().join("v2_la_alpha.png"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("v2_la_alpha.png") && err.contains("not a recognised video"), "{err}");
 }

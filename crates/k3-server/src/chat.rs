@@ -26,8 +26,6 @@ use k3_tokenizer::{render_chat, ChatRequest, OutputDelta, OutputParser, ParsedOu
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use k3_vision::ImageFeatures;
-
 use crate::error::{bad_param, Result, ServerError};
 use crate::media;
 use crate::params::{parse_body, Fields, GenParams};
@@ -103,7 +101,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         None => None,
     };
     let (feats, pad_id) = images(&s, &f).await?;
-    req.set_image_prompts((!feats.is_empty()).then(|| media::image_prompts(&feats)));
+    req.set_image_prompts((!feats.is_empty()).then(|| media::media_prompts(&feats)));
     let rendered = render_chat(&s.tok, &req)?;
     let prompt_tokens = rendered.ids.len();
     let (prompt, max_tokens) = s.prepare_prompt(rendered.ids, g.max_tokens, "messages", g.max_tokens_param)?;
@@ -123,20 +121,20 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     }
 }
 
-/// Reads and encodes the request's images (on a blocking thread); returns their features and
-/// the `<|media_pad|>` id they fill.
-async fn images(s: &AppState, f: &Fields<'_>) -> Result<(Vec<ImageFeatures>, u32)> {
+/// Reads and encodes the request's images and videos (on a blocking thread); returns their
+/// features and the `<|media_pad|>` id they fill.
+async fn images(s: &AppState, f: &Fields<'_>) -> Result<(Vec<media::MediaFeatures>, u32)> {
     let parts = media::find_images(f.get("messages"))?;
     let Some(first) = parts.first() else {
         return Ok((Vec::new(), 0));
     };
     let Some(vision) = s.vision.clone() else {
-        return Err(bad_param(&first.field, "images are not accepted: this server has no vision tower for the model (no `vision_config` in config.json, or a tokenizer whose <|media_pad|> does not match); send text only"));
+        return Err(bad_param(&first.field, "images and videos are not accepted: this server has no vision tower for the model (no `vision_config` in config.json, or a tokenizer whose <|media_pad|> does not match); send text only"));
     };
     s.sched.check_capacity()?;
     let limits = s.media.clone();
     let pad = vision.pad_id;
-    let job = tokio::task::spawn_blocking(move || media::encode_images(&vision, &parts, &limits));
+    let job = tokio::task::spawn_blocking(move || media::encode_media(&vision, &parts, &limits));
     let feats = job.await.map_err(|e| ServerError::Internal(format!("the image encoder failed: {e}")))??;
     Ok((feats, pad))
 }

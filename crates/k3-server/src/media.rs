@@ -1,5 +1,12 @@
-//! Image parts of chat requests (around-backbone §3.9, §6.4): finding them, reading their bytes,
-//! running the vision tower, and splicing the features into the prompt's input rows.
+//! Image and video parts of chat requests (around-backbone §3.6, §3.9, §6.4): finding them,
+//! reading their bytes, running the vision tower, and splicing the features into the prompt's
+//! input rows.
+//!
+//! A video part is `{"type": "video_url", "video_url": {"url": URL}}` (or `{"type": "video",
+//! "video": URL}`), URL as for images, holding MP4/H.264, animated GIF or animated WebP; it is
+//! sampled and cut into chunks of up to 4 frames (`k3_vision::video`), each chunk one tower
+//! sample rendered as `{hh:mm:ss.fff}<|media_begin|>video<|media_content|>` + N pads +
+//! `<|media_end|>`. A video over `--max-video-frames` sampled frames is a 400 naming its part.
 //!
 //! An image part is `{"type": "image_url", "image_url": {"url": URL}}` (the URL may also be given
 //! as a bare string, and `{"type": "image", "image": URL}` is read the same way). URL is either
@@ -25,18 +32,27 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use base64::Engine as _;
 use k3_tokenizer::xtml::IMAGE_PLACEHOLDER;
-use k3_vision::{preprocess, prompt::image_prompt_text, splice, ImageFeatures, VisionError, VisionModel};
+use k3_vision::video::VideoLimits;
+use k3_vision::{preprocess, prompt::image_prompt_text, splice, video_decode, ImageFeatures, VideoFeatures, VisionError, VisionModel};
 use serde_json::Value;
 
 use crate::error::{bad_param, Result, ServerError};
 use crate::scheduler::Prep;
 
-/// One image part of a request.
+/// One image or video part of a request.
 #[derive(Clone, Debug)]
 pub struct ImagePart {
     /// The field it came from, e.g. `messages[1].content[0].image_url`.
     pub field: String,
     pub url: String,
+    pub video: bool,
+}
+
+/// The features of one media part.
+#[derive(Clone, Debug)]
+pub enum MediaFeatures {
+    Image(ImageFeatures),
+    Video(VideoFeatures),
 }
 
 /// Where the server may read images from, and how large they may be.
@@ -44,8 +60,10 @@ pub struct ImagePart {
 pub struct MediaLimits {
     /// Canonical directory local paths must resolve inside; `None`: local paths are refused.
     pub allowed_local_media_path: Option<PathBuf>,
-    /// Largest encoded image, in bytes.
+    /// Largest encoded image or video, in bytes.
     pub max_image_bytes: usize,
+    /// Frames sampled per video, source frames, pixels per frame.
+    pub video: VideoLimits,
     /// Pixels decoded at once, across requests.
     pub decode: DecodeBudget,
 }
@@ -97,7 +115,7 @@ impl Drop for DecodePermit {
     }
 }
 
-/// The image parts of `messages`, in prompt order (the renderer's order).
+/// The image and video parts of `messages`, in prompt order (the renderer's order).
 pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
     let mut out = Vec::new();
     let Some(Value::Array(msgs)) = messages else {
@@ -123,6 +141,9 @@ pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
                 Some("image_url") => "image_url",
                 Some("image") if part.get("image").is_some() => "image",
                 Some("image") => "image_url",
+                Some("video_url") => "video_url",
+                Some("video") if part.get("video").is_some() => "video",
+                Some("video") => "video_url",
                 _ => {
                     if part.get("text").and_then(Value::as_str).is_some_and(|t| t.contains(IMAGE_PLACEHOLDER)) {
                         stray.get_or_insert(format!("messages[{i}].content[{j}].text"));
@@ -139,7 +160,7 @@ pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
                 },
                 _ => return Err(bad_param(field, "is required: an object with `url` (a data: URI or an allowed local path)")),
             };
-            out.push(ImagePart { field, url });
+            out.push(ImagePart { field, url, video: key.starts_with("video") });
         }
     }
     if let (Some(field), false) = (stray, out.is_empty()) {
@@ -149,11 +170,15 @@ pub fn find_images(messages: Option<&Value>) -> Result<Vec<ImagePart>> {
 }
 
 fn too_large(field: &str, n: usize, limit: usize) -> ServerError {
-    bad_param(field, format!("the image is {n} bytes, over the server's limit of {limit} bytes"))
+    let what = if field.contains("video") { "video" } else { "image" };
+    bad_param(field, format!("the {what} is {n} bytes, over the server's limit of {limit} bytes (--max-image-bytes)"))
 }
 
+const IMAGE_TYPES: &[&str] = &["image/png", "image/jpeg", "image/jpg", "image/webp"];
+const VIDEO_TYPES: &[&str] = &["video/mp4", "image/gif", "image/webp", "video/webm", "video/quicktime"];
+
 /// Decodes a `data:[<mediatype>][;base64],<data>` URI.
-fn data_uri(field: &str, uri: &str, limit: usize) -> Result<Vec<u8>> {
+fn data_uri(field: &str, uri: &str, limit: usize, video: bool) -> Result<Vec<u8>> {
     let rest = &uri[5..];
     let Some((meta, data)) = rest.split_once(',') else {
         return Err(bad_param(field, "a data: URI needs a `,` before its data"));
@@ -163,8 +188,11 @@ fn data_uri(field: &str, uri: &str, limit: usize) -> Result<Vec<u8>> {
     if !meta_parts.any(|p| p.trim().eq_ignore_ascii_case("base64")) {
         return Err(bad_param(field, "only base64 data: URIs are supported (`data:image/png;base64,...`)"));
     }
-    if !mime.is_empty() && !["image/png", "image/jpeg", "image/jpg", "image/webp"].contains(&mime.as_str()) {
+    if !mime.is_empty() && !video && !IMAGE_TYPES.contains(&mime.as_str()) {
         return Err(bad_param(field, format!("unsupported image type {mime:?}; supported formats are PNG, JPEG and WebP")));
+    }
+    if !mime.is_empty() && video && !VIDEO_TYPES.contains(&mime.as_str()) {
+        return Err(bad_param(field, format!("unsupported video type {mime:?}; supported are MP4 (H.264), animated GIF and animated WebP")));
     }
     let clean: Vec<u8> = data.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
     if clean.len() / 4 * 3 > limit.saturating_add(3) {
@@ -220,7 +248,7 @@ pub fn image_bytes(part: &ImagePart, limits: &MediaLimits) -> Result<Vec<u8>> {
     let (f, url) = (part.field.as_str(), part.url.trim());
     let lower: String = url.chars().take(8).collect::<String>().to_ascii_lowercase();
     if lower.starts_with("data:") {
-        data_uri(f, url, limits.max_image_bytes)
+        data_uri(f, url, limits.max_image_bytes, part.video)
     } else if lower.starts_with("http://") || lower.starts_with("https://") {
         Err(bad_param(f, "remote image URLs are not fetched by this server; send the image as a data: URI"))
     } else if lower.starts_with("file://") || !url.contains("://") {
@@ -230,47 +258,66 @@ pub fn image_bytes(part: &ImagePart, limits: &MediaLimits) -> Result<Vec<u8>> {
     }
 }
 
-/// Reads and encodes every image (blocking: call from `spawn_blocking`). Each decode holds its
-/// pixels of `limits.decode` (read from the image header first) until its pixels are resized;
-/// the tower then runs outside the budget.
-pub fn encode_images(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLimits) -> Result<Vec<ImageFeatures>> {
+/// Reads and encodes every image and video (blocking: call from `spawn_blocking`). Each
+/// decode holds its pixels of `limits.decode` (read from the header first: an image's, or one
+/// video frame's) until its pixels are resized; the tower then runs outside the budget.
+pub fn encode_media(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLimits) -> Result<Vec<MediaFeatures>> {
     let verr = |p: &ImagePart, e: VisionError| match e {
         VisionError::Image { msg, .. } => bad_param(&p.field, msg),
         VisionError::Input(msg) => bad_param(&p.field, msg),
+        VisionError::Config { path, msg } => bad_param(&p.field, format!("videos are not accepted by this model: {path}: {msg}")),
         e => ServerError::Internal(format!("{}: the vision tower failed: {e}", p.field)),
     };
     parts
         .iter()
         .map(|p| {
             let bytes = image_bytes(p, limits)?;
+            if p.video {
+                let v = &limits.video;
+                let info = video_decode::probe(&bytes, &p.field, v.max_source_frames, v.max_frame_pixels).map_err(|e| verr(p, e))?;
+                let permit = limits.decode.acquire(info.width as u64 * info.height as u64);
+                let f = vision.encode_video_bytes(&bytes, &p.field, v).map_err(|e| verr(p, e))?;
+                drop((permit, bytes));
+                return Ok(MediaFeatures::Video(f));
+            }
             let (w, h) = preprocess::dimensions(&bytes, &p.field).map_err(|e| verr(p, e))?;
             let permit = limits.decode.acquire(w as u64 * h as u64);
             let pre = preprocess::preprocess_bytes(&bytes, &p.field, &vision.processor).map_err(|e| verr(p, e))?;
             drop((permit, bytes));
             let mut f = vision.encode_pixels(pre.pixel_values, pre.grid_thw).map_err(|e| verr(p, e))?;
             f.orig_size = Some(pre.orig_size);
-            Ok(f)
+            Ok(MediaFeatures::Image(f))
         })
         .collect()
 }
 
-/// One `image_prompts` entry per image: its block with the original size and N pads.
-pub fn image_prompts(feats: &[ImageFeatures]) -> Vec<String> {
+/// One `image_prompts` entry per part: an image's block with its original size and N pads, or
+/// a video's chunk blocks.
+pub fn media_prompts(feats: &[MediaFeatures]) -> Vec<String> {
     feats
         .iter()
-        .map(|f| {
-            let (w, h) = f.orig_size.unwrap_or((0, 0));
-            image_prompt_text(w, h, f.num_tokens)
+        .map(|f| match f {
+            MediaFeatures::Image(f) => {
+                let (w, h) = f.orig_size.unwrap_or((0, 0));
+                image_prompt_text(w, h, f.num_tokens)
+            }
+            MediaFeatures::Video(v) => v.prompt_text(),
         })
         .collect()
 }
 
 /// Engine-thread work: token embeddings of the prompt with the image features spliced in at the
 /// `pad_id` runs, set as the request's `prompt_embeds`.
-pub fn splice_prep(feats: Vec<ImageFeatures>, pad_id: u32) -> Prep {
+pub fn splice_prep(feats: Vec<MediaFeatures>, pad_id: u32) -> Prep {
     Box::new(move |backend, req| {
         let mut emb = backend.embed(&req.prompt)?;
-        let views: Vec<&[f32]> = feats.iter().map(|f| f.projected.as_slice()).collect();
+        let views: Vec<&[f32]> = feats
+            .iter()
+            .flat_map(|f| match f {
+                MediaFeatures::Image(f) => vec![f.projected.as_slice()],
+                MediaFeatures::Video(v) => v.projected(),
+            })
+            .collect();
         splice(&mut emb, &req.prompt, pad_id, &views).map_err(|e| bad_param("messages", e.to_string()))?;
         req.prompt_embeds = Some(Arc::new(emb));
         Ok(())
@@ -282,11 +329,11 @@ mod tests {
     use super::*;
 
     fn part(url: &str) -> ImagePart {
-        ImagePart { field: "messages[0].content[1].image_url".into(), url: url.into() }
+        ImagePart { field: "messages[0].content[1].image_url".into(), url: url.into(), video: false }
     }
 
     fn limits(dir: Option<PathBuf>) -> MediaLimits {
-        MediaLimits { allowed_local_media_path: dir, max_image_bytes: 64, decode: DecodeBudget::new(1 << 20) }
+        MediaLimits { allowed_local_media_path: dir, max_image_bytes: 64, video: VideoLimits::default(), decode: DecodeBudget::new(1 << 20) }
     }
 
     fn err(r: Result<Vec<u8>>) -> String {

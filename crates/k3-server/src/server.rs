@@ -49,6 +49,8 @@ pub struct ServerConfig {
     /// its share, so concurrent large images cannot multiply the decoding memory (≈ 6 bytes per
     /// pixel at the peak). One image larger than the budget decodes alone.
     pub max_decode_pixels: u64,
+    /// Frames sampled from one video at most (`--max-video-frames`); more is a 400.
+    pub max_video_frames: usize,
     /// How long a client may take to send its request head, and may stay silent while sending
     /// its body (the whole body must arrive within 4× this); 408 or a closed connection after.
     pub read_timeout: Duration,
@@ -73,6 +75,7 @@ impl Default for ServerConfig {
             allowed_local_media_path: None,
             max_image_bytes: 20 << 20,
             max_decode_pixels: k3_vision::preprocess::MAX_PIXELS,
+            max_video_frames: k3_vision::video::VideoLimits::default().max_frames,
             read_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(10),
             tool_grammar: true,
@@ -317,7 +320,13 @@ fn media_limits(tok: &Tokenizer, cfg: &ServerConfig, vision: Option<&VisionModel
             Some(c)
         }
     };
-    Ok(MediaLimits { allowed_local_media_path: allowed, max_image_bytes: cfg.max_image_bytes, decode: crate::media::DecodeBudget::new(cfg.max_decode_pixels) })
+    let video = k3_vision::video::VideoLimits { max_frames: cfg.max_video_frames, ..Default::default() };
+    Ok(MediaLimits {
+        allowed_local_media_path: allowed,
+        max_image_bytes: cfg.max_image_bytes,
+        video,
+        decode: crate::media::DecodeBudget::new(cfg.max_decode_pixels),
+    })
 }
 
 /// [`build`] with an optional vision tower for image parts in chat requests.

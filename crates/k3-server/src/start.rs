@@ -54,6 +54,7 @@ pub struct ServeOptions {
     pub allowed_local_media_path: Option<PathBuf>,
     pub max_image_bytes: usize,
     pub max_decode_pixels: u64,
+    pub max_video_frames: usize,
     /// Seconds (validated here: positive and finite).
     pub read_timeout: f64,
     pub shutdown_timeout: f64,
@@ -163,6 +164,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         allowed_local_media_path: a.allowed_local_media_path.clone(),
         max_image_bytes: a.max_image_bytes,
         max_decode_pixels: a.max_decode_pixels,
+        max_video_frames: a.max_video_frames,
         read_timeout,
         shutdown_timeout,
         tool_grammar: a.tool_grammar,

@@ -6,7 +6,8 @@
 //! same chat rendered with the image block, the fixture's PNG encoded from its file, the
 //! features spliced into the token embeddings, and one full prefill. Error cases: bad base64,
 //! unsupported and corrupt images, local paths outside `--allowed-local-media-path` or without
-//! it, and images sent to a text-only model — each a 400 naming the image field.
+//! it, and images sent to a text-only model — each a 400 naming the image field. A video part
+//! (an animated GIF made here, two chunks) is checked the same way against its own reference.
 
 mod common;
 
@@ -155,6 +156,87 @@ fn image_chat_matches_the_reference_prefill() {
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
     let usage: Value = serde_json::from_str(&ev[ev.len() - 2]).expect("usage chunk");
     assert_eq!(usage["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64));
+}
+
+/// Six 56×42 frames of 100 ms (10 fps): at the fixture's sample_fps 8, round(4.8) = 5 frames,
+/// chunks of 4 and 1 (t = 4 and t = 1), 4 tokens each.
+fn gif_clip() -> Vec<u8> {
+    let mut out = Vec::new();
+    {
+        let mut enc = image::codecs::gif::GifEncoder::new(&mut out);
+        for i in 0..6u32 {
+            let buf = image::RgbaImage::from_fn(56, 42, |x, y| image::Rgba([(40 * i) as u8, (x * 4) as u8, (y * 6) as u8, 255]));
+            enc.encode_frame(image::Frame::from_parts(buf, 0, 0, image::Delay::from_numer_denom_ms(100, 1))).expect("gif frame");
+        }
+    }
+    out
+}
+
+fn video_chat(url: &str) -> Value {
+    json!({
+        "model": "vis", "temperature": 0, "max_tokens": 2, "logprobs": true, "thinking": false,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Watch:"},
+            {"type": "video_url", "video_url": {"url": url}},
+            {"type": "text", "text": "what happens?"},
+        ]}],
+    })
+}
+
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn video_chat_matches_the_reference_prefill() {
+    let l = load();
+    let gif = gif_clip();
+    let feats = l.vision.encode_video_bytes(&gif, "clip.gif", &Default::default()).expect("encode video");
+    let t: Vec<usize> = feats.chunks.iter().map(|c| c.2.grid_thw[0]).collect();
+    assert_eq!(t, vec![4, 1]);
+    let body = video_chat(&data_uri(&gif, "image/gif"));
+    let mut req = ChatRequest::from_json_str(&body.to_string()).expect("chat request");
+    req.set_image_prompts(Some(vec![feats.prompt_text()]));
+    let ids = render_chat(&l.tok, &req).expect("render").ids;
+    let last = |emb: Vec<f32>| {
+        let mut st = l.model.new_state();
+        let lg = l.model.forward_embeds(emb, &mut st, Default::default(), None).expect("forward");
+        let row = &lg[lg.len() - 384..];
+        let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let z = row.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>().ln() as f32 + m;
+        row.iter().map(|&x| x - z).collect::<Vec<f32>>()
+    };
+    let plain = l.model.embed(&ids).expect("embed");
+    let mut emb = plain.clone();
+    splice(&mut emb, &ids, 377, &feats.projected()).expect("splice");
+    let (want, plain) = (last(emb), last(plain));
+    assert!(want.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-2), "the video must change the logits for this test to mean anything");
+    let top = argmax(&want);
+
+    let srv = start(&l, None);
+    let r = post(srv.addr, "/v1/chat/completions", &body);
+    let (id, lp) = first_token(&r, &l.tok);
+    assert_eq!(id as usize, top, "first greedy token");
+    assert!((lp - want[top]).abs() < 1e-3, "logprob {lp} vs reference {}", want[top]);
+    assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64), "usage counts the pads of both chunks");
+
+    let vfield = "messages[0].content[1].video_url";
+    let bad = |url: &str, needle: &str| {
+        let r = post(srv.addr, "/v1/chat/completions", &video_chat(url));
+        assert_eq!(r.status, 400, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["error"]["param"], vfield, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
+    };
+    bad(&data_uri(&gif[..gif.len() / 2], "image/gif"), "");
+    bad(&data_uri(&[0x1A, 0x45, 0xDF, 0xA3, 0, 0, 0, 0], "video/webm"), "ffmpeg");
+    bad(&data_uri(b"hello", "video/x-msvideo"), "unsupported video type");
+    let long = ServerConfig { served_model_name: "vis".into(), max_video_frames: 4, ..Default::default() };
+    let ecfg = EngineConfig { max_batch: 2, prefill_chunk: 512, max_step_tokens: 1024, ..Default::default() };
+    let engine = Engine::new(l.model.clone(), Some(l.tok.clone()), ecfg);
+    let strict = spawn_background_with_vision(Box::new(engine), l.tok.clone(), long, Some(l.vision.clone())).expect("server starts");
+    let r = post(strict.addr, "/v1/chat/completions", &body);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.json()["error"]["message"].as_str().unwrap_or_default().contains("over the limit of 4 frames"), "{}", r.text());
+    assert_eq!(get(srv.addr, "/health").status, 200);
 }
 
 fn assert_400(r: &Resp, needle: &str) {

@@ -13,7 +13,9 @@
 //! `open(think)` (thinking) or `open(response)`.
 //!
 //! Image parts take the next `image_prompts` entry (see [`image_prompt`]) as a control segment,
-//! or the literal `<|kimi_image_placeholder|>` when no prompts are given. When prompts are given
+//! or the literal `<|kimi_image_placeholder|>` when no prompts are given; video parts
+//! (`video_url`, `video`) likewise take the next entry (the whole video's chunk blocks) or
+//! `<|kimi_k25_video_placeholder|>`. When prompts are given
 //! the literal placeholder inside text is also replaced, as in the reference; the count check
 //! (prompts given = placeholders consumed) then rejects text that tries to inject an image slot.
 //! `developer` messages render as `system`.
@@ -34,6 +36,8 @@ pub const SEP: &str = "<|sep|>";
 pub const END_OF_MSG: &str = "<|end_of_msg|>";
 /// The renderer's image placeholder string (not a vocabulary token).
 pub const IMAGE_PLACEHOLDER: &str = "<|kimi_image_placeholder|>";
+/// The renderer's video placeholder string (K2.5's name; not a vocabulary token).
+pub const VIDEO_PLACEHOLDER: &str = "<|kimi_k25_video_placeholder|>";
 
 /// One piece of a rendered prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -294,9 +298,9 @@ impl Builder {
         self.seg(END_OF_MSG, true);
     }
 
-    fn next_image(&mut self, field: &str) -> Result<String> {
+    fn next_image(&mut self, field: &str, video: bool) -> Result<String> {
         let Some(prompts) = &self.prompts else {
-            return Ok(IMAGE_PLACEHOLDER.to_owned());
+            return Ok(if video { VIDEO_PLACEHOLDER } else { IMAGE_PLACEHOLDER }.to_owned());
         };
         let p = prompts
             .get(self.consumed)
@@ -316,7 +320,7 @@ impl Builder {
         while let Some(part) = parts.next() {
             self.seg(part, false);
             if parts.peek().is_some() {
-                let p = self.next_image(field)?;
+                let p = self.next_image(field, false)?;
                 self.seg(&p, true);
             }
         }
@@ -331,13 +335,14 @@ impl Builder {
                 for (i, part) in parts.iter().enumerate() {
                     let pf = format!("{field}[{i}]");
                     let kind = part.get("type").and_then(Json::as_str);
-                    if matches!(kind, Some("image" | "image_url")) {
-                        let p = self.next_image(&pf)?;
+                    if matches!(kind, Some("image" | "image_url" | "video" | "video_url")) {
+                        let p = self.next_image(&pf, matches!(kind, Some("video" | "video_url")))?;
                         self.seg(&p, true);
                     } else if let Some(t) = part.get("text").filter(|t| **t != Json::Null) {
                         self.text(&t.python_str(), &pf)?;
                     } else {
-                        let why = format!("a content part of type {:?} needs `text` (only text and image parts are supported)", kind.unwrap_or("<none>"));
+                        let why =
+                            format!("a content part of type {:?} needs `text` (only text, image and video parts are supported)", kind.unwrap_or("<none>"));
                         return Err(field_err(pf, &why));
                     }
                 }

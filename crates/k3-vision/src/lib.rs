@@ -269,7 +269,7 @@ impl VideoFeatures {
     }
 
     /// The `k3 vision --video` file: `chunk{c}.{pixel_values,grid_thw,vit_out,merged,projected}`,
-    /// `time_s` f64 `[chunks]` and `frames` i64 `[chunks, k]` (−1 past a short chunk's end).
+    /// `time_s` f32 `[chunks]` and `frames` i64 `[chunks, k]` (−1 past a short chunk's end).
     pub fn to_safetensors(&self) -> Result<Vec<u8>> {
         use safetensors::Dtype;
         let k = self.chunks.iter().map(|c| c.1.len()).max().unwrap_or(1);
@@ -277,9 +277,9 @@ impl VideoFeatures {
         for (i, (_, _, f)) in self.chunks.iter().enumerate() {
             bufs.extend(f.stages(&format!("chunk{i}.")));
         }
-        let times: Vec<u8> = self.chunks.iter().flat_map(|c| c.0.to_le_bytes()).collect();
+        let times: Vec<u8> = self.chunks.iter().flat_map(|c| (c.0 as f32).to_le_bytes()).collect();
         let frames: Vec<u8> = self.chunks.iter().flat_map(|c| (0..k).flat_map(|j| c.1.get(j).map_or(-1i64, |&x| x as i64).to_le_bytes())).collect();
-        bufs.push(("time_s".into(), Dtype::F64, vec![self.chunks.len()], times));
+        bufs.push(("time_s".into(), Dtype::F32, vec![self.chunks.len()], times));
         bufs.push(("frames".into(), Dtype::I64, vec![self.chunks.len(), k], frames));
         serialize(bufs)
     }

@@ -55,7 +55,10 @@ fn container(bytes: &[u8], name: &str) -> Result<Container> {
         return Ok(Container::WebP);
     }
     if bytes.starts_with(&[0x1A, 0x45, 0xDF, 0xA3]) {
-        return Err(err(name, format!("is WebM/Matroska, which this build does not decode (supported: MP4 with H.264, animated GIF, animated WebP); {CONVERT}")));
+        return Err(err(
+            name,
+            format!("is WebM/Matroska, which this build does not decode (supported: MP4 with H.264, animated GIF, animated WebP); {CONVERT}"),
+        ));
     }
     Err(err(name, "is not a recognised video (supported: MP4 with H.264, animated GIF, animated WebP)"))
 }

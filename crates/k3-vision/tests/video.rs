@@ -286,7 +286,8 @@ fn reference(w: &HashMap<String, Tensor>, pixels: &[f32], [t, h, wd]: [usize; 3]
         for head in 0..heads {
             for i in 0..l {
                 let q = &qkv[i * 3 * dq + head * hd..][..hd];
-                let s: Vec<f64> = (0..l).map(|j| q.iter().zip(&qkv[j * 3 * dq + dq + head * hd..][..hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()).collect();
+                let s: Vec<f64> =
+                    (0..l).map(|j| q.iter().zip(&qkv[j * 3 * dq + dq + head * hd..][..hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()).collect();
                 let m = s.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
                 let z: f64 = e.iter().sum();

@@ -39,6 +39,14 @@ pub struct Args {
     /// With --ids, the ids must already hold each image's run of <|media_pad|> ids.
     #[arg(long)]
     pub image: Vec<PathBuf>,
+    /// A video to put before the prompt, after the images (repeatable; MP4/H.264, animated GIF
+    /// or WebP; sampled at the processor's sample_fps, chunks of 4 frames). With --ids, the ids
+    /// must already hold each chunk's run of <|media_pad|> ids.
+    #[arg(long)]
+    pub video: Vec<PathBuf>,
+    /// Frames sampled from one --video at most.
+    #[arg(long, default_value_t = k3_vision::video::VideoLimits::default().max_frames)]
+    pub max_video_frames: usize,
     /// Tokens to generate at most.
     #[arg(long, short = 'n', default_value_t = 128)]
     pub max_tokens: usize,
@@ -85,10 +93,12 @@ pub fn run(a: Args) -> Result<()> {
         (None, Some(_), None) => bail!("{} has no tiktoken.model: give --tokenizer DIR or --ids", tok_dir.display()),
         (None, None, _) => bail!("give a PROMPT or --ids"),
     };
-    let (prompt, embeds) = if a.image.is_empty() {
+    let (prompt, embeds) = if a.image.is_empty() && a.video.is_empty() {
         (prompt, None)
     } else {
-        let (ids, emb) = with_images(&ck, &Model::load_embedding(&ck)?, tokenizer.as_deref(), prompt, a.ids.is_some(), &a.image)?;
+        let limits = k3_vision::video::VideoLimits { max_frames: a.max_video_frames, ..Default::default() };
+        let media = Media { images: &a.image, videos: &a.video, limits };
+        let (ids, emb) = with_images(&ck, &Model::load_embedding(&ck)?, tokenizer.as_deref(), prompt, a.ids.is_some(), &media)?;
         (ids, Some(Arc::new(emb)))
     };
     let mut req = Request::new(prompt.clone(), a.sampling.params(), a.max_tokens);
@@ -209,30 +219,58 @@ pub fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-/// Encodes the images, puts their blocks (`<|media_begin|>image WxH<|media_content|>` + pads +
-/// `<|media_end|>`) before the text prompt (or checks the pads already in `--ids`), and returns
-/// the ids with their input rows, image features spliced in at the pads.
-fn with_images(ck: &Checkpoint, model: &Model, tok: Option<&Tokenizer>, prompt: Vec<u32>, ids_given: bool, images: &[PathBuf]) -> Result<(Vec<u32>, Vec<f32>)> {
+/// `--image` and `--video` files.
+struct Media<'a> {
+    images: &'a [PathBuf],
+    videos: &'a [PathBuf],
+    limits: k3_vision::video::VideoLimits,
+}
+
+/// Encodes the images and videos, puts their blocks (`<|media_begin|>image WxH<|media_content|>`
+/// + pads + `<|media_end|>`; per video chunk `hh:mm:ss.fff<|media_begin|>video…`) before the
+/// text prompt (or checks the pads already in `--ids`), and returns the ids with their input
+/// rows, the features spliced in at the pads.
+fn with_images(ck: &Checkpoint, model: &Model, tok: Option<&Tokenizer>, prompt: Vec<u32>, ids_given: bool, media: &Media) -> Result<(Vec<u32>, Vec<f32>)> {
     use k3_vision::{prompt::image_prompt_text, splice, VisionModel};
     if ck.config.vision_config.is_none() {
-        bail!("--image: {} has no vision_config (this model has no vision tower)", ck.dir.display());
+        let flag = if media.images.is_empty() { "--video" } else { "--image" };
+        bail!("{flag}: {} has no vision_config (this model has no vision tower)", ck.dir.display());
     }
     let vision = VisionModel::load(ck)?;
-    let feats = images.iter().map(|p| vision.encode_image(p).with_context(|| format!("--image {}", p.display()))).collect::<Result<Vec<_>>>()?;
+    let feats = media.images.iter().map(|p| vision.encode_image(p).with_context(|| format!("--image {}", p.display()))).collect::<Result<Vec<_>>>()?;
+    let videos =
+        media.videos.iter().map(|p| vision.encode_video(p, &media.limits).with_context(|| format!("--video {}", p.display()))).collect::<Result<Vec<_>>>()?;
+    for (p, v) in media.videos.iter().zip(&videos) {
+        let n: usize = v.chunks.iter().map(|c| c.1.len()).sum();
+        eprintln!(
+            "--video {}: {} {}x{}, {} frames at {:.3} fps → {n} sampled, {} chunks",
+            p.display(),
+            v.info.format,
+            v.info.width,
+            v.info.height,
+            v.info.num_frames,
+            v.info.fps,
+            v.chunks.len()
+        );
+    }
     let ids = if ids_given {
         prompt
     } else {
-        let tk = tok.context("--image with a text prompt needs a tokenizer")?;
+        let tk = tok.context("--image/--video with a text prompt needs a tokenizer")?;
         let mut ids = Vec::new();
         for f in &feats {
             let (w, h) = f.orig_size.unwrap_or((0, 0));
             ids.extend(tk.encode(&image_prompt_text(w, h, f.num_tokens), true));
         }
+        for v in &videos {
+            ids.extend(tk.encode(&v.prompt_text(), true));
+        }
         ids.extend(prompt);
         ids
     };
     let mut emb = model.embed(&ids)?;
-    let views: Vec<&[f32]> = feats.iter().map(|f| f.projected.as_slice()).collect();
+    let mut views: Vec<&[f32]> = feats.iter().map(|f| f.projected.as_slice()).collect();
+    views.extend(videos.iter().flat_map(|v| v.projected()));
     splice(&mut emb, &ids, vision.pad_id, &views)?;
     Ok((ids, emb))
 }

@@ -53,12 +53,16 @@ pub struct Args {
     /// DIR; without it, images come as `data:` URIs only.
     #[arg(long, value_name = "DIR")]
     pub allowed_local_media_path: Option<PathBuf>,
-    /// Largest image accepted, in bytes (after base64 decoding).
+    /// Largest image or video accepted, in bytes (after base64 decoding).
     #[arg(long, default_value_t = 20 << 20)]
     pub max_image_bytes: usize,
     /// Pixels (width × height) decoded at once across all requests; images beyond it wait.
     #[arg(long, default_value_t = k3_vision::preprocess::MAX_PIXELS)]
     pub max_decode_pixels: u64,
+    /// Frames sampled from one video at most (at the processor's sample_fps; chunks of 4 frames
+    /// are one tower sample each); a longer video is refused with a 400.
+    #[arg(long, default_value_t = k3_vision::video::VideoLimits::default().max_frames)]
+    pub max_video_frames: usize,
     /// Seconds a client may take to send its request head, or stay silent while sending its
     /// body (the whole body must arrive within 4× this).
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
@@ -119,6 +123,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         allowed_local_media_path: a.allowed_local_media_path,
         max_image_bytes: a.max_image_bytes,
         max_decode_pixels: a.max_decode_pixels,
+        max_video_frames: a.max_video_frames,
         read_timeout: a.read_timeout,
         shutdown_timeout: a.shutdown_timeout,
         tool_grammar: !a.no_tool_grammar,
