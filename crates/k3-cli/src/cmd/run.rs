@@ -226,8 +226,8 @@ struct Media<'a> {
     limits: k3_vision::video::VideoLimits,
 }
 
-/// Encodes the images and videos, puts their blocks (`<|media_begin|>image WxH<|media_content|>`
-/// + pads + `<|media_end|>`; per video chunk `hh:mm:ss.fff<|media_begin|>video…`) before the
+/// Encodes the images and videos, puts their blocks (`<|media_begin|>image WxH<|media_content|>`,
+/// pads, `<|media_end|>`; per video chunk `hh:mm:ss.fff<|media_begin|>video…`) before the
 /// text prompt (or checks the pads already in `--ids`), and returns the ids with their input
 /// rows, the features spliced in at the pads.
 fn with_images(ck: &Checkpoint, model: &Model, tok: Option<&Tokenizer>, prompt: Vec<u32>, ids_given: bool, media: &Media) -> Result<(Vec<u32>, Vec<f32>)> {
