@@ -11,6 +11,7 @@
 use std::io::Cursor;
 
 use image::AnimationDecoder;
+use openh264::formats::YUVSource;
 
 use crate::error::{Result, VisionError};
 use crate::preprocess::{Decoded, Mode};
@@ -119,25 +120,32 @@ pub fn probe(bytes: &[u8], name: &str, max_source_frames: usize, max_frame_pixel
 /// (ascending); stops after the last wanted frame.
 pub fn decode_frames(bytes: &[u8], name: &str, info: &ClipInfo, wanted: &[usize], keep: &mut dyn FnMut(usize, Decoded) -> Result<()>) -> Result<()> {
     let mut next = 0;
-    let mut offer = |i: usize, d: Decoded| -> Result<bool> {
-        if (d.raster.w, d.raster.h) != (info.width, info.height) {
-            return Err(err(name, format!("frame {i} is {}x{}, the clip {}x{}: frame sizes must not change", d.raster.w, d.raster.h, info.width, info.height)));
+    // `make` converts the decoder's picture to pixels: called only for wanted frames.
+    let mut offer = |i: usize, (w, h): (usize, usize), make: &mut dyn FnMut() -> Decoded| -> Result<bool> {
+        if (w, h) != (info.width, info.height) {
+            return Err(err(name, format!("frame {i} is {w}x{h}, the clip {}x{}: frame sizes must not change", info.width, info.height)));
         }
         if next < wanted.len() && wanted[next] == i {
             next += 1;
-            keep(i, d)?;
+            keep(i, make())?;
         }
         Ok(next == wanted.len())
     };
     match container(bytes, name)? {
         Container::Mp4 => mp4_frames(bytes, name, &mut offer)?,
-        Container::Gif | Container::WebP => animation_frames(bytes, name, usize::MAX, u64::MAX, &mut |i, d, _| offer(i, d))?,
+        Container::Gif | Container::WebP => animation_frames(bytes, name, usize::MAX, u64::MAX, &mut |i, d, _| {
+            let size = (d.raster.w, d.raster.h);
+            let mut d = Some(d);
+            offer(i, size, &mut || d.take().expect("one frame is made once"))
+        })?,
     }
     if next < wanted.len() {
         return Err(err(name, format!("frame {} could not be decoded: the stream ends after fewer frames than its header counts", wanted[next])));
     }
     Ok(())
 }
+
+type Offer<'a> = dyn FnMut(usize, (usize, usize), &mut dyn FnMut() -> Decoded) -> Result<bool> + 'a;
 
 fn mp4_track<'a>(bytes: &'a [u8], name: &str) -> Result<(mp4::Mp4Reader<Cursor<&'a [u8]>>, u32)> {
     let rd = mp4::Mp4Reader::read_header(Cursor::new(bytes), bytes.len() as u64).map_err(|e| err(name, format!("is not a readable MP4 file: {e}")))?;
@@ -175,7 +183,6 @@ fn annex_b(avcc: &[u8], out: &mut Vec<u8>) -> bool {
 }
 
 fn yuv_to_decoded(y: &openh264::decoder::DecodedYUV<'_>) -> Decoded {
-    use openh264::formats::YUVSource;
     let (w, h) = y.dimensions();
     let mut rgb = vec![0u8; w * h * 3];
     y.write_rgb8(&mut rgb);
@@ -184,7 +191,7 @@ fn yuv_to_decoded(y: &openh264::decoder::DecodedYUV<'_>) -> Decoded {
 
 /// Every frame of the first H.264 track, in presentation order: the decoder's k-th picture is
 /// the k-th smallest presentation time (`start + composition offset`).
-fn mp4_frames(bytes: &[u8], name: &str, offer: &mut dyn FnMut(usize, Decoded) -> Result<bool>) -> Result<()> {
+fn mp4_frames(bytes: &[u8], name: &str, offer: &mut Offer<'_>) -> Result<()> {
     let (mut rd, track) = mp4_track(bytes, name)?;
     let t = &rd.tracks()[&track];
     let sps = t.sequence_parameter_set().map_err(|e| err(name, format!("H.264 track has no SPS: {e}")))?.to_vec();
@@ -212,8 +219,7 @@ fn mp4_frames(bytes: &[u8], name: &str, offer: &mut dyn FnMut(usize, Decoded) ->
         }
         let pic = dec.decode(&nal).map_err(|e| err(name, format!("corrupt H.264 data in sample {s}: {e}")))?;
         if let Some(y) = pic {
-            let d = yuv_to_decoded(&y);
-            if offer(out_index, d)? {
+            if offer(out_index, y.dimensions(), &mut || yuv_to_decoded(&y))? {
                 return Ok(());
             }
             out_index += 1;
@@ -221,7 +227,7 @@ fn mp4_frames(bytes: &[u8], name: &str, offer: &mut dyn FnMut(usize, Decoded) ->
     }
     let rest = dec.flush_remaining().map_err(|e| err(name, format!("corrupt H.264 data at the end of the stream: {e}")))?;
     for y in rest {
-        if offer(out_index, yuv_to_decoded(&y))? {
+        if offer(out_index, y.dimensions(), &mut || yuv_to_decoded(&y))? {
             return Ok(());
         }
         out_index += 1;
