@@ -147,7 +147,45 @@ pub fn decode_frames(bytes: &[u8], name: &str, info: &ClipInfo, wanted: &[usize]
 
 type Offer<'a> = dyn FnMut(usize, (usize, usize), &mut dyn FnMut() -> Decoded) -> Result<bool> + 'a;
 
+/// Checks the MP4 box tree before the demuxer sees it: every box (and the boxes inside the
+/// containers the demuxer walks, down to the sample entries) has a size of at least its header
+/// and ends inside its parent. The `mp4` crate loops forever on some malformed sizes (found by
+/// mutating a valid file), so this check is what keeps a corrupt upload from hanging a worker.
+fn check_boxes(b: &[u8], mut off: usize, end: usize, depth: usize, name: &str) -> Result<()> {
+    const CONTAINERS: [&[u8; 4]; 11] = [b"moov", b"trak", b"mdia", b"minf", b"stbl", b"edts", b"dinf", b"udta", b"mvex", b"moof", b"traf"];
+    let bad = |off: usize, what: String| err(name, format!("is a corrupt MP4 file: the box at byte {off} {what}"));
+    if depth > 16 {
+        return Err(bad(off, "nests too deep".into()));
+    }
+    while off < end {
+        if end - off < 8 {
+            return Err(bad(off, format!("is cut short ({} bytes left in its parent)", end - off)));
+        }
+        let size32 = u32::from_be_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]]) as u64;
+        let ty: [u8; 4] = [b[off + 4], b[off + 5], b[off + 6], b[off + 7]];
+        let (size, header) = match size32 {
+            1 if end - off >= 16 => (u64::from_be_bytes(b[off + 8..off + 16].try_into().unwrap_or([0; 8])), 16u64),
+            0 if depth == 0 => ((end - off) as u64, 8),
+            s => (s, 8),
+        };
+        if size < header || size > (end - off) as u64 {
+            return Err(bad(off, format!("(type {:?}) has size {size}, outside {header}..={}", String::from_utf8_lossy(&ty), end - off)));
+        }
+        let (body, next) = (off + header as usize, off + size as usize);
+        if CONTAINERS.contains(&&ty) {
+            check_boxes(b, body, next, depth + 1, name)?;
+        } else if &ty == b"stsd" && next - body >= 8 {
+            check_boxes(b, body + 8, next, depth + 1, name)?;
+        } else if (&ty == b"avc1" || &ty == b"avc3") && next - body >= 78 {
+            check_boxes(b, body + 78, next, depth + 1, name)?;
+        }
+        off = next;
+    }
+    Ok(())
+}
+
 fn mp4_track<'a>(bytes: &'a [u8], name: &str) -> Result<(mp4::Mp4Reader<Cursor<&'a [u8]>>, u32)> {
+    check_boxes(bytes, 0, bytes.len(), 0, name)?;
     let rd = mp4::Mp4Reader::read_header(Cursor::new(bytes), bytes.len() as u64).map_err(|e| err(name, format!("is not a readable MP4 file: {e}")))?;
     let mut video: Vec<(u32, String)> = Vec::new();
     for (&id, t) in rd.tracks() {

@@ -370,3 +370,50 @@ fn corrupt_unsupported_and_oversize_videos_are_refused() {
     let m = e(&gif_clip(3, 100, 8, 8), &VideoLimits { max_source_frames: 2, ..lim });
     assert!(m.contains("over the limit"), "{m}");
 }
+
+/// Runs `f` on a thread and fails if it has not returned within `secs` (a hang is a failure).
+fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs)).expect("the video decode hung (or panicked)")
+}
+
+/// Corrupt MP4s end in an error or in frames, never in a hang or a panic: the fuzzer-found file
+/// that hung the demuxer, and 300 seeded mutations (bytes, runs of 0xff, truncations) of the
+/// B-frame clip.
+#[test]
+fn mutated_mp4s_never_hang_or_panic() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/");
+    let hang = std::fs::read(format!("{dir}corrupt_box_sizes.mp4")).unwrap();
+    let e = within(10, move || preprocess_video_bytes(&hang, "corrupt_box_sizes.mp4", &processor(8.0), &VideoLimits::default()).map(|_| ()));
+    assert!(e.unwrap_err().to_string().contains("corrupt MP4"));
+    let clip = std::fs::read(format!("{dir}x264_high_bframes.mp4")).unwrap();
+    let (ok, bad) = within(120, move || {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12345);
+        let (mut ok, mut bad) = (0, 0);
+        for _ in 0..300 {
+            let mut m = clip.clone();
+            for _ in 0..rng.random_range(1..9) {
+                let p = rng.random_range(0..m.len());
+                let q = (p + rng.random_range(1..5)).min(m.len());
+                match rng.random_range(0..3) {
+                    0 => m[p] = rng.random(),
+                    1 => m[p] = 0xff,
+                    _ => m[p..q].iter_mut().for_each(|x| *x = 0xff),
+                }
+            }
+            if rng.random_range(0..5) == 0 {
+                m.truncate(rng.random_range(1..m.len()));
+            }
+            match preprocess_video_bytes(&m, "mutated.mp4", &processor(8.0), &VideoLimits::default()) {
+                Ok(_) => ok += 1,
+                Err(_) => bad += 1,
+            }
+        }
+        (ok, bad)
+    });
+    assert_eq!(ok + bad, 300);
+    assert!(bad > 0, "mutations must be refused sometimes");
+}
