@@ -35,7 +35,10 @@ pub trait Backend: Send + 'static {
     /// embedding table refuse.
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         let _ = ids;
-        Err(EngineError::Param { param: "messages", msg: "this backend cannot take image or video inputs (the vision path runs on the CPU backend only; the GPU tower is not built yet)".into() })
+        Err(EngineError::Param {
+            param: "messages",
+            msg: "this backend cannot take image or video inputs (the vision path runs on the CPU backend only; the GPU tower is not built yet)".into(),
+        })
     }
     /// Speculative decoding's counters so far (none without it).
     fn spec_stats(&self) -> k3_engine::SpecStats {
