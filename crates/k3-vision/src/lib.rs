@@ -1,5 +1,6 @@
-//! k3-vision: the image path of Kimi K3 (around-backbone §1.1 `vision_config`, §3 MoonViT3d tower,
-//! `sd2_tpool` merger, PatchMergerMLPV2 projector and interleaving, §4 preprocessing).
+//! k3-vision: the image and video path of Kimi K3 (around-backbone §1.1 `vision_config`, §3
+//! MoonViT3d tower, `sd2_tpool` merger, PatchMergerMLPV2 projector and interleaving, §4
+//! preprocessing, §3.6 video chunks).
 //!
 //! Shape legend: an image of original size `W×H` becomes `pixel_values` `[h·w, 3, 14, 14]` with
 //! `grid_thw = [1, h, w]`; the tower gives `vit_out` `[h·w, C]`; the merger `merged`
@@ -10,7 +11,10 @@
 //!   pad, normalise, patchify; limits from `preprocessor_config.json`.
 //! - [`tower`], [`merger`], [`projector`]: the three model stages.
 //! - [`prompt`]: the media block, pad runs and the one-pad-per-image expansion.
-//! - [`VisionModel`]: load from a [`Checkpoint`], [`VisionModel::encode_image`], and [`splice`].
+//! - [`video`], [`video_decode`]: video sampling, per-frame resize, chunks of up to 4 frames (one
+//!   sample of grid `(t, h, w)` each) and their prompt blocks; MP4/H.264, GIF, WebP decoding.
+//! - [`VisionModel`]: load from a [`Checkpoint`], [`VisionModel::encode_image`],
+//!   [`VisionModel::encode_video`], and [`splice`].
 
 pub mod error;
 pub mod merger;
