@@ -275,10 +275,11 @@ pub fn encode_media(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLim
             if p.video {
                 let v = &limits.video;
                 let info = video_decode::probe(&bytes, &p.field, v.max_source_frames, v.max_frame_pixels).map_err(|e| verr(p, e))?;
+                vision.check_video().map_err(|e| verr(p, e))?;
                 let permit = limits.decode.acquire(info.width as u64 * info.height as u64);
-                let f = vision.encode_video_bytes(&bytes, &p.field, v).map_err(|e| verr(p, e))?;
+                let pre = k3_vision::video::preprocess_video_bytes(&bytes, &p.field, &vision.processor, v).map_err(|e| verr(p, e))?;
                 drop((permit, bytes));
-                return Ok(MediaFeatures::Video(f));
+                return Ok(MediaFeatures::Video(vision.encode_video_chunks(pre).map_err(|e| verr(p, e))?));
             }
             let (w, h) = preprocess::dimensions(&bytes, &p.field).map_err(|e| verr(p, e))?;
             let permit = limits.decode.acquire(w as u64 * h as u64);

@@ -293,6 +293,13 @@ impl VisionModel {
     /// Decodes, samples and chunks a video (MP4/H.264, animated GIF or WebP) and runs every
     /// stage on each chunk; `name` names the video in errors.
     pub fn encode_video_bytes(&self, bytes: &[u8], name: &str, limits: &video::VideoLimits) -> Result<VideoFeatures> {
+        self.check_video()?;
+        let v = video::preprocess_video_bytes(bytes, name, &self.processor, limits)?;
+        self.encode_video_chunks(v)
+    }
+
+    /// Refuses video when the processor's chunk length is over the tower's time table.
+    pub fn check_video(&self) -> Result<()> {
         let k = self.processor.temporal_merge_kernel_size;
         if k > 1 && k > self.spec.tower.pos_t {
             return Err(VisionError::Config {
@@ -300,7 +307,11 @@ impl VisionModel {
                 msg: format!("temporal_merge_kernel_size {k} is over the tower's time table (vision_config.init_pos_emb_time {})", self.spec.tower.pos_t),
             });
         }
-        let v = video::preprocess_video_bytes(bytes, name, &self.processor, limits)?;
+        Ok(())
+    }
+
+    /// Runs every stage on each chunk of a preprocessed video.
+    pub fn encode_video_chunks(&self, v: video::PreprocessedVideo) -> Result<VideoFeatures> {
         let chunks = v
             .chunks
             .into_iter()
