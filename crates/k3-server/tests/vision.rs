@@ -91,10 +91,17 @@ fn chat(url: &str) -> Value {
 fn reference(l: &Loaded, body: &Value) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
     let feats = l.vision.encode_image(&fixture().join(IMAGE)).expect("encode");
     assert_eq!(feats.orig_size, Some((45, 33)));
+    reference_with(l, body, image_prompt_text(45, 33, feats.num_tokens), &[&feats.projected])
+}
+
+/// The chat rendered with one media part's `prompt`, its `features` spliced in at the pads, and
+/// one full prefill: ids and last-position log-softmax with and without the features.
+fn reference_with(l: &Loaded, body: &Value, prompt: String, features: &[&[f32]]) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
     let mut req = ChatRequest::from_json_str(&body.to_string()).expect("chat request");
-    req.set_image_prompts(Some(vec![image_prompt_text(45, 33, feats.num_tokens)]));
+    req.set_image_prompts(Some(vec![prompt]));
     let ids = render_chat(&l.tok, &req).expect("render").ids;
-    assert_eq!(ids.iter().filter(|&&t| t == 377).count(), feats.num_tokens);
+    let rows: usize = features.iter().map(|f| f.len() / l.vision.spec.text_hidden).sum();
+    assert_eq!(ids.iter().filter(|&&t| t == 377).count(), rows);
     let last = |emb: Vec<f32>| {
         let mut st = l.model.new_state();
         let lg = l.model.forward_embeds(emb, &mut st, Default::default(), None).expect("forward");
@@ -105,8 +112,8 @@ fn reference(l: &Loaded, body: &Value) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
     };
     let plain = l.model.embed(&ids).expect("embed");
     let mut emb = plain.clone();
-    splice(&mut emb, &ids, 377, &[&feats.projected]).expect("splice");
-    (ids.clone(), last(emb), last(plain))
+    splice(&mut emb, &ids, 377, features).expect("splice");
+    (ids, last(emb), last(plain))
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -192,21 +199,7 @@ fn video_chat_matches_the_reference_prefill() {
     let t: Vec<usize> = feats.chunks.iter().map(|c| c.2.grid_thw[0]).collect();
     assert_eq!(t, vec![4, 1]);
     let body = video_chat(&data_uri(&gif, "image/gif"));
-    let mut req = ChatRequest::from_json_str(&body.to_string()).expect("chat request");
-    req.set_image_prompts(Some(vec![feats.prompt_text()]));
-    let ids = render_chat(&l.tok, &req).expect("render").ids;
-    let last = |emb: Vec<f32>| {
-        let mut st = l.model.new_state();
-        let lg = l.model.forward_embeds(emb, &mut st, Default::default(), None).expect("forward");
-        let row = &lg[lg.len() - 384..];
-        let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let z = row.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>().ln() as f32 + m;
-        row.iter().map(|&x| x - z).collect::<Vec<f32>>()
-    };
-    let plain = l.model.embed(&ids).expect("embed");
-    let mut emb = plain.clone();
-    splice(&mut emb, &ids, 377, &feats.projected()).expect("splice");
-    let (want, plain) = (last(emb), last(plain));
+    let (ids, want, plain) = reference_with(&l, &body, feats.prompt_text(), &feats.projected());
     assert!(want.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-2), "the video must change the logits for this test to mean anything");
     let top = argmax(&want);
 
