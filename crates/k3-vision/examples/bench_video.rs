@@ -7,7 +7,6 @@
 //! `cargo run --release -p k3-vision --example bench_video -- [--frames 32] [--size 448] [--fps 8] [--iters 3]`
 //! (`--fps 8`: all 32 frames sampled; `--frames 120 --fps 30`: 4 s of 30 fps, 32 frames sampled)
 
-use std::io::Cursor;
 use std::time::Instant;
 
 use k3_vision::preprocess::ProcessorConfig;
@@ -18,49 +17,22 @@ fn arg(name: &str, default: usize) -> usize {
     a.iter().position(|x| x == name).and_then(|i| a.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn clip(n: usize, fps: usize, s: usize) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
-    use openh264::formats::{RgbSliceU8, YUVBuffer};
-    // Frame skipping off: every source frame is a sample.
-    let ecfg = openh264::encoder::EncoderConfig::new().skip_frames(false).bitrate(openh264::encoder::BitRate::from_bps(8_000_000));
-    let mut enc = openh264::encoder::Encoder::with_api_config(openh264::OpenH264API::from_source(), ecfg)?;
-    let (mut sps, mut pps, mut samples) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..n {
-        // A moving gradient with texture, so frames are not trivially compressible.
-        let rgb: Vec<u8> = (0..s * s)
-            .flat_map(|p| {
-                let (x, y) = (p % s, p / s);
-                [((x + 4 * i) % 256) as u8, ((y * 3 + i) % 256) as u8, ((x ^ y) % 256) as u8]
-            })
-            .collect();
-        let bs = enc.encode(&YUVBuffer::from_rgb8_source(RgbSliceU8::new(&rgb, (s, s))))?.to_vec();
-        let mut avcc = Vec::new();
-        for nal in openh264::nal_units(&bs) {
-            let nal = nal.strip_prefix(&[0, 0, 0, 1][..]).or(nal.strip_prefix(&[0, 0, 1][..])).unwrap_or(nal);
-            match nal[0] & 0x1f {
-                7 => sps = nal.to_vec(),
-                8 => pps = nal.to_vec(),
-                _ => {
-                    avcc.extend_from_slice(&(nal.len() as u32).to_be_bytes());
-                    avcc.extend_from_slice(nal);
-                }
-            }
-        }
-        samples.push(avcc);
-    }
-    let cfg = mp4::Mp4Config { major_brand: "isom".parse()?, minor_version: 512, compatible_brands: vec!["isom".parse()?], timescale: 1000 };
-    let mut wr = mp4::Mp4Writer::write_start(Cursor::new(Vec::new()), &cfg)?;
-    let media_conf = mp4::MediaConfig::AvcConfig(mp4::AvcConfig { width: s as u16, height: s as u16, seq_param_set: sps, pic_param_set: pps });
-    wr.add_track(&mp4::TrackConfig { track_type: mp4::TrackType::Video, timescale: (fps * 100) as u32, language: "und".into(), media_conf })?;
-    for (i, b) in samples.into_iter().enumerate() {
-        wr.write_sample(1, &mp4::Mp4Sample { start_time: i as u64 * 100, duration: 100, rendering_offset: 0, is_sync: i == 0, bytes: b.into() })?;
-    }
-    wr.write_end()?;
-    Ok(wr.into_writer().into_inner())
+#[path = "../tests/support/h264_clip.rs"]
+mod h264_clip;
+
+/// A moving gradient with texture, so frames are not trivially compressible.
+fn textured(i: usize, s: usize) -> Vec<u8> {
+    (0..s * s)
+        .flat_map(|p| {
+            let (x, y) = (p % s, p / s);
+            [((x + 4 * i) % 256) as u8, ((y * 3 + i) % 256) as u8, ((x ^ y) % 256) as u8]
+        })
+        .collect()
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (frames, size, fps, iters) = (arg("--frames", 32), arg("--size", 448), arg("--fps", 8), arg("--iters", 3));
-    let bytes = clip(frames, fps, size)?;
+    let bytes = h264_clip::mp4_clip(frames, fps as f64, size, size, &|i| textured(i, size))?;
     let cfg: ProcessorConfig = serde_json::from_value(serde_json::json!({
         "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 65536, "patch_limit_on_one_side": 512,
         "fixed_output_tokens": null, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],

@@ -3,14 +3,12 @@
 //! through `image`), a random tiny tower, and a float64 reference of the tower and merger for
 //! chunks of t = 1..4 frames.
 
-use std::collections::HashMap;
-use std::io::Cursor;
-
 use k3_core::Tensor;
 use k3_vision::preprocess::ProcessorConfig;
 use k3_vision::video::{preprocess_video_bytes, VideoLimits};
 use k3_vision::{TowerDims, VisionModel, VisionSpec};
 use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
 
 const DIMS: TowerDims = TowerDims { hidden: 32, heads: 2, qkv: 48, intermediate: 40, layers: 2, patch: 14, pos_h: 4, pos_w: 6, pos_t: 4 };
 
@@ -66,40 +64,12 @@ fn frame_rgb(i: usize, w: usize, h: usize) -> Vec<u8> {
     (0..w * h).flat_map(|p| [(8 * i) as u8, (p % w * 255 / w) as u8, 90]).collect()
 }
 
-/// An MP4 with one H.264 track of `n` frames at `fps` (timescale 100·fps, 100 ticks a frame).
+#[path = "support/h264_clip.rs"]
+mod h264_clip;
+
+/// An MP4 of `n` frames [`frame_rgb`] at `fps`.
 fn mp4_clip(n: usize, fps: f64, w: usize, h: usize) -> Vec<u8> {
-    use openh264::formats::{RgbSliceU8, YUVBuffer};
-    let mut enc = openh264::encoder::Encoder::new().unwrap();
-    let (mut sps, mut pps, mut samples) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..n {
-        let rgb = frame_rgb(i, w, h);
-        let bs = enc.encode(&YUVBuffer::from_rgb8_source(RgbSliceU8::new(&rgb, (w, h)))).unwrap().to_vec();
-        let mut avcc = Vec::new();
-        for nal in openh264::nal_units(&bs) {
-            let nal = nal.strip_prefix(&[0, 0, 0, 1][..]).or(nal.strip_prefix(&[0, 0, 1][..])).unwrap_or(nal);
-            match nal[0] & 0x1f {
-                7 => sps = nal.to_vec(),
-                8 => pps = nal.to_vec(),
-                _ => {
-                    avcc.extend_from_slice(&(nal.len() as u32).to_be_bytes());
-                    avcc.extend_from_slice(nal);
-                }
-            }
-        }
-        samples.push(avcc);
-    }
-    let cfg = mp4::Mp4Config { major_brand: "isom".parse().unwrap(), minor_version: 512, compatible_brands: vec!["isom".parse().unwrap()], timescale: 1000 };
-    let mut wr = mp4::Mp4Writer::write_start(Cursor::new(Vec::new()), &cfg).unwrap();
-    let media_conf = mp4::MediaConfig::AvcConfig(mp4::AvcConfig { width: w as u16, height: h as u16, seq_param_set: sps, pic_param_set: pps });
-    let timescale = (fps * 100.0).round() as u32;
-    wr.add_track(&mp4::TrackConfig { track_type: mp4::TrackType::Video, timescale, language: "und".into(), media_conf }).unwrap();
-    let dur = 100u32;
-    for (i, s) in samples.into_iter().enumerate() {
-        let sample = mp4::Mp4Sample { start_time: i as u64 * dur as u64, duration: dur, rendering_offset: 0, is_sync: i == 0, bytes: s.into() };
-        wr.write_sample(1, &sample).unwrap();
-    }
-    wr.write_end().unwrap();
-    wr.into_writer().into_inner()
+    h264_clip::mp4_clip(n, fps, w, h, &|i| frame_rgb(i, w, h)).unwrap()
 }
 
 /// An animated GIF of `n` frames, `delay_ms` each.
