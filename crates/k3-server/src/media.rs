@@ -33,7 +33,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use base64::Engine as _;
 use k3_tokenizer::xtml::IMAGE_PLACEHOLDER;
 use k3_vision::video::VideoLimits;
-use k3_vision::{preprocess, prompt::image_prompt_text, splice, video_decode, ImageFeatures, VideoFeatures, VisionError, VisionModel};
+use k3_vision::{preprocess, prompt::image_prompt_text, splice, ImageFeatures, VideoFeatures, VisionError, VisionModel};
 use serde_json::Value;
 
 use crate::error::{bad_param, Result, ServerError};
@@ -274,10 +274,10 @@ pub fn encode_media(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLim
             let bytes = image_bytes(p, limits)?;
             if p.video {
                 let v = &limits.video;
-                let info = video_decode::probe(&bytes, &p.field, v.max_source_frames, v.max_frame_pixels).map_err(|e| verr(p, e))?;
+                let info = k3_vision::video::probe_video(&bytes, &p.field, v).map_err(|e| verr(p, e))?;
                 vision.check_video().map_err(|e| verr(p, e))?;
                 let permit = limits.decode.acquire(info.width as u64 * info.height as u64);
-                let pre = k3_vision::video::preprocess_video_bytes(&bytes, &p.field, &vision.processor, v).map_err(|e| verr(p, e))?;
+                let pre = k3_vision::video::preprocess_probed(&bytes, &p.field, info, &vision.processor, v).map_err(|e| verr(p, e))?;
                 drop((permit, bytes));
                 return Ok(MediaFeatures::Video(vision.encode_video_chunks(pre).map_err(|e| verr(p, e))?));
             }

@@ -109,16 +109,29 @@ fn frame_budget(cfg: &ProcessorConfig, t: usize) -> usize {
 /// Decodes, samples, resizes and chunks a clip (MP4/H.264, animated GIF or WebP); `name` names it
 /// in errors. Frames are decoded one at a time; only the resized sampled frames are kept.
 pub fn preprocess_video_bytes(bytes: &[u8], name: &str, cfg: &ProcessorConfig, limits: &VideoLimits) -> Result<PreprocessedVideo> {
-    // The demuxer and decoder see untrusted bytes: a panic inside them is a refused video.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| preprocess_inner(bytes, name, cfg, limits))) {
-        Ok(r) => r,
-        Err(_) => Err(VisionError::Image { path: name.to_string(), msg: "the video could not be decoded (corrupt or unsupported stream)".into() }),
-    }
+    let info = probe_video(bytes, name, limits)?;
+    preprocess_probed(bytes, name, info, cfg, limits)
 }
 
-fn preprocess_inner(bytes: &[u8], name: &str, cfg: &ProcessorConfig, limits: &VideoLimits) -> Result<PreprocessedVideo> {
+/// The demuxer and decoder see untrusted bytes: a panic inside them is a refused video.
+fn guarded<T>(name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err(VisionError::Image { path: name.to_string(), msg: "the video could not be decoded (corrupt or unsupported stream)".into() }))
+}
+
+/// The clip's header facts, checked against `limits` (see [`probe`]); never panics.
+pub fn probe_video(bytes: &[u8], name: &str, limits: &VideoLimits) -> Result<ClipInfo> {
+    guarded(name, || probe(bytes, name, limits.max_source_frames, limits.max_frame_pixels))
+}
+
+/// [`preprocess_video_bytes`] of a clip already probed (a GIF or WebP probe walks every frame,
+/// so a caller that probed first passes its answer here instead of probing twice).
+pub fn preprocess_probed(bytes: &[u8], name: &str, info: ClipInfo, cfg: &ProcessorConfig, limits: &VideoLimits) -> Result<PreprocessedVideo> {
+    guarded(name, || preprocess_inner(bytes, name, info, cfg, limits))
+}
+
+fn preprocess_inner(bytes: &[u8], name: &str, info: ClipInfo, cfg: &ProcessorConfig, limits: &VideoLimits) -> Result<PreprocessedVideo> {
     let bad = |msg: String| VisionError::Image { path: name.to_string(), msg };
-    let info = probe(bytes, name, limits.max_source_frames, limits.max_frame_pixels)?;
     let idx = sample_indices(info.num_frames, info.fps, cfg.sample_fps);
     if idx.len() > limits.max_frames {
         return Err(bad(format!(

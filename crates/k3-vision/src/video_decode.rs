@@ -68,7 +68,8 @@ fn container(bytes: &[u8], name: &str) -> Result<Container> {
 /// one frame in memory at a time, since their frame count is not in a header). Refuses clips
 /// over `max_source_frames` frames or `max_frame_pixels` pixels per frame before decoding them.
 pub fn probe(bytes: &[u8], name: &str, max_source_frames: usize, max_frame_pixels: u64) -> Result<ClipInfo> {
-    let info = match container(bytes, name)? {
+    let kind = container(bytes, name)?;
+    let info = match kind {
         Container::Mp4 => {
             let (rd, track) = mp4_track(bytes, name)?;
             let t = &rd.tracks()[&track];
@@ -93,7 +94,7 @@ pub fn probe(bytes: &[u8], name: &str, max_source_frames: usize, max_frame_pixel
             })?;
             // Browsers show zero-delay frames for 100 ms; so does this rate.
             let fps = if ms > 0.0 { n as f64 * 1000.0 / ms } else { 10.0 };
-            let format = if container(bytes, name)? == Container::Gif { "GIF" } else { "WebP" };
+            let format = if kind == Container::Gif { "GIF" } else { "WebP" };
             ClipInfo { format, width: size.0, height: size.1, num_frames: n, fps }
         }
     };
