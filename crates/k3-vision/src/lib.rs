@@ -325,16 +325,7 @@ impl VisionModel {
 
     /// [`Self::encode_video_bytes`] of a file.
     pub fn encode_video(&self, path: &Path, limits: &video::VideoLimits) -> Result<VideoFeatures> {
-        let name = path.display().to_string();
-        let bad = |msg: String| VisionError::Image { path: name.clone(), msg };
-        let meta = std::fs::metadata(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
-        if !meta.is_file() {
-            return Err(bad("is not a regular file".into()));
-        }
-        if meta.len() > video::MAX_VIDEO_FILE_BYTES {
-            return Err(bad(format!("is {} bytes, over the {} MiB limit", meta.len(), video::MAX_VIDEO_FILE_BYTES >> 20)));
-        }
-        let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        let (name, bytes) = preprocess::read_media_file(path, video::MAX_VIDEO_FILE_BYTES)?;
         self.encode_video_bytes(&bytes, &name, limits)
     }
 }

@@ -262,16 +262,22 @@ fn img_err(name: &str, msg: impl Into<String>) -> VisionError {
 
 /// Reads and preprocesses the image file at `path`.
 pub fn preprocess_file(path: &Path, cfg: &ProcessorConfig) -> Result<Preprocessed> {
+    let (name, bytes) = read_media_file(path, MAX_FILE_BYTES)?;
+    preprocess_bytes(&bytes, &name, cfg)
+}
+
+/// The name and bytes of a regular file of at most `limit` bytes (an image or a video).
+pub fn read_media_file(path: &Path, limit: u64) -> Result<(String, Vec<u8>)> {
     let name = path.display().to_string();
     let meta = std::fs::metadata(path).map_err(|e| img_err(&name, format!("cannot read it: {e}")))?;
     if !meta.is_file() {
         return Err(img_err(&name, "is not a regular file"));
     }
-    if meta.len() > MAX_FILE_BYTES {
-        return Err(img_err(&name, format!("is enormous: {} bytes, over the {} MiB limit", meta.len(), MAX_FILE_BYTES >> 20)));
+    if meta.len() > limit {
+        return Err(img_err(&name, format!("is enormous: {} bytes, over the {} MiB limit", meta.len(), limit >> 20)));
     }
     let bytes = std::fs::read(path).map_err(|e| img_err(&name, format!("cannot read it: {e}")))?;
-    preprocess_bytes(&bytes, &name, cfg)
+    Ok((name, bytes))
 }
 
 /// Original size and resize plan of an image file, from its header alone (for rendering the
