@@ -123,18 +123,8 @@ fn run_with_image_continues_like_logits() {
     assert!(e.contains("377") && e.contains("12"), "{e}");
 }
 
-/// Six 56×42 frames of 100 ms: at sample_fps 8, frames 0, 1, 2, 4, 5 in chunks of 4 and 1.
-fn write_gif(path: &std::path::Path) {
-    let mut out = Vec::new();
-    {
-        let mut enc = image::codecs::gif::GifEncoder::new(&mut out);
-        for i in 0..6u32 {
-            let buf = image::RgbaImage::from_fn(56, 42, |x, y| image::Rgba([(40 * i) as u8, (x * 4) as u8, (y * 6) as u8, 255]));
-            enc.encode_frame(image::Frame::from_parts(buf, 0, 0, image::Delay::from_numer_denom_ms(100, 1))).unwrap();
-        }
-    }
-    std::fs::write(path, out).unwrap();
-}
+#[path = "../../../tests/support/gif_clip.rs"]
+mod gif_clip;
 
 /// `k3 vision --video` writes every chunk's stages, times and frame indices; `k3 run --video`
 /// takes the two chunks' pads in `--ids` and names the counts when they do not match.
@@ -143,7 +133,7 @@ fn write_gif(path: &std::path::Path) {
 fn video_stages_and_run() {
     let d = tempfile::tempdir().unwrap();
     let gif = d.path().join("clip.gif");
-    write_gif(&gif);
+    std::fs::write(&gif, gif_clip::gif_clip()).unwrap();
     let out = d.path().join("clip.safetensors");
     let o = Command::new(env!("CARGO_BIN_EXE_k3")).args(["vision", "--model"]).arg(fixture()).arg("--video").arg(&gif).arg("--out").arg(&out).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

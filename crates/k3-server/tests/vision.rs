@@ -165,19 +165,9 @@ fn image_chat_matches_the_reference_prefill() {
     assert_eq!(usage["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64));
 }
 
-/// Six 56×42 frames of 100 ms (10 fps): at the fixture's sample_fps 8, round(4.8) = 5 frames,
-/// chunks of 4 and 1 (t = 4 and t = 1), 4 tokens each.
-fn gif_clip() -> Vec<u8> {
-    let mut out = Vec::new();
-    {
-        let mut enc = image::codecs::gif::GifEncoder::new(&mut out);
-        for i in 0..6u32 {
-            let buf = image::RgbaImage::from_fn(56, 42, |x, y| image::Rgba([(40 * i) as u8, (x * 4) as u8, (y * 6) as u8, 255]));
-            enc.encode_frame(image::Frame::from_parts(buf, 0, 0, image::Delay::from_numer_denom_ms(100, 1))).expect("gif frame");
-        }
-    }
-    out
-}
+#[path = "../../../tests/support/gif_clip.rs"]
+mod gif_clip;
+use gif_clip::gif_clip;
 
 fn video_chat(url: &str) -> Value {
     json!({
