@@ -8,7 +8,8 @@ history of assistant answers and follow-ups) of T turns, streamed, greedy. Per t
 median time to first token over the conversations, the mean prompt length and the mean
 `usage.prompt_tokens_details.cached_tokens`, and whether the answers of the two servers were equal.
 
-    python3 tools/prefix_bench.py [--k3 target/release/k3] [--model DIR] [--turns 8] [--convs 8]
+    python3 tools/prefix_bench.py [--k3 target/release/k3] [--model DIR] [--tokenizer DIR] [--turns 8]
+        [--convs 8] [--system-repeat 2] [--serve-arg=--device --serve-arg=cuda ...]
 
 Standard library only. The numbers of the README's "Prefix caching" section come from this script.
 """
@@ -23,13 +24,13 @@ import threading
 import time
 import urllib.request
 
-SYSTEM = (
+SYSTEM_TEXT = (
     "You are the prompter of a company of players. When an actor forgets a line, you give him the next words "
     "of the speech, no more, in the manner of the play; you never explain, you never apologise, and you keep "
     "to the verse. The company plays Romeo and Juliet, Hamlet, Macbeth and The Tempest this season; the prompt "
     "book for each play is open before you, and you follow the scene as it is spoken. Call a tool when the "
     "stage manager asks for the cue sheet, the weather for the open-air performance, or the list of players. "
-) * 2
+)
 
 TOOLS = [
     {"type": "function", "function": {"name": "cue_sheet", "description": "The cue sheet of a scene",
@@ -48,8 +49,8 @@ FOLLOW = ["And then?", "The next line.", "Again, louder.", "What follows?", "Go 
           "Once more.", "The rest of it."]
 
 
-def start(k3, model, extra):
-    cmd = [k3, "serve", "--port", "0"] + (["--model", model] if model else []) + extra
+def start(k3, model, tokenizer, extra):
+    cmd = [k3, "serve", "--port", "0"] + (["--model", model] if model else []) + (["--tokenizer", tokenizer] if tokenizer else []) + extra
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
         if "listening on" in line:
@@ -81,7 +82,7 @@ def stream_chat(addr, messages, max_tokens):
     return ttft, text, usage
 
 
-def workload(addr, turns, convs, max_tokens):
+def workload(addr, turns, convs, max_tokens, system):
     """rows[turn][conv] = (ttft, prompt_tokens, cached_tokens, answer)"""
     rows = [[None] * convs for _ in range(turns)]
     errors = []
@@ -93,7 +94,7 @@ def workload(addr, turns, convs, max_tokens):
             errors.append(f"conversation {i}: {e!r}")
 
     def one(i):
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST[i % len(FIRST)]}]
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": FIRST[i % len(FIRST)]}]
         for t in range(turns):
             ttft, text, usage = stream_chat(addr, msgs, max_tokens)
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -119,14 +120,21 @@ def main():
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--convs", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    ap.add_argument("--system-repeat", type=int, default=2, help="copies of the system prompt's text (a longer shared prefix)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="an extra `k3 serve` argument (repeat it)")
+    ap.add_argument("--control", action="store_true",
+                    help="also run a second cache-off server: how often two servers without the cache agree (random weights on a GPU)")
     ap.add_argument("--json", default=None, help="also write the per-request rows here")
     a = ap.parse_args()
+    system = SYSTEM_TEXT * a.system_repeat
     results = {}
-    for mode, extra in [("off", ["--no-prefix-cache"]), ("on", [])]:
-        p, addr = start(a.k3, a.model, extra)
+    modes = [("off", ["--no-prefix-cache"]), ("on", [])] + ([("off again", ["--no-prefix-cache"])] if a.control else [])
+    for mode, extra in modes:
+        p, addr = start(a.k3, a.model, a.tokenizer, a.serve_arg + extra)
         try:
             t0 = time.perf_counter()
-            results[mode] = workload(addr, a.turns, a.convs, a.max_tokens)
+            results[mode] = workload(addr, a.turns, a.convs, a.max_tokens, system)
             wall = time.perf_counter() - t0
             with urllib.request.urlopen(f"http://{addr}/metrics") as r:
                 metrics = [l for l in r.read().decode().splitlines() if l.startswith("k3_prefix_cache") and not l.startswith("#")]
@@ -137,15 +145,20 @@ def main():
             p.terminate()
             p.wait()
     off, on = results["off"], results["on"]
-    print(f"| turn | prompt tokens (mean) | TTFT median, cache off | TTFT median, cache on | speed-up | cached tokens (mean, on) | answers equal |")
-    print("|---|---|---|---|---|---|---|")
+    ctl = results.get("off again")
+    print("| turn | prompt tokens (mean) | TTFT median, cache off | TTFT median, cache on | speed-up | cached tokens (mean, on) | answers equal |"
+          + (" answers equal, off vs off |" if ctl else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if ctl else ""))
     for t in range(a.turns):
         m_off = statistics.median(r[0] for r in off[t]) * 1e3
         m_on = statistics.median(r[0] for r in on[t]) * 1e3
         ptok = statistics.mean(r[1] for r in on[t])
         cached = statistics.mean(r[2] for r in on[t])
         same = sum(x[3] == y[3] for x, y in zip(off[t], on[t]))
-        print(f"| {t + 1} | {ptok:.0f} | {m_off:.0f} ms | {m_on:.0f} ms | {m_off / m_on:.2f}x | {cached:.0f} | {same}/{a.convs} |")
+        row = f"| {t + 1} | {ptok:.0f} | {m_off:.0f} ms | {m_on:.0f} ms | {m_off / m_on:.2f}x | {cached:.0f} | {same}/{a.convs} |"
+        if ctl:
+            row += f" {sum(x[3] == y[3] for x, y in zip(off[t], ctl[t]))}/{a.convs} |"
+        print(row)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"off": off, "on": on}, f)

@@ -111,8 +111,9 @@ pub struct EngineConfig {
     pub max_step_tokens: usize,
     /// Storage of the KDA recurrent states (bf16 halves them; approximate).
     pub kda_state: k3_model::layers::kda::StateDType,
-    /// The prefix cache (`crate::prefix`); `None`: off. With it, prefill is cut on its grid
-    /// (`prefill_chunk` is then unused).
+    /// The prefix cache (`crate::prefix`); `None`: off. With it, prefill is cut on its grid on
+    /// the CPU (`prefill_chunk` is then unused); on the GPU chunks of up to `prefill_chunk` end
+    /// at its snapshot points.
     pub prefix: Option<PrefixConfig>,
     /// Speculative decoding (`--speculative`, `--num-speculative-tokens`); off by default.
     pub spec: SpecConfig,
@@ -211,7 +212,14 @@ impl Engine {
     pub fn with_runner(runner: Box<dyn Runner>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
         let (prefix, prefix_off) = match (&config.prefix, runner.prefix_support()) {
             (None, _) => (None, None),
-            (Some(c), Ok(layout)) => (Some(PrefixCache::new(c.clone(), &format!("{:?} | {layout}", runner.config()))), None),
+            (Some(c), Ok(layout)) => {
+                let digest = format!("{:?} | {layout}", runner.config());
+                let cache = match runner.exact_cuts() {
+                    true => PrefixCache::new(c.clone(), &digest),
+                    false => PrefixCache::with_free_cuts(c.clone(), &digest),
+                };
+                (Some(cache), None)
+            }
             (Some(_), Err(why)) => (None, Some(why)),
         };
         Engine {
@@ -443,7 +451,14 @@ impl Engine {
             if left > 0 && budget > 0 {
                 let n = match &self.prefix {
                     // On the cache's grid, never cut short (so chunk ends depend on positions only).
-                    Some(pc) => match pc.chunk(s.done, left, budget, plan.iter().any(|(j, _)| self.running[*j].done < self.running[*j].req.prompt.len())) {
+                    Some(pc) => match pc.chunk(
+                        s.done,
+                        s.req.prompt.len(),
+                        &s.prefix,
+                        budget,
+                        self.config.prefill_chunk,
+                        plan.iter().any(|(j, _)| self.running[*j].done < self.running[*j].req.prompt.len()),
+                    ) {
                         Some(n) => n,
                         None => continue,
                     },

@@ -64,13 +64,14 @@ mod imp {
     use k3_core::cuda::sample::Sampler as DeviceSampler;
     use k3_core::cuda::CudaTensor;
     use k3_model::capacity::KvDtype;
-    use k3_model::cuda::{CudaModel, CudaSeqState, DecodeGraph, HeldStep, Input};
+    use k3_model::cuda::{CudaModel, CudaSeqState, DecodeGraph, HeldStep, Input, Mixer};
     use k3_model::{Config, Model};
 
     use super::CacheBudget;
     use crate::dist::runner::{RankWorker, Runner, Step};
     use crate::engine::SeqId;
     use crate::error::{EngineError, Result};
+    use crate::prefix::{state as prefix_state, Capture, KdaSnap, Segment};
     use crate::sample_rows::{self, RowsFn};
     use crate::sampler::Sampled;
 
@@ -404,6 +405,24 @@ mod imp {
         fn aborter(&self) -> Option<crate::dist::runner::Aborter> {
             let groups = self.model.groups.clone();
             Some(std::sync::Arc::new(move |why: &str| groups.abort(why)))
+        }
+        fn prefix_support(&self) -> std::result::Result<String, String> {
+            self.model.prefix_layout()
+        }
+        fn exact_cuts(&self) -> bool {
+            false
+        }
+        fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+            let seq = self.seqs.get(&id).ok_or(EngineError::UnknownSeq(id))?;
+            let to = seq.state.pos;
+            let layers = self.model.read_prefix(&seq.state, from, to, kda)?;
+            let is_kda: Vec<bool> = self.model.layers.iter().map(|l| matches!(l.mixer, Mixer::Kda(_))).collect();
+            prefix_state::capture_raw(layers, &is_kda, from, to, grid, kda)
+        }
+        fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+            let (rows, kda) = prefix_state::restore_raw(cells, snap)?;
+            let seq = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
+            Ok(self.model.write_prefix(&mut seq.state, snap.at, &rows, &kda)?)
         }
     }
 

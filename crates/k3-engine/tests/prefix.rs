@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k3_engine::dist::runner::{Runner, Step, ThreadRunner};
-use k3_engine::prefix::{Capture, KdaSnap, SegLayer, Segment};
+use k3_engine::prefix::{Capture, KdaSnap, SegLayer, Segment, SnapLayer};
 use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::kda::{StateBuf, StateDType};
@@ -48,6 +48,14 @@ struct Rec {
     inner: ThreadRunner,
     log: Log,
     mutant: Mutant,
+    /// Says it is not bit-reproducible, as the GPU runner does (`Runner::exact_cuts`): the cache
+    /// then prefills in chunks from snapshot point to snapshot point.
+    free_cuts: bool,
+}
+
+thread_local! {
+    /// The engines this test thread makes have free cuts (`free_cuts_warm_equal_cold`).
+    static FREE_CUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 impl Runner for Rec {
@@ -76,13 +84,23 @@ impl Runner for Rec {
     fn prefix_support(&self) -> Result<String, String> {
         self.inner.prefix_support()
     }
+    fn exact_cuts(&self) -> bool {
+        !self.free_cuts
+    }
     fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
         self.inner.capture(id, from, grid, kda)
     }
     fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
         let mut snap = snap.clone();
         let mut cells: Vec<Segment> = cells.iter().map(|c| (*c).clone()).collect();
-        let kda = snap.layers.iter_mut().flatten().next_back();
+        let kda = snap
+            .layers
+            .iter_mut()
+            .filter_map(|l| match l {
+                SnapLayer::Cpu(k) => Some(k),
+                _ => None,
+            })
+            .next_back();
         match (self.mutant, kda) {
             (Mutant::State, Some(k)) => match &mut k.s {
                 StateBuf::F32(v) => v[7] += 0.25,
@@ -150,7 +168,7 @@ fn cfg(mem: usize) -> EngineConfig {
 
 fn engine(name: &str, mem: usize, mutant: Mutant) -> (Engine, Log) {
     let log: Log = Default::default();
-    let r = Rec { inner: ThreadRunner::single(model(name), Default::default()), log: log.clone(), mutant };
+    let r = Rec { inner: ThreadRunner::single(model(name), Default::default()), log: log.clone(), mutant, free_cuts: FREE_CUTS.with(|f| f.get()) };
     (Engine::with_runner(Box::new(r), None, cfg(mem)), log)
 }
 
@@ -232,6 +250,34 @@ fn hits_past_a_grid_point_equal_cold() {
 #[test]
 fn grid_boundaries_and_resends_equal_cold() {
     MODELS.iter().for_each(|m| grid_boundaries_and_resends(m));
+}
+
+/// Free cuts (the GPU runner's mode: prefill chunks run from snapshot point to snapshot point,
+/// several cells published per step, regular snapshots 16 cells apart). Where the request that
+/// wrote the cells was cut as a cold run of the warm request is, warm and cold make the same
+/// forward calls and stay bit-equal on the CPU: the hits past a grid point, and a prompt one
+/// token past an earlier prompt's end. (Where the writer was cut elsewhere — a 384-token prompt
+/// cut at its snapshot point 256, then resumed at 384 by a 385-token one that a cold run
+/// prefills in one chunk — the rows differ by that cut's rounding; the GPU test bounds it.)
+#[test]
+fn free_cuts_warm_equal_cold() {
+    FREE_CUTS.with(|f| f.set(true));
+    for m in MODELS {
+        hits_past_a_grid_point(m);
+    }
+    let (mut e, log) = engine(MODELS[0], 1 << 30, Mutant::None);
+    let a = ids(MODELS[0], 9, 5 * GRID + 3);
+    let out = run(&mut e, &log, std::slice::from_ref(&a), 2, &[]).pop().unwrap().unwrap();
+    assert_eq!(out.cached, 0);
+    let st = e.prefix_status().unwrap().unwrap();
+    // One prompt of 643 tokens: chunks end at 512 (the 512-token chunk limit), 640 (its last
+    // grid point) and 643; all five cells published, one snapshot (640).
+    assert_eq!((st.snapshots, st.pool_snapshots), (1, 1), "{st:?}");
+    assert!(st.pool_bytes > 0);
+    // The same prompt plus one token resumes at 640.
+    let mut a1 = a.clone();
+    a1.push(3);
+    check_warm(MODELS[0], &mut e, &log, &a1, 5 * GRID, "free cuts, prompt end + 1");
 }
 
 /// The same cases on the two f32 golden fixtures of the full set (K3 and K3.1 DSA).
@@ -431,7 +477,7 @@ fn bf16_kda_state_warm_equals_cold() {
     let name = "tiny";
     let mk = || {
         let log: Log = Default::default();
-        let r = Rec { inner: ThreadRunner::single(model(name), StateDType::Bf16), log: log.clone(), mutant: Mutant::None };
+        let r = Rec { inner: ThreadRunner::single(model(name), StateDType::Bf16), log: log.clone(), mutant: Mutant::None, free_cuts: false };
         (Engine::with_runner(Box::new(r), None, cfg(1 << 30)), log)
     };
     let (mut e, log) = mk();

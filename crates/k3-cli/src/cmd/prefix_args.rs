@@ -7,12 +7,13 @@ use k3_engine::PrefixConfig;
 #[derive(clap::Args, Clone, Debug)]
 #[command(next_help_heading = "Prefix cache")]
 pub struct PrefixArgs {
-    /// Turn the prefix cache off (it is on by default; runners that cannot snapshot sequence
-    /// states, the GPU and parallel layouts for now, turn it off themselves and say why).
+    /// Turn the prefix cache off (it is on by default, on the CPU and on one GPU; parallel
+    /// layouts cannot snapshot sequence states yet, turn it off themselves and say why).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// Bytes the prefix-cache pool may hold (latent cells + KDA snapshots), e.g. 2GiB, 512MiB,
-    /// 1073741824 [default: an eighth of the machine's memory].
+    /// Bytes the prefix-cache pool may hold (latent cells + KDA snapshots, in host memory also
+    /// with --device cuda), e.g. 2GiB, 512MiB, 1073741824 [default: an eighth of the machine's
+    /// memory].
     #[arg(long, value_name = "SIZE", value_parser = parse_mem)]
     pub prefix_cache_mem: Option<usize>,
     /// Prefix-cache grid in tokens: prefill is cut at its multiples (replacing

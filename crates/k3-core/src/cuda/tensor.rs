@@ -138,6 +138,25 @@ impl CudaTensor {
         unsafe { dres::memcpy_dtod_async(self.ptr(), src.ptr(), self.byte_len(), dev.cu_stream()) }.map_err(derr("device-to-device copy"))
     }
 
+    /// Copies `len` bytes of `src` from byte offset `src_off` to byte offset `dst_off` of
+    /// `self` (same device; both ranges must lie inside their tensors; dtypes may differ).
+    pub fn copy_range(&self, dst_off: usize, src: &CudaTensor, src_off: usize, len: usize) -> Result<()> {
+        let inside = |t: &CudaTensor, off: usize| off.checked_add(len).is_some_and(|end| end <= t.byte_len());
+        if !inside(self, dst_off) || !inside(src, src_off) || !src.cuda_device().same(self.cuda_device()) {
+            return Err(CoreError::Shape {
+                op: "CudaTensor::copy_range",
+                detail: format!("{len} bytes from offset {src_off} of {src:?} to offset {dst_off} of {self:?}"),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let dev = self.buf.device();
+        dev.bind()?;
+        // SAFETY: both ranges were checked to lie inside their blocks; ordered on the compute stream.
+        unsafe { dres::memcpy_dtod_async(self.ptr() + dst_off as u64, src.ptr() + src_off as u64, len, dev.cu_stream()) }.map_err(derr("device-to-device copy"))
+    }
+
     /// The raw bytes, copied to the host (waits for all earlier work on the stream).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.byte_len()];

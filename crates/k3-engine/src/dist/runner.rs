@@ -133,7 +133,14 @@ pub trait Runner: Send {
     /// dtypes) when this runner can capture and restore sequence states, else why it cannot —
     /// the engine then runs without the cache and says so.
     fn prefix_support(&self) -> std::result::Result<String, String> {
-        Err("this runner cannot capture or restore sequence states (built for the one-rank CPU runner; the GPU runner and parallel layouts do not yet)".into())
+        Err("this runner cannot capture or restore sequence states (the one-rank CPU and GPU runners can; parallel layouts do not yet)".into())
+    }
+    /// Whether a sequence's rows are bit-reproducible and depend on where its prompt is cut
+    /// into forward calls (the CPU): the prefix cache then cuts prefill on its grid only, so a
+    /// warm start equals a cold one bit for bit. The GPU runner's rows vary from run to run
+    /// anyway (float atomics), so it says `false` and prefills in long chunks.
+    fn exact_cuts(&self) -> bool {
+        true
     }
     /// Sequence `id`'s state after the step just run (it holds exactly its grid-aligned token
     /// count): latent rows from `from` on, cut into grid cells, and its KDA states if `kda`.

@@ -45,7 +45,7 @@ use serde::Serialize;
 use crate::dist::runner::Runner;
 use crate::engine::SeqId;
 use crate::error::Result;
-pub use state::{Capture, KdaSnap, SegLayer, Segment};
+pub use state::{Capture, KdaSnap, SegLayer, Segment, SnapLayer};
 pub use tree::CellKey;
 use tree::{NodeId, Tree};
 
@@ -110,6 +110,10 @@ pub struct Admission {
 /// The cache: the tree and pool, the model digest and the counters.
 pub struct PrefixCache {
     pub cfg: PrefixConfig,
+    /// Prefill is cut on the grid only (the runner's rows depend on where a prompt is cut, and
+    /// it is bit-reproducible: the CPU). Else chunks run to the next snapshot point (see
+    /// [`PrefixCache::chunk`]).
+    exact_cuts: bool,
     digest: u64,
     tree: Tree,
     stats: PrefixStats,
@@ -136,20 +140,41 @@ impl PrefixCache {
     /// A cache for the model described by `digest_of` (its config, cache dtypes and layout:
     /// entries of another model or dtype never match).
     pub fn new(cfg: PrefixConfig, digest_of: &str) -> PrefixCache {
-        PrefixCache { cfg, digest: hash64(&digest_of), tree: Tree::default(), stats: PrefixStats::default() }
+        PrefixCache { cfg, exact_cuts: true, digest: hash64(&digest_of), tree: Tree::default(), stats: PrefixStats::default() }
     }
+
+    /// A cache for a runner that is not bit-reproducible from run to run (the GPU's float
+    /// atomics), so cutting prefill on every grid point buys nothing: chunks run from grid
+    /// point to snapshot point, and regular snapshots are at least `SPARSE_INTERVAL` cells
+    /// apart (a snapshot of the real K3's KDA layers is ~90 MB).
+    pub fn with_free_cuts(mut cfg: PrefixConfig, digest_of: &str) -> PrefixCache {
+        cfg.interval = cfg.interval.max(Self::SPARSE_INTERVAL * cfg.grid);
+        PrefixCache { exact_cuts: false, ..Self::new(cfg, digest_of) }
+    }
+
+    /// Cells between regular snapshots with free cuts.
+    pub const SPARSE_INTERVAL: usize = 16;
 
     pub fn stats(&self) -> PrefixStats {
         PrefixStats { pool_bytes: self.tree.bytes() as u64, pool_snapshots: self.tree.snapshots() as u64, ..self.stats.clone() }
     }
 
-    /// The next prefill chunk of a sequence at `done` with `left` prompt tokens to go: up to the
-    /// next grid point. `None` when it does not fit `budget` and the step already prefills
-    /// something (it waits: a chunk is never cut short, so chunk ends depend on positions only).
-    pub fn chunk(&self, done: usize, left: usize, budget: usize, prefill_planned: bool) -> Option<usize> {
+    /// The next prefill chunk of a sequence at `done` of its `prompt_len` prompt tokens
+    /// (`adm`: its admission). With exact cuts: up to the next grid point, or `None` when that
+    /// does not fit `budget` and the step already prefills something (it waits: a chunk is never
+    /// cut short, so chunk ends depend on positions only). With free cuts: up to `max_chunk` and
+    /// `budget`, ending at the first grid point inside where a snapshot is wanted.
+    pub fn chunk(&self, done: usize, prompt_len: usize, adm: &Admission, budget: usize, max_chunk: usize, prefill_planned: bool) -> Option<usize> {
         let g = self.cfg.grid;
-        let n = (g - done % g).min(left);
-        (n <= budget || !prefill_planned).then_some(n)
+        let left = prompt_len - done;
+        if self.exact_cuts {
+            let n = (g - done % g).min(left);
+            return (n <= budget || !prefill_planned).then_some(n);
+        }
+        let limit = left.min(budget).min(max_chunk).max(1);
+        let first = (done / g + 1) * g;
+        let snap = (first..=done + limit).step_by(g).find(|&p| self.wants_snapshot(p, prompt_len, adm));
+        Some(snap.map_or(limit, |p| p - done))
     }
 
     /// Looks `prompt` up at admission; when it resumes, rebuilds sequence `id`'s state in
@@ -301,12 +326,30 @@ mod tests {
     #[test]
     fn chunks_stop_on_the_grid() {
         let c = PrefixCache::new(PrefixConfig::new(128, 1 << 20), "m");
-        assert_eq!(c.chunk(0, 300, 1000, false), Some(128));
-        assert_eq!(c.chunk(128, 172, 1000, false), Some(128));
-        assert_eq!(c.chunk(256, 44, 1000, false), Some(44));
-        assert_eq!(c.chunk(100, 200, 1000, false), Some(28));
+        let a = Admission::default();
+        assert_eq!(c.chunk(0, 300, &a, 1000, 4096, false), Some(128));
+        assert_eq!(c.chunk(128, 300, &a, 1000, 4096, false), Some(128));
+        assert_eq!(c.chunk(256, 300, &a, 1000, 4096, false), Some(44));
+        assert_eq!(c.chunk(100, 300, &a, 1000, 4096, false), Some(28));
         // Never cut short: it waits unless it is the step's only prefill.
-        assert_eq!(c.chunk(0, 300, 50, true), None);
-        assert_eq!(c.chunk(0, 300, 50, false), Some(128));
+        assert_eq!(c.chunk(0, 300, &a, 50, 4096, true), None);
+        assert_eq!(c.chunk(0, 300, &a, 50, 4096, false), Some(128));
+    }
+
+    #[test]
+    fn free_cuts_run_to_the_next_snapshot_point() {
+        let c = PrefixCache::with_free_cuts(PrefixConfig::new(128, 1 << 20), "m");
+        assert_eq!(c.cfg.interval, 16 * 128);
+        let a = Admission::default();
+        // A 5000-token prompt: regular snapshots at 2048 and 4096, prompt ends at 4992 (both).
+        assert_eq!(c.chunk(0, 5000, &a, 8192, 8192, false), Some(2048));
+        assert_eq!(c.chunk(2048, 5000, &a, 8192, 8192, false), Some(2048));
+        assert_eq!(c.chunk(4096, 5000, &a, 8192, 8192, false), Some(896));
+        assert_eq!(c.chunk(4992, 5000, &a, 8192, 8192, false), Some(8));
+        // The budget and the chunk limit cut anywhere; a branch point is a snapshot point.
+        assert_eq!(c.chunk(0, 5000, &a, 1000, 8192, true), Some(1000));
+        assert_eq!(c.chunk(1000, 5000, &a, 8192, 512, false), Some(512));
+        let b = Admission { snap_at: vec![640], ..Default::default() };
+        assert_eq!(c.chunk(0, 5000, &b, 8192, 8192, false), Some(640));
     }
 }

@@ -8,7 +8,13 @@
 //! stored ([`Segment`]). Restoring at `g` concatenates the segments of cells `0..g/grid` and
 //! copies in the KDA snapshot taken at `g`: the restored state is equal, value for value, to the
 //! one the prefill that wrote them had at `g` (the cache copies; it never recomputes).
+//!
+//! The CPU runner stores its f32 rows and [`KdaState`]s ([`SegLayer::Mla`], [`SnapLayer::Cpu`]);
+//! the GPU runner the bytes its pools hold, in their format (BF16 or FP8 latents, F32 or FP8
+//! indexer keys, BF16 conv tails, F32 state: [`SegLayer::Raw`], [`SnapLayer::Raw`]), copied to
+//! host memory, so the pool costs no device memory. The digest keeps the two apart.
 
+use k3_model::layers::kda::KdaState;
 use k3_model::model::LayerState;
 use k3_model::SeqState;
 
@@ -21,6 +27,9 @@ pub enum SegLayer {
     Kda,
     /// `latent` `[to − from, r + dr]`, `index_keys` `[to − from, id]` (empty without DSA).
     Mla { latent: Vec<f32>, index_keys: Vec<f32> },
+    /// A device runner's rows of an MLA/DSA layer as its pools store them: `[to − from, w]`
+    /// bytes each (`index_keys` empty without DSA).
+    Raw { latent: Vec<u8>, index_keys: Vec<u8> },
 }
 
 /// The MLA/DSA rows of one token span, every layer.
@@ -36,21 +45,40 @@ impl Segment {
             .map(|l| match l {
                 SegLayer::Kda => 0,
                 SegLayer::Mla { latent, index_keys } => 4 * (latent.len() + index_keys.len()),
+                SegLayer::Raw { latent, index_keys } => latent.len() + index_keys.len(),
             })
             .sum()
     }
 }
 
-/// Every KDA layer's state and conv tails at one token count (`None` for the MLA layers).
+/// One layer of a [`KdaSnap`].
+#[derive(Clone, Debug)]
+pub enum SnapLayer {
+    /// An MLA/DSA layer: its rows are in the segments.
+    Mla,
+    /// A KDA layer of the CPU runner: state and conv tails.
+    Cpu(KdaState),
+    /// A KDA layer of a device runner: its slot's conv tails and recurrent state, as stored.
+    Raw { conv: Vec<u8>, state: Vec<u8> },
+}
+
+/// Every KDA layer's state and conv tails at one token count.
 #[derive(Clone, Debug)]
 pub struct KdaSnap {
     pub at: usize,
-    pub layers: Vec<Option<k3_model::layers::kda::KdaState>>,
+    pub layers: Vec<SnapLayer>,
 }
 
 impl KdaSnap {
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(|s| s.bytes()).sum()
+        self.layers
+            .iter()
+            .map(|l| match l {
+                SnapLayer::Mla => 0,
+                SnapLayer::Cpu(s) => s.bytes(),
+                SnapLayer::Raw { conv, state } => conv.len() + state.len(),
+            })
+            .sum()
     }
 }
 
@@ -100,8 +128,8 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
             .layers
             .iter()
             .map(|l| match l {
-                LayerState::Kda(s) => Some(s.clone()),
-                LayerState::Mla(_) => None,
+                LayerState::Kda(s) => SnapLayer::Cpu(s.clone()),
+                LayerState::Mla(_) => SnapLayer::Mla,
             })
             .collect(),
     });
@@ -116,8 +144,8 @@ pub fn restore(mut fresh: SeqState, cells: &[&Segment], snap: &KdaSnap) -> Resul
     }
     for (l, layer) in fresh.layers.iter_mut().enumerate() {
         match (layer, &snap.layers[l]) {
-            (LayerState::Kda(s), Some(k)) => *s = k.clone(),
-            (LayerState::Mla(c), None) => {
+            (LayerState::Kda(s), SnapLayer::Cpu(k)) => *s = k.clone(),
+            (LayerState::Mla(c), SnapLayer::Mla) => {
                 for cell in cells {
                     let SegLayer::Mla { latent, index_keys } = &cell.layers[l] else {
                         return Err(EngineError::Internal(format!("prefix restore: layer {l} is MLA but a stored segment is not")));
@@ -131,4 +159,118 @@ pub fn restore(mut fresh: SeqState, cells: &[&Segment], snap: &KdaSnap) -> Resul
     }
     fresh.pos = snap.at;
     Ok(fresh)
+}
+
+/// One layer's bytes as a device runner reads and writes them: an MLA/DSA layer's (latent,
+/// indexer-key) rows, a KDA layer's (conv tails, recurrent state); see `k3_model::cuda`'s
+/// `read_prefix` / `write_prefix`.
+pub type RawLayer = (Vec<u8>, Vec<u8>);
+
+/// [`RawLayer`] borrowed.
+pub type RawRef<'a> = (&'a [u8], &'a [u8]);
+
+/// A device runner's read of tokens `[from, to)` (`layers[l]`: the MLA/DSA rows of the span, or
+/// the KDA slot, `None` for a KDA layer read without its slot; `is_kda[l]` says which) cut into
+/// the cells of `grid` tokens, with the KDA snapshot at `to` when `kda`.
+pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, to: usize, grid: usize, kda: bool) -> Result<Capture> {
+    if grid == 0 || from > to || !from.is_multiple_of(grid) || !to.is_multiple_of(grid) || layers.len() != is_kda.len() {
+        return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
+    }
+    let n = (to - from) / grid;
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers.len()) }).collect();
+    let mut snap = Vec::with_capacity(layers.len());
+    for (l, (layer, &k)) in layers.into_iter().zip(is_kda).enumerate() {
+        match (k, layer) {
+            (true, slot) => {
+                cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda));
+                snap.push(slot.map(|(conv, state)| SnapLayer::Raw { conv, state }));
+            }
+            (false, Some((latent, keys))) => {
+                let (w, iw) = (
+                    rows_per_token(latent.len(), to - from, l, "latent")?,
+                    if keys.is_empty() { 0 } else { rows_per_token(keys.len(), to - from, l, "indexer-key")? },
+                );
+                for (c, cell) in cells.iter_mut().enumerate() {
+                    let (a, b) = (c * grid, (c + 1) * grid);
+                    cell.layers.push(SegLayer::Raw { latent: latent[a * w..b * w].to_vec(), index_keys: keys[a * iw..b * iw].to_vec() });
+                }
+                snap.push(Some(SnapLayer::Mla));
+            }
+            (false, None) => return Err(EngineError::Internal(format!("layer {l}: the runner read no rows of an MLA layer"))),
+        }
+    }
+    let kda = match kda {
+        true => Some(KdaSnap {
+            at: to,
+            layers: snap
+                .into_iter()
+                .enumerate()
+                .map(|(l, s)| s.ok_or_else(|| EngineError::Internal(format!("layer {l}: no KDA slot read"))))
+                .collect::<Result<_>>()?,
+        }),
+        false => None,
+    };
+    Ok(Capture { from, to, cells, kda })
+}
+
+/// What a device runner writes to restore `snap`: per cell before it, each layer's rows (`None`
+/// for KDA layers), and each layer's KDA slot (`None` for MLA layers), borrowed from the pool.
+#[allow(clippy::type_complexity)]
+pub fn restore_raw<'a>(cells: &[&'a Segment], snap: &'a KdaSnap) -> Result<(Vec<Vec<Option<RawRef<'a>>>>, Vec<Option<RawRef<'a>>>)> {
+    let bad = || EngineError::Internal("prefix restore: the stored state was made for another model or runner".into());
+    let rows = cells
+        .iter()
+        .map(|c| {
+            c.layers
+                .iter()
+                .map(|l| match l {
+                    SegLayer::Kda => Ok(None),
+                    SegLayer::Raw { latent, index_keys } => Ok(Some((latent.as_slice(), index_keys.as_slice()))),
+                    SegLayer::Mla { .. } => Err(bad()),
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let kda = snap
+        .layers
+        .iter()
+        .map(|l| match l {
+            SnapLayer::Mla => Ok(None),
+            SnapLayer::Raw { conv, state } => Ok(Some((conv.as_slice(), state.as_slice()))),
+            SnapLayer::Cpu(_) => Err(bad()),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((rows, kda))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device read of 3 cells of 4 tokens cut into cells and handed back: every byte lands in
+    /// its cell, in order, and the snapshot keeps the KDA slot.
+    #[test]
+    fn raw_captures_cut_into_cells_and_restore_in_order() {
+        let (grid, from, to) = (4, 8, 20);
+        let latent: Vec<u8> = (0..(to - from) * 3).map(|i| i as u8).collect(); // 3 bytes per token
+        let keys: Vec<u8> = (0..(to - from) * 2).map(|i| 200 - i as u8).collect();
+        let layers = vec![Some((vec![1, 2], vec![3, 4, 5])), Some((latent.clone(), keys.clone()))];
+        let cap = capture_raw(layers, &[true, false], from, to, grid, true).unwrap();
+        assert_eq!((cap.from, cap.to, cap.cells.len()), (8, 20, 3));
+        let snap = cap.kda.as_ref().unwrap();
+        assert_eq!(snap.at, 20);
+        assert_eq!(snap.bytes(), 5);
+        assert_eq!(cap.cells.iter().map(Segment::bytes).sum::<usize>(), latent.len() + keys.len());
+        let refs: Vec<&Segment> = cap.cells.iter().collect();
+        let (rows, kda) = restore_raw(&refs, snap).unwrap();
+        assert_eq!(kda, vec![Some((&[1u8, 2][..], &[3u8, 4, 5][..])), None]);
+        let back: Vec<u8> = rows.iter().flat_map(|c| c[1].unwrap().0.to_vec()).collect();
+        let back_keys: Vec<u8> = rows.iter().flat_map(|c| c[1].unwrap().1.to_vec()).collect();
+        assert_eq!((back, back_keys), (latent, keys));
+        assert!(rows.iter().all(|c| c[0].is_none()));
+        // Without the snapshot: the cells only; a span off the grid is refused.
+        let cap = capture_raw(vec![None, Some((vec![0; 12], vec![]))], &[true, false], 0, 4, 4, false).unwrap();
+        assert!(cap.kda.is_none() && cap.cells.len() == 1);
+        assert!(capture_raw(vec![None, Some((vec![0; 12], vec![]))], &[true, false], 0, 6, 4, false).is_err());
+    }
 }

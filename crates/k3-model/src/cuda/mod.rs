@@ -15,6 +15,7 @@ mod kda;
 mod mla;
 mod moe;
 mod pipe;
+mod prefix;
 mod stage;
 mod state;
 mod upload;
@@ -27,6 +28,7 @@ use k3_core::DType;
 
 pub use graph::DecodeGraph;
 pub use pipe::HeldStep;
+pub use prefix::{LayerBytes, LayerRef};
 pub use state::{CacheConfig, CudaSeqState};
 
 use crate::checkpoint::Checkpoint;
