@@ -185,6 +185,7 @@ pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, 
                 cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda));
                 snap.push(slot.map(|(conv, state)| SnapLayer::Raw { conv, state }));
             }
+            (false, Some(_)) if n == 0 => snap.push(Some(SnapLayer::Mla)), // a snapshot alone: no rows
             (false, Some((latent, keys))) => {
                 let (w, iw) = (
                     rows_per_token(latent.len(), to - from, l, "latent")?,
@@ -272,5 +273,8 @@ mod tests {
         let cap = capture_raw(vec![None, Some((vec![0; 12], vec![]))], &[true, false], 0, 4, 4, false).unwrap();
         assert!(cap.kda.is_none() && cap.cells.len() == 1);
         assert!(capture_raw(vec![None, Some((vec![0; 12], vec![]))], &[true, false], 0, 6, 4, false).is_err());
+        // A snapshot alone (every cell already stored, the snapshot missing): no rows read.
+        let cap = capture_raw(vec![Some((vec![9], vec![8])), Some((vec![], vec![]))], &[true, false], 8, 8, 4, true).unwrap();
+        assert!(cap.cells.is_empty() && cap.kda.unwrap().bytes() == 2);
     }
 }
