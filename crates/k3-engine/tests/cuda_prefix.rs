@@ -13,27 +13,27 @@
 //! Models: random K3-layout models with every token routed to every expert (KDA head dim 32;
 //! BF16 and FP8 caches; K3.1 with DSA, indexer top-8), on which the GPU forward turns out
 //! run-to-run deterministic (cold runs 0 apart, so warm must be bit-equal), and k3-nano (trained,
-//! top-k routing: cold runs differ by up to ~7e-3 per row; BF16 and FP8 caches). Cases: hits 0, 1, 63, 64, 65 tokens past a grid point, a grid-aligned prompt re-sent,
-//! the prompt end + 1, concurrent requests sharing a prefix (tokens), and the serving path
-//! (device sampling, CUDA graphs: tokens and logprobs).
+//! top-k routing: cold runs differ by up to ~7e-3 per row; BF16 and FP8 caches). Cases: hits 0,
+//! 1, 63, 64, 65 tokens past a grid point, a grid-aligned prompt re-sent, the prompt end + 1, a
+//! branch point (its snapshot taken alone, then hit), concurrent requests sharing a prefix
+//! (tokens), and the serving path (device sampling, CUDA graphs: tokens and logprobs).
 //! Without a GPU every test prints `skipped` and passes; `K3_REQUIRE_CUDA=1` makes that a failure.
 #![cfg(feature = "cuda")]
 
 #[path = "../../../tests/support/cuda.rs"]
 mod cuda;
-
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+#[path = "support/recorder.rs"]
+mod recorder;
 
 use cuda::{device, say};
-use k3_engine::dist::runner::{Runner, Step};
 use k3_engine::gpu::{load_gpu, GpuRunner};
-use k3_engine::prefix::{Capture, KdaSnap, SegLayer, Segment, SnapLayer};
+use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
 use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::capacity::KvDtype;
 use k3_model::config::builtin_config;
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
-use k3_model::{Checkpoint, Config};
+use k3_model::Checkpoint;
+use recorder::{Log, Mutate, Rec};
 use serde_json::json;
 
 const GRID: usize = 128;
@@ -58,62 +58,14 @@ enum Mutant {
     IndexKey,
 }
 
-type Log = Arc<Mutex<HashMap<u64, Vec<Vec<f32>>>>>;
-
-/// The GPU runner recording every logits row per sequence (host sampling, so the rows come
-/// back) and corrupting what it restores when asked.
-struct Rec {
-    inner: GpuRunner,
-    log: Log,
-    mutant: Mutant,
-}
-
-impl Runner for Rec {
-    fn config(&self) -> &Config {
-        self.inner.config()
-    }
-    fn embed(&self, ids: &[u32]) -> k3_engine::Result<Vec<f32>> {
-        self.inner.embed(ids)
-    }
-    fn fits(&self, tokens: usize) -> Result<(), usize> {
-        self.inner.fits(tokens)
-    }
-    fn admit(&mut self, id: u64, tokens: usize) -> k3_engine::Result<bool> {
-        self.inner.admit(id, tokens)
-    }
-    fn release(&mut self, id: u64) {
-        self.inner.release(id)
-    }
-    fn forward(&mut self, step: Step) -> k3_engine::Result<Vec<f32>> {
-        let ids: Vec<u64> = step.seqs.iter().map(|s| s.id).collect();
-        let out = self.inner.forward(step)?;
-        let v = self.config().text.vocab_size;
-        let mut log = self.log.lock().unwrap();
-        for (id, row) in ids.iter().zip(out.chunks_exact(v)) {
-            log.entry(*id).or_default().push(row.to_vec());
-        }
-        Ok(out)
-    }
-    fn state_bytes(&self) -> usize {
-        self.inner.state_bytes()
-    }
-    fn prefix_support(&self) -> Result<String, String> {
-        self.inner.prefix_support()
-    }
-    fn exact_cuts(&self) -> bool {
-        self.inner.exact_cuts()
-    }
-    fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
-        self.inner.capture(id, from, grid, kda)
-    }
-    fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
-        let mut snap = snap.clone();
-        let mut cells: Vec<Segment> = cells.iter().map(|c| (*c).clone()).collect();
+/// What `mutant` does to the GPU runner's restore (`None`: nothing): corrupts the raw bytes.
+fn mutation(mutant: Mutant) -> Option<Mutate> {
+    let f = move |cells: &mut Vec<Segment>, snap: &mut KdaSnap| {
         let kda = snap.layers.iter_mut().rev().find_map(|l| match l {
             SnapLayer::Raw { conv, state } => Some((conv, state)),
             _ => None,
         });
-        match (self.mutant, kda) {
+        match (mutant, kda) {
             (Mutant::State, Some((_, state))) => state[7 * 4 + 3] ^= 0x40, // an F32 state value's exponent
             (Mutant::Conv, Some((conv, _))) => conv.iter_mut().for_each(|b| *b = 0),
             (Mutant::Latent, _) => {
@@ -125,7 +77,7 @@ impl Runner for Rec {
             }
             (Mutant::IndexKey, _) => {
                 // Every F32 indexer key negated (its sign bytes).
-                for c in &mut cells {
+                for c in cells.iter_mut() {
                     for l in &mut c.layers {
                         if let SegLayer::Raw { index_keys, .. } = l {
                             index_keys.iter_mut().skip(3).step_by(4).for_each(|b| *b ^= 0x80);
@@ -135,9 +87,8 @@ impl Runner for Rec {
             }
             _ => {}
         }
-        let refs: Vec<&Segment> = cells.iter().collect();
-        self.inner.restore(id, &refs, &snap)
-    }
+    };
+    (mutant != Mutant::None).then(|| Box::new(f) as Mutate)
 }
 
 struct Model {
@@ -182,7 +133,8 @@ fn gpu(m: &Model, graphs: bool) -> GpuRunner {
 
 fn engine(m: &Model, mutant: Mutant) -> (Engine, Log) {
     let log: Log = Default::default();
-    let r = Rec { inner: gpu(m, false), log: log.clone(), mutant };
+    let mut r = Rec::new(gpu(m, false), &log);
+    r.mutate = mutation(mutant);
     (Engine::with_runner(Box::new(r), None, cfg()), log)
 }
 
@@ -289,8 +241,13 @@ fn gpu_warm_equals_cold() {
         let mut g1 = g.clone();
         g1.push(7);
         check(&m, &mut e, &log, &g1, 3 * GRID, "prompt end + 1");
+        // The first 2 cells only: cells stored to 128 but no snapshot there → cold, and the
+        // branch point 128 is snapshotted alone (no new cells); the same request again hits there.
+        let d = g[..2 * GRID].to_vec();
+        check(&m, &mut e, &log, &d, 0, "branch point, first sighting");
+        check(&m, &mut e, &log, &d, GRID, "branch point, second sighting");
         let st = e.prefix_status().unwrap().unwrap();
-        assert!(st.hits >= 7 && st.pool_bytes > 0, "{}: {st:?}", m.name);
+        assert!(st.hits >= 8 && st.kv_only_matches >= 1 && st.pool_bytes > 0, "{}: {st:?}", m.name);
         say(&format!("  {}: {st:?}", m.name));
     }
 }

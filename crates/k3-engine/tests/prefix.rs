@@ -15,19 +15,21 @@
 //! restored snapshots (recurrent state, conv tails, a latent value, the indexer keys) and checks
 //! that the comparison then fails, so these tests can fail.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use k3_engine::dist::runner::{Runner, Step, ThreadRunner};
-use k3_engine::prefix::{Capture, KdaSnap, SegLayer, Segment, SnapLayer};
+use k3_engine::dist::runner::ThreadRunner;
+use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
 use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::kda::{StateBuf, StateDType};
-use k3_model::{Checkpoint, Config, Model};
+use k3_model::{Checkpoint, Model};
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
+#[path = "support/recorder.rs"]
+mod recorder;
+use recorder::{Log, Mutate, Rec};
 
 const GRID: usize = 128;
 
@@ -40,59 +42,16 @@ enum Mutant {
     IndexKey,
 }
 
-type Log = Arc<Mutex<HashMap<u64, Vec<Vec<f32>>>>>;
-
-/// A one-rank CPU runner that records every logits row per sequence and can corrupt what it
-/// restores.
-struct Rec {
-    inner: ThreadRunner,
-    log: Log,
-    mutant: Mutant,
-    /// Says it is not bit-reproducible, as the GPU runner does (`Runner::exact_cuts`): the cache
-    /// then prefills in chunks from snapshot point to snapshot point.
-    free_cuts: bool,
-}
-
 thread_local! {
-    /// The engines this test thread makes have free cuts (`free_cuts_warm_equal_cold`).
+    /// The engines this test thread makes have free cuts (`free_cuts_warm_equal_cold`): their
+    /// runner says it is not bit-reproducible, as the GPU runner does (`Runner::exact_cuts`), and
+    /// the cache then prefills in chunks from snapshot point to snapshot point.
     static FREE_CUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-impl Runner for Rec {
-    fn config(&self) -> &Config {
-        self.inner.config()
-    }
-    fn embed(&self, ids: &[u32]) -> k3_engine::Result<Vec<f32>> {
-        self.inner.embed(ids)
-    }
-    fn release(&mut self, id: u64) {
-        self.inner.release(id)
-    }
-    fn forward(&mut self, step: Step) -> k3_engine::Result<Vec<f32>> {
-        let ids: Vec<u64> = step.seqs.iter().map(|s| s.id).collect();
-        let out = self.inner.forward(step)?;
-        let v = self.config().text.vocab_size;
-        let mut log = self.log.lock().unwrap();
-        for (id, row) in ids.iter().zip(out.chunks_exact(v)) {
-            log.entry(*id).or_default().push(row.to_vec());
-        }
-        Ok(out)
-    }
-    fn state_bytes(&self) -> usize {
-        self.inner.state_bytes()
-    }
-    fn prefix_support(&self) -> Result<String, String> {
-        self.inner.prefix_support()
-    }
-    fn exact_cuts(&self) -> bool {
-        !self.free_cuts
-    }
-    fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
-        self.inner.capture(id, from, grid, kda)
-    }
-    fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
-        let mut snap = snap.clone();
-        let mut cells: Vec<Segment> = cells.iter().map(|c| (*c).clone()).collect();
+/// What `mutant` does to a CPU runner's restore (`None`: nothing).
+fn mutation(mutant: Mutant) -> Option<Mutate> {
+    let f = move |cells: &mut Vec<Segment>, snap: &mut KdaSnap| {
         let kda = snap
             .layers
             .iter_mut()
@@ -101,7 +60,7 @@ impl Runner for Rec {
                 _ => None,
             })
             .next_back();
-        match (self.mutant, kda) {
+        match (mutant, kda) {
             (Mutant::State, Some(k)) => match &mut k.s {
                 StateBuf::F32(v) => v[7] += 0.25,
                 StateBuf::Bf16(v) => v[7] ^= 0x40,
@@ -117,7 +76,7 @@ impl Runner for Rec {
             (Mutant::IndexKey, _) => {
                 // Every indexer key negated (a nudge to one key may leave the top-k selection,
                 // and so the output, unchanged).
-                for c in &mut cells {
+                for c in cells.iter_mut() {
                     for l in &mut c.layers {
                         if let SegLayer::Mla { index_keys, .. } = l {
                             index_keys.iter_mut().for_each(|x| *x = -*x);
@@ -127,9 +86,8 @@ impl Runner for Rec {
             }
             _ => {}
         }
-        let refs: Vec<&Segment> = cells.iter().collect();
-        self.inner.restore(id, &refs, &snap)
-    }
+    };
+    (mutant != Mutant::None).then(|| Box::new(f) as Mutate)
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -168,7 +126,9 @@ fn cfg(mem: usize) -> EngineConfig {
 
 fn engine(name: &str, mem: usize, mutant: Mutant) -> (Engine, Log) {
     let log: Log = Default::default();
-    let r = Rec { inner: ThreadRunner::single(model(name), Default::default()), log: log.clone(), mutant, free_cuts: FREE_CUTS.with(|f| f.get()) };
+    let mut r = Rec::new(ThreadRunner::single(model(name), Default::default()), &log);
+    r.mutate = mutation(mutant);
+    r.exact_cuts = FREE_CUTS.with(|f| f.get()).then_some(false);
     (Engine::with_runner(Box::new(r), None, cfg(mem)), log)
 }
 
@@ -477,7 +437,7 @@ fn bf16_kda_state_warm_equals_cold() {
     let name = "tiny";
     let mk = || {
         let log: Log = Default::default();
-        let r = Rec { inner: ThreadRunner::single(model(name), StateDType::Bf16), log: log.clone(), mutant: Mutant::None, free_cuts: false };
+        let r = Rec::new(ThreadRunner::single(model(name), StateDType::Bf16), &log);
         (Engine::with_runner(Box::new(r), None, cfg(1 << 30)), log)
     };
     let (mut e, log) = mk();

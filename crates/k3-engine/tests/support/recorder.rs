@@ -1,0 +1,81 @@
+//! The recording runner the prefix-cache tests share (`prefix.rs` on the CPU, `cuda_prefix.rs`
+//! on the GPU): it forwards to a real runner, records every logits row per sequence (so warm and
+//! cold runs can be compared row by row), and hands what it restores to a mutation first (the
+//! tests' mutants corrupt it there, to show that the comparison can fail).
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use k3_engine::dist::runner::{Runner, Step};
+use k3_engine::prefix::{Capture, KdaSnap, Segment};
+use k3_model::Config;
+
+/// Every logits row per sequence id, in the order they were computed.
+pub type Log = Arc<Mutex<HashMap<u64, Vec<Vec<f32>>>>>;
+
+/// What a restore goes through before it reaches the inner runner (the cells, the snapshot).
+pub type Mutate = Box<dyn Fn(&mut Vec<Segment>, &mut KdaSnap) + Send>;
+
+/// `inner` recording into `log`; its restores pass `mutate`; `exact_cuts` overrides the inner
+/// runner's answer when set.
+pub struct Rec<R> {
+    pub inner: R,
+    pub log: Log,
+    pub mutate: Option<Mutate>,
+    pub exact_cuts: Option<bool>,
+}
+
+impl<R: Runner> Rec<R> {
+    pub fn new(inner: R, log: &Log) -> Self {
+        Rec { inner, log: log.clone(), mutate: None, exact_cuts: None }
+    }
+}
+
+impl<R: Runner> Runner for Rec<R> {
+    fn config(&self) -> &Config {
+        self.inner.config()
+    }
+    fn embed(&self, ids: &[u32]) -> k3_engine::Result<Vec<f32>> {
+        self.inner.embed(ids)
+    }
+    fn fits(&self, tokens: usize) -> Result<(), usize> {
+        self.inner.fits(tokens)
+    }
+    fn admit(&mut self, id: u64, tokens: usize) -> k3_engine::Result<bool> {
+        self.inner.admit(id, tokens)
+    }
+    fn release(&mut self, id: u64) {
+        self.inner.release(id)
+    }
+    fn forward(&mut self, step: Step) -> k3_engine::Result<Vec<f32>> {
+        let ids: Vec<u64> = step.seqs.iter().map(|s| s.id).collect();
+        let out = self.inner.forward(step)?;
+        let v = self.config().text.vocab_size;
+        let mut log = self.log.lock().unwrap();
+        for (id, row) in ids.iter().zip(out.chunks_exact(v)) {
+            log.entry(*id).or_default().push(row.to_vec());
+        }
+        Ok(out)
+    }
+    fn state_bytes(&self) -> usize {
+        self.inner.state_bytes()
+    }
+    fn prefix_support(&self) -> Result<String, String> {
+        self.inner.prefix_support()
+    }
+    fn exact_cuts(&self) -> bool {
+        self.exact_cuts.unwrap_or_else(|| self.inner.exact_cuts())
+    }
+    fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
+        self.inner.capture(id, from, grid, kda)
+    }
+    fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
+        let Some(mutate) = &self.mutate else { return self.inner.restore(id, cells, snap) };
+        let mut snap = snap.clone();
+        let mut cells: Vec<Segment> = cells.iter().map(|c| (*c).clone()).collect();
+        mutate(&mut cells, &mut snap);
+        let refs: Vec<&Segment> = cells.iter().collect();
+        self.inner.restore(id, &refs, &snap)
+    }
+}
