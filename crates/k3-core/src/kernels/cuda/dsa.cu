@@ -104,7 +104,7 @@ __device__ __forceinline__ void dsa_index_scores_impl(
     const unsigned char* kc8 = reinterpret_cast<const unsigned char*>(kcv);
     extern __shared__ __align__(16) float dsm[];
     const int i = blockIdx.y, tid = threadIdx.x, idp = id + 4;
-    const int n = rp[i] + 1;
+    const int n = (int)min((long long)rp[i] + 1, L);  // a row never reads past its L scores
     const int s0 = blockIdx.x * DSA_KEYS;
     if (s0 >= n) return;
     float* ks = dsm;
@@ -195,7 +195,7 @@ extern "C" __global__ void dsa_topk_hist(const float* __restrict__ scores, long 
                                          int chunk, int pb) {
     __shared__ int sh[DSA_BINS];
     const int i = blockIdx.y;
-    const int n = rp[i] + 1;
+    const int n = (int)min((long long)rp[i] + 1, L);  // a row never reads past its L scores
     const long long b0 = (long long)blockIdx.x * chunk;
     if (n <= k || b0 >= n) return;
     const int nb = 1 << width;
@@ -227,6 +227,9 @@ extern "C" __global__ void __launch_bounds__(1024) dsa_topk_select(int* __restri
     const int hi = nb - 1 - 2 * t, lo = hi - 1;
     const int c_hi = hi >= 0 ? hr[hi] : 0, c_lo = lo >= 0 ? hr[lo] : 0;
     const int local = c_hi + c_lo;
+    // Every thread reads the remaining rank before the barrier: one thread rewrites it below,
+    // and a warp that read it after that write could pick a second digit.
+    const long long kk = (long long)state[2 * i + 1];
     int inc = local;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -247,7 +250,6 @@ extern "C" __global__ void __launch_bounds__(1024) dsa_topk_select(int* __restri
     __syncthreads();
     inc += warp > 0 ? wsum[warp - 1] : 0;
     const int excl = inc - local;
-    const long long kk = (long long)state[2 * i + 1];
     if (local > 0 && excl < kk && kk <= inc) {
         int digit, above;
         if (excl + c_hi >= kk) { digit = hi; above = excl; }
@@ -271,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(256) dsa_topk_pass(const float* __r
     __shared__ int wsum[8];
     __shared__ int last;
     const int i = blockIdx.y, t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int n = rp[i] + 1;
+    const int n = (int)min((long long)rp[i] + 1, L);  // a row never reads past its L scores
     const int nparts = (n + chunk - 1) / chunk;
     if (n <= k || (int)blockIdx.x >= nparts) return;
     const int nb = 1 << width;
@@ -304,6 +306,7 @@ extern "C" __global__ void __launch_bounds__(256) dsa_topk_pass(const float* __r
         c[j] = hi - j >= 0 ? __ldcg(&hr[hi - j]) : 0;
         local += c[j];
     }
+    const long long kk = (long long)state[2 * i + 1];  // before the barrier, as in dsa_topk_select
     int inc = local;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -315,7 +318,6 @@ extern "C" __global__ void __launch_bounds__(256) dsa_topk_pass(const float* __r
 #pragma unroll
     for (int w = 0; w < 8; w++) inc += w < warp ? wsum[w] : 0;
     const int excl = inc - local;
-    const long long kk = (long long)state[2 * i + 1];
     if (local > 0 && excl < kk && kk <= inc) {
         int cum = excl, digit = hi, above = excl;
 #pragma unroll
@@ -349,7 +351,7 @@ extern "C" __global__ void dsa_topk_count(const float* __restrict__ scores, long
                                           const unsigned long long* __restrict__ state, int* __restrict__ counts, int nblk, int chunk, int pb) {
     __shared__ int scratch[32];
     const int i = blockIdx.y;
-    const int n = rp[i] + 1;
+    const int n = (int)min((long long)rp[i] + 1, L);  // a row never reads past its L scores
     const long long b0 = (long long)blockIdx.x * chunk;
     if (n <= k) return;
     const unsigned long long T = state[2 * i];
@@ -368,7 +370,7 @@ extern "C" __global__ void dsa_topk_write(const float* __restrict__ scores, long
     __shared__ int scratch[32];
     __shared__ int wtot[8];
     const int i = blockIdx.y, t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int n = rp[i] + 1;
+    const int n = (int)min((long long)rp[i] + 1, L);  // a row never reads past its L scores
     const long long b0 = (long long)blockIdx.x * chunk;
     const long long e = min((long long)n, b0 + chunk);
     int* out = idx + (long long)i * k;
@@ -377,7 +379,13 @@ extern "C" __global__ void dsa_topk_write(const float* __restrict__ scores, long
         if (blockIdx.x == 0 && t == 0) count[i] = n;
         return;
     }
-    if (blockIdx.x == 0 && t == 0) count[i] = k;
+    if (blockIdx.x == 0 && t == 0) {
+        // k exactly when T is exact; the attend kernels read only `count` entries, so a wrong T
+        // can never make them read an unwritten index.
+        int tot = 0;
+        for (int b = 0; b < nblk; b++) tot += counts[(long long)i * nblk + b];
+        count[i] = min(k, tot);
+    }
     if (b0 >= n) return;
     int off = 0;
     for (int b = t; b < blockIdx.x; b += blockDim.x) off += counts[(long long)i * nblk + b];
@@ -397,7 +405,8 @@ extern "C" __global__ void dsa_topk_write(const float* __restrict__ scores, long
             wo += w < warp ? wtot[w] : 0;
             tot += wtot[w];
         }
-        if (f) out[off + wo + before] = (int)p;
+        // Exactly k keys are >= T (keys are unique); the bound keeps a wrong T from writing past the row.
+        if (f && off + wo + before < k) out[off + wo + before] = (int)p;
         off += tot;
         __syncthreads();
     }

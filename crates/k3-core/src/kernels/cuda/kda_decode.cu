@@ -70,7 +70,8 @@ kda_decode(const bf16_t* __restrict__ qr, const bf16_t* __restrict__ kr, const b
     // The conv taps first: the conv and the q / k norms then overlap the state's arrival.
     bf16_t* cs = conv_state + (long long)sl * 9 * D + h * KD + ch;
     const bf16_t ta0 = cs[(role * 3) * (long long)D], ta1 = cs[(role * 3 + 1) * (long long)D], ta2 = cs[(role * 3 + 2) * (long long)D];
-    const bf16_t tv0 = cs[6LL * D], tv1 = cs[7LL * D], tv2 = cs[8LL * D];
+    // The v taps: role 1 only (it rewrites them below; role 0 reading them would race).
+    const bf16_t tv0 = role ? cs[6LL * D] : ta0, tv1 = role ? cs[7LL * D] : ta1, tv2 = role ? cs[8LL * D] : ta2;
     float4* S = reinterpret_cast<float4*>(state + ((long long)sl * H + h) * (KD * KD));
     float4 s[16];
 #pragma unroll
