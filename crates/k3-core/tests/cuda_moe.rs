@@ -7,10 +7,11 @@
 //! Inputs are fresh random values (seed printed; `K3_TEST_SEED=N` replays), z bf16-representable;
 //! routings include an expert chosen by every token and experts chosen by none; outputs are
 //! poisoned with NaN first. Tolerances: router ids exact, weights relative L2 1e-5 (device
-//! `expf`); experts decode path (T ≤ 64) relative L2 5e-3: the tensor-core path (T ≥ 2)
+//! `expf`); experts device-grouped path (T ≤ `mma_max_tokens`) relative L2 5e-3: the tensor-core path (T ≥ 2)
 //! rounds the SiTU-GLU intermediate to bf16 (the W2 operand; measured 1.2e-3..2.1e-3), T = 1
 //! runs the CUDA-core GEMV (f32 intermediate; `K3_MOE_DECODE=gemv|mma` forces one path for
-//! every T); prefill path (T > 64, cuBLAS with the SiTU-GLU intermediate rounded to bf16) 5e-3. The decode path is
+//! every T); prefill path (above it, cuBLAS with the SiTU-GLU intermediate rounded to bf16)
+//! 5e-3; `experts_mid` runs T = 200 through both (the cut set below and above it). The decode path is
 //! also captured into a CUDA graph and replayed (not under `K3_CUDA_SYNC=1`, whose per-launch
 //! sync cannot be captured). Without a GPU every test prints
 //! `skipped: no CUDA driver (...)` and passes; with `K3_REQUIRE_CUDA=1` that case fails.
@@ -212,7 +213,7 @@ fn run_experts(dev: &CudaDevice, r: &mut impl Rng, format: ExpertFormat, e: usiz
         let scaling = 2.5;
         moe::experts_forward(&zd, &idd, &wd, &ly.w, BETA, LBETA, scaling, &out).unwrap();
         let want = experts_ref(&ly, &z, &ids, &wts, t, k, scaling);
-        let tol = if t > moe::DECODE_MAX_TOKENS { TOL_PREFILL } else { TOL_DECODE };
+        let tol = if t > moe::mma_max_tokens(e, k) { TOL_PREFILL } else { TOL_DECODE };
         check(&format!("experts {format:?} E={e} k={k} L={l} F={f} T={t}"), &out.to_f32_vec().unwrap(), &want, tol);
         // Deterministic: a second call gives the same bits.
         let again = poisoned(dev, DType::F32, vec![t, l]);
@@ -268,9 +269,15 @@ fn experts_tiny_match_cpu() {
 fn experts_mid_match_cpu() {
     let Some(dev) = device("experts_mid_match_cpu") else { return };
     let mut r = rng("experts_mid_match_cpu");
-    for format in [ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
-        run_experts(&dev, &mut r, format, 64, 8, 512, 256, &[1, 2, 3, 16, 64, 200]);
+    // T = 200 through both paths: the tensor-core kernels in several passes, and the per-expert
+    // cuBLAS path.
+    for cut in [moe::DECODE_MAX_TOKENS, 4096] {
+        moe::set_mma_max_tokens(Some(cut));
+        for format in [ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
+            run_experts(&dev, &mut r, format, 64, 8, 512, 256, &[1, 2, 3, 16, 64, 200]);
+        }
     }
+    moe::set_mma_max_tokens(None);
 }
 
 #[test]

@@ -7,20 +7,21 @@
 //! Shapes: T tokens, E experts, k = top-k, L = latent width (`routed_expert_hidden_size`),
 //! F = expert width (`moe_intermediate_size`); L and F multiples of 32.
 //!
-//! Decode path (T ≤ [`DECODE_MAX_TOKENS`], capturable): `moe_group` (one block) counts the
+//! Device-grouped path (T ≤ [`mma_max_tokens`], capturable): `moe_group` (one block) counts the
 //! (token, slot) pairs per expert on the device and writes the active experts (ascending id),
 //! their group starts/sizes and the pairs sorted by expert (stable by token); grids are sized
 //! for the worst case min(E, T·k) active experts (blocks of inactive slots exit at once).
 //! T ≥ 2 (tensor cores, `moe_mma_*`): one block per (row tile, active expert), its 4 warps
 //! splitting K; mma.m16n8k16 bf16 with f32 accumulation, weights as A (MXFP4 decoded to bf16
 //! in registers, E8M0 scale applied exactly to each 32-column group's f32 partial), the
-//! expert's tokens as B (8 per n-tile, up to 64 per pass); `w1`/`w3` tiles share a block so
+//! expert's tokens as B (8 per n-tile, up to [`DECODE_MAX_TOKENS`] per pass, more in further
+//! passes); `w1`/`w3` tiles share a block so
 //! SiTU-GLU is fused, the intermediate rounded to BF16 (the W2 operand). T = 1 (CUDA cores,
 //! measured faster there): the grouped GEMV, 4 rows per warp, intermediate kept in f32. Each
 //! chosen expert's weights are streamed from HBM once. Then a combine kernel sums the k slots
 //! of each token in slot order (no atomics: deterministic) and applies `routed_scaling_factor`.
 //!
-//! Prefill path (T > [`DECODE_MAX_TOKENS`], NOT capturable: it reads the routing on the host):
+//! Prefill path (T > [`mma_max_tokens`], NOT capturable: it reads the routing on the host):
 //! per active expert, gather its tokens, dequantize its MXFP4 weights to a BF16 scratch (or
 //! copy its BF16 weights), two cuBLAS GEMMs with f32 output, SiTU-GLU rounded to BF16 between
 //! them (the GEMM operand), then scatter to the pair rows and the same combine.
@@ -29,8 +30,47 @@ use super::{blas, derr, kargs, CudaTensor};
 use crate::kernels::cuda::{MOE, MOE_MMA};
 use crate::{CoreError, DType, Result};
 
-/// Largest T served by the capturable grouped-GEMV path.
+/// Tokens of one expert per tensor-core pass; T up to this always takes the device-grouped
+/// path, so a decode graph of up to this many rows is capturable.
 pub const DECODE_MAX_TOKENS: usize = 64;
+/// Default cut of the device-grouped path, in (token, expert) pairs per expert: T·k ≤ this × E
+/// ([`mma_max_tokens`]). Above it the per-expert cuBLAS path wins, as its fixed cost per active
+/// expert (a dequantization, a gather, two GEMMs, a scatter, a host read of the routing) is
+/// spread over enough tokens, while the tensor-core kernels take one more pass over an expert's
+/// weights per 64 of its tokens. Measured on the H200 (4 real-width K3 layers, 64 MXFP4
+/// experts, top-16; `scripts/gpu/spec_run.sh cut`), tensor-core vs per-expert path: a verify
+/// step of 80 rows (20 pairs per expert) 17.1 vs 32.9 ms, of 144 rows (36) 26.4 vs 36.0 ms, a
+/// prefill of 256 tokens (64) 26.7 vs 28.4 ms, of 512 tokens (128) 51.4 vs 31.2 ms.
+pub const MMA_PAIRS_PER_EXPERT: usize = 64;
+/// The forced cut in tokens: `usize::MAX` not read yet, 0 the default rule.
+static MMA_MAX: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// Largest T the device-grouped (tensor-core, capturable) path serves for `e` experts, top-`k`:
+/// `MMA_PAIRS_PER_EXPERT · e / k`, or `K3_MOE_MMA_MAX_TOKENS` from the environment (read once),
+/// or [`set_mma_max_tokens`]; never below [`DECODE_MAX_TOKENS`]. A larger T also takes the
+/// prefill path when its pairs do not fit the grouping kernel's shared memory.
+pub fn mma_max_tokens(e: usize, k: usize) -> usize {
+    use std::sync::atomic::Ordering::Relaxed;
+    let forced = match MMA_MAX.load(Relaxed) {
+        usize::MAX => {
+            let v = std::env::var("K3_MOE_MMA_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+            MMA_MAX.store(v, Relaxed);
+            v
+        }
+        v => v,
+    };
+    match forced {
+        0 => MMA_PAIRS_PER_EXPERT * e / k.max(1),
+        v => v,
+    }
+    .max(DECODE_MAX_TOKENS)
+}
+
+/// Sets the cut of [`mma_max_tokens`] to `t` tokens for the process (A/B timing and tests;
+/// `None`: back to the default rule).
+pub fn set_mma_max_tokens(t: Option<usize>) {
+    MMA_MAX.store(t.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
 /// Most tokens of one expert staged in shared memory per pass (kernels `*_nt{1,2,4}`).
 const NT_MAX: usize = 4;
 /// Dynamic shared-memory cap of the grouped GEMV kernels (two blocks fit one SM).
@@ -155,7 +195,7 @@ impl ExpertWeights {
 /// f32 accumulation. `z` BF16 `[T, L]`, `ids` I32 `[T, k]`, `weights` F32 `[T, k]`, `out` F32
 /// `[T, L]`. A slot whose id is outside 0..E contributes nothing. Deterministic (fixed
 /// summation order, no float atomics); each chosen expert's weights are read once per call.
-/// T ≤ [`DECODE_MAX_TOKENS`]: capturable (SiTU-GLU intermediate rounded to BF16 for T ≥ 2,
+/// T ≤ [`mma_max_tokens`]: capturable (SiTU-GLU intermediate rounded to BF16 for T ≥ 2,
 /// f32 at T = 1). T larger: the prefill path, NOT capturable (reads the routing on the host;
 /// intermediate rounded to BF16). `z` F32 is the reference precision: any expert format (F32
 /// experts only there), every product and the intermediate in f32, any T, capturable.
@@ -194,7 +234,7 @@ pub fn experts_forward(
     }
     let pairs = if reference {
         reference_pairs(z, ids, w, t, k, beta, linear_beta)?
-    } else if t > DECODE_MAX_TOKENS {
+    } else if t > DECODE_MAX_TOKENS && (t > mma_max_tokens(w.num_experts, k) || 4 * (3 * w.num_experts + t * k) > SMEM) {
         prefill(z, ids, w, t, k, beta, linear_beta)?
     } else if decode_kind(t) == DecodeKind::Gemv {
         decode(z, ids, w, t, k, beta, linear_beta)?
@@ -334,7 +374,7 @@ fn decode(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usiz
     Ok(Pairs { y })
 }
 
-/// Which decode kernels serve T ≤ [`DECODE_MAX_TOKENS`]: the CUDA-core grouped GEMV at T = 1
+/// Which device-grouped kernels serve T ≤ [`mma_max_tokens`]: the CUDA-core grouped GEMV at T = 1
 /// (measured faster there on the H200: 190 vs 211 µs MXFP4, 288 vs 353 µs BF16 at real dims),
 /// the tensor-core grouped GEMM above. `K3_MOE_DECODE=gemv` or `=mma` forces one (read once;
 /// for A/B timing).
