@@ -104,6 +104,9 @@ mod imp {
         flight: VecDeque<Slot>,
         /// Samples on the device from the step's logits (`Runner::forward_sample`).
         sampler: DeviceSampler,
+        /// Rollbacks of the last verify step not applied yet (sequence, rows dropped): applied
+        /// together, one replay per KDA layer, before the next thing that touches the states.
+        rollbacks: Vec<(SeqId, usize)>,
     }
 
     /// A submitted step's logits: still to come from the last stage (its rows), or received
@@ -137,6 +140,7 @@ mod imp {
                 held: None,
                 flight: VecDeque::new(),
                 sampler,
+                rollbacks: Vec::new(),
             }
         }
 
@@ -234,14 +238,34 @@ mod imp {
             Ok(())
         }
 
+        /// Applies the pending rollbacks (see `rollbacks`); the last verify step is then
+        /// forgotten, as the states move on.
+        fn settle(&mut self) -> Result<()> {
+            if self.rollbacks.is_empty() {
+                self.model.end_verify();
+                return Ok(());
+            }
+            let pending = std::mem::take(&mut self.rollbacks);
+            let mut taken: Vec<(SeqId, GpuSeq, usize)> = pending.iter().filter_map(|&(id, d)| self.seqs.remove(&id).map(|s| (id, s, d))).collect();
+            let out = {
+                let mut refs: Vec<(&mut CudaSeqState, usize)> = taken.iter_mut().map(|(_, s, d)| (&mut s.state, *d)).collect();
+                self.model.rollback(&mut refs)
+            };
+            self.seqs.extend(taken.into_iter().map(|(id, s, _)| (id, s)));
+            self.model.end_verify();
+            Ok(out?)
+        }
+
         /// A step's sequences taken out of the map (their states made on first sight on a
-        /// rank ≠ 0), its token ids, lengths and own rows, after dropping the released states.
-        fn take_step(&mut self, step: &Step) -> Result<Taken> {
+        /// rank ≠ 0), its token ids, lengths and own rows, after dropping the released states
+        /// and applying the pending rollbacks. `all_rows`: a verify step (every row's logits).
+        fn take_step(&mut self, step: &Step, all_rows: bool) -> Result<Taken> {
             for &id in &step.released {
                 self.release(id);
             }
-            if !step.last_only {
-                return Err(EngineError::Internal("the GPU runner returns last-row logits only".into()));
+            self.settle()?;
+            if !step.last_only && !all_rows {
+                return Err(EngineError::Internal("the GPU runner returns last-row logits only (outside verify steps)".into()));
             }
             if self.on_sight {
                 for s in &step.seqs {
@@ -282,7 +306,7 @@ mod imp {
     impl GpuRunner {
         /// `run` (a packed forward) on `step`'s sequences, taken out of the map and put back.
         fn on_step<R>(&mut self, step: &Step, run: Packed<R>) -> Result<R> {
-            let mut t = self.take_step(step)?;
+            let mut t = self.take_step(step, false)?;
             let out = {
                 let mut refs: Vec<&mut GpuSeq> = t.seqs.iter_mut().map(|(_, g)| g).collect();
                 run(self, &t.tokens, t.emb.as_deref(), &t.lens, &mut refs)
@@ -328,6 +352,7 @@ mod imp {
             }
         }
         fn release(&mut self, id: SeqId) {
+            self.rollbacks.retain(|r| r.0 != id);
             if let Some(s) = self.seqs.remove(&id) {
                 self.budget.release(s.pages);
                 self.model.release(s.state);
@@ -406,6 +431,37 @@ mod imp {
             let groups = self.model.groups.clone();
             Some(std::sync::Arc::new(move |why: &str| groups.abort(why)))
         }
+        fn speculation(&self) -> std::result::Result<(), String> {
+            match self.model.holds_steps() {
+                true => Err("speculative decoding on a pipeline layout is not built yet; decoding without speculation".into()),
+                false => self.model.verify_support(),
+            }
+        }
+        fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
+            if !self.flight.is_empty() || self.held.is_some() {
+                return Err(EngineError::Internal(format!("a verify step while {} submitted step(s) are not collected", self.flight.len())));
+            }
+            let mut t = self.take_step(&step, true)?;
+            let out = {
+                let mut seqs: Vec<&mut CudaSeqState> = t.seqs.iter_mut().map(|(_, g)| &mut g.state).collect();
+                let input = match &t.emb {
+                    Some(e) => Input::Embeds(e),
+                    None => Input::Tokens(&t.tokens),
+                };
+                self.model.forward_verify(input, &t.lens, &mut seqs)
+            };
+            self.seqs.extend(t.seqs);
+            Ok(out?)
+        }
+        fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+            if !self.seqs.contains_key(&id) {
+                return Err(EngineError::UnknownSeq(id));
+            }
+            if drop > 0 {
+                self.rollbacks.push((id, drop));
+            }
+            Ok(())
+        }
         fn prefix_support(&self) -> std::result::Result<String, String> {
             self.model.prefix_layout()
         }
@@ -413,6 +469,7 @@ mod imp {
             false
         }
         fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+            self.settle()?;
             let seq = self.seqs.get(&id).ok_or(EngineError::UnknownSeq(id))?;
             let to = seq.state.pos;
             let layers = self.model.read_prefix(&seq.state, from, to, kda)?;

@@ -16,7 +16,8 @@
 //! attention core stays flat while the indexer grows linearly with the context.
 //!
 //! Speculative mode (`--speculative ngram,suffix`): speculative against plain greedy decoding on
-//! text-repeating workloads, tokens/s and acceptance; see `bench_spec.rs`.
+//! text-repeating workloads, tokens/s and acceptance; see `bench_spec.rs`. With `--device cuda`
+//! on the GPU runner, plus the verify step's cost against a plain step (`bench_spec_cuda.rs`).
 //!
 //! Pipeline mode (`--tp T --pp P`, P > 1): a pipeline layout's ranks as threads, pipelined
 //! steps against one step at a time; see `bench_pipeline.rs`.
@@ -91,6 +92,7 @@ Modes:
   k3 bench [--model DIR] --prompt-len P --gen-len G [--batch B] [--threads N]
   k3 bench --json-schema FILE [--model DIR] [--prompt-len P --gen-len G --batch B]   constrained decoding overhead
   k3 bench --speculative ngram,suffix [--num-speculative-tokens K] [--gen-len G]   speculative vs plain decoding
+  k3 bench --device cuda --speculative ngram,suffix [--batches 1,16 --context C]   the same on the GPU + verify step costs
   k3 bench --tp T --pp P [--batch B --prompt-len L --gen-len G]   pipelined steps vs one at a time (ranks as threads)
   k3 bench --op gemv 3072 3584                     expert GEMV: MXFP4 vs BF16 vs F32, GB/s
   k3 bench --op dsa 4096 16384 65536 --model DIR   DSA layer per-token cost vs dense
@@ -116,11 +118,11 @@ pub struct ModelMode {
     /// engine, sampling at temperature 1) and report the per-token mask cost.
     #[arg(long, value_name = "FILE")]
     pub json_schema: Option<std::path::PathBuf>,
-    /// CPU: compare these speculative methods (comma separated: ngram,suffix) with plain greedy
+    /// Compare these speculative methods (comma separated: ngram,suffix) with plain greedy
     /// decoding on text-repeating workloads (`bench_spec.rs`).
     #[arg(long, value_name = "METHODS")]
     pub speculative: Option<String>,
-    /// CPU, with --speculative: most drafted tokens per step.
+    /// With --speculative: most drafted tokens per step.
     #[arg(long, default_value_t = 4, value_name = "K")]
     pub num_speculative_tokens: usize,
 }
@@ -237,13 +239,16 @@ pub fn run(a: Args) -> Result<()> {
     match mode {
         Mode::CpuModel => match (&a.run.json_schema, &a.run.speculative, a.parallel.parallel()?) {
             (Some(f), _, _) => super::bench_grammar::bench_grammar(&a, f),
-            (None, Some(m), _) => super::bench_spec::bench_spec(&a, m),
+            (None, Some(m), _) => super::bench_spec::bench_spec(&a, m, false),
             (None, None, Some(par)) => super::bench_pipeline::bench_pipeline(&a, par),
             (None, None, None) => bench_model(&a),
         },
         Mode::CpuDsa => bench_cpu_dsa(&a),
         Mode::CpuGemv => bench_cpu_gemv(&a),
-        Mode::CudaModel => bench_cuda_model(&a),
+        Mode::CudaModel => match &a.run.speculative {
+            Some(m) => super::bench_spec::bench_spec(&a, m, true),
+            None => bench_cuda_model(&a),
+        },
         Mode::CudaDsa => bench_cuda_dsa(&a),
         Mode::CudaOp => bench_cuda_op(&a),
     }

@@ -34,7 +34,7 @@ use super::bench::Args;
 /// of prefilled: the same decode work, without minutes of quadratic prefill.
 const PREFILL_CONTEXT_UP_TO: usize = 16384;
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -47,7 +47,7 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// Device-to-device copy bandwidth (read + write bytes / s), median of 20 copies of 2 GiB.
-fn copy_bandwidth(dev: &CudaDevice) -> Result<f64> {
+pub(crate) fn copy_bandwidth(dev: &CudaDevice) -> Result<f64> {
     let bytes = 2usize << 30;
     let src = CudaTensor::uninit(dev, DType::U8, vec![bytes])?;
     src.fill_bytes(0x5A)?;
@@ -58,12 +58,18 @@ fn copy_bandwidth(dev: &CudaDevice) -> Result<f64> {
 
 /// Bytes one decode step of `b` sequences at context `ctx` must move (see the module docs).
 fn floor_bytes(m: &CudaModel, b: usize, ctx: usize) -> f64 {
+    floor_bytes_rows(m, b, b, ctx)
+}
+
+/// [`floor_bytes`] of a step of `rows` tokens over `b` sequences (a verify step: the experts of
+/// every row, each sequence's state and cache once).
+pub(crate) fn floor_bytes_rows(m: &CudaModel, rows: usize, b: usize, ctx: usize) -> f64 {
     let t = &m.config.text;
     let mut bytes = m.weight_bytes_per_token() as f64;
     let (e, k) = (t.num_experts as f64, t.num_experts_per_token as f64);
-    if b > 1 && t.num_experts > 0 {
+    if rows > 1 && t.num_experts > 0 {
         // Extra distinct experts beyond the k counted once in weight_bytes_per_token.
-        let distinct = e * (1.0 - (1.0 - k / e).powi(b as i32));
+        let distinct = e * (1.0 - (1.0 - k / e).powi(rows as i32));
         let per_expert = 3.0 * (t.moe_intermediate_size * t.routed_expert_hidden_size) as f64 * if m.config.experts_mxfp4() { 0.5 + 1.0 / 32.0 } else { 2.0 };
         let moe_layers = m.config.layers.iter().filter(|l| l.ffn == k3_model::config::Ffn::Moe).count() as f64;
         bytes += (distinct - k).max(0.0) * per_expert * moe_layers;
@@ -208,7 +214,7 @@ fn profile_decode(m: &mut CudaModel, dev: &CudaDevice, ctx: usize) -> Result<()>
     let mut s = m.new_sequence()?;
     m.forward(&p, &mut s, true)?;
     m.forward(&[1], &mut s, true)?; // warm-up of the one-row shapes
-    let marks = traced(m, dev, &[2], &mut s);
+    let marks = traced(m, dev, &[2], &[1], &mut [&mut s]);
     m.release(s);
     print_profile(&format!("one eager decode step, batch 1, ctx {ctx}"), &marks?)
 }
@@ -222,7 +228,7 @@ fn profile_prefill(m: &mut CudaModel, dev: &CudaDevice, t: usize) -> Result<()> 
     m.forward(&p, &mut s, true)?; // warm-up of the T-row shapes
     m.release(s);
     let mut s = m.new_sequence()?;
-    let marks = traced(m, dev, &p, &mut s);
+    let marks = traced(m, dev, &p, &[p.len()], &mut [&mut s]);
     m.release(s);
     let marks = marks?;
     print_profile(&format!("one eager prefill of T={t} tokens"), &marks)?;
@@ -243,9 +249,10 @@ fn profile_prefill(m: &mut CudaModel, dev: &CudaDevice, t: usize) -> Result<()> 
     Ok(())
 }
 
-/// One eager forward of `tokens` on `s` with a CUDA event at every named intermediate; the ms
-/// from each mark to the next (the last one: the output norm to the end, named `lm_head`).
-fn traced(m: &mut CudaModel, dev: &CudaDevice, tokens: &[u32], s: &mut CudaSeqState) -> Result<Vec<(String, f64)>> {
+/// One eager forward of `tokens` (`lens[i]` of them on `seqs[i]`) with a CUDA event at every
+/// named intermediate; the ms from each mark to the next (the last one: the output norm to the
+/// end, named `lm_head`).
+pub(crate) fn traced(m: &mut CudaModel, dev: &CudaDevice, tokens: &[u32], lens: &[usize], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<(String, f64)>> {
     use k3_core::cuda::Event;
     let start = dev.new_event(true)?;
     let mut marks: Vec<(String, Event)> = Vec::new();
@@ -256,7 +263,7 @@ fn traced(m: &mut CudaModel, dev: &CudaDevice, tokens: &[u32], s: &mut CudaSeqSt
         marks.push((name.to_string(), e));
         Ok(())
     };
-    m.forward_traced(Input::Tokens(tokens), &[tokens.len()], &mut [s], true, Some(&mut rec))?;
+    m.forward_traced(Input::Tokens(tokens), lens, seqs, true, Some(&mut rec))?;
     let end = dev.new_event(true)?;
     end.record(&dev.stream())?;
     end.synchronize()?;

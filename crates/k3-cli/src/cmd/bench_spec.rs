@@ -11,7 +11,9 @@
 //! all). Reported per workload and method: decode tokens/s (tokens after the first ÷ wall time
 //! after the first token, drafting and rollback included), tokens per decode step, draft
 //! acceptance, acceptance at each draft position, and whether the tokens equal plain greedy
-//! decoding's (they must).
+//! decoding's (they must on the CPU; on the GPU, whose rows are not bit-reproducible, they may
+//! part at a near-tie). With `--device cuda` the engines run on the GPU runner (CUDA graphs,
+//! verify steps eager), and the step costs are `bench_spec_cuda.rs`'s, at `--batches`.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -56,10 +58,30 @@ fn run_workload(e: &mut Engine, tok: &Tokenizer, name: &str, gen: usize) -> Resu
     Ok((outs, secs, toks, st))
 }
 
-pub fn bench_spec(a: &Args, methods: &str) -> Result<()> {
+/// `cuda`: on the GPU runner (`--device cuda`), else the CPU model.
+pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
     let dir = a.model.dir()?;
-    let model = Arc::new(Model::load(&Checkpoint::open(&dir)?)?);
-    let tok = Arc::new(Tokenizer::from_dir(&dir).with_context(|| format!("the tokenizer of {}", dir.display()))?);
+    let ck = Checkpoint::open(&dir)?;
+    let model = if cuda { None } else { Some(Arc::new(Model::load(&ck)?)) };
+    // The workloads need a tokenizer; the GPU's verify step costs do not (a `k3 init` checkpoint).
+    let tok = match Tokenizer::from_dir(&dir).with_context(|| format!("the tokenizer of {}", dir.display())) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) if cuda => {
+            println!("workloads  skipped: {e:#}; the verify step costs below need no tokenizer");
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    let engine = |spec: SpecConfig| -> Result<Engine> {
+        let cfg = EngineConfig { max_batch: 1, spec, ..Default::default() };
+        Ok(match &model {
+            Some(m) => Engine::new(m.clone(), tok.clone(), cfg),
+            None => {
+                let r = k3_engine::gpu::load_gpu(&ck, 0, 4, 16384, k3_model::capacity::KvDtype::Bf16, true, false)?;
+                Engine::with_runner(Box::new(r), tok.clone(), cfg)
+            }
+        })
+    };
     let mut list = vec![SpecConfig::default()];
     for m in methods.split(',').filter(|m| !m.is_empty()) {
         list.push(SpecConfig::from_flags(m, a.run.num_speculative_tokens)?);
@@ -69,14 +91,16 @@ pub fn bench_spec(a: &Args, methods: &str) -> Result<()> {
     }
     let gen = a.run.gen_len;
     let mut report = Vec::new();
-    for w in ["quote", "chat"] {
+    let workloads: &[&str] = if tok.is_some() { &["quote", "chat"] } else { &[] };
+    for &w in workloads {
+        let tok = tok.as_deref().context("a workload without a tokenizer")?;
         let mut plain: Option<Vec<Vec<u32>>> = None;
         // (tokens/s per round, stats, identical to plain)
         let mut acc: Vec<(Vec<f64>, SpecStats, bool)> = vec![(Vec::new(), SpecStats::default(), true); list.len()];
         for _round in 0..2 {
             for (i, sc) in list.iter().enumerate() {
-                let mut e = Engine::new(model.clone(), Some(tok.clone()), EngineConfig { max_batch: 1, spec: *sc, ..Default::default() });
-                let (outs, secs, n, st) = run_workload(&mut e, &tok, w, gen)?;
+                let mut e = engine(*sc)?;
+                let (outs, secs, n, st) = run_workload(&mut e, tok, w, gen)?;
                 match &plain {
                     None => plain = Some(outs),
                     Some(p) => acc[i].2 &= *p == outs,
@@ -106,6 +130,13 @@ pub fn bench_spec(a: &Args, methods: &str) -> Result<()> {
             }
         }
     }
+    let Some(model) = model else {
+        let costs = gpu_costs(&ck, a)?;
+        if a.json {
+            println!("{}", serde_json::to_string(&serde_json::json!({ "model": dir.display().to_string(), "gen_len": gen, "runs": report, "verify": costs }))?);
+        }
+        return Ok(());
+    };
     let costs = step_costs(&model, a.run.num_speculative_tokens)?;
     if a.json {
         let c: Vec<_> = costs.iter().map(|(r, ms)| serde_json::json!({"rows": r, "ms": ms})).collect();
@@ -120,6 +151,16 @@ pub fn bench_spec(a: &Args, methods: &str) -> Result<()> {
         println!("one sequence's step at 256 tokens of context (median of 15): plain decode {} | verify {}", c[0], c[1..].join(", "));
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_costs(ck: &Checkpoint, a: &Args) -> Result<serde_json::Value> {
+    super::bench_spec_cuda::verify_costs(ck, a)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_costs(_: &Checkpoint, _: &Args) -> Result<serde_json::Value> {
+    bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
 }
 
 /// Median wall time of one sequence's decode step (1 row) and of verify forwards of 2..=k+1 rows,

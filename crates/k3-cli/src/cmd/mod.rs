@@ -7,6 +7,8 @@ pub mod bench_grammar;
 pub mod bench_pipeline;
 pub mod bench_serve;
 pub mod bench_spec;
+#[cfg(feature = "cuda")]
+pub mod bench_spec_cuda;
 pub mod init;
 pub mod inspect;
 pub mod logits;

@@ -15,6 +15,7 @@ use k3_core::DType;
 
 use super::state::Step;
 use super::upload::{f32s, matrix, vector};
+use super::verify::KdaKept;
 use super::{lin, lin_many};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
@@ -97,15 +98,30 @@ impl Kda {
         let [q, k, v, beta, g_low, gate] = lin_many(x, ws)?; // q/k/v/gate [N, D], beta [N, nh], g_low [N, hd]
         let g = lin(&g_low, &self.f_b_proj, bf)?; // [N, D]
         let o = CudaTensor::uninit(x.cuda_device(), bf, q.shape().to_vec())?;
+        if let Some(keep) = &step.keep {
+            // A verify step: the raw inputs, for a rollback's replay (`verify.rs`).
+            let kept = KdaKept { q: q.clone(), k: k.clone(), v: v.clone(), g: g.clone(), beta: beta.clone(), gate: gate.clone() };
+            keep.lock().map_err(|_| ModelError::Internal("a verify step's kept inputs were poisoned".into()))?.push(kept);
+        }
         let inp = KdaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, gate: &gate };
-        let w =
-            KdaWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, o_norm: &self.o_norm, lower_bound: self.lower_bound, eps: self.eps };
+        let w = self.weights();
         if step.decode {
             kda_decode(&inp, &w, &step.slots, &self.conv_pool, &self.state_pool, &o)?;
         } else {
             kda_prefill(&inp, &w, &step.lens, &step.slots_host, &self.conv_pool, &self.state_pool, &o, None)?;
         }
         lin(&o, &self.o_proj, DType::F32)
+    }
+
+    /// The recurrence alone over `inp` (the rows of sequences `lens` in slots `slots`), output
+    /// discarded: a rollback's replay from a restored checkpoint (`verify.rs`).
+    pub(crate) fn replay(&self, inp: &KdaInputs, lens: &[usize], slots: &[u32]) -> Result<()> {
+        let o = CudaTensor::uninit(inp.q.cuda_device(), inp.q.dtype(), inp.q.shape().to_vec())?;
+        Ok(kda_prefill(inp, &self.weights(), lens, slots, &self.conv_pool, &self.state_pool, &o, None)?)
+    }
+
+    fn weights(&self) -> KdaWeights<'_> {
+        KdaWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, o_norm: &self.o_norm, lower_bound: self.lower_bound, eps: self.eps }
     }
 
     /// Bytes of weights one decode token reads.

@@ -19,6 +19,7 @@ mod prefix;
 mod stage;
 mod state;
 mod upload;
+mod verify;
 
 use k3_core::cuda::blas::{gemm, Algo, GemmOptions, Layout};
 use k3_core::cuda::gemv::{gemv, gemv_fits};
@@ -167,6 +168,8 @@ pub struct CudaModel {
     pub dtype: DType,
     pub cache: CacheConfig,
     pub(crate) free: Free,
+    /// The last verify step, for its rollback (`verify.rs`).
+    pub(crate) verified: Option<verify::Verified>,
 }
 
 impl CudaModel {
@@ -247,7 +250,8 @@ impl CudaModel {
             }),
             false => None,
         };
-        let model = CudaModel { embed_tokens, head, layers, config: cfg, dev: dev.clone(), plan: src.plan.clone(), groups, dtype: dt, cache, free };
+        let model =
+            CudaModel { embed_tokens, head, layers, config: cfg, dev: dev.clone(), plan: src.plan.clone(), groups, dtype: dt, cache, free, verified: None };
         dev.synchronize()?;
         src.done();
         Ok(model)

@@ -129,6 +129,8 @@ pub(crate) struct Step {
     pub last_rows: CudaTensor,
     /// Every sequence starts at position 0 (a fresh prefill: no cached context).
     pub fresh: bool,
+    /// A verify step: each KDA layer pushes its raw inputs here (`verify.rs`).
+    pub keep: Option<std::sync::Mutex<Vec<super::verify::KdaKept>>>,
 }
 
 fn i32s(dev: &CudaDevice, v: &[i32], shape: Vec<usize>) -> Result<CudaTensor> {
@@ -194,6 +196,7 @@ impl StepHost {
             max_len: self.max_len,
             last_rows: i32s(dev, &self.last_rows, vec![b])?,
             fresh: self.fresh,
+            keep: None,
         })
     }
 }
