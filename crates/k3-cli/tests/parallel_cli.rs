@@ -1,6 +1,7 @@
 //! The parallel layout from the command line: `k3 logits --tp/--ep/--pp` on the CPU (ranks as
 //! threads) writes the one-rank logits, bad layouts fail naming the flags, and the planner
-//! (`k3 inspect --tp/--pp --gpu-mem --json`) answers `fits` for real K3.
+//! (`k3 inspect --tp/--pp --gpu-mem --json`) answers `fits` for real K3; so does the one-GPU-host
+//! plan (`k3 inspect --gpu-mem --host-mem [--experts-on] [--*-bw]`).
 
 use std::process::{Command, Output};
 
@@ -71,4 +72,45 @@ fn planner_answers_fits() {
     assert!(c["reason"].as_str().unwrap().contains("more than --gpu-mem"), "{c}");
     let o = k3(&["inspect", "k3", "--tp", "8", "--gpu-mem=-3"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--gpu-mem"));
+}
+
+#[test]
+fn one_host_planner_places_the_experts() {
+    let plan = |args: &[&str]| -> Value {
+        let mut a = vec!["inspect", "k3", "--json"];
+        a.extend_from_slice(args);
+        let o = k3(&a);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<Value>(&o.stdout).unwrap()["placement"].clone()
+    };
+    let p = plan(&["--gpu-mem", "139", "--host-mem", "1536", "--gpu-bw", "4000", "--host-bw", "200", "--disk-bw", "7"]);
+    assert_eq!(p["fits"], true, "{p}");
+    let tiers = p["tiers"].as_array().unwrap();
+    let host = tiers.iter().find(|t| t["tier"] == "host").unwrap();
+    assert!(host["resident_bytes"].as_u64().unwrap() > 1_300_000_000_000, "{host}");
+    let floor = host["floor_ms"].as_f64().unwrap();
+    assert!((floor - host["bytes_per_token"].as_f64().unwrap() / 200e9 * 1e3).abs() < 1e-6, "{host}");
+    let p = plan(&["--gpu-mem", "139", "--host-mem", "256"]);
+    let disk = p["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "disk").unwrap().clone();
+    assert!(disk["resident_bytes"].as_u64().unwrap() > 0, "{disk}");
+    let p = plan(&["--gpu-mem", "139", "--host-mem", "256", "--experts-on", "cpu"]);
+    assert_eq!(p["fits"], false);
+    assert!(p["reason"].as_str().unwrap().contains("--host-mem"), "{p}");
+    // The table names every tier.
+    let o = k3(&["inspect", "k3", "--gpu-mem", "139", "--host-mem", "1536"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("one GPU host") && text.contains("fits: true"), "{text}");
+    for (args, flag) in [
+        (&["--host-mem", "100", "--experts-on", "nvme"][..], "--experts-on"),
+        (&["--host-mem", "100", "--tp", "2"], "--tp"),
+        (&["--gpu-bw", "3000"], "--gpu-bw"),
+        (&["--host-mem", "100", "--disk-bw", "0"], "--disk-bw"),
+        (&["--host-mem=-1"], "--host-mem"),
+    ] {
+        let mut a = vec!["inspect", "k3"];
+        a.extend_from_slice(args);
+        let o = k3(&a);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(flag), "{args:?}: {err}");
+    }
 }

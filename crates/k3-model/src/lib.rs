@@ -6,7 +6,9 @@
 //!   against the table.
 //! - [`inspect`]: parameter counts, bytes on disk, cache sizes (`k3 inspect`).
 //! - [`init`]: random-weight checkpoints in the release format (`k3 init`).
-//! - [`capacity`]: per-rank memory of a parallel layout (`k3 inspect --tp/--pp --gpu-mem`).
+//! - [`capacity`]: per-rank memory of a parallel layout (`k3 inspect --tp/--pp --gpu-mem`);
+//!   [`placement`]: trunk and routed experts over GPU, host memory and disk on one GPU host
+//!   (`k3 inspect --gpu-mem --host-mem`).
 //! - [`parallel`]: the sharding plan (`--tp/--ep/--pp` → what each rank holds) and the
 //!   groups a rank's forward talks to; [`source`]: one rank's shards of a checkpoint.
 //! - [`verify`]: speculative verification (the forward that scores drafts exactly as decode
@@ -18,6 +20,7 @@ pub mod error;
 pub mod init;
 pub mod inspect;
 pub mod parallel;
+pub mod placement;
 pub mod source;
 pub mod weights;
 

@@ -6,7 +6,10 @@
 //!
 //! `--tp/--ep/--pp` and `--gpu-mem GiB` add the planner (`k3_model::capacity`): weight bytes per
 //! rank, what is left for latent/indexer caches and KDA states (tokens, sequences at 128K and
-//! 1M context), and `fits: true|false` with the reason.
+//! 1M context), and `fits: true|false` with the reason. `--host-mem GiB` (or `--experts-on
+//! gpu|cpu|disk`) plans one GPU host instead (`k3_model::placement`): the trunk on the GPU, each
+//! MoE layer's routed experts on the GPU, in host memory or on disk, the bytes a decode token
+//! reads from each, and with `--gpu-bw/--host-bw/--disk-bw GB/s` the floor of a token.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -15,6 +18,7 @@ use anyhow::{Context, Result};
 use k3_model::capacity::{capacity, Capacity, KvDtype, GIB};
 use k3_model::config::{builtin_config, Config, Ffn, Mixer};
 use k3_model::inspect::{peak_resident_bytes, report, report_with_checkpoint, resident_bytes, resident_split, Report};
+use k3_model::placement::{place, Budget, Placement, Tier};
 use k3_model::{Checkpoint, Model};
 
 use super::args::ParallelArgs;
@@ -44,11 +48,69 @@ pub struct Args {
     /// Cache layout the planner counts: bf16 (2 B per value) or fp8 (vLLM's 656 B MLA + 132 B indexer).
     #[arg(long, default_value = "bf16")]
     pub kv_cache_dtype: String,
+    /// Host memory in GiB for routed experts: plans one GPU host (trunk on the GPU, experts on
+    /// the GPU, in host memory or on disk) instead of a parallel layout.
+    #[arg(long, value_name = "GIB")]
+    pub host_mem: Option<f64>,
+    /// With the one-host plan: every MoE layer's routed experts on this tier (default: the GPU
+    /// while they fit, then host memory, then disk).
+    #[arg(long, value_name = "gpu|cpu|disk")]
+    pub experts_on: Option<String>,
+    /// Bandwidths (GB/s) of the GPU's memory, host memory and the disk, for the one-host plan's
+    /// per-token floor.
+    #[arg(long, value_name = "GB/S")]
+    pub gpu_bw: Option<f64>,
+    #[arg(long, value_name = "GB/S")]
+    pub host_bw: Option<f64>,
+    #[arg(long, value_name = "GB/S")]
+    pub disk_bw: Option<f64>,
+}
+
+/// The one-GPU-host plan, when `--host-mem` or `--experts-on` asks for it.
+fn host_plan(a: &Args, cfg: &Config) -> Result<Option<Placement>> {
+    if a.host_mem.is_none() && a.experts_on.is_none() {
+        for (flag, v) in [("--gpu-bw", a.gpu_bw), ("--host-bw", a.host_bw), ("--disk-bw", a.disk_bw)] {
+            if v.is_some() {
+                anyhow::bail!("{flag} is for the one-GPU-host plan: give --host-mem GiB (or --experts-on) with it");
+            }
+        }
+        return Ok(None);
+    }
+    if a.parallel.layout()?.world() > 1 {
+        anyhow::bail!("--host-mem / --experts-on plan one GPU host: drop --tp/--ep/--pp (or drop --host-mem for the parallel plan)");
+    }
+    let experts_on = match a.experts_on.as_deref() {
+        None => None,
+        Some(s) => Some(Tier::parse(s).ok_or_else(|| anyhow::anyhow!("--experts-on `{s}` is not one of gpu, cpu, disk"))?),
+    };
+    let gpu = a.gpu_mem.unwrap_or(H200_GIB);
+    let host = a.host_mem.unwrap_or(0.0);
+    for (flag, v, zero_ok) in [("--gpu-mem", gpu, false), ("--host-mem", host, true), ("--reserve", a.reserve, true)] {
+        if !v.is_finite() || v < 0.0 || (!zero_ok && v == 0.0) {
+            anyhow::bail!("{flag} {v}: give a positive number of GiB");
+        }
+    }
+    let bw = |flag: &str, v: Option<f64>| -> Result<Option<f64>> {
+        match v {
+            Some(x) if !x.is_finite() || x <= 0.0 => anyhow::bail!("{flag} {x}: give a positive number of GB/s"),
+            v => Ok(v.map(|x| x * 1e9)),
+        }
+    };
+    let kv = KvDtype::parse(&a.kv_cache_dtype).ok_or_else(|| anyhow::anyhow!("--kv-cache-dtype `{}` is not one of bf16, fp8", a.kv_cache_dtype))?;
+    let b = Budget {
+        gpu_mem: (gpu * GIB) as u64,
+        host_mem: (host * GIB) as u64,
+        reserve: (a.reserve * GIB) as u64,
+        kv,
+        experts_on,
+        bandwidth: [bw("--gpu-bw", a.gpu_bw)?, bw("--host-bw", a.host_bw)?, bw("--disk-bw", a.disk_bw)?],
+    };
+    Ok(Some(place(cfg, &b)?))
 }
 
 fn plan(a: &Args, cfg: &Config) -> Result<Option<Capacity>> {
     let par = a.parallel.layout()?;
-    if par.world() == 1 && a.gpu_mem.is_none() {
+    if par.world() == 1 && (a.gpu_mem.is_none() || a.host_mem.is_some() || a.experts_on.is_some()) {
         return Ok(None);
     }
     let mem = a.gpu_mem.unwrap_or(H200_GIB);
@@ -86,16 +148,25 @@ pub fn run(a: Args) -> Result<()> {
         (report(&cfg), cfg)
     };
     let cap = plan(&a, &cfg)?;
+    let host = host_plan(&a, &cfg)?;
     if a.json {
         let mut v = serde_json::to_value(&r)?;
-        if let (Some(c), Some(o)) = (&cap, v.as_object_mut()) {
-            o.insert("capacity".into(), serde_json::to_value(c)?);
+        if let Some(o) = v.as_object_mut() {
+            if let Some(c) = &cap {
+                o.insert("capacity".into(), serde_json::to_value(c)?);
+            }
+            if let Some(p) = &host {
+                o.insert("placement".into(), serde_json::to_value(p)?);
+            }
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", text(&r));
         if let Some(c) = &cap {
             print!("{}", capacity_text(c));
+        }
+        if let Some(p) = &host {
+            print!("{}", placement_text(p));
         }
     }
     Ok(())
@@ -285,5 +356,55 @@ pub fn capacity_text(c: &Capacity) -> String {
         );
     }
     let _ = writeln!(s, "fits: {} — {}", c.fits, c.reason);
+    s
+}
+
+/// The one-GPU-host plan as text: each tier's bytes and per-token reads, the MoE layers per
+/// tier (runs of consecutive layers), the floor when bandwidths were given, and the verdict.
+pub fn placement_text(p: &Placement) -> String {
+    let g = |b: u64| format!("{:.1}", b as f64 / GIB);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\none GPU host: {} GiB GPU ({} GiB reserve), {} GiB host memory, {:?} cache{}",
+        g(p.gpu_mem_bytes),
+        g(p.reserve_bytes),
+        g(p.host_mem_bytes),
+        p.kv_cache_dtype,
+        p.experts_on.map_or(String::new(), |t| format!(", --experts-on {}", t.name()))
+    );
+    let _ = writeln!(
+        s,
+        "  trunk (all but the routed experts) {} GiB and one 128K-token sequence {} GiB on the GPU; a token reads {:.2} GB of the trunk",
+        g(p.trunk_bytes),
+        g(p.sequence_bytes),
+        p.trunk_bytes_per_token as f64 / 1e9
+    );
+    let _ = writeln!(s, "  {:<5} {:>12} {:>11} {:>13} {:>10}  MoE layers", "tier", "resident GiB", "budget GiB", "GB per token", "floor ms");
+    for t in &p.tiers {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for l in p.layers.iter().filter(|l| l.tier == t.tier) {
+            match runs.last_mut() {
+                Some(r) if r.1 + 1 == l.layer => r.1 = l.layer,
+                _ => runs.push((l.layer, l.layer)),
+            }
+        }
+        let runs: Vec<String> = runs.iter().map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
+        let _ = writeln!(
+            s,
+            "  {:<5} {:>12} {:>11} {:>13.2} {:>10}  {}",
+            t.tier.name(),
+            g(t.resident_bytes),
+            t.budget_bytes.map_or("-".to_string(), g),
+            t.bytes_per_token as f64 / 1e9,
+            t.floor_ms.map_or("-".to_string(), |f| format!("{f:.2}")),
+            if runs.is_empty() { "none".to_string() } else { runs.join(", ") }
+        );
+    }
+    if let (Some(a), Some(b)) = (p.floor_ms_serial, p.floor_ms_overlapped) {
+        let _ =
+            writeln!(s, "  floor per decode token: {a:.2} ms with the tiers in turn ({:.2} tok/s), {b:.2} ms fully overlapped ({:.2} tok/s)", 1e3 / a, 1e3 / b);
+    }
+    let _ = writeln!(s, "fits: {} — {}", p.fits, p.reason);
     s
 }
