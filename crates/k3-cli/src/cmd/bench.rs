@@ -352,6 +352,7 @@ fn sum8(c: &[f32]) -> f32 {
 
 fn bench_cpu_gemv(a: &Args) -> Result<()> {
     use k3_core::kernels::cpu::matmul::{linear, Matrix};
+    use k3_core::kernels::cpu::mxfp4_q8;
     use k3_core::{DType, Tensor};
     let usage = "--op gemv ROWS COLS [TOKENS] (COLS a multiple of 32)";
     let (op, dims) = a.op.op.split_first().context(usage)?;
@@ -366,9 +367,9 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
     let mut y = vec![0f32; t * rows];
     let (read_bw, copy_bw) = memory_bandwidth();
     let mut results = Vec::new();
-    for fmt in ["mxfp4", "bf16", "f32"] {
+    for fmt in ["mxfp4", "mxfp4-q8", "bf16", "f32"] {
         let per = match fmt {
-            "mxfp4" => rows * cols / 2 + rows * cols / 32,
+            "mxfp4" | "mxfp4-q8" => rows * cols / 2 + rows * cols / 32,
             "bf16" => rows * cols * 2,
             _ => rows * cols * 4,
         };
@@ -376,7 +377,7 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
         let mats: Vec<Matrix> = (0..copies)
             .map(|_| -> Result<Matrix> {
                 Ok(match fmt {
-                    "mxfp4" => {
+                    "mxfp4" | "mxfp4-q8" => {
                         let p: Vec<u8> = (0..rows * cols / 2).map(|_| rng.random()).collect();
                         let sc: Vec<u8> = (0..rows * cols / 32).map(|_| rng.random_range(116..124)).collect();
                         Matrix::mxfp4(Tensor::from_bytes(DType::U8, vec![rows, cols / 2], &p)?, Tensor::from_bytes(DType::U8, vec![rows, cols / 32], &sc)?)?
@@ -397,7 +398,14 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
         for pass in 0..4 {
             let t0 = Instant::now();
             for m in &mats {
-                linear(&x, t, m, &mut y)?;
+                match (fmt, m) {
+                    // int8 activations (quantized inside the timed call, as a caller would).
+                    ("mxfp4-q8", Matrix::Mxfp4 { packed, scale }) => {
+                        let qs = x.chunks_exact(cols).map(mxfp4_q8::quantize).collect::<k3_core::Result<Vec<_>>>()?;
+                        mxfp4_q8::gemv(packed.bytes(), scale.bytes(), rows, cols, &qs, &mut y)?;
+                    }
+                    _ => linear(&x, t, m, &mut y)?,
+                }
             }
             if pass > 0 {
                 best = best.min(t0.elapsed().as_secs_f64());

@@ -3,7 +3,8 @@
 //!
 //! - `matmul`: `y = x Wᵀ` for every weight format (GEMM via `gemm` for many rows, a
 //!   bandwidth-bound GEMV for few), multithreaded with `rayon`.
-//! - `mxfp4`: the e2m1 + E8M0 decode (around-backbone §2.2).
+//! - `mxfp4`: the e2m1 + E8M0 decode (around-backbone §2.2); `mxfp4_q8`: MXFP4 × int8
+//!   activations, for routed experts computed beside a GPU trunk (issue 23; not the oracle).
 //! - `norm`: RMSNorm, LayerNorm, L2 norm.
 //! - `kda`: the KDA delta-rule core, recurrent and chunkwise (text-backbone §3.4–3.5).
 //! - `act`: sigmoid, SiLU, SiTU-GLU (text-backbone §7.4), softmax.
@@ -20,4 +21,5 @@ pub mod act;
 pub mod kda;
 pub mod matmul;
 pub mod mxfp4;
+pub mod mxfp4_q8;
 pub mod norm;
