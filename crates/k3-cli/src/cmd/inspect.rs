@@ -39,7 +39,8 @@ pub struct Args {
     #[command(flatten)]
     pub parallel: ParallelArgs,
     /// Memory of each GPU in GiB, for the planner (default 139, one H200). Giving it, or any
-    /// of --tp/--ep/--pp above 1, adds the per-rank memory plan.
+    /// of --tp/--ep/--pp above 1, adds the per-rank memory plan (with --host-mem: the
+    /// one-GPU-host plan instead).
     #[arg(long, value_name = "GIB")]
     pub gpu_mem: Option<f64>,
     /// GiB per GPU kept for the CUDA context, GEMM workspaces and a prefill chunk's activations.
