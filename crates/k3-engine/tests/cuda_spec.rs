@@ -17,15 +17,14 @@
 
 #[path = "../../../tests/support/cuda.rs"]
 mod cuda;
-
-use std::collections::HashMap;
-use std::sync::Arc;
+#[path = "support/replay.rs"]
+mod replay;
 
 use cuda::{device, say};
 use k3_engine::dist::runner::Runner;
 use k3_engine::engine::ProposerFactory;
 use k3_engine::gpu::load_gpu;
-use k3_engine::spec::{Draft, Proposer, SpecConfig, SpecMethod, SpecStats};
+use k3_engine::spec::{SpecConfig, SpecMethod, SpecStats};
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
 use k3_model::capacity::KvDtype;
 use k3_model::config::builtin_config;
@@ -83,25 +82,6 @@ fn drive(runner: Box<dyn Runner>, cfg: EngineConfig, prompts: &[Vec<u32>], f: Op
     (out, e.spec_totals().clone())
 }
 
-/// Drafts the plain run's own continuation with every third drafted position wrong and no
-/// draft at every fourth output position.
-struct Replay {
-    prompt_len: usize,
-    out: Arc<Vec<u32>>,
-    vocab: u32,
-}
-
-impl Proposer for Replay {
-    fn propose(&mut self, context: &[u32], k: usize) -> Draft {
-        let p = context.len() - self.prompt_len;
-        if p % 4 == 1 {
-            return Draft::default();
-        }
-        let tokens = (p..(p + k).min(self.out.len())).map(|i| if i % 3 == 2 { (self.out[i] + 1) % self.vocab } else { self.out[i] }).collect();
-        Draft { tokens, probs: None }
-    }
-}
-
 /// `got` equals `plain` up to a near-tie of the plain run: where they first part, the plain
 /// run's runner-up is `got`'s token, within `tie` in logprob of the plain token.
 fn same_up_to_tie(got: &[u32], plain: &Out, tie: f32, what: &str) -> Result<(), String> {
@@ -145,11 +125,7 @@ fn check(name: &str, ck: &Checkpoint) {
     }
     let tie = TIE.max(4.0 * noise);
     say(&format!("  {name}: plain run-to-run logprob noise {noise:.2e}, near-tie bound {tie:.3}"));
-    let by_prompt: Arc<HashMap<Vec<u32>, Vec<u32>>> = Arc::new(ps.iter().cloned().zip(plain.iter().map(|o| o.tokens.clone())).collect());
-    let replay: ProposerFactory = {
-        let by = by_prompt.clone();
-        Arc::new(move |r: &Request| Box::new(Replay { prompt_len: r.prompt.len(), out: Arc::new(by[&r.prompt].clone()), vocab }) as Box<dyn Proposer>)
-    };
+    let replay = replay::replay(ps.iter().cloned().zip(plain.iter().map(|o| o.tokens.clone())).collect(), vocab);
     let mut errors = Vec::new();
     let runs = [
         (SpecMethod::Ngram, 1, false),

@@ -23,6 +23,9 @@ use k3_model::{Checkpoint, Config, ForwardOpts, Model};
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
 use golden::fixture;
+#[path = "support/replay.rs"]
+mod replay;
+use replay::replay;
 
 /// One forward the engine ran: (sequence, rows of logits it got) in step order, and the logits.
 type Call = (Vec<(u64, usize)>, Vec<f32>);
@@ -126,31 +129,6 @@ fn same_trace(a: &[(u32, Vec<f32>)], b: &[(u32, Vec<f32>)], what: &str) {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert!(x.1.iter().zip(&y.1).all(|(p, q)| p.to_bits() == q.to_bits()), "{what}: logits of token {i} differ");
     }
-}
-
-/// Drafts the plain run's own continuation with every third drafted position wrong and no
-/// draft at every fourth output position: accepted, rejected and plain rows all occur.
-struct Replay {
-    prompt_len: usize,
-    out: Arc<Vec<u32>>,
-    vocab: u32,
-}
-
-impl Proposer for Replay {
-    fn propose(&mut self, context: &[u32], k: usize) -> Draft {
-        let p = context.len() - self.prompt_len;
-        if p % 4 == 1 {
-            return Draft::default();
-        }
-        let tokens = (p..(p + k).min(self.out.len())).map(|i| if i % 3 == 2 { (self.out[i] + 1) % self.vocab } else { self.out[i] }).collect();
-        Draft { tokens, probs: None }
-    }
-}
-
-/// A factory of [`Replay`] proposers for requests whose plain output is in `plain` (by prompt).
-fn replay(plain: HashMap<Vec<u32>, Vec<u32>>, vocab: u32) -> k3_engine::engine::ProposerFactory {
-    let plain = Arc::new(plain);
-    Arc::new(move |r: &Request| Box::new(Replay { prompt_len: r.prompt.len(), out: Arc::new(plain[&r.prompt].clone()), vocab }) as Box<dyn Proposer>)
 }
 
 /// Like [`drive`] with a proposer factory.
