@@ -22,6 +22,8 @@
 
 #[path = "../../../tests/support/cuda.rs"]
 mod cuda;
+#[path = "../../../tests/support/random_model.rs"]
+mod random_model;
 #[path = "support/recorder.rs"]
 mod recorder;
 
@@ -30,11 +32,13 @@ use k3_engine::gpu::{load_gpu, GpuRunner};
 use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
 use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::capacity::KvDtype;
-use k3_model::config::builtin_config;
-use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::Checkpoint;
+use random_model::random;
 use recorder::{Log, Mutate, Rec};
 use serde_json::json;
+
+/// The seed of the random checkpoints.
+const SEED: u64 = 21;
 
 const GRID: usize = 128;
 /// A warm row may differ from a cold one by this many times the cold-vs-cold difference.
@@ -97,27 +101,14 @@ struct Model {
     kv: KvDtype,
 }
 
-/// A random checkpoint from builtin config `base` with KDA head dim 32 (the GPU's smallest)
-/// and every token routed to every one of 4 experts (`set`: more overrides).
-fn random(dir: &std::path::Path, base: &str, set: &[(&str, serde_json::Value)]) -> Checkpoint {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let mut all = vec![("linear_attn_config.head_dim", json!(32)), ("num_experts", json!(4)), ("num_experts_per_token", json!(4))];
-    all.extend(set.iter().cloned());
-    let ov = Overrides { set: all.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(), ..Default::default() };
-    let d = dir.join(format!("{base}-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
-    let o = InitOptions { seed: 21, dtype: FloatDType::BF16, experts: ExpertFormat::Float(FloatDType::BF16), shard_size: None };
-    init(builtin_config(base).unwrap(), &ov, &d, &o).unwrap();
-    Checkpoint::open(&d).unwrap()
-}
-
 /// The random models (every expert routed, so the GPU forward is run-to-run deterministic:
 /// measured 0 between cold runs) and k3-nano (trained, top-k routing: cold runs differ).
 fn models(dir: &std::path::Path) -> Vec<Model> {
     let nano = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
     vec![
-        Model { name: "tiny, bf16 caches", ck: random(dir, "tiny", &[]), kv: KvDtype::Bf16 },
-        Model { name: "tiny, fp8 caches", ck: random(dir, "tiny", &[]), kv: KvDtype::Fp8 },
-        Model { name: "tiny_dsa, indexer top-8", ck: random(dir, "tiny_dsa", &[("dsa_config.index_topk", json!(8))]), kv: KvDtype::Bf16 },
+        Model { name: "tiny, bf16 caches", ck: random(dir, "tiny", SEED, &[]), kv: KvDtype::Bf16 },
+        Model { name: "tiny, fp8 caches", ck: random(dir, "tiny", SEED, &[]), kv: KvDtype::Fp8 },
+        Model { name: "tiny_dsa, indexer top-8", ck: random(dir, "tiny_dsa", SEED, &[("dsa_config.index_topk", json!(8))]), kv: KvDtype::Bf16 },
         Model { name: "k3-nano, bf16 caches", ck: Checkpoint::open(&nano).unwrap(), kv: KvDtype::Bf16 },
         Model { name: "k3-nano, fp8 caches", ck: Checkpoint::open(&nano).unwrap(), kv: KvDtype::Fp8 },
     ]

@@ -17,6 +17,8 @@
 
 #[path = "../../../tests/support/cuda.rs"]
 mod cuda;
+#[path = "../../../tests/support/random_model.rs"]
+mod random_model;
 #[path = "support/replay.rs"]
 mod replay;
 
@@ -27,26 +29,18 @@ use k3_engine::gpu::load_gpu;
 use k3_engine::spec::{SpecConfig, SpecMethod, SpecStats};
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
 use k3_model::capacity::KvDtype;
-use k3_model::config::builtin_config;
-use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::Checkpoint;
+use random_model::random;
 use serde_json::json;
+
+/// The seed of the random checkpoints.
+const SEED: u64 = 22;
 
 /// Two plain candidates this close in logprob are a near-tie a speculative run may break the other
 /// way (or 4× the measured run-to-run noise, if larger: k3-nano's GPU forward is not
 /// bit-reproducible, the random models' is).
 const TIE: f32 = 0.05;
 const GEN: usize = 40;
-
-fn random(dir: &std::path::Path, base: &str, set: &[(&str, serde_json::Value)]) -> Checkpoint {
-    let mut all = vec![("linear_attn_config.head_dim", json!(32)), ("num_experts", json!(4)), ("num_experts_per_token", json!(4))];
-    all.extend(set.iter().cloned());
-    let ov = Overrides { set: all.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(), ..Default::default() };
-    let d = dir.join(base);
-    let o = InitOptions { seed: 22, dtype: FloatDType::BF16, experts: ExpertFormat::Float(FloatDType::BF16), shard_size: None };
-    init(builtin_config(base).unwrap(), &ov, &d, &o).unwrap();
-    Checkpoint::open(&d).unwrap()
-}
 
 /// Prompts that repeat themselves, so that n-gram drafts are found.
 fn prompts(vocab: u32) -> Vec<Vec<u32>> {
@@ -165,8 +159,8 @@ fn gpu_greedy_spec_equals_plain() {
     let Some(_) = device("gpu_greedy_spec_equals_plain") else { return };
     let dir = tempfile::tempdir().unwrap();
     let nano = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
-    check("tiny", &random(dir.path(), "tiny", &[]));
-    check("tiny_dsa, indexer top-8", &random(dir.path(), "tiny_dsa", &[("dsa_config.index_topk", json!(8))]));
+    check("tiny", &random(dir.path(), "tiny", SEED, &[]));
+    check("tiny_dsa, indexer top-8", &random(dir.path(), "tiny_dsa", SEED, &[("dsa_config.index_topk", json!(8))]));
     check("k3-nano", &Checkpoint::open(&nano).unwrap());
 }
 

@@ -24,28 +24,21 @@
 
 #[path = "../../../tests/support/cuda.rs"]
 mod cuda;
+#[path = "../../../tests/support/random_model.rs"]
+mod random_model;
 
 use cuda::{device, say};
 use k3_model::capacity::KvDtype;
-use k3_model::config::builtin_config;
 use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input};
-use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::Checkpoint;
+use random_model::random;
 use serde_json::json;
+
+/// The seed of the random checkpoints.
+const SEED: u64 = 22;
 
 const PROMPT: usize = 300;
 const DRAFT: usize = 6;
-
-fn random(dir: &std::path::Path, base: &str, set: &[(&str, serde_json::Value)]) -> Checkpoint {
-    let mut all = vec![("linear_attn_config.head_dim", json!(32)), ("num_experts", json!(4)), ("num_experts_per_token", json!(4))];
-    all.extend(set.iter().cloned());
-    let ov = Overrides { set: all.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(), ..Default::default() };
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let d = dir.join(format!("{base}-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
-    let o = InitOptions { seed: 22, dtype: FloatDType::BF16, experts: ExpertFormat::Float(FloatDType::BF16), shard_size: None };
-    init(builtin_config(base).unwrap(), &ov, &d, &o).unwrap();
-    Checkpoint::open(&d).unwrap()
-}
 
 fn rel(a: &[f32], b: &[f32]) -> f64 {
     let (mut num, mut den) = (0.0f64, 0.0f64);
@@ -137,8 +130,8 @@ fn verify_rows_and_rollback_equal_plain_paths() {
     let dir = tempfile::tempdir().unwrap();
     let nano = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
     let nano = Checkpoint::open(&nano).unwrap();
-    check("tiny, bf16 caches", &random(dir.path(), "tiny", &[]), KvDtype::Bf16, 2e-2);
-    check("tiny, fp8 caches", &random(dir.path(), "tiny", &[]), KvDtype::Fp8, 4e-2);
-    check("tiny_dsa, indexer top-64", &random(dir.path(), "tiny_dsa", &[("dsa_config.index_topk", json!(64))]), KvDtype::Bf16, 2e-2);
+    check("tiny, bf16 caches", &random(dir.path(), "tiny", SEED, &[]), KvDtype::Bf16, 2e-2);
+    check("tiny, fp8 caches", &random(dir.path(), "tiny", SEED, &[]), KvDtype::Fp8, 4e-2);
+    check("tiny_dsa, indexer top-64", &random(dir.path(), "tiny_dsa", SEED, &[("dsa_config.index_topk", json!(64))]), KvDtype::Bf16, 2e-2);
     check("k3-nano, bf16 caches", &nano, KvDtype::Bf16, 2e-2);
 }
