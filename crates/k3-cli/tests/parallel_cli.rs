@@ -55,15 +55,18 @@ fn bad_layouts_name_the_flags() {
     }
 }
 
+/// `k3 inspect k3 --json ARGS`'s object `key` (the command must succeed).
+fn inspect_json(args: &[&str], key: &str) -> Value {
+    let mut a = vec!["inspect", "k3", "--json"];
+    a.extend_from_slice(args);
+    let o = k3(&a);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice::<Value>(&o.stdout).unwrap()[key].clone()
+}
+
 #[test]
 fn planner_answers_fits() {
-    let fits = |args: &[&str]| -> Value {
-        let mut a = vec!["inspect", "k3", "--json"];
-        a.extend_from_slice(args);
-        let o = k3(&a);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice::<Value>(&o.stdout).unwrap()["capacity"].clone()
-    };
+    let fits = |args: &[&str]| inspect_json(args, "capacity");
     let c = fits(&["--tp", "8", "--pp", "2", "--gpu-mem", "139"]);
     assert_eq!(c["fits"], true, "{c}");
     assert_eq!(c["ranks"].as_array().unwrap().len(), 16);
@@ -76,13 +79,7 @@ fn planner_answers_fits() {
 
 #[test]
 fn one_host_planner_places_the_experts() {
-    let plan = |args: &[&str]| -> Value {
-        let mut a = vec!["inspect", "k3", "--json"];
-        a.extend_from_slice(args);
-        let o = k3(&a);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice::<Value>(&o.stdout).unwrap()["placement"].clone()
-    };
+    let plan = |args: &[&str]| inspect_json(args, "placement");
     let p = plan(&["--gpu-mem", "139", "--host-mem", "1536", "--gpu-bw", "4000", "--host-bw", "200", "--disk-bw", "7"]);
     assert_eq!(p["fits"], true, "{p}");
     let tiers = p["tiers"].as_array().unwrap();

@@ -113,15 +113,8 @@ pub fn dots(packed: &[u8], scale: &[u8], xs: &[Q8], out: &mut [f32]) {
     }
 }
 
-/// One row against one quantized token.
-#[inline]
-pub fn dot(packed: &[u8], scale: &[u8], x: &Q8) -> f32 {
-    let mut o = [0f32];
-    dots(packed, scale, std::slice::from_ref(x), &mut o);
-    o[0]
-}
-
-/// The portable form of [`dot`] (same integer block sums; the float sum in block order).
+/// The portable form of one row of [`dots`] (same integer block sums; the float sum in block
+/// order).
 pub fn dot_scalar(packed: &[u8], scale: &[u8], x: &Q8) -> f32 {
     let mut acc = 0f32;
     for (b, (p, &s)) in packed.chunks_exact(16).zip(scale).enumerate() {
