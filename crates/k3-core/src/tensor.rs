@@ -16,8 +16,10 @@ use crate::{CoreError, DType, Device, Result};
 pub enum Storage {
     /// `len` bytes starting at `start` inside a shared memory map.
     Mapped { map: Arc<Mmap>, start: usize, len: usize },
-    /// Bytes owned by the tensor (kept 8-byte aligned so any dtype can be viewed in place).
-    Owned(Arc<Vec<u64>>, usize),
+    /// `len` bytes at byte `start` of words owned by the tensor, or shared by several tensors
+    /// read into one buffer (an expert's weights read from disk, `k3-model` `offload`); words
+    /// keep the bytes 8-byte aligned so any dtype can be viewed in place when `start` is.
+    Owned { words: Arc<Vec<u64>>, start: usize, len: usize },
 }
 
 #[derive(Clone)]
@@ -58,7 +60,20 @@ impl Tensor {
         }
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-        Ok(Tensor { dtype, shape, storage: Storage::Owned(Arc::new(words), bytes.len()) })
+        Ok(Tensor { dtype, shape, storage: Storage::Owned { words: Arc::new(words), start: 0, len: bytes.len() } })
+    }
+
+    /// A view of `len` bytes at byte `start` of a shared word buffer (no copy). Checks that the
+    /// byte count matches and that the range lies inside the buffer.
+    pub fn shared(dtype: DType, shape: Vec<usize>, words: Arc<Vec<u64>>, start: usize, len: usize) -> Result<Self> {
+        let want = numel(&shape) * dtype.size_in_bytes();
+        if want != len || start + len > words.len() * 8 {
+            return Err(CoreError::Shape {
+                op: "Tensor::shared",
+                detail: format!("{dtype} {shape:?} needs {want} bytes, the buffer holds {len} at offset {start} of {}", words.len() * 8),
+            });
+        }
+        Ok(Tensor { dtype, shape, storage: Storage::Owned { words, start, len } })
     }
 
     pub fn from_f32(shape: Vec<usize>, data: &[f32]) -> Result<Self> {
@@ -93,7 +108,7 @@ impl Tensor {
     pub fn bytes(&self) -> &[u8] {
         match &self.storage {
             Storage::Mapped { map, start, len } => &map[*start..*start + *len],
-            Storage::Owned(words, len) => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
+            Storage::Owned { words, start, len } => &bytemuck::cast_slice::<u64, u8>(words)[*start..*start + *len],
         }
     }
 
@@ -114,13 +129,13 @@ impl Tensor {
         let len = n * self.dtype.size_in_bytes();
         let storage = match &self.storage {
             Storage::Mapped { map, start, .. } => Storage::Mapped { map: map.clone(), start: *start, len },
-            Storage::Owned(w, _) => Storage::Owned(w.clone(), len),
+            Storage::Owned { words, start, .. } => Storage::Owned { words: words.clone(), start: *start, len },
         };
         Ok(Tensor { dtype: self.dtype, shape: vec![n], storage })
     }
 
-    /// Rows `[r0, r0 + n)` of dim 0 (any rank ≥ 1): a view of the same memory map, no copy
-    /// (an owned tensor is copied). This is how a rank takes its heads or vocabulary rows.
+    /// Rows `[r0, r0 + n)` of dim 0 (any rank ≥ 1): a view of the same memory map or buffer, no
+    /// copy. This is how a rank takes its heads or vocabulary rows.
     pub fn narrow_rows(&self, r0: usize, n: usize) -> Result<Self> {
         let rows = *self.shape.first().ok_or_else(|| CoreError::Shape { op: "narrow_rows", detail: "a 0-d tensor has no rows".into() })?;
         if r0 + n > rows {
@@ -133,7 +148,9 @@ impl Tensor {
             Storage::Mapped { map, start, .. } => {
                 Ok(Tensor { dtype: self.dtype, shape, storage: Storage::Mapped { map: map.clone(), start: start + r0 * row_bytes, len: n * row_bytes } })
             }
-            Storage::Owned(..) => Self::from_bytes(self.dtype, shape, &self.bytes()[r0 * row_bytes..(r0 + n) * row_bytes]),
+            Storage::Owned { words, start, .. } => {
+                Ok(Tensor { dtype: self.dtype, shape, storage: Storage::Owned { words: words.clone(), start: start + r0 * row_bytes, len: n * row_bytes } })
+            }
         }
     }
 
@@ -224,5 +241,15 @@ mod tests {
         assert_eq!(&*c.as_f32().unwrap(), &[1., 2., 5., 6.]);
         assert_eq!(m.narrow_cols(4, 0).unwrap().numel(), 0);
         assert!(t.narrow_cols(0, 1).is_err());
+    }
+
+    #[test]
+    fn shared_views() {
+        let words = Arc::new((0..4u64).map(|i| i * 0x0101_0101_0101_0101).collect::<Vec<_>>()); // bytes 0×8, 1×8, 2×8, 3×8
+        let t = Tensor::shared(DType::U8, vec![2, 4], words.clone(), 12, 8).unwrap();
+        assert_eq!(t.as_u8().unwrap(), &[1, 1, 1, 1, 2, 2, 2, 2]);
+        assert_eq!(t.narrow_rows(1, 1).unwrap().as_u8().unwrap(), &[2, 2, 2, 2]);
+        assert!(Tensor::shared(DType::U8, vec![8], words.clone(), 28, 8).is_err(), "past the buffer");
+        assert!(Tensor::shared(DType::F32, vec![3], words, 0, 8).is_err(), "wrong byte count");
     }
 }

@@ -8,7 +8,8 @@
 //! - [`init`]: random-weight checkpoints in the release format (`k3 init`).
 //! - [`capacity`]: per-rank memory of a parallel layout (`k3 inspect --tp/--pp --gpu-mem`);
 //!   [`placement`]: trunk and routed experts over GPU, host memory and disk on one GPU host
-//!   (`k3 inspect --gpu-mem --host-mem`).
+//!   (`k3 inspect --gpu-mem --host-mem`); [`offload`]: routed experts off the GPU — the disk
+//!   tier's expert cache, and the options that pick each layer's tier.
 //! - [`parallel`]: the sharding plan (`--tp/--ep/--pp` → what each rank holds) and the
 //!   groups a rank's forward talks to; [`source`]: one rank's shards of a checkpoint.
 //! - [`verify`]: speculative verification (the forward that scores drafts exactly as decode
@@ -19,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod init;
 pub mod inspect;
+pub mod offload;
 pub mod parallel;
 pub mod placement;
 pub mod source;

@@ -22,7 +22,7 @@ use crate::layers::attn_res::{AttnRes, Residual};
 use crate::layers::ffn::Mlp;
 use crate::layers::kda::{Kda, KdaMode, KdaState, StateDType};
 use crate::layers::mla::{Mla, MlaCache, MlaForm};
-use crate::layers::moe::Moe;
+use crate::layers::moe::{ExpertSource, Moe};
 use crate::layers::{lin, matrix, vector};
 use crate::parallel::{Groups, RankPlan};
 use crate::source::Source;
@@ -165,6 +165,17 @@ impl Model {
     /// One rank's model: only the tensors `plan` gives it are touched (row shards are views of
     /// the memory map, column shards copies). `scan_scales`: check every MXFP4 scale byte now.
     pub fn load_rank(ck: &Checkpoint, plan: RankPlan, groups: Groups, scan_scales: bool) -> Result<Model> {
+        Self::load_rank_with(ck, plan, groups, scan_scales, &ExpertSource::default())
+    }
+
+    /// The whole model on one rank with its routed experts from `experts` (e.g. read from disk
+    /// through an expert cache: `offload::cpu_source`).
+    pub fn load_with(ck: &Checkpoint, experts: &ExpertSource) -> Result<Model> {
+        Self::load_rank_with(ck, RankPlan::single(&ck.config), Groups::single(), true, experts)
+    }
+
+    /// [`Model::load_rank`] with the routed experts from `experts`.
+    pub fn load_rank_with(ck: &Checkpoint, plan: RankPlan, groups: Groups, scan_scales: bool, experts: &ExpertSource) -> Result<Model> {
         let cfg = ck.config.clone();
         let src = Source::checked(ck, plan)?;
         let t = &cfg.text;
@@ -191,7 +202,7 @@ impl Model {
                             let inter = plan.tp_share(t.intermediate_size).len();
                             Ffn::Dense(Mlp::load(&src, &format!("{p}mlp."), h, inter, t.activation_situ_beta, t.activation_situ_linear_beta)?)
                         }
-                        FfnKind::Moe => Ffn::Moe(Moe::load(&src, &cfg, l, scan_scales)?),
+                        FfnKind::Moe => Ffn::Moe(Moe::load(&src, &cfg, l, scan_scales, experts)?),
                     },
                 })
             })
@@ -451,6 +462,7 @@ impl Model {
     /// average size), one embedding row and its `lm_head` rows. Used to turn decode time into
     /// bandwidth.
     pub fn weight_bytes_per_token(&self) -> u64 {
+        use crate::layers::experts::Weights;
         use crate::layers::moe::Expert;
         let m = |x: &Matrix| x.bytes() as u64;
         let mut total = self.head.as_ref().map_or(0, |o| m(&o.lm_head)) + self.embed_tokens.as_ref().map_or(0, |e| (e.bytes() / e.rows().max(1)) as u64);
@@ -467,13 +479,17 @@ impl Model {
                 Ffn::Moe(e) => {
                     let ex = |x: &Expert| m(&x.w1) + m(&x.w2) + m(&x.w3);
                     // The average expert this rank holds, times the share of routed pairs it gets.
-                    let avg = e.experts.iter().map(ex).sum::<u64>() / e.experts.len().max(1) as u64;
+                    let held = e.routed.mapped();
+                    let avg = match &e.routed.weights {
+                        Weights::Mapped(_) => held.iter().map(ex).sum::<u64>() / held.len().max(1) as u64,
+                        Weights::Streamed(c) => c.expert_bytes(e.routed.layer, e.routed.first_expert),
+                    };
                     let sh = e.shared_experts.as_ref().map_or(0, |f| m(&f.gate_proj) + m(&f.up_proj) + m(&f.down_proj));
                     m(&e.gate)
                         + m(&e.routed_expert_down_proj)
                         + m(&e.routed_expert_up_proj)
                         + sh
-                        + avg * self.config.text.num_experts_per_token as u64 * e.experts.len() as u64 / self.config.text.num_experts.max(1) as u64
+                        + avg * self.config.text.num_experts_per_token as u64 * e.routed.count as u64 / self.config.text.num_experts.max(1) as u64
                 }
             };
         }

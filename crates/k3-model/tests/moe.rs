@@ -37,7 +37,7 @@ fn moe_equals_masked_dense_reference_on(fx: &str) {
             let mut z = vec![0f32; t * lat];
             k3_core::kernels::cpu::matmul::linear(&x, t, &m.routed_expert_down_proj, &mut z).unwrap();
             let mut r = vec![0f32; t * lat];
-            for (e, ex) in m.experts.iter().enumerate() {
+            for (e, ex) in m.routed.mapped().iter().enumerate() {
                 let y = m.expert_forward(ex, &z, t).unwrap();
                 for tok in 0..t {
                     let w = routes[tok].iter().find(|(id, _)| *id == e).map_or(0.0, |p| p.1);

@@ -5,7 +5,8 @@
 //! `[T, lat]`; each expert runs only on the tokens routed to it (tokens grouped by expert):
 //! `y = w2 · SiTU-GLU(w1 z, w3 z)`; `r = Σ w_i y_i`, `r · routed_scaling_factor` (once),
 //! `RMSNorm_lat(r)`, `W_up r` `[T, H]`. Plus the shared experts on the full-width `x`.
-//! Expert weights are F32/BF16 or MXFP4, multiplied in place.
+//! Expert weights are F32/BF16 or MXFP4, multiplied in place; where they are (mapped, or read
+//! from disk when routed) and which kernel computes them is `experts.rs`.
 //!
 //! Parallel (`parallel.rs`): the router and the latent down-projection are split by rows over
 //! the stage's ranks (each computes its block of the logits and of `z`; one all-gather joins
@@ -14,16 +15,19 @@
 //! adds the partials — of `r` and, when they are split over the same ranks, of the shared
 //! experts' output in the same buffer — before the latent RMSNorm, which is not linear.
 
-use k3_core::comm::{part, Group, Single};
-use k3_core::kernels::cpu::act::{sigmoid, situ_glu_slice};
-use k3_core::kernels::cpu::matmul::{row_exact, with_row_exact, Matrix};
-use k3_core::kernels::cpu::norm::rms_norm_inplace;
-use rayon::prelude::*;
+use std::sync::Arc;
 
+use k3_core::comm::{part, Group, Single};
+use k3_core::kernels::cpu::act::sigmoid;
+use k3_core::kernels::cpu::matmul::Matrix;
+use k3_core::kernels::cpu::norm::rms_norm_inplace;
+
+use super::experts::{Kernel, RoutedExperts, Weights};
 use super::ffn::Mlp;
 use super::{lin, matrix, vector};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::offload::cache::ExpertCache;
 use crate::source::{Source, Tensors};
 
 pub struct Expert {
@@ -41,9 +45,9 @@ pub struct Moe {
     pub routed_expert_norm: Option<Vec<f32>>,
     pub routed_expert_up_proj: Matrix,
     pub shared_experts: Option<Mlp>,
-    /// This rank's routed experts: global ids `first_expert..first_expert + experts.len()`.
-    pub experts: Vec<Expert>,
-    pub first_expert: usize,
+    /// This rank's routed experts (global ids `routed.first_expert..`): their weights (mapped
+    /// or streamed) and kernel.
+    pub routed: RoutedExperts,
     num_experts: usize,
     /// Width of the latent space (all ranks).
     latent: usize,
@@ -55,8 +59,14 @@ pub struct Moe {
     renormalize: bool,
     scaling: f32,
     eps: f32,
-    beta: f32,
-    linear_beta: f32,
+}
+
+/// Where a layer's routed experts come from and how they are computed (`Model::load_with`).
+#[derive(Clone, Default)]
+pub struct ExpertSource {
+    /// Read the experts of the layers it covers from disk through this cache.
+    pub cache: Option<Arc<ExpertCache>>,
+    pub kernel: Kernel,
 }
 
 /// One token's routing: expert ids and their weights.
@@ -79,8 +89,9 @@ fn expert_matrix(ck: &Source<'_>, p: &str, rows: usize, cols: usize, mxfp4: bool
 
 impl Moe {
     /// `scan_scales`: check every MXFP4 scale byte now (off only when the experts are not
-    /// computed with here, see `Model::load_for_gpu`).
-    pub fn load(ck: &Source<'_>, cfg: &Config, l: usize, scan_scales: bool) -> Result<Self> {
+    /// computed with here, see `Model::load_for_gpu`). `source`: the experts of a layer its
+    /// cache covers are streamed (not mapped).
+    pub fn load(ck: &Source<'_>, cfg: &Config, l: usize, scan_scales: bool, source: &ExpertSource) -> Result<Self> {
         let t = &cfg.text;
         let (h, e, lat) = (t.hidden_size, t.num_experts, t.routed_expert_hidden_size);
         let p = format!("{}block_sparse_moe.", crate::weights::layer_prefix(l));
@@ -88,17 +99,29 @@ impl Moe {
         let plan = &ck.plan;
         let mine = plan.experts(e);
         let fi = plan.expert_inter(cfg);
-        let experts = mine
-            .clone()
-            .map(|ex| {
-                let q = format!("{p}experts.{ex}.");
-                Ok(Expert {
-                    w1: expert_matrix(ck, &format!("{q}w1."), fi, lat, mx, scan_scales)?,
-                    w3: expert_matrix(ck, &format!("{q}w3."), fi, lat, mx, scan_scales)?,
-                    w2: expert_matrix(ck, &format!("{q}w2."), lat, fi, mx, scan_scales)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let weights = match &source.cache {
+            Some(c) if c.covers(l) => {
+                if fi != t.moe_intermediate_size {
+                    return Err(ModelError::Input(format!(
+                        "layer {l}: experts read from disk must be whole on each rank, but this layout splits their intermediate width ({fi} of {}): use expert parallelism (--ep) or one rank",
+                        t.moe_intermediate_size
+                    )));
+                }
+                Weights::Streamed(c.clone())
+            }
+            _ => Weights::Mapped(
+                mine.clone()
+                    .map(|ex| {
+                        let q = format!("{p}experts.{ex}.");
+                        Ok(Expert {
+                            w1: expert_matrix(ck, &format!("{q}w1."), fi, lat, mx, scan_scales)?,
+                            w3: expert_matrix(ck, &format!("{q}w3."), fi, lat, mx, scan_scales)?,
+                            w2: expert_matrix(ck, &format!("{q}w2."), lat, fi, mx, scan_scales)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+        };
         let si = plan.tp_share(t.moe_intermediate_size * t.num_shared_experts).len();
         let shared = (t.num_shared_experts > 0)
             .then(|| Mlp::load(ck, &format!("{p}shared_experts."), h, si, t.activation_situ_beta, t.activation_situ_linear_beta))
@@ -110,8 +133,17 @@ impl Moe {
             routed_expert_norm: t.latent_moe_use_norm.then(|| vector(ck, &format!("{p}routed_expert_norm.weight"), lat)).transpose()?,
             routed_expert_up_proj: matrix(ck, &format!("{p}routed_expert_up_proj.weight"), h, lat)?,
             shared_experts: shared,
-            experts,
-            first_expert: mine.start,
+            routed: RoutedExperts {
+                weights,
+                layer: l,
+                first_expert: mine.start,
+                count: mine.len(),
+                latent: lat,
+                inter: fi,
+                kernel: source.kernel,
+                beta: t.activation_situ_beta,
+                linear_beta: t.activation_situ_linear_beta,
+            },
             num_experts: e,
             latent: lat,
             stage_ranks: plan.par.stage_ranks(),
@@ -120,8 +152,6 @@ impl Moe {
             renormalize: t.moe_renormalize,
             scaling: t.routed_scaling_factor,
             eps: t.rms_norm_eps,
-            beta: t.activation_situ_beta,
-            linear_beta: t.activation_situ_linear_beta,
         })
     }
 
@@ -186,13 +216,9 @@ impl Moe {
             .collect()
     }
 
-    /// One expert on `n` latent rows `z` `[n, lat]` → `[n, lat]`.
+    /// One expert on `n` latent rows `z` `[n, lat]` → `[n, lat]` (the f32 kernels).
     pub fn expert_forward(&self, ex: &Expert, z: &[f32], n: usize) -> Result<Vec<f32>> {
-        let g = lin(z, n, &ex.w1)?; // [n, fi]
-        let u = lin(z, n, &ex.w3)?;
-        let mut a = vec![0f32; g.len()];
-        situ_glu_slice(&g, &u, &mut a, self.beta, self.linear_beta);
-        lin(&a, n, &ex.w2)
+        self.routed.expert_forward(ex, z, n)
     }
 
     /// `x` `[T, H]` → `[T, H]` on a rank that holds the whole layer.
@@ -204,40 +230,17 @@ impl Moe {
     pub fn forward_in(&self, x: &[f32], t: usize, stage: &dyn Group) -> Result<Vec<f32>> {
         let (logits, z) = self.front(x, t, stage)?; // [T, E], [T, lat]
         let routes = self.route_logits(&logits);
-        let lat = self.latent;
-        // Group tokens by local expert: for each, the (token, weight) pairs routed to it.
-        let mut groups: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
-        for (tok, r) in routes.iter().enumerate() {
-            for &(e, w) in r {
-                if let Some(g) = e.checked_sub(self.first_expert).and_then(|i| groups.get_mut(i)) {
-                    g.push((tok, w));
-                }
-            }
-        }
-        let exact = row_exact(); // carried to the worker threads (speculative verification)
-        let outs: Vec<(usize, Vec<f32>)> = groups
-            .par_iter()
-            .enumerate()
-            .filter(|(_, g)| !g.is_empty())
-            .map(|(e, g)| {
-                let zin: Vec<f32> = g.iter().flat_map(|&(tok, _)| z[tok * lat..(tok + 1) * lat].iter().copied()).collect(); // [n_e, lat]
-                with_row_exact(exact, || self.expert_forward(&self.experts[e], &zin, g.len())).map(|y| (e, y))
-            })
-            .collect::<Result<_>>()?;
-        let mut r = vec![0f32; t * lat];
-        for (e, y) in outs {
-            for (j, &(tok, w)) in groups[e].iter().enumerate() {
-                r[tok * lat..(tok + 1) * lat].iter_mut().zip(&y[j * lat..(j + 1) * lat]).for_each(|(a, &b)| *a += w * b);
-            }
-        }
+        // Experts on disk start arriving while the shared experts run.
+        self.routed.prefetch(&routes)?;
         let shared = self.shared_experts.as_ref().map(|sh| sh.forward(x, t)).transpose()?; // [T, H]
-                                                                                           // The one reduction: [r | shared] in one buffer when both are partial sums.
+        let mut r = self.routed.forward(&z, t, &routes)?; // [T, lat], this rank's experts
+                                                          // The one reduction: [r | shared] in one buffer when both are partial sums.
         let shared = match shared {
             Some(s) if self.shared_in_reduce => {
                 let mut buf = r;
                 buf.extend_from_slice(&s);
                 stage.all_reduce_sum(&mut buf)?;
-                let s = buf.split_off(t * lat);
+                let s = buf.split_off(t * self.latent);
                 r = buf;
                 Some(s)
             }
