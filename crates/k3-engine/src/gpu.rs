@@ -328,6 +328,9 @@ mod imp {
         fn config(&self) -> &Config {
             &self.model.config
         }
+        fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
+            self.model.expert_cache().map(|c| c.stats())
+        }
         fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
             Ok(self.embedder.embed(ids)?)
         }
@@ -500,11 +503,25 @@ mod imp {
 
     /// Uploads the checkpoint to CUDA device `ordinal` with room for `max_seqs` live sequences
     /// and `max_tokens` cached tokens in caches of format `kv`, in bf16 (or f32 when `f32`);
-    /// decode steps use CUDA graphs when `graphs`.
-    pub fn load_gpu(ck: &k3_model::Checkpoint, ordinal: usize, max_seqs: usize, max_tokens: usize, kv: KvDtype, graphs: bool, f32: bool) -> Result<GpuRunner> {
+    /// decode steps use CUDA graphs when `graphs` (and every routed expert is on the GPU: with
+    /// experts off it, `offload`, steps run eagerly).
+    pub fn load_gpu(
+        ck: &k3_model::Checkpoint,
+        ordinal: usize,
+        max_seqs: usize,
+        max_tokens: usize,
+        kv: KvDtype,
+        graphs: bool,
+        f32: bool,
+        offload: &k3_model::offload::OffloadOptions,
+    ) -> Result<GpuRunner> {
         let dev = k3_core::cuda::CudaDevice::new(ordinal).map_err(k3_model::ModelError::from)?;
         let cache = k3_model::cuda::CacheConfig { max_seqs, max_tokens, kv_cache_dtype: kv };
-        let model = CudaModel::load_with(ck, &dev, cache, precision(f32))?;
+        let off = k3_model::offload::gpu_offload(ck, offload, kv, 0..ck.config.text.num_experts)?;
+        let plan = k3_model::RankPlan::single(&ck.config);
+        let groups = k3_model::parallel::CudaGroups::single();
+        let model = CudaModel::load_offloaded(ck, &dev, plan, groups, cache, precision(f32), None, &off)?;
+        let graphs = graphs && model.capturable();
         Ok(GpuRunner::new(model, Model::load_embedding(ck)?, graphs))
     }
 
@@ -551,7 +568,16 @@ mod imp {
     }
 
     /// Always an error: this build has no CUDA support.
-    pub fn load_gpu(_: &k3_model::Checkpoint, _: usize, _: usize, _: usize, _: KvDtype, _: bool, _: bool) -> Result<GpuRunner> {
+    pub fn load_gpu(
+        _: &k3_model::Checkpoint,
+        _: usize,
+        _: usize,
+        _: usize,
+        _: KvDtype,
+        _: bool,
+        _: bool,
+        _: &k3_model::offload::OffloadOptions,
+    ) -> Result<GpuRunner> {
         Err(crate::error::EngineError::Unsupported("this build has no CUDA support: rebuild with `cargo build --release --features cuda`".into()))
     }
 }

@@ -119,7 +119,7 @@ fn cfg() -> EngineConfig {
 }
 
 fn gpu(m: &Model, graphs: bool) -> GpuRunner {
-    load_gpu(&m.ck, 0, 8, 8192, m.kv, graphs, false).expect("load on the GPU")
+    load_gpu(&m.ck, 0, 8, 8192, m.kv, graphs, false, &Default::default()).expect("load on the GPU")
 }
 
 fn engine(m: &Model, mutant: Mutant) -> (Engine, Log) {

@@ -100,7 +100,7 @@ fn same_up_to_tie(got: &[u32], plain: &Out, tie: f32, what: &str) -> Result<(), 
 
 fn check(name: &str, ck: &Checkpoint) {
     // Every run on a fresh runner as the server makes it (CUDA graphs, sampling on the device).
-    let load = || -> Box<dyn Runner> { Box::new(load_gpu(ck, 0, 8, 8192, KvDtype::Bf16, true, false).expect("load on the GPU")) };
+    let load = || -> Box<dyn Runner> { Box::new(load_gpu(ck, 0, 8, 8192, KvDtype::Bf16, true, false, &Default::default()).expect("load on the GPU")) };
     let vocab = ck.config.text.vocab_size as u32;
     let ps = prompts(vocab);
     let (plain, _) = drive(load(), EngineConfig::default(), &ps, None);
@@ -168,6 +168,6 @@ fn gpu_greedy_spec_equals_plain() {
 fn gpu_runner_speculates() {
     let Some(_) = device("gpu_runner_speculates") else { return };
     let nano = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
-    let r = load_gpu(&Checkpoint::open(&nano).unwrap(), 0, 2, 1024, KvDtype::Bf16, false, false).unwrap();
+    let r = load_gpu(&Checkpoint::open(&nano).unwrap(), 0, 2, 1024, KvDtype::Bf16, false, false, &Default::default()).unwrap();
     assert_eq!(r.speculation(), Ok(()));
 }

@@ -248,9 +248,16 @@ fn bad_layouts_and_multi_gpu_are_refused() {
         cuda_graphs: false,
         gpu_f32: false,
         kv_cache_dtype: Default::default(),
+        offload: Default::default(),
     };
     let err = runner::load(&ck, &spec).err().unwrap().to_string();
     assert!(err.contains("--tp 2") && err.contains("one process per GPU") && err.contains("docs/parallel.md"), "{err}");
+    // Experts off the GPU are for one process: a layout says so, on either device.
+    for device in [None, Some(0)] {
+        let offload = k3_model::offload::OffloadOptions { experts_on: Some(k3_model::placement::Tier::Disk), ..Default::default() };
+        let err = runner::load(&ck, &RunnerSpec { device, offload, ..spec.clone() }).err().unwrap().to_string();
+        assert!(err.contains("--experts-on") && err.contains("--tp 2"), "{err}");
+    }
 }
 
 #[test]

@@ -221,6 +221,17 @@ impl Model {
         Ok(Model { embed_tokens, head, layers, config: cfg, plan, groups })
     }
 
+    /// The cache the routed experts of some layer are read through (`--experts-on disk`).
+    pub fn expert_cache(&self) -> Option<&std::sync::Arc<crate::offload::ExpertCache>> {
+        self.layers.iter().find_map(|l| match &l.ffn {
+            Ffn::Moe(m) => match &m.routed.weights {
+                crate::layers::experts::Weights::Streamed(c) => Some(c),
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+
     /// A new, empty sequence state shaped for this rank (its KDA heads, its stage's layers).
     pub fn new_state(&self) -> SeqState {
         self.new_state_with(StateDType::F32)

@@ -74,6 +74,8 @@ pub struct ServeOptions {
     pub prefix_cache: Option<PrefixConfig>,
     /// Steps in flight at once on a pipeline layout (`--pipeline-depth`; `None`: one per stage).
     pub pipeline_depth: Option<usize>,
+    /// Where the routed experts are (`--experts-on`, `--gpu-mem`, the expert cache).
+    pub offload: k3_model::offload::OffloadOptions,
 }
 
 /// Runs `k3 serve` until interrupted, the model laid out as `par` (`--tp/--ep/--pp`, parsed by
@@ -114,6 +116,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         cuda_graphs: a.cuda_graphs,
         gpu_f32,
         kv_cache_dtype: a.kv_cache_dtype,
+        offload: a.offload.clone(),
     };
     let (runner, finish) = match process::launch(&ck, &spec, node) {
         Ok(Role::Leader(r, f)) => (r, f),

@@ -235,3 +235,77 @@ impl LaunchArgs {
         self.nnodes != 1 || self.node_rank != 0 || self.master_addr.is_some()
     }
 }
+
+/// Where the routed experts are (issue 23; `run`, `serve`): `--experts-on`, the planner's
+/// `--gpu-mem` / `--host-mem`, and the disk tier's expert cache.
+#[derive(clap::Args, Clone, Debug)]
+#[command(next_help_heading = "Routed experts")]
+pub struct ExpertArgs {
+    /// Every MoE layer's routed experts on one tier: gpu (uploaded; --device cuda), cpu (host
+    /// memory, computed by the CPU; beside a GPU with int8 activations) or disk (read from the
+    /// checkpoint when routed, into a bounded cache; on the CPU backend the same f32 kernels as
+    /// the memory map, so the same output). Default: where the model runs.
+    #[arg(long, value_name = "gpu|cpu|disk", value_parser = parse_tier)]
+    pub experts_on: Option<k3_model::placement::Tier>,
+    /// GPU memory budget in GiB (--device cuda): the planner keeps the trunk on the GPU and puts
+    /// each MoE layer's experts on the GPU while they fit, then in host memory (--host-mem),
+    /// then on disk (`k3 inspect DIR --gpu-mem G --host-mem H` prints the plan).
+    #[arg(long, value_name = "GIB")]
+    pub gpu_mem: Option<f64>,
+    /// Host memory in GiB for experts, with --gpu-mem [default: the memory available now].
+    #[arg(long, value_name = "GIB", requires = "gpu_mem")]
+    pub host_mem: Option<f64>,
+    /// Bytes of experts read from disk kept in memory, e.g. 64GiB [default: 8GiB].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub expert_cache_mem: Option<usize>,
+    /// Reads of experts in flight at once (reader threads).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub expert_readers: usize,
+    /// Expert reads: direct (O_DIRECT, past the page cache), buffered, or auto (direct where
+    /// the file system takes it).
+    #[arg(long, value_name = "auto|direct|buffered", default_value = "auto", value_parser = parse_io)]
+    pub expert_io: k3_model::offload::DirectIo,
+}
+
+fn parse_tier(s: &str) -> std::result::Result<k3_model::placement::Tier, String> {
+    k3_model::placement::Tier::parse(s).ok_or_else(|| format!("{s:?}: use gpu, cpu or disk"))
+}
+
+fn parse_io(s: &str) -> std::result::Result<k3_model::offload::DirectIo, String> {
+    use k3_model::offload::DirectIo;
+    match s {
+        "auto" => Ok(DirectIo::Auto),
+        "direct" => Ok(DirectIo::On),
+        "buffered" => Ok(DirectIo::Off),
+        _ => Err(format!("{s:?}: use auto, direct or buffered")),
+    }
+}
+
+fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    k3_engine::prefix::parse_bytes(s)
+}
+
+impl ExpertArgs {
+    /// The engine's offload options; a bad value is an error naming its flag.
+    pub fn options(&self) -> Result<k3_model::offload::OffloadOptions> {
+        let gib = |flag: &str, v: Option<f64>| -> Result<Option<u64>> {
+            match v {
+                Some(x) if !x.is_finite() || x <= 0.0 => bail!("{flag} {x}: give a positive number of GiB"),
+                v => Ok(v.map(|x| (x * (1u64 << 30) as f64) as u64)),
+            }
+        };
+        if self.expert_readers == 0 || self.expert_readers > 256 {
+            bail!("--expert-readers {}: give 1 to 256", self.expert_readers);
+        }
+        let mut cache = k3_model::offload::CacheOptions { readers: self.expert_readers, direct_io: self.expert_io, ..Default::default() };
+        if let Some(b) = self.expert_cache_mem {
+            cache.budget_bytes = b as u64;
+        }
+        Ok(k3_model::offload::OffloadOptions {
+            experts_on: self.experts_on,
+            gpu_mem: gib("--gpu-mem", self.gpu_mem)?,
+            host_mem: gib("--host-mem", self.host_mem)?,
+            cache,
+        })
+    }
+}

@@ -77,7 +77,7 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
         Ok(match &model {
             Some(m) => Engine::new(m.clone(), tok.clone(), cfg),
             None => {
-                let r = k3_engine::gpu::load_gpu(&ck, 0, 4, 16384, k3_model::capacity::KvDtype::Bf16, true, false)?;
+                let r = k3_engine::gpu::load_gpu(&ck, 0, 4, 16384, k3_model::capacity::KvDtype::Bf16, true, false, &Default::default())?;
                 Engine::with_runner(Box::new(r), tok.clone(), cfg)
             }
         })

@@ -20,7 +20,7 @@ use k3_engine::{Engine, EngineConfig, Request};
 use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
 
-use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SamplingArgs, SpecArgs};
+use super::args::{DeviceArgs, ExpertArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SamplingArgs, SpecArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -76,6 +76,8 @@ pub struct Args {
     pub parallel: ParallelArgs,
     #[command(flatten)]
     pub launch: LaunchArgs,
+    #[command(flatten)]
+    pub experts: ExpertArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -124,6 +126,7 @@ pub fn run(a: Args) -> Result<()> {
         cuda_graphs: !a.no_cuda_graphs,
         gpu_f32,
         kv_cache_dtype: a.precision.kv_dtype(device)?,
+        offload: a.experts.options()?,
     };
     // A GPU load draws its own bar over the bytes it uploads (k3_model::Source::show_progress).
     let spinner = (tty && device.is_none()).then(|| {
@@ -179,6 +182,7 @@ pub fn run(a: Args) -> Result<()> {
         &mut prefilled,
     )?;
     let engine_spec = engine.speculating() == Ok(true);
+    let experts = engine.runner.expert_cache_stats();
     k3_core::trace(|| format!("run: {} tokens generated; dropping the engine", out.len()));
     drop(engine); // shuts a world of processes down: its workers exit
     world.wait(FINISH_LIMIT)?;
@@ -197,6 +201,7 @@ pub fn run(a: Args) -> Result<()> {
             "draft_acceptance": (stats.spec.drafted > 0).then(|| stats.spec.draft_acceptance()),
             "drafted_tokens": stats.spec.drafted, "accepted_tokens": stats.spec.accepted, "decode_steps": stats.spec.steps,
             "acceptance_per_position": stats.spec.per_position.iter().map(|p| if p[0] == 0 { 0.0 } else { p[1] as f64 / p[0] as f64 }).collect::<Vec<_>>(),
+            "expert_cache": experts,
         });
         println!("{}", serde_json::to_string(&v).context("serialising the result")?);
     } else {
@@ -205,6 +210,21 @@ pub fn run(a: Args) -> Result<()> {
             "[{} prompt tokens: prefill {:.1} tok/s | {} generated: decode {:.1} tok/s | finish: {:?}]",
             stats.prompt_tokens, prefill_tps, stats.output_tokens, decode_tps, finish
         );
+        if let Some(c) = &experts {
+            eprintln!(
+                "[experts from disk: {} requested, hit rate {:.0}%, {} read ({:.2} GB in {:.2} s of reads, {} O_DIRECT), {:.2} s waited, {} evicted, peak {:.2} GB of {:.2} GB]",
+                c.requests,
+                100.0 * c.hit_rate(),
+                c.reads,
+                c.bytes_read as f64 / 1e9,
+                c.read_seconds,
+                c.direct_reads,
+                c.wait_seconds,
+                c.evictions,
+                c.peak_resident_bytes as f64 / 1e9,
+                c.budget_bytes as f64 / 1e9
+            );
+        }
         if engine_spec {
             eprintln!(
                 "[speculative {}: {:.2} tokens per step, {} of {} drafts accepted ({:.0}%)]",

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::args::{DeviceArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SpecArgs};
+use super::args::{DeviceArgs, ExpertArgs, KdaStateArgs, LaunchArgs, ModelArgs, ParallelArgs, PrecisionArgs, SpecArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -95,6 +95,8 @@ pub struct Args {
     pub launch: LaunchArgs,
     #[command(flatten)]
     pub prefix: super::prefix_args::PrefixArgs,
+    #[command(flatten)]
+    pub experts: ExpertArgs,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -134,6 +136,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         kv_cache_dtype: a.precision.kv_dtype(device)?,
         prefix_cache: a.prefix.config(),
         pipeline_depth: a.pipeline_depth,
+        offload: a.experts.options()?,
     };
     k3_server::run_serve(opts, par, &a.launch.node())?;
     Ok(())

@@ -27,6 +27,7 @@ pub mod kda;
 pub mod mla;
 pub mod moe;
 pub mod ops;
+pub mod pinned;
 pub mod sample;
 mod tensor;
 

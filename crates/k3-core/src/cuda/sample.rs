@@ -11,11 +11,8 @@
 //! The uniform draw `u` of each row comes from the host's seeded generator, so a request's
 //! seed gives the same tokens on the GPU as on the CPU up to float rounding at a boundary.
 
-use std::ffi::c_void;
-
-use cudarc::driver::result as dres;
-
-use super::{derr, kargs, CudaDevice, CudaTensor};
+use super::pinned::Pinned;
+use super::{kargs, CudaDevice, CudaTensor};
 use crate::kernels::cuda::SAMPLE;
 use crate::{CoreError, DType, Result};
 
@@ -83,22 +80,6 @@ pub struct SampleOut {
     pub top_lps: [f32; MAX_LOGPROBS],
 }
 
-/// Page-locked host memory of one device's context, for results read back every step.
-struct Pinned {
-    ptr: *mut c_void,
-    bytes: usize,
-}
-
-// SAFETY: the allocation is plain host memory owned by this value; access goes through &mut.
-unsafe impl Send for Pinned {}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
-        let _ = unsafe { dres::free_host(self.ptr) };
-    }
-}
-
 /// The device sampler: scratch on the device and a page-locked landing area, reused per step.
 pub struct Sampler {
     dev: CudaDevice,
@@ -142,30 +123,18 @@ impl Sampler {
         dev.launch(SAMPLE, "sample_rows", (b32, 1, 1), (1024, 1, 1), 0, &mut kargs![lp, wp, rp, op, v32])?;
         let bytes = out.byte_len();
         let pinned = self.landing(bytes)?;
-        dev.bind()?;
-        // SAFETY: the landing area holds at least `bytes`; the stream is synchronised before it
-        // is read, and `out` stays alive until then.
-        unsafe {
-            let dst = std::slice::from_raw_parts_mut(pinned.ptr as *mut u8, bytes);
-            dres::memcpy_dtoh_async(dst, out.ptr(), dev.cu_stream()).map_err(derr("device-to-host copy of the sampled tokens"))?;
-        }
+        pinned.download(0, &out)?;
         dev.synchronize()?;
-        // SAFETY: the copy has completed; the area holds `bytes` initialised bytes.
-        let got = unsafe { std::slice::from_raw_parts(pinned.ptr as *const u8, bytes) };
-        Ok(bytemuck::pod_collect_to_vec::<u8, SampleOut>(got))
+        Ok(bytemuck::pod_collect_to_vec::<u8, SampleOut>(pinned.bytes(0, bytes)?))
     }
 
     /// The page-locked landing area, grown to at least `bytes`.
-    fn landing(&mut self, bytes: usize) -> Result<&Pinned> {
-        if self.pinned.as_ref().is_none_or(|p| p.bytes < bytes) {
+    fn landing(&mut self, bytes: usize) -> Result<&mut Pinned> {
+        if self.pinned.as_ref().is_none_or(|p| p.len() < bytes) {
             self.pinned = None;
-            let want = bytes.next_power_of_two().max(4096);
-            self.dev.bind()?;
-            // SAFETY: a plain page-locked allocation in the bound context.
-            let ptr = unsafe { dres::malloc_host(want, 0) }.map_err(derr("cuMemHostAlloc for the sampled tokens"))?;
-            self.pinned = Some(Pinned { ptr, bytes: want });
+            self.pinned = Some(Pinned::new(&self.dev, bytes.next_power_of_two())?);
         }
-        self.pinned.as_ref().ok_or_else(|| CoreError::Device("no landing area".into()))
+        self.pinned.as_mut().ok_or_else(|| CoreError::Device("no landing area".into()))
     }
 }
 

@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use k3_core::kernels::cpu::matmul::with_row_exact;
 use k3_model::layers::kda::StateDType;
+use k3_model::offload::OffloadOptions;
 use k3_model::parallel::Parallel;
 use k3_model::{Checkpoint, Config, ForwardOpts, Model, ModelError, SeqState};
 
@@ -111,6 +112,11 @@ pub trait Runner: Send {
     /// [`Runner::abort`] as a handle another thread can call while `forward` runs (a monitor
     /// that sees a peer process die mid-step); `None` when the runner has no collectives.
     fn aborter(&self) -> Option<Aborter> {
+        None
+    }
+    /// What the expert cache of routed experts read from disk did so far (`--experts-on disk`;
+    /// `None` without one).
+    fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
         None
     }
     /// Whether [`Runner::verify`] works here (speculative decoding, `crate::spec`); why not.
@@ -496,6 +502,8 @@ pub struct RunnerSpec {
     pub gpu_f32: bool,
     /// GPU: the latent / indexer-key cache format (`--kv-cache-dtype`).
     pub kv_cache_dtype: KvDtype,
+    /// Where the routed experts are (`--experts-on`, `--gpu-mem`, the expert cache's flags).
+    pub offload: OffloadOptions,
 }
 
 /// The runner for `spec` in this process: one CPU model, ranks as threads, or the model on one
@@ -504,9 +512,14 @@ pub struct RunnerSpec {
 pub fn load(ck: &Checkpoint, spec: &RunnerSpec) -> Result<Box<dyn Runner>> {
     let p = spec.par;
     Ok(match (spec.device, p.world() > 1) {
-        (None, false) => Box::new(ThreadRunner::single(Arc::new(Model::load(ck)?), spec.kda_state)),
+        (None, false) => {
+            let experts = k3_model::offload::cpu_source(ck, &spec.offload, 0..ck.config.text.num_experts)?;
+            Box::new(ThreadRunner::single(Arc::new(Model::load_with(ck, &experts)?), spec.kda_state))
+        }
+        (None, true) if spec.offload.is_set() => return Err(no_offload(p)),
         (None, true) => Box::new(ThreadRunner::start(ck, p, spec.kda_state)?),
-        (Some(ord), false) => Box::new(load_gpu(ck, ord, spec.max_seqs, spec.max_cache_tokens, spec.kv_cache_dtype, spec.cuda_graphs, spec.gpu_f32)?),
+        (Some(ord), false) => Box::new(load_gpu(ck, ord, spec.max_seqs, spec.max_cache_tokens, spec.kv_cache_dtype, spec.cuda_graphs, spec.gpu_f32, &spec.offload)?),
+        (Some(_), true) if spec.offload.is_set() => return Err(no_offload(p)),
         (Some(_), true) => {
             return Err(EngineError::Unsupported(format!(
                 "--tp {} --ep {} --pp {} with --device cuda runs one process per GPU: start it with dist::process::launch (k3 run / k3 serve do; see docs/parallel.md), not in one process",
@@ -514,4 +527,12 @@ pub fn load(ck: &Checkpoint, spec: &RunnerSpec) -> Result<Box<dyn Runner>> {
             )))
         }
     })
+}
+
+/// Why a parallel layout refuses `--experts-on` / `--gpu-mem`.
+pub fn no_offload(p: Parallel) -> EngineError {
+    EngineError::Unsupported(format!(
+        "--experts-on / --gpu-mem place experts off the GPU of one process; with --tp {} --ep {} --pp {} every rank holds its experts itself (drop those flags, or run one rank)",
+        p.tp, p.ep, p.pp
+    ))
 }

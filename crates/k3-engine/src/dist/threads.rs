@@ -140,6 +140,9 @@ impl ThreadRunner {
 }
 
 impl Runner for ThreadRunner {
+    fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
+        self.leader.model().expert_cache().map(|c| c.stats())
+    }
     fn config(&self) -> &Config {
         &self.leader.model().config
     }

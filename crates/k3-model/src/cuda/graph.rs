@@ -55,6 +55,12 @@ impl CudaModel {
     /// graph stops at the residual state, which [`DecodeGraph::send_held`] sends on later (the
     /// warm-up step runs whole, so its messages pair with the other ranks' warm-up).
     pub(crate) fn capture_with(&mut self, batch: usize, max_context: usize, held: bool) -> Result<DecodeGraph> {
+        if !self.capturable() {
+            return Err(ModelError::Input(
+                "decode graphs need every routed expert on the GPU: this model computes some on the CPU (--experts-on cpu|disk); run without CUDA graphs"
+                    .into(),
+            ));
+        }
         if batch == 0 || batch > self.cache.max_seqs {
             return Err(ModelError::Input(format!("decode graph batch {batch}: must be 1..={} (CacheConfig.max_seqs)", self.cache.max_seqs)));
         }

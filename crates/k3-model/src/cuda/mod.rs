@@ -201,6 +201,22 @@ impl CudaModel {
         precision: Precision,
         report: Option<&crate::source::LoadReport<'_>>,
     ) -> Result<CudaModel> {
+        Self::load_offloaded(ck, dev, plan, groups, cache, precision, report, &crate::offload::GpuOffload::default())
+    }
+
+    /// [`CudaModel::load_rank_reporting`] with each MoE layer's routed experts on the tier
+    /// `offload` gives it (issue 23): uploaded, or computed by the CPU from host memory or
+    /// from disk through its cache (`cuda/moe.rs`).
+    pub fn load_offloaded(
+        ck: &Checkpoint,
+        dev: &CudaDevice,
+        plan: RankPlan,
+        groups: CudaGroups,
+        cache: CacheConfig,
+        precision: Precision,
+        report: Option<&crate::source::LoadReport<'_>>,
+        offload: &crate::offload::GpuOffload,
+    ) -> Result<CudaModel> {
         let dt = precision.dtype();
         let cfg = ck.config.clone();
         let t = &cfg.text;
@@ -235,7 +251,7 @@ impl CudaModel {
                             let inter = plan.tp_share(t.intermediate_size).len();
                             Ffn::Dense(ffn::Mlp::load(dev, &src, &format!("{p}mlp."), h, inter, t.activation_situ_beta, t.activation_situ_linear_beta, dt)?)
                         }
-                        FfnKind::Moe => Ffn::Moe(Box::new(moe::Moe::load(dev, &src, &cfg, l, dt)?)),
+                        FfnKind::Moe => Ffn::Moe(Box::new(moe::Moe::load(dev, &src, &cfg, l, dt, offload.tier(l), offload.cache.as_ref())?)),
                     },
                 })
             })
@@ -255,6 +271,25 @@ impl CudaModel {
         dev.synchronize()?;
         src.done();
         Ok(model)
+    }
+
+    /// The cache the routed experts of some layer are read through (experts on disk).
+    pub fn expert_cache(&self) -> Option<&std::sync::Arc<crate::offload::ExpertCache>> {
+        self.layers.iter().find_map(|l| match &l.ffn {
+            Ffn::Moe(m) => match &m.routed {
+                moe::Routed::Cpu { experts: crate::layers::experts::RoutedExperts { weights: crate::layers::experts::Weights::Streamed(c), .. }, .. } => {
+                    Some(c)
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+
+    /// Whether a step can be captured in a CUDA graph: not when some layer's routed experts
+    /// are computed by the CPU (its forward waits on the host).
+    pub fn capturable(&self) -> bool {
+        !self.layers.iter().any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.on_cpu()))
     }
 
     /// A new, empty sequence (takes a KDA slot and zeroes its state).

@@ -12,12 +12,23 @@
 //!
 //! Expert weights are uploaded contiguously by expert (`w13` = each expert's w1 rows then its
 //! w3 rows; `w2`), so a kernel finds expert e at a fixed stride.
+//!
+//! Experts off the GPU (issue 23, `offload`): a layer whose routed experts are in host memory
+//! or on disk uploads none of them. Its forward copies `z` and the routes into page-locked
+//! memory behind the router, enqueues the shared experts' down-projection, and while the GPU
+//! runs that the CPU computes the routed sum from the mapped (or cached) MXFP4 weights with
+//! int8 activations (`layers::experts`, the same code as the CPU model's); the sum goes back
+//! up and the layer goes on. Only latent rows cross PCIe. Such a forward waits on the host, so
+//! a model with these layers is not captured in CUDA graphs ([`CudaModel::capturable`]).
 //! Shapes: `x` BF16 `[N, H]`; logits F32 `[N, E]`; ids/weights `[N, k]`; z BF16 `[N, lat]`;
 //! routed sum F32 `[N, lat]`; output F32 `[N, H]`.
+
+use std::sync::{Arc, Mutex};
 
 use k3_core::comm::nccl::CudaGroup;
 use k3_core::cuda::moe::{experts_forward, route, ExpertFormat, ExpertWeights};
 use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols, shift_i32};
+use k3_core::cuda::pinned::Pinned;
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -26,7 +37,20 @@ use super::upload::{matrix, terr, u8_bytes, vector, write_float};
 use super::{lin, lin_many};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::layers::experts::{Kernel, RoutedExperts, Weights};
+use crate::layers::moe::Expert;
+use crate::offload::ExpertCache;
+use crate::placement::Tier;
 use crate::source::{Source, Tensors};
+
+/// Where a layer's routed experts are computed.
+pub enum Routed {
+    /// Uploaded; the grouped expert kernels.
+    Gpu(ExpertWeights),
+    /// In host memory or on disk; computed by the CPU, `stage` the page-locked landing area of
+    /// `z` and the routes.
+    Cpu { experts: RoutedExperts, stage: Mutex<Option<Pinned>> },
+}
 
 pub struct Moe {
     /// This rank's rows of the router; `routed_expert_down_proj` likewise (`plan.stage_share`).
@@ -36,8 +60,8 @@ pub struct Moe {
     pub routed_expert_norm: Option<CudaTensor>,
     pub routed_expert_up_proj: CudaTensor,
     pub shared_experts: Option<Mlp>,
-    /// This rank's routed experts (global ids `first_expert..first_expert + experts.num_experts`).
-    pub experts: ExpertWeights,
+    /// This rank's routed experts (global ids `first_expert..first_expert + count`).
+    pub routed: Routed,
     pub first_expert: usize,
     /// Experts in the layer (all ranks).
     num_experts: usize,
@@ -100,8 +124,9 @@ fn upload_experts(
 
 impl Moe {
     /// Layer `l`'s MoE on this rank: its routed experts (or, without expert parallelism, every
-    /// expert's share of the intermediate dim) and its share of the shared experts.
-    pub fn load(dev: &CudaDevice, ck: &Source<'_>, cfg: &Config, l: usize, dt: DType) -> Result<Self> {
+    /// expert's share of the intermediate dim) on `tier` — uploaded, mapped for the CPU, or read
+    /// through `cache` — and its share of the shared experts.
+    pub fn load(dev: &CudaDevice, ck: &Source<'_>, cfg: &Config, l: usize, dt: DType, tier: Tier, cache: Option<&Arc<ExpertCache>>) -> Result<Self> {
         let t = &cfg.text;
         let (h, e, lat) = (t.hidden_size, t.num_experts, t.routed_expert_hidden_size);
         let p = format!("{}block_sparse_moe.", crate::weights::layer_prefix(l));
@@ -109,12 +134,42 @@ impl Moe {
         let plan = &ck.plan;
         let mine = plan.experts(e);
         let fi = plan.expert_inter(cfg);
-        let (w13, w13_scale) = upload_experts(dev, ck, &p, mine.clone(), &["w1", "w3"], fi, lat, mx, dt)?;
-        let (w2, w2_scale) = upload_experts(dev, ck, &p, mine.clone(), &["w2"], lat, fi, mx, dt)?;
-        let format = match (mx, dt) {
-            (true, _) => ExpertFormat::Mxfp4,
-            (false, DType::F32) => ExpertFormat::F32,
-            (false, _) => ExpertFormat::Bf16,
+        let on_cpu = |weights: Weights| Routed::Cpu {
+            experts: RoutedExperts {
+                weights,
+                layer: l,
+                first_expert: mine.start,
+                count: mine.len(),
+                latent: lat,
+                inter: fi,
+                kernel: Kernel::Q8,
+                beta: t.activation_situ_beta,
+                linear_beta: t.activation_situ_linear_beta,
+            },
+            stage: Mutex::new(None),
+        };
+        let routed = match tier {
+            Tier::Gpu => {
+                let (w13, w13_scale) = upload_experts(dev, ck, &p, mine.clone(), &["w1", "w3"], fi, lat, mx, dt)?;
+                let (w2, w2_scale) = upload_experts(dev, ck, &p, mine.clone(), &["w2"], lat, fi, mx, dt)?;
+                let format = match (mx, dt) {
+                    (true, _) => ExpertFormat::Mxfp4,
+                    (false, DType::F32) => ExpertFormat::F32,
+                    (false, _) => ExpertFormat::Bf16,
+                };
+                Routed::Gpu(ExpertWeights { format, num_experts: mine.len(), latent: lat, inter: fi, w13, w13_scale, w2, w2_scale })
+            }
+            Tier::Host => on_cpu(Weights::Mapped(cpu_experts(ck, &p, mine.clone(), fi, lat, mx)?)),
+            Tier::Disk => match cache {
+                Some(c) if c.covers(l) && fi == t.moe_intermediate_size => on_cpu(Weights::Streamed(c.clone())),
+                Some(_) if fi != t.moe_intermediate_size => {
+                    return Err(ModelError::Input(format!(
+                        "layer {l}: experts read from disk must be whole on each rank, but this layout splits their intermediate width ({fi} of {}): use --ep",
+                        t.moe_intermediate_size
+                    )))
+                }
+                _ => return Err(ModelError::Internal(format!("layer {l} is placed on disk but no expert cache covers it"))),
+            },
         };
         let s = plan.par.stage_ranks();
         if e % s != 0 || lat % s != 0 {
@@ -134,7 +189,7 @@ impl Moe {
             routed_expert_norm: t.latent_moe_use_norm.then(|| vector(dev, ck, &format!("{p}routed_expert_norm.weight"), lat)).transpose()?,
             routed_expert_up_proj: matrix(dev, ck, &format!("{p}routed_expert_up_proj.weight"), h, lat, dt)?,
             shared_experts: shared,
-            experts: ExpertWeights { format, num_experts: mine.len(), latent: lat, inter: fi, w13, w13_scale, w2, w2_scale },
+            routed,
             first_expert: mine.start,
             num_experts: e,
             shared_in_reduce: plan.shared_in_moe_reduce(),
@@ -167,12 +222,24 @@ impl Moe {
         let ids = CudaTensor::uninit(dev, DType::I32, vec![n, self.top_k])?;
         let wts = CudaTensor::uninit(dev, DType::F32, vec![n, self.top_k])?;
         route(&logits, &self.e_score_correction_bias, self.top_k, self.renormalize, &ids, &wts)?;
-        // Global ids to this rank's: other ranks' experts fall outside 0..E_local and add nothing.
-        shift_i32(&ids, -(self.first_expert as i32))?;
-        let r = CudaTensor::uninit(dev, DType::F32, z.shape().to_vec())?; // [N, lat]
-        experts_forward(&z, &ids, &wts, &self.experts, self.beta, self.linear_beta, self.scaling, &r)?;
-        // The shared experts' output is complete on every rank, or a partial sum over the stage.
-        let shared = shared.map(|(sh, g, u)| sh.down(&g, &u)).transpose()?; // F32 [N, H]
+        let (r, shared) = match &self.routed {
+            Routed::Gpu(experts) => {
+                // Global ids to this rank's: other ranks' experts fall outside 0..E_local and add nothing.
+                shift_i32(&ids, -(self.first_expert as i32))?;
+                let r = CudaTensor::uninit(dev, DType::F32, z.shape().to_vec())?; // [N, lat]
+                experts_forward(&z, &ids, &wts, experts, self.beta, self.linear_beta, self.scaling, &r)?;
+                // The shared experts' output is complete on every rank, or a partial sum over the stage.
+                (r, shared.map(|(sh, g, u)| sh.down(&g, &u)).transpose()?) // F32 [N, H]
+            }
+            Routed::Cpu { experts, stage } => {
+                let mut stage = stage.lock().unwrap_or_else(|p| p.into_inner());
+                let landed = self.land(&z, &ids, &wts, &mut stage)?;
+                // The GPU runs the shared experts while the CPU computes the routed ones.
+                let shared = shared.map(|(sh, g, u)| sh.down(&g, &u)).transpose()?;
+                let r = self.routed_on_cpu(experts, &landed, stage.as_ref())?;
+                (r, shared)
+            }
+        };
         stage.group(|s| {
             s.all_reduce_sum(&r)?;
             match &shared {
@@ -195,13 +262,90 @@ impl Moe {
     /// Weight bytes one decode token reads: router, latent projections, shared experts and
     /// `top_k` routed experts.
     pub fn weight_bytes(&self) -> u64 {
-        let e = &self.experts;
+        let sh = self.shared_experts.as_ref().map_or(0, |m| m.weight_bytes());
+        let trunk = (self.gate.byte_len() + self.routed_expert_down_proj.byte_len() + self.routed_expert_up_proj.byte_len()) as u64 + sh;
+        let Routed::Gpu(e) = &self.routed else { return trunk };
         let per_expert =
             (e.w13.byte_len() + e.w2.byte_len() + e.w13_scale.as_ref().map_or(0, |t| t.byte_len()) + e.w2_scale.as_ref().map_or(0, |t| t.byte_len()))
                 / e.num_experts.max(1);
-        let sh = self.shared_experts.as_ref().map_or(0, |m| m.weight_bytes());
         // This rank's expected share of the top_k routed pairs.
-        let routed = (per_expert * self.top_k * e.num_experts / self.num_experts.max(1)) as u64;
-        (self.gate.byte_len() + self.routed_expert_down_proj.byte_len() + self.routed_expert_up_proj.byte_len()) as u64 + sh + routed
+        trunk + (per_expert * self.top_k * e.num_experts / self.num_experts.max(1)) as u64
     }
+
+    /// Whether this layer's routed experts are computed by the CPU (not capturable in a graph).
+    pub fn on_cpu(&self) -> bool {
+        matches!(self.routed, Routed::Cpu { .. })
+    }
+
+    /// Enqueues the copies of `z` `[N, lat]`, `ids` and `wts` `[N, k]` into the landing area
+    /// (grown as needed) and records an event after them: `(event, z offset, ids offset, wts
+    /// offset)`.
+    fn land(&self, z: &CudaTensor, ids: &CudaTensor, wts: &CudaTensor, stage: &mut Option<Pinned>) -> Result<Landed> {
+        let dev = z.cuda_device();
+        let (zb, ib, wb) = (z.byte_len(), ids.byte_len(), wts.byte_len());
+        let need = zb + ib + wb;
+        if stage.as_ref().is_none_or(|p| p.len() < need) {
+            *stage = None;
+            *stage = Some(Pinned::new(dev, need.next_power_of_two())?);
+        }
+        let p = stage.as_mut().ok_or_else(|| ModelError::Internal("no landing area".into()))?;
+        p.download(0, z)?;
+        p.download(zb, ids)?;
+        p.download(zb + ib, wts)?;
+        let ev = dev.new_event(false)?;
+        ev.record(&dev.stream())?;
+        Ok(Landed { event: ev, n: z.shape()[0], z_dtype: z.dtype(), offsets: [0, zb, zb + ib] })
+    }
+
+    /// Waits for the landed rows, computes this rank's routed sum on the CPU (scaled, as the
+    /// GPU kernel leaves it) and uploads it: F32 `[N, lat]`.
+    fn routed_on_cpu(&self, experts: &RoutedExperts, l: &Landed, stage: Option<&Pinned>) -> Result<CudaTensor> {
+        let p = stage.ok_or_else(|| ModelError::Internal("no landing area".into()))?;
+        l.event.synchronize()?;
+        let (n, lat, k) = (l.n, experts.latent, self.top_k);
+        let zb = p.bytes(l.offsets[0], l.offsets[1] - l.offsets[0])?;
+        let z: Vec<f32> = match l.z_dtype {
+            DType::F32 => bytemuck::pod_collect_to_vec(zb),
+            _ => bytemuck::pod_collect_to_vec::<u8, half::bf16>(zb).iter().map(|v| v.to_f32()).collect(),
+        };
+        let ids: Vec<i32> = bytemuck::pod_collect_to_vec(p.bytes(l.offsets[1], n * k * 4)?);
+        let wts: Vec<f32> = bytemuck::pod_collect_to_vec(p.bytes(l.offsets[2], n * k * 4)?);
+        let routes: Vec<crate::layers::moe::Route> = (0..n).map(|i| (0..k).map(|j| (ids[i * k + j] as usize, wts[i * k + j])).collect()).collect();
+        let mut r = experts.forward(&z, n, &routes)?;
+        r.iter_mut().for_each(|v| *v *= self.scaling);
+        Ok(CudaTensor::from_f32(self.gate.cuda_device(), vec![n, lat], &r)?)
+    }
+}
+
+/// `z`, the ids and the weights of one step in the landing area, and the event after them.
+struct Landed {
+    event: k3_core::cuda::Event,
+    n: usize,
+    z_dtype: DType,
+    offsets: [usize; 3],
+}
+
+/// A layer's experts `experts` as CPU matrices over the memory map (host tier), every MXFP4
+/// scale byte checked now (the CPU computes with them).
+fn cpu_experts(ck: &Source<'_>, p: &str, experts: std::ops::Range<usize>, fi: usize, lat: usize, mx: bool) -> Result<Vec<Expert>> {
+    use k3_core::kernels::cpu::matmul::Matrix;
+    let m = |name: String, rows: usize, cols: usize| -> Result<Matrix> {
+        if mx {
+            let (pn, sn) = (format!("{name}weight_packed"), format!("{name}weight_scale"));
+            Matrix::mxfp4(ck.tensor(&pn)?, ck.tensor(&sn)?).map_err(|e| ModelError::Tensor { name: sn, msg: e.to_string() })
+        } else {
+            let n = format!("{name}weight");
+            let t = ck.tensor(&n)?;
+            if t.shape() != [rows, cols] {
+                return Err(ModelError::Tensor { name: n, msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
+            }
+            Matrix::dense(t).map_err(|e| ModelError::Tensor { name: n, msg: e.to_string() })
+        }
+    };
+    experts
+        .map(|ex| {
+            let q = format!("{p}experts.{ex}.");
+            Ok(Expert { w1: m(format!("{q}w1."), fi, lat)?, w3: m(format!("{q}w3."), fi, lat)?, w2: m(format!("{q}w2."), lat, fi)? })
+        })
+        .collect()
 }

@@ -141,7 +141,12 @@ type Key = (usize, usize);
 
 enum Slot {
     Loading,
-    Ready { expert: Arc<Expert>, tick: u64 },
+    /// `used`: handed out at least once (a prefetched expert not yet used goes last).
+    Ready {
+        expert: Arc<Expert>,
+        tick: u64,
+        used: bool,
+    },
     Failed(String),
 }
 
@@ -353,18 +358,19 @@ impl Drop for ExpertCache {
 }
 
 /// Evicts least recently used experts that nobody holds or waits for until the bytes held fit
-/// the budget (or nothing more can go).
+/// the budget (or nothing more can go); read-ahead that was never used goes only after every
+/// used one.
 fn evict(st: &mut State, places: &HashMap<Key, Place>) {
     while st.stats.resident_bytes > st.stats.budget_bytes {
         let victim = st
             .slots
             .iter()
             .filter_map(|(k, s)| match s {
-                Slot::Ready { expert, tick } if Arc::strong_count(expert) == 1 && !st.wanted.contains_key(k) => Some((*tick, *k)),
+                Slot::Ready { expert, tick, used } if Arc::strong_count(expert) == 1 && !st.wanted.contains_key(k) => Some((!*used, *tick, *k)),
                 _ => None,
             })
             .min();
-        let Some((_, k)) = victim else { break };
+        let Some((_, _, k)) = victim else { break };
         st.slots.remove(&k);
         st.stats.resident_bytes -= places[&k].bytes();
         st.stats.evictions += 1;
@@ -398,8 +404,9 @@ impl Fetch<'_> {
                 st.tick += 1;
                 let tick = st.tick;
                 match st.slots.get_mut(&k) {
-                    Some(Slot::Ready { expert, tick: t }) => {
+                    Some(Slot::Ready { expert, tick: t, used }) => {
                         *t = tick;
+                        *used = true;
                         out.push((k.1, expert.clone()));
                         unwant(&mut st, k);
                         self.pending.swap_remove(i);
@@ -488,7 +495,7 @@ fn reader(sh: &Shared) {
                 }
                 st.tick += 1;
                 let tick = st.tick;
-                st.slots.insert(k, Slot::Ready { expert: Arc::new(expert), tick });
+                st.slots.insert(k, Slot::Ready { expert: Arc::new(expert), tick, used: false });
             }
             Err(msg) => {
                 st.stats.resident_bytes -= sh.places[&k].bytes();

@@ -1,0 +1,71 @@
+//! `k3 run --experts-on disk` on the embedded k3-nano (issue 23, the CPU backend): the routed
+//! experts read from the checkpoint into a small expert cache give the ids of the memory-mapped
+//! run, `--json` reports the cache's counters, and bad values are errors naming their flag.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn k3(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_k3")).args(args).output().expect("run k3")
+}
+
+fn nano() -> String {
+    format!("{}/../../models/k3-nano", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn run_json(extra: &[&str]) -> Value {
+    let nano = nano();
+    let mut args = vec!["run", "--model", &nano, "--temperature", "0", "-n", "24", "--json"];
+    args.extend_from_slice(extra);
+    args.push("KING EDWARD.\nI know not what I think");
+    let o = k3(&args);
+    assert!(o.status.success(), "k3 {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn experts_from_disk_give_the_mapped_ids() {
+    let plain = run_json(&[]);
+    assert!(plain["expert_cache"].is_null(), "{plain}");
+    for io in ["auto", "buffered"] {
+        let disk = run_json(&["--experts-on", "disk", "--expert-cache-mem", "512KiB", "--expert-readers", "2", "--expert-io", io]);
+        assert_eq!(disk["ids"], plain["ids"], "--expert-io {io}");
+        let c = &disk["expert_cache"];
+        let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("expert_cache.{k} in {c}"));
+        assert!(n("reads") > 0 && n("evictions") > 0, "{c}");
+        assert_eq!(n("requests"), n("hits") + n("in_flight") + n("misses"), "{c}");
+        assert_eq!(n("budget_bytes"), 512 << 10);
+        assert!(n("resident_bytes") <= n("budget_bytes"), "{c}");
+        if io == "buffered" {
+            assert_eq!(n("direct_reads"), 0, "{c}");
+        }
+    }
+    // Host memory is the CPU's own tier: the mapped run.
+    assert_eq!(run_json(&["--experts-on", "cpu"])["ids"], plain["ids"]);
+}
+
+#[test]
+fn bad_expert_flags_name_the_flag() {
+    let nano = nano();
+    let cases: &[(&[&str], &str)] = &[
+        (&["--experts-on", "gpu"], "--device cuda"),
+        (&["--experts-on", "fast"], "--experts-on"),
+        (&["--gpu-mem", "24"], "--gpu-mem"),
+        (&["--gpu-mem", "0", "--device", "cuda"], "--gpu-mem"),
+        (&["--host-mem", "64"], "--gpu-mem"),
+        (&["--expert-readers", "0", "--experts-on", "disk"], "--expert-readers"),
+        (&["--expert-io", "mmap"], "--expert-io"),
+        (&["--expert-cache-mem", "1KiB", "--experts-on", "disk"], "--expert-cache-mem"),
+        (&["--experts-on", "disk", "--tp", "2"], "--experts-on"),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec!["run", "--model", &nano, "-n", "2"];
+        args.extend_from_slice(flags);
+        args.push("hi");
+        let o = k3(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "k3 {args:?}: expected an error naming {want}, got {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
