@@ -1,6 +1,6 @@
 //! `k3 serve`'s prefix-cache flags (issue 21): on by default and said so at start-up; off with
-//! `--no-prefix-cache`; off with the reason on a layout that cannot capture states (ranks as
-//! threads); a bad `--prefix-cache-mem` or `--prefix-cache-grid` is an error naming the flag.
+//! `--no-prefix-cache`; on for a parallel layout of ranks as threads too; a bad
+//! `--prefix-cache-mem` or `--prefix-cache-grid` is an error naming the flag.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -32,7 +32,7 @@ fn serve_says_whether_the_cache_is_on() {
     let off = start_line(&["--no-prefix-cache"]);
     assert!(off.contains("prefix cache off (--no-prefix-cache)"), "{off}");
     let tp = start_line(&["--tp", "2"]);
-    assert!(tp.contains("prefix cache off: the prefix cache does not yet capture the states of a parallel layout"), "{tp}");
+    assert!(tp.contains("prefix cache on (grid 128 tokens"), "ranks as threads capture their states too: {tp}");
 }
 
 #[test]

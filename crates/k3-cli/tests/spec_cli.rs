@@ -1,6 +1,7 @@
 //! `k3 run --speculative ngram|suffix|off` on the embedded k3-nano (issue 22): the greedy ids
-//! equal plain decoding's, `--json` reports `accepted_per_step`, `draft_acceptance` and the
-//! acceptance per position, and bad values are errors naming their flag.
+//! equal plain decoding's (on one rank and on `--tp 2`, ranks as threads), `--json` reports
+//! `accepted_per_step`, `draft_acceptance` and the acceptance per position, and bad values are
+//! errors naming their flag.
 
 use std::process::{Command, Output};
 
@@ -14,23 +15,11 @@ fn nano() -> String {
     format!("{}/../../models/k3-nano", env!("CARGO_MANIFEST_DIR"))
 }
 
-fn run_json(method: &str) -> Value {
+fn run_json(method: &str, extra: &[&str]) -> Value {
     let nano = nano();
-    let args = [
-        "run",
-        "--model",
-        &nano,
-        "--temperature",
-        "0",
-        "-n",
-        "40",
-        "--json",
-        "--speculative",
-        method,
-        "--num-speculative-tokens",
-        "5",
-        "KING EDWARD.\nI know not what I think",
-    ];
+    let mut args = vec!["run", "--model", &nano, "--temperature", "0", "-n", "40", "--json", "--speculative", method, "--num-speculative-tokens", "5"];
+    args.extend_from_slice(extra);
+    args.push("KING EDWARD.\nI know not what I think");
     let o = k3(&args);
     assert!(o.status.success(), "k3 {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
     serde_json::from_slice(&o.stdout).unwrap()
@@ -38,11 +27,11 @@ fn run_json(method: &str) -> Value {
 
 #[test]
 fn greedy_ids_equal_plain_and_json_reports_acceptance() {
-    let plain = run_json("off");
+    let plain = run_json("off", &[]);
     assert_eq!(plain["accepted_per_step"], 1.0);
     assert!(plain["draft_acceptance"].is_null());
     for m in ["ngram", "suffix"] {
-        let v = run_json(m);
+        let v = run_json(m, &[]);
         assert_eq!(v["ids"], plain["ids"], "{m}: ids differ from plain greedy decoding");
         assert_eq!(v["speculating"], true);
         let aps = v["accepted_per_step"].as_f64().unwrap();
@@ -54,6 +43,17 @@ fn greedy_ids_equal_plain_and_json_reports_acceptance() {
             assert!((0.0..=1.0).contains(&a));
         }
     }
+}
+
+/// Ranks as threads (`--tp 2`): every rank verifies its shard; the ids equal plain greedy
+/// decoding's on the same layout.
+#[test]
+fn speculates_on_a_parallel_layout() {
+    let plain = run_json("off", &["--tp", "2"]);
+    let v = run_json("ngram", &["--tp", "2"]);
+    assert_eq!(v["speculating"], true, "{v}");
+    assert!(v["drafted_tokens"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["ids"], plain["ids"], "--tp 2: ids differ from plain greedy decoding");
 }
 
 #[test]

@@ -27,8 +27,11 @@ use k3_model::{Checkpoint, Model};
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
+#[path = "support/prefix_run.rs"]
+mod prefix_run;
 #[path = "support/recorder.rs"]
 mod recorder;
+use prefix_run::{prompt_ids, run, run_reqs, Out};
 use recorder::{Log, Mutate, Rec};
 
 const GRID: usize = 128;
@@ -134,55 +137,7 @@ fn engine(name: &str, mem: usize, mutant: Mutant) -> (Engine, Log) {
 
 /// A deterministic prompt of `n` ids from `seed`.
 fn ids(name: &str, seed: u32, n: usize) -> Vec<u32> {
-    let v = model(name).config.text.vocab_size as u32;
-    (0..n as u32).map(|j| (seed.wrapping_mul(2654435761).wrapping_add(j.wrapping_mul(40503)) >> 7) % v).collect()
-}
-
-/// One request's result: tokens, the logits rows they were sampled from, cached tokens.
-#[derive(Debug, PartialEq)]
-struct Out {
-    tokens: Vec<u32>,
-    rows: Vec<Vec<u32>>,
-    cached: usize,
-}
-
-/// Runs `prompts` concurrently on `e` to the end; `cancel_at`: (index, step) pairs cancelled then.
-fn run(e: &mut Engine, log: &Log, prompts: &[Vec<u32>], n: usize, cancel_at: &[(usize, usize)]) -> Vec<Option<Out>> {
-    run_reqs(e, log, prompts.iter().map(|p| Request::new(p.clone(), SamplingParams::greedy(), n)).collect(), cancel_at)
-}
-
-fn run_reqs(e: &mut Engine, log: &Log, reqs: Vec<Request>, cancel_at: &[(usize, usize)]) -> Vec<Option<Out>> {
-    let ids: Vec<u64> = reqs.into_iter().map(|r| e.add(r).unwrap()).collect();
-    let mut toks: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
-    let mut cached = vec![0; ids.len()];
-    let mut cancelled = vec![false; ids.len()];
-    let mut step = 0;
-    while e.has_work() {
-        for &(i, at) in cancel_at {
-            if at == step {
-                assert!(e.cancel(ids[i]));
-                cancelled[i] = true;
-            }
-        }
-        for ev in e.step().unwrap() {
-            let i = ids.iter().position(|&x| x == ev.seq).unwrap();
-            toks[i].push(ev.token);
-            cached[i] = ev.cached_tokens;
-        }
-        step += 1;
-        assert!(step < 10_000);
-    }
-    assert_eq!(e.state_bytes(), 0, "every sequence state freed");
-    let log = log.lock().unwrap();
-    (0..ids.len())
-        .map(|i| {
-            (!cancelled[i]).then(|| {
-                let all = &log[&ids[i]];
-                let rows = all[all.len() - toks[i].len()..].iter().map(|r| r.iter().map(|x| x.to_bits()).collect()).collect();
-                Out { tokens: toks[i].clone(), rows, cached: cached[i] }
-            })
-        })
-        .collect()
+    prompt_ids(model(name).config.text.vocab_size as u32, seed, n)
 }
 
 /// The same request on a fresh engine.
@@ -465,12 +420,7 @@ fn mutants_are_caught() {
 }
 
 #[test]
-fn off_for_a_parallel_layout_and_says_why() {
-    let ck = Checkpoint::open(&golden::fixture("k3_small_mxfp4")).unwrap();
-    let r = ThreadRunner::start(&ck, k3_model::Parallel { tp: 2, ep: 2, pp: 1 }, Default::default()).unwrap();
-    let e = Engine::with_runner(Box::new(r), None, cfg(1 << 20));
-    let why = e.prefix_status().unwrap_err();
-    assert!(why.contains("parallel layout"), "{why}");
+fn off_unless_asked_for() {
     let e = Engine::with_runner(Box::new(ThreadRunner::single(model("tiny"), Default::default())), None, EngineConfig::default());
     assert_eq!(e.prefix_status(), Ok(None));
 }

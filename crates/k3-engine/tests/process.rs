@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use k3_core::comm::control::{self, Control, Options, WorldSpec};
 use k3_engine::dist::process::{self, decode_reply, encode_reply, ProcessRunner};
-use k3_engine::dist::runner::{Aborter, Failure, RankWorker, Runner, Step, ThreadRunner, Worker};
+use k3_engine::dist::runner::{Aborter, Answer, Failure, RankWorker, Runner, Step, ThreadRunner, Worker};
 use k3_engine::{Engine, EngineError, Request, SamplingParams};
 use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Config, Model};
@@ -356,10 +356,14 @@ fn a_worker_that_cannot_load_is_named() {
 
 #[test]
 fn replies_round_trip_and_bad_ones_name_the_rank() {
-    assert_eq!(decode_reply(&encode_reply(&Ok(12345)), 3).unwrap(), 12345);
+    assert_eq!(decode_reply(&encode_reply(&Ok(Answer::bytes(12345))), 3).unwrap().state_bytes, 12345);
+    // A capture's answer carries the rank's part (issue 21's prefix cache on a layout).
+    let part = k3_engine::prefix::Capture { from: 4, to: 8, cells: Vec::new(), kda: None };
+    let a = decode_reply(&encode_reply(&Ok(Answer { state_bytes: 77, capture: Some(part) })), 2).unwrap();
+    assert_eq!((a.state_bytes, a.capture.as_ref().map(|c| (c.from, c.to))), (77, Some((4, 8))));
     let f = decode_reply(&encode_reply(&Err(Failure { rank: 3, msg: "boom ü".into(), aborted: true })), 3).unwrap_err();
     assert_eq!((f.rank, f.msg.as_str(), f.aborted), (3, "boom ü", true));
-    for bad in [&[][..], &[0, 1, 2][..], &[7, 0][..], &[1][..], &[1, 9, b'x'][..]] {
+    for bad in [&[][..], &[0, 1, 2][..], &[7, 0][..], &[1][..], &[1, 9, b'x'][..], &[3, 0, 0, 0, 0, 0, 0, 0, 0, 1][..], &[3, 1][..]] {
         let f = decode_reply(bad, 5).unwrap_err();
         assert!(f.rank == 5 && f.msg.contains("bad reply") && !f.aborted, "{bad:?}: {f:?}");
     }

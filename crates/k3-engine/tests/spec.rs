@@ -9,16 +9,21 @@
 //!   verify forward, each sequence = its solo plain run, bit for bit;
 //! - sampling: with a proposer that drafts the second most likely token (accepted often, not
 //!   always), the joint distribution of four sampled tokens over many seeds matches the
-//!   model's exact distribution (χ² at the 0.001 level), as plain sampling's does.
+//!   model's exact distribution (χ² at the 0.001 level), as plain sampling's does;
+//! - parallel layouts (ranks as threads: `--tp 2`, `--pp 2`, `--tp 2 --pp 2`): greedy with
+//!   k = 1 and 4, alone and with continuous batching, = plain greedy on the same layout bit for
+//!   bit; a verify then a rollback leaves every rank's state byte-equal to plain decode steps'.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use k3_engine::dist::runner::{Runner, Step, ThreadRunner};
+use k3_engine::dist::layout_state::encode_capture;
+use k3_engine::dist::runner::{Runner, Step, StepSeq, ThreadRunner};
 use k3_engine::spec::{Draft, Proposer, SpecConfig, SpecMethod};
 use k3_engine::{Engine, EngineConfig, Event, Request, Result, Sampler, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
-use k3_model::{Checkpoint, Config, ForwardOpts, Model};
+use k3_model::layers::kda::StateDType;
+use k3_model::{Checkpoint, Config, ForwardOpts, Model, Parallel};
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
@@ -77,15 +82,21 @@ impl Runner for Rec {
 /// A sequence's emitted tokens and, for each, the logits row it was chosen from.
 type Trace = HashMap<u64, Vec<(u32, Vec<f32>)>>;
 
-/// Drives `e` to the end, adding `reqs[i]` before step `at[i]`; every event gets its row.
+/// Drives an engine over one rank of `model` to the end (see [`drive_on`]).
 fn drive(model: &Arc<Model>, cfg: EngineConfig, reqs: &[Request], at: &[usize]) -> (Vec<u64>, Trace, Vec<k3_engine::SeqStats>) {
+    drive_on(ThreadRunner::single(model.clone(), cfg.kda_state), cfg, reqs, at)
+}
+
+/// Drives an engine over `runner` to the end, adding `reqs[i]` before step `at[i]`; every event
+/// gets its row.
+fn drive_on(runner: ThreadRunner, cfg: EngineConfig, reqs: &[Request], at: &[usize]) -> (Vec<u64>, Trace, Vec<k3_engine::SeqStats>) {
     let calls = Arc::new(Mutex::new(Vec::new()));
-    let rec = Rec { inner: ThreadRunner::single(model.clone(), cfg.kda_state), calls: calls.clone() };
+    let v = runner.config().text.vocab_size;
+    let rec = Rec { inner: runner, calls: calls.clone() };
     let mut e = Engine::with_runner(Box::new(rec), None, cfg);
     if let Some(f) = FACTORY.with(|c| c.borrow_mut().take()) {
         e.set_proposer(f);
     }
-    let v = model.config.text.vocab_size;
     let mut ids = vec![0u64; reqs.len()];
     let mut trace: Trace = HashMap::new();
     let mut stats = Vec::new();
@@ -349,17 +360,36 @@ fn sampled_distribution_matches_plain() {
     }
 }
 
-/// A runner that cannot verify (a parallel layout, ranks as threads): the engine says why and
-/// decodes plainly, giving plain decoding's tokens.
+/// A runner that cannot verify: only the required methods, around one CPU rank.
+struct NoVerify(ThreadRunner);
+
+impl Runner for NoVerify {
+    fn config(&self) -> &Config {
+        self.0.config()
+    }
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.0.embed(ids)
+    }
+    fn release(&mut self, id: u64) {
+        self.0.release(id)
+    }
+    fn forward(&mut self, step: Step) -> Result<Vec<f32>> {
+        self.0.forward(step)
+    }
+    fn state_bytes(&self) -> usize {
+        self.0.state_bytes()
+    }
+}
+
+/// A runner that cannot verify drafts: the engine says why and decodes plainly, giving plain
+/// decoding's tokens.
 #[test]
 fn unsupported_runner_decodes_plainly() {
-    let ck = Checkpoint::open(&fixture("k3_small_mxfp4")).unwrap();
-    let par = k3_model::Parallel::new(2, None, 1).unwrap();
-    let runner = ThreadRunner::start(&ck, par, Default::default()).unwrap();
+    let model = golden_model("k3_small_mxfp4");
+    let runner = NoVerify(ThreadRunner::single(model.clone(), Default::default()));
     let mut e = Engine::with_runner(Box::new(runner), None, spec_cfg(SpecMethod::Ngram, 4));
     let why = e.speculating().unwrap_err();
-    assert!(why.contains("parallel layout"), "{why}");
-    let model = golden_model("k3_small_mxfp4");
+    assert!(why.contains("decoding without speculation"), "{why}");
     let req = Request::new(prompt(model.config.text.vocab_size as u32, 1), SamplingParams::greedy(), 16);
     let (out, _, st) = e.generate(req.clone(), |_| {}).unwrap();
     let (plain, _, _) = Engine::new(model, None, EngineConfig::default()).generate(req, |_| {}).unwrap();
@@ -404,5 +434,82 @@ fn with_prefix_cache_equals_plain_with_prefix_cache() {
     for (t, (a, b)) in plain.iter().zip(&spec).enumerate() {
         assert_eq!(a.2, b.2, "turn {t}: tokens or log-probabilities differ");
         assert!(b.3 > 0, "turn {t}: nothing was drafted");
+    }
+}
+
+/// Speculative decoding on parallel layouts: every rank runs the verify forward on its shard
+/// (row-exact projections; the host collectives sum each value in rank order whatever the row
+/// count), so greedy with drafts equals plain greedy on the same layout, bit for bit — alone
+/// (n-gram and replay drafts, k = 1 and 4) and with continuous batching (three requests
+/// admitted at steps 0, 1 and 3 against each alone).
+#[test]
+fn parallel_layouts_greedy_equal_plain() {
+    let ck = Checkpoint::open(&fixture("k3_small_mxfp4")).unwrap();
+    let vocab = ck.config.text.vocab_size as u32;
+    for p in [Parallel::new(2, None, 1).unwrap(), Parallel::new(1, None, 2).unwrap()] {
+        let start = || ThreadRunner::start(&ck, p, StateDType::F32).unwrap();
+        let reqs: Vec<Request> = (0..3).map(|i| Request::new(prompt(vocab, 1 + i), SamplingParams::greedy(), 24 + 4 * i as usize)).collect();
+        let solo: Vec<Vec<(u32, Vec<f32>)>> = reqs
+            .iter()
+            .map(|r| {
+                let (pi, mut plain, _) = drive_on(start(), EngineConfig::default(), std::slice::from_ref(r), &[0]);
+                plain.remove(&pi[0]).unwrap()
+            })
+            .collect();
+        let outs: HashMap<Vec<u32>, Vec<u32>> = reqs.iter().zip(&solo).map(|(r, t)| (r.prompt.clone(), t.iter().map(|x| x.0).collect())).collect();
+        let (mut drafted, mut accepted) = (0, 0);
+        for (k, rp) in [(1, false), (4, false), (1, true), (4, true)] {
+            FACTORY.with(|c| *c.borrow_mut() = rp.then(|| replay(outs.clone(), vocab)));
+            let (si, spec, st) = drive_on(start(), spec_cfg(SpecMethod::Ngram, k), &reqs[..1], &[0]);
+            same_trace(&spec[&si[0]], &solo[0], &format!("{p:?} k={k} replay={rp}"));
+            drafted += st[0].spec.drafted;
+            accepted += st[0].spec.accepted;
+        }
+        assert!(accepted > 0 && accepted < drafted, "{p:?}: drafted {drafted}, accepted {accepted}: the test must see both");
+        FACTORY.with(|c| *c.borrow_mut() = Some(replay(outs.clone(), vocab)));
+        let (ids, spec, _) = drive_on(start(), EngineConfig { max_batch: 3, ..spec_cfg(SpecMethod::Ngram, 4) }, &reqs, &[0, 1, 3]);
+        for (i, want) in solo.iter().enumerate() {
+            same_trace(&spec[&ids[i]], want, &format!("{p:?}: batched request {i}"));
+        }
+    }
+}
+
+/// Every rank's state of sequence 1 (`n` tokens), captured whole (one cell), as bytes.
+fn rank_states(r: &mut ThreadRunner, n: usize) -> Vec<Vec<u8>> {
+    r.capture_parts(1, 0, n, true).unwrap().iter().map(encode_capture).collect()
+}
+
+/// Verify `[t, d1, d2, d3]` then roll back two tokens = decode steps of `t` and `d1`: every
+/// rank's state (KDA conv tails and recurrent state of its heads and stage, latent rows,
+/// indexer keys, position) byte for byte, on `--tp 2`, `--pp 2` and `--tp 2 --pp 2`; and the
+/// next decode step's logits agree bit for bit.
+#[test]
+fn parallel_rollback_equals_plain_decode_on_every_rank() {
+    let ck = Checkpoint::open(&fixture("k3_small_mxfp4")).unwrap();
+    let step = |r: &mut ThreadRunner, toks: &[u32], verify: bool| {
+        let s = Step { seqs: vec![StepSeq { id: 1, tokens: toks.to_vec(), rows: None }], last_only: !verify, released: vec![] };
+        if verify {
+            r.verify(s).unwrap()
+        } else {
+            r.forward(s).unwrap()
+        }
+    };
+    let p0 = prompt(ck.config.text.vocab_size as u32, 3);
+    for p in [Parallel::new(2, None, 1).unwrap(), Parallel::new(1, None, 2).unwrap(), Parallel::new(2, None, 2).unwrap()] {
+        let (mut a, mut b) = (ThreadRunner::start(&ck, p, StateDType::F32).unwrap(), ThreadRunner::start(&ck, p, StateDType::F32).unwrap());
+        step(&mut a, &p0, false);
+        step(&mut b, &p0, false);
+        step(&mut a, &[5, 17, 200, 33], true);
+        a.rollback(1, 2).unwrap();
+        step(&mut b, &[5], false);
+        step(&mut b, &[17], false);
+        let n = p0.len() + 2;
+        let (sa, sb) = (rank_states(&mut a, n), rank_states(&mut b, n));
+        assert_eq!(sa.len(), p.world());
+        for (r, (x, y)) in sa.iter().zip(&sb).enumerate() {
+            assert!(x == y, "{p:?} rank {r}: the state after verify + rollback differs from plain decoding's");
+        }
+        let (la, lb) = (step(&mut a, &[9], false), step(&mut b, &[9], false));
+        assert!(la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()), "{p:?}: the next step's logits differ");
     }
 }

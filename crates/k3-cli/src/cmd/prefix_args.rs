@@ -7,8 +7,9 @@ use k3_engine::PrefixConfig;
 #[derive(clap::Args, Clone, Debug)]
 #[command(next_help_heading = "Prefix cache")]
 pub struct PrefixArgs {
-    /// Turn the prefix cache off (it is on by default, on the CPU and on one GPU; parallel
-    /// layouts cannot snapshot sequence states yet, turn it off themselves and say why).
+    /// Turn the prefix cache off (it is on by default, on the CPU — one rank or ranks as
+    /// threads — and on one GPU; a multi-process GPU layout cannot snapshot sequence states yet,
+    /// turns it off itself and says why).
     #[arg(long)]
     pub no_prefix_cache: bool,
     /// Bytes the prefix-cache pool may hold (latent cells + KDA snapshots, in host memory also

@@ -11,8 +11,9 @@
 //! gives. A sequence cancelled while its step is in flight is dropped when the step comes back
 //! (its state is released at once on rank 0 and, in step order, on the other ranks).
 //!
-//! The prefix cache and speculative decoding need a runner that captures states or verifies
-//! drafts, which pipeline layouts do not yet: with either on, steps run one at a time.
+//! With the prefix cache or speculative decoding on, steps run one at a time: a capture,
+//! restore, verify or rollback (`dist::step::Command`) acts on every rank's state after the
+//! step before it, so no step may be in flight then.
 
 use std::time::Instant;
 

@@ -1,8 +1,12 @@
 //! Ranks, launch and the per-step message: everything that makes several model shards act as
 //! one model lives here, behind the engine's runner interface (`docs/parallel.md`).
 //!
-//! - [`step`]: the per-step message rank 0 sends every rank (the planned sequences, their new
-//!   tokens and own input rows, the released sequences) and its byte form.
+//! - [`step`]: the commands rank 0 sends every rank — the per-step message (the planned
+//!   sequences, their new tokens and own input rows, the released sequences), the verify forward
+//!   and rollback of speculative decoding, the capture and restore of the prefix cache — and
+//!   their byte form.
+//! - [`layout_state`]: a sequence state of a layout, rank by rank: every rank's captured part
+//!   joined into the prefix cache's one stored state, a stored state cut into the ranks' parts.
 //! - [`runner`]: the runner interface the engine drives, and one rank's worker.
 //! - [`threads`]: ranks as threads on the CPU (`k3 run --tp N --device cpu`), each step sent
 //!   to every rank; on a pipeline layout successive steps overlap across the stages.
@@ -16,6 +20,7 @@
 //!   ids), and the NCCL groups of a rank.
 
 pub mod launch;
+pub mod layout_state;
 pub mod monitor;
 pub mod process;
 pub mod runner;

@@ -36,7 +36,8 @@ use k3_model::{Checkpoint, Config};
 
 use super::launch::{NodeArgs, World};
 use super::monitor::{abort_grace, Monitor};
-use super::runner::{self, panic_message, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
+use super::runner::{self, panic_message, Answer, Command, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
+pub use super::step::{decode_reply, encode_reply};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 use crate::sample_rows::RowsFn;
@@ -44,14 +45,6 @@ use crate::sampler::Sampled;
 
 /// How long the end of a run waits for the ranks this process started.
 pub const FINISH_LIMIT: Duration = Duration::from_secs(120);
-
-/// A reply's bytes: `0 | u64 state bytes`, or `1 | u8 aborted | utf-8 message`.
-pub fn encode_reply(r: &Reply) -> Vec<u8> {
-    match r {
-        Ok(bytes) => [&[0u8][..], &(*bytes as u64).to_le_bytes()].concat(),
-        Err(f) => [&[1u8, f.aborted as u8][..], f.msg.as_bytes()].concat(),
-    }
-}
 
 /// A worker's loading progress for rank 0's world bar: `2 | u64 bytes read so far`.
 pub fn encode_progress(bytes: u64) -> Vec<u8> {
@@ -66,29 +59,15 @@ pub fn decode_progress(b: &[u8]) -> Option<u64> {
     }
 }
 
-/// Parses [`encode_reply`]'s bytes from worker `rank` (a bad frame is that rank's failure).
-pub fn decode_reply(b: &[u8], rank: usize) -> Reply {
-    let bad = |why: String| Failure { rank, msg: format!("sent a bad reply ({why}; are all ranks the same k3?)"), aborted: false };
-    match b.split_first() {
-        Some((0, rest)) => rest.try_into().map(|x| u64::from_le_bytes(x) as usize).map_err(|_| bad(format!("{} bytes after an ok", rest.len()))),
-        Some((1, rest)) => match rest.split_first() {
-            Some((&a, msg)) if a <= 1 => Err(Failure { rank, msg: String::from_utf8_lossy(msg).into_owned(), aborted: a == 1 }),
-            _ => Err(bad("a failure without its flag".into())),
-        },
-        Some((t, _)) => Err(bad(format!("tag {t}"))),
-        None => Err(bad("empty".into())),
-    }
-}
-
 /// A worker's steps from rank 0 over the control plane, its replies back.
 pub struct ControlSource<'a> {
     pub control: &'a Control,
 }
 
 impl StepSource for ControlSource<'_> {
-    fn next(&mut self) -> Result<Option<Step>> {
+    fn next(&mut self) -> Result<Option<Command>> {
         match self.control.recv().map_err(|e| EngineError::Launch(format!("waiting for rank 0's next step: {e}")))? {
-            Some(b) => Step::decode(&b).map(Some),
+            Some(b) => Command::decode(&b).map(Some),
             None => Ok(None),
         }
     }
@@ -209,7 +188,7 @@ impl ProcessRunner {
         let mut failures = Vec::new();
         for (i, r) in replies.into_iter().enumerate() {
             match r {
-                Ok(bytes) => self.peer_bytes[i + 1] = bytes,
+                Ok(a) => self.peer_bytes[i + 1] = a.state_bytes,
                 Err(f) => failures.push(f),
             }
         }
@@ -246,7 +225,7 @@ impl ProcessRunner {
             for _ in 0..n {
                 match c.recv_from(rank) {
                     Ok(b) => match decode_reply(&b, rank) {
-                        Ok(bytes) => self.peer_bytes[rank] = bytes,
+                        Ok(a) => self.peer_bytes[rank] = a.state_bytes,
                         Err(f) => {
                             failures.push(f);
                             break;
@@ -427,6 +406,12 @@ impl Runner for ProcessRunner {
     fn abort(&self, why: &str) {
         self.local.abort(why);
     }
+    fn speculation(&self) -> std::result::Result<(), String> {
+        Err(format!("speculative decoding on a multi-process layout ({} processes) is not built yet: the worker loop carries the verify and rollback commands (dist::step::Command), but the GPU rank workers do not run them; decoding without speculation", self.world))
+    }
+    fn prefix_support(&self) -> std::result::Result<String, String> {
+        Err(format!("the prefix cache on a multi-process layout ({} processes) is not built yet: the worker loop carries the capture and restore commands (dist::step::Command), but the GPU rank workers do not run them", self.world))
+    }
 }
 
 impl Drop for ProcessRunner {
@@ -447,7 +432,7 @@ fn unreachable_peer(msg: &str) -> Option<usize> {
 /// its failure otherwise (and that failure is returned).
 pub fn worker_ready<T>(c: &Control, loaded: Result<T>) -> Result<T> {
     let reply = match &loaded {
-        Ok(_) => Ok(0),
+        Ok(_) => Ok(Answer::bytes(0)),
         Err(e) => Err(Failure { rank: c.rank(), msg: e.to_string(), aborted: false }),
     };
     let sent = c.send_to_leader(&encode_reply(&reply)).map_err(|e| EngineError::Launch(format!("telling rank 0 this rank is loaded: {e}")));

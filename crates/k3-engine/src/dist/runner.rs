@@ -6,17 +6,21 @@
 //!   Three implementations: [`ThreadRunner`] over one CPU model (one rank), the same over a
 //!   parallel layout (ranks as threads), and the GPU runner (`crate::gpu`, feature `cuda`).
 //!   [`load`] picks one from the flags. Speculative decoding adds [`Runner::verify`] (every
-//!   row's logits, each a single decode step's) and [`Runner::rollback`]; only the CPU runner
-//!   of one rank has them so far, the others say why ([`Runner::speculation`]).
+//!   row's logits, each a single decode step's) and [`Runner::rollback`], the prefix cache
+//!   [`Runner::capture`] and [`Runner::restore`]: the CPU runner has them on one rank and on
+//!   every layout of ranks as threads, the GPU runner on one GPU; the multi-process runner
+//!   (`dist::process`) says why not ([`Runner::speculation`], [`Runner::prefix_support`]).
 //! - [`Worker`]: one rank's model and its map sequence id → [`SeqState`]. [`Worker::apply`]
 //!   drops the released states, creates a state on a sequence's first sight, embeds the tokens
 //!   (or takes the step's own rows) and runs `Model::forward_varlen`. Every rank applies the
 //!   same steps in the same order, so their collectives pair up.
-//! - [`RankWorker`]: what the worker loop drives — one rank that applies steps: the CPU
-//!   [`Worker`], or the GPU runner of a rank ≠ 0 (`crate::gpu`).
-//! - [`serve`]: a non-leader rank's loop: the next step from a [`StepSource`] (a channel of
-//!   encoded steps between threads, [`ChannelSource`]; the control plane between processes,
-//!   `dist::process::ControlSource`), apply it, reply with the outcome, until the source ends.
+//! - [`RankWorker`]: what the worker loop drives — one rank that applies steps and the other
+//!   [`Command`]s (verify, rollback, capture, restore, release): the CPU [`Worker`], or the GPU runner of
+//!   a rank ≠ 0 (`crate::gpu`), which runs plain steps only and refuses the other commands.
+//! - [`serve`]: a non-leader rank's loop: the next command from a [`StepSource`] (a channel of
+//!   encoded commands between threads, [`ChannelSource`]; the control plane between processes,
+//!   `dist::process::ControlSource`), apply it, reply with the outcome ([`Answer`]: the state
+//!   bytes, a capture's part), until the source ends.
 //! - [`ThreadRunner`] (`dist::threads`): rank 0 on the calling thread, the other ranks as
 //!   threads running [`serve`]; on a pipeline layout it overlaps the stages of successive
 //!   steps ([`Runner::depth`], [`Runner::submit`], [`Runner::collect`]).
@@ -33,7 +37,7 @@ use k3_model::offload::OffloadOptions;
 use k3_model::parallel::Parallel;
 use k3_model::{Checkpoint, Config, ForwardOpts, Model, ModelError, SeqState};
 
-pub use super::step::{Step, StepSeq};
+pub use super::step::{Command, Step, StepSeq};
 pub use super::threads::ThreadRunner;
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
@@ -139,7 +143,7 @@ pub trait Runner: Send {
     /// dtypes) when this runner can capture and restore sequence states, else why it cannot —
     /// the engine then runs without the cache and says so.
     fn prefix_support(&self) -> std::result::Result<String, String> {
-        Err("this runner cannot capture or restore sequence states (the one-rank CPU and GPU runners can; parallel layouts do not yet)".into())
+        Err("this runner cannot capture or restore sequence states (the CPU runners and the one-GPU runner can)".into())
     }
     /// Whether a sequence's rows are bit-reproducible and depend on where its prompt is cut
     /// into forward calls (the CPU): the prefix cache then cuts prefill on its grid only, so a
@@ -163,23 +167,61 @@ pub trait Runner: Send {
 }
 
 /// Why a runner does not verify drafts (the default of [`Runner::speculation`]).
-pub const NO_SPECULATION: &str = "speculative decoding needs per-token KDA states in the verify forward, which only the CPU runner of one rank keeps so far (not the GPU runner, not a parallel layout); decoding without speculation";
+pub const NO_SPECULATION: &str =
+    "speculative decoding needs per-token KDA states in the verify forward, which this runner does not keep (the CPU runners and the one-GPU runner do); decoding without speculation";
 
 /// Aborts a runner's collectives from another thread (see [`Runner::aborter`]).
 pub type Aborter = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// One rank that applies steps: what [`serve`] and [`run_step`] drive. Every rank of a layout
-/// applies the same steps in the same order, so their collectives pair up.
+/// applies the same steps in the same order, so their collectives pair up. Besides steps, the
+/// worker loop carries the other [`Command`]s (speculative decoding's verify and rollback, the
+/// prefix cache's capture and restore); a rank worker that does not implement one refuses it
+/// ([`NOT_ON_THIS_RANK`]), and the layout stops at that failure.
 pub trait RankWorker {
     /// The global rank (named in failures).
     fn rank(&self) -> usize;
     /// Applies one step: drops the released states, makes states on first sight, runs the
     /// forward. Returns the logits where this rank gets them (may be empty).
     fn apply(&mut self, step: &Step) -> Result<Vec<f32>>;
+    /// [`RankWorker::apply`] as a verify forward (see [`Runner::verify`]).
+    fn verify(&mut self, step: &Step) -> Result<Vec<f32>> {
+        let _ = step;
+        Err(not_on_this_rank(self.rank(), "verify"))
+    }
+    /// See [`Runner::rollback`].
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        let _ = (id, drop);
+        Err(not_on_this_rank(self.rank(), "rollback"))
+    }
+    /// This rank's part of sequence `id`'s state (see [`Runner::capture`]).
+    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        let _ = (id, from, grid, kda);
+        Err(not_on_this_rank(self.rank(), "capture"))
+    }
+    /// Drops these sequences' states (between steps; see [`Command::Release`]).
+    fn drop_states(&mut self, ids: &[SeqId]) -> Result<()> {
+        let _ = ids;
+        Err(not_on_this_rank(self.rank(), "release"))
+    }
+    /// Makes sequence `id` anew from this rank's part of a stored state (`dist::layout_state::part`).
+    fn restore(&mut self, id: SeqId, part: &Capture) -> Result<()> {
+        let _ = (id, part);
+        Err(not_on_this_rank(self.rank(), "restore"))
+    }
     /// Aborts this rank's collectives, so that its peers stop waiting for it.
     fn abort(&self, why: &str);
     /// Bytes held by this rank's live sequence states.
     fn state_bytes(&self) -> usize;
+}
+
+/// Why a rank worker refuses a command it does not implement (the GPU runner of a rank ≠ 0 of
+/// a multi-process layout refuses every command but the plain forward).
+pub const NOT_ON_THIS_RANK: &str =
+    "is not built for this rank worker yet (only the CPU ranks as threads capture, restore, verify and roll back; the GPU ranks of a multi-process layout do not)";
+
+fn not_on_this_rank(rank: usize, what: &str) -> EngineError {
+    EngineError::Unsupported(format!("rank {rank}: the {what} command {NOT_ON_THIS_RANK}"))
 }
 
 /// [`RankWorker::apply`] that turns an error or a panic into a [`Failure`] and aborts the
@@ -188,9 +230,21 @@ pub fn run_step<W: RankWorker + ?Sized>(w: &mut W, step: &Step) -> std::result::
     guarded(w, |w| w.apply(step))
 }
 
+/// One [`Command`] on rank `w` (through [`guarded`]): its answer.
+pub fn run_command<W: RankWorker + ?Sized>(w: &mut W, cmd: &Command) -> std::result::Result<Option<Capture>, Failure> {
+    guarded(w, |w| match cmd {
+        Command::Forward(s) => w.apply(s).map(|_| None),
+        Command::Verify(s) => w.verify(s).map(|_| None),
+        Command::Rollback { id, drop } => w.rollback(*id, *drop).map(|()| None),
+        Command::Capture { id, from, grid, kda } => w.capture(*id, *from, *grid, *kda).map(Some),
+        Command::Restore { id, part } => w.restore(*id, part).map(|()| None),
+        Command::Release(ids) => w.drop_states(ids).map(|()| None),
+    })
+}
+
 /// `f` on rank `w`, its error or panic turned into a [`Failure`] that aborts the rank's
 /// collectives (what [`run_step`] does for a step).
-pub fn guarded<W: RankWorker + ?Sized>(w: &mut W, f: impl FnOnce(&mut W) -> Result<Vec<f32>>) -> std::result::Result<Vec<f32>, Failure> {
+pub fn guarded<W: RankWorker + ?Sized, T>(w: &mut W, f: impl FnOnce(&mut W) -> Result<T>) -> std::result::Result<T, Failure> {
     let rank = w.rank();
     let f = match catch_unwind(AssertUnwindSafe(|| f(w))) {
         Ok(Ok(v)) => return Ok(v),
@@ -237,8 +291,22 @@ impl From<Failure> for EngineError {
     }
 }
 
-/// A rank's answer to one step: its state bytes, or its failure.
-pub type Reply = std::result::Result<usize, Failure>;
+/// A rank's answer to one command: its state bytes and, for a capture, its part.
+#[derive(Clone, Debug, Default)]
+pub struct Answer {
+    pub state_bytes: usize,
+    pub capture: Option<Capture>,
+}
+
+impl Answer {
+    /// An answer that carries only the state bytes.
+    pub fn bytes(state_bytes: usize) -> Answer {
+        Answer { state_bytes, capture: None }
+    }
+}
+
+/// A rank's answer to one command, or its failure.
+pub type Reply = std::result::Result<Answer, Failure>;
 
 /// Which forward [`Worker::apply_with`] runs.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -299,7 +367,7 @@ impl Worker {
         let st = self.states.get(&id).ok_or(EngineError::UnknownSeq(id))?;
         prefix_state::capture(st, from, grid, kda)
     }
-    /// See [`Runner::restore`].
+    /// See [`Runner::restore`] (on a parallel layout: this rank's part, `dist::layout_state::part`).
     pub fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
         let st = prefix_state::restore(self.model.new_state_with(self.kda), cells, snap)?;
         self.states.insert(id, st);
@@ -414,6 +482,24 @@ impl RankWorker for Worker {
     fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
         Worker::apply(self, step)
     }
+    fn verify(&mut self, step: &Step) -> Result<Vec<f32>> {
+        Worker::verify(self, step)
+    }
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        Worker::rollback(self, id, drop)
+    }
+    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        Worker::capture(self, id, from, grid, kda)
+    }
+    fn drop_states(&mut self, ids: &[SeqId]) -> Result<()> {
+        ids.iter().for_each(|id| Worker::release(self, *id));
+        Ok(())
+    }
+    fn restore(&mut self, id: SeqId, part: &Capture) -> Result<()> {
+        let snap = part.kda.as_ref().ok_or_else(|| EngineError::Internal(format!("restore of sequence {id}: the part has no KDA snapshot")))?;
+        let cells: Vec<&Segment> = part.cells.iter().collect();
+        Worker::restore(self, id, &cells, snap)
+    }
     fn abort(&self, why: &str) {
         self.model.groups.abort(why);
     }
@@ -432,24 +518,24 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "(no message)".into())
 }
 
-/// Where a non-leader rank gets its steps and sends its replies.
+/// Where a non-leader rank gets its commands and sends its replies.
 pub trait StepSource {
-    /// The next step, or `None` once the leader has stopped.
-    fn next(&mut self) -> Result<Option<Step>>;
-    /// Answers the step just applied.
+    /// The next command, or `None` once the leader has stopped.
+    fn next(&mut self) -> Result<Option<Command>>;
+    /// Answers the command just applied.
     fn reply(&mut self, r: Reply) -> Result<()>;
 }
 
-/// Steps as encoded bytes over a channel from the leader thread, replies back over another.
+/// Commands as encoded bytes over a channel from the leader thread, replies back over another.
 pub struct ChannelSource {
     pub steps: Receiver<Arc<Vec<u8>>>,
     pub replies: Sender<Reply>,
 }
 
 impl StepSource for ChannelSource {
-    fn next(&mut self) -> Result<Option<Step>> {
+    fn next(&mut self) -> Result<Option<Command>> {
         match self.steps.recv() {
-            Ok(b) => Step::decode(&b).map(Some),
+            Ok(b) => Command::decode(&b).map(Some),
             Err(_) => Ok(None), // the leader dropped its end
         }
     }
@@ -460,12 +546,12 @@ impl StepSource for ChannelSource {
     }
 }
 
-/// A non-leader rank's loop: apply each step from `source` and reply, until the source ends
+/// A non-leader rank's loop: apply each command from `source` and reply, until the source ends
 /// (`Ok`) or this rank fails (its failure, after replying it and aborting its groups).
 pub fn serve<W: RankWorker>(mut worker: W, source: &mut dyn StepSource) -> Result<()> {
     loop {
-        let step = match source.next() {
-            Ok(Some(s)) => s,
+        let cmd = match source.next() {
+            Ok(Some(c)) => c,
             Ok(None) => return Ok(()),
             Err(e) => {
                 let f = Failure { rank: worker.rank(), msg: e.to_string(), aborted: false };
@@ -474,8 +560,8 @@ pub fn serve<W: RankWorker>(mut worker: W, source: &mut dyn StepSource) -> Resul
                 return Err(f.into());
             }
         };
-        match run_step(&mut worker, &step) {
-            Ok(_) => source.reply(Ok(worker.state_bytes()))?,
+        match run_command(&mut worker, &cmd) {
+            Ok(capture) => source.reply(Ok(Answer { state_bytes: worker.state_bytes(), capture }))?,
             Err(f) => {
                 source.reply(Err(f.clone()))?;
                 return Err(f.into());

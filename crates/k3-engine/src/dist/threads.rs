@@ -13,6 +13,16 @@
 //! rank 0 runs its part of the next one. [`Runner::collect`] receives the oldest step's logits
 //! from the last stage and every rank's answer to it (steps complete in submit order: every
 //! rank applies them in that order and point-to-point messages keep it).
+//!
+//! Speculative decoding and the prefix cache run on every layout (the engine then runs one
+//! step at a time): [`Runner::verify`] sends the step as a verify forward to every rank, each
+//! keeping its shard's per-token KDA states; [`Runner::rollback`] is a command every rank
+//! applies; [`Runner::capture`] gathers every rank's part of a sequence's state and joins them,
+//! [`Runner::restore`] cuts a stored state into the ranks' parts and sends each its own
+//! (`dist::layout_state`). Rank 0 runs its part of a rollback, capture or restore first, so a
+//! refused one changes nothing anywhere; a peer that fails one stops the layout. A sequence
+//! released between steps is dropped on every rank at once ([`Command::Release`]); one released
+//! while steps are in flight, with the next step.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -23,7 +33,8 @@ use k3_model::layers::kda::StateDType;
 use k3_model::parallel::{Groups, Parallel};
 use k3_model::{Checkpoint, Config, Model};
 
-use super::runner::{guarded, serve, Aborter, ChannelSource, Failure, Fault, RankOptions, Reply, Runner, Step, Worker};
+use super::layout_state;
+use super::runner::{guarded, serve, Aborter, Answer, ChannelSource, Command, Failure, Fault, RankOptions, RankWorker, Reply, Runner, Step, Worker};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 use crate::prefix::{Capture, KdaSnap, Segment};
@@ -112,6 +123,77 @@ impl ThreadRunner {
         }
     }
 
+    /// The layout, as the prefix cache's digest and the messages name it.
+    fn layout(&self) -> String {
+        let p = self.leader.model().plan.par;
+        match self.peers.is_empty() {
+            true => "one rank".into(),
+            false => format!("ranks as threads --tp {} --ep {} --pp {}", p.tp, p.ep, p.pp),
+        }
+    }
+
+    /// Refuses a command while submitted steps are not collected (the engine runs one step at a
+    /// time when it speculates or caches prefixes).
+    fn idle(&self, what: &str) -> Result<()> {
+        self.check()?;
+        match self.flight.is_empty() {
+            true => Ok(()),
+            false => Err(EngineError::Internal(format!("a {what} while {} submitted step(s) are not collected", self.flight.len()))),
+        }
+    }
+
+    /// Sends every peer its command's bytes (`bytes(rank)`); a peer that cannot be reached stops
+    /// the layout.
+    fn send(&mut self, mut bytes: impl FnMut(usize) -> Arc<Vec<u8>>) -> Result<()> {
+        for i in 0..self.peers.len() {
+            let p = &self.peers[i];
+            let b = bytes(p.rank);
+            if p.steps.as_ref().is_none_or(|tx| tx.send(b).is_err()) {
+                let f = Failure { rank: p.rank, msg: "its thread has stopped".into(), aborted: false };
+                return Err(self.stop(vec![f]));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every peer's answer to the command just sent (rank 1.. in order), with rank 0's own
+    /// outcome `mine`; a failure anywhere stops the layout.
+    fn gather<T>(&mut self, mine: std::result::Result<T, Failure>) -> Result<(T, Vec<Answer>)> {
+        let mut failures: Vec<Failure> = mine.as_ref().err().cloned().into_iter().collect();
+        let mut answers = Vec::with_capacity(self.peers.len());
+        for p in &mut self.peers {
+            match p.replies.recv() {
+                Ok(Ok(a)) => {
+                    p.state_bytes = a.state_bytes;
+                    answers.push(a);
+                }
+                Ok(Err(f)) => failures.push(f),
+                Err(_) => failures.push(Failure { rank: p.rank, msg: "its thread stopped without answering".into(), aborted: false }),
+            }
+        }
+        match (mine, failures.is_empty()) {
+            (Ok(v), true) => Ok((v, answers)),
+            _ => Err(self.stop(failures)),
+        }
+    }
+
+    /// Every rank's own part of sequence `id`'s state (rank order), as [`Runner::capture`] asks
+    /// (what it joins; the tests compare ranks' states with it).
+    pub fn capture_parts(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Vec<Capture>> {
+        self.idle("capture")?;
+        let mut parts = vec![self.leader.capture(id, from, grid, kda)?];
+        if self.peers.is_empty() {
+            return Ok(parts);
+        }
+        let bytes = Arc::new(Command::Capture { id, from, grid, kda }.encode());
+        self.send(|_| bytes.clone())?;
+        let ((), answers) = self.gather(Ok(()))?;
+        for (p, a) in self.peers.iter().zip(answers) {
+            parts.push(a.capture.ok_or_else(|| EngineError::Internal(format!("rank {} answered a capture without its part", p.rank)))?);
+        }
+        Ok(parts)
+    }
+
     /// Stops the layout at `failures`: aborts the groups (whatever waits in a collective
     /// stops) and closes the step channels (each peer ends after the steps it has), reads every
     /// other peer's remaining answers up to its failure or its end, and returns the root cause:
@@ -151,8 +233,16 @@ impl Runner for ThreadRunner {
     }
     fn release(&mut self, id: SeqId) {
         self.leader.release(id);
-        if !self.peers.is_empty() {
-            self.released.push(id);
+        if self.peers.is_empty() {
+            return;
+        }
+        self.released.push(id);
+        // Between steps the peers drop it now (their state bytes then count live sequences
+        // only); while steps are in flight it rides on the next step.
+        if self.flight.is_empty() && self.failed.is_none() {
+            let bytes = Arc::new(Command::Release(std::mem::take(&mut self.released)).encode());
+            // A failure stops the layout; the next call reports it.
+            let _ = self.send(|_| bytes.clone()).and_then(|()| self.gather(Ok(())));
         }
     }
     fn forward(&mut self, step: Step) -> Result<Vec<f32>> {
@@ -173,12 +263,7 @@ impl Runner for ThreadRunner {
         if !self.peers.is_empty() {
             step.released.append(&mut self.released);
             let bytes = Arc::new(step.encode());
-            for p in &self.peers {
-                if p.steps.as_ref().is_none_or(|tx| tx.send(bytes.clone()).is_err()) {
-                    let f = Failure { rank: p.rank, msg: "its thread has stopped".into(), aborted: false };
-                    return Err(self.stop(vec![f]));
-                }
-            }
+            self.send(|_| bytes.clone())?;
         }
         let defer = self.depth() > 1;
         match guarded(&mut self.leader, |w| if defer { w.submit(&step) } else { w.apply(&step) }) {
@@ -196,18 +281,7 @@ impl Runner for ThreadRunner {
             Some(v) => Ok(v),
             None => guarded(&mut self.leader, Worker::recv_logits),
         };
-        let mut failures: Vec<Failure> = out.as_ref().err().cloned().into_iter().collect();
-        for p in &mut self.peers {
-            match p.replies.recv() {
-                Ok(Ok(bytes)) => p.state_bytes = bytes,
-                Ok(Err(f)) => failures.push(f),
-                Err(_) => failures.push(Failure { rank: p.rank, msg: "its thread stopped without answering".into(), aborted: false }),
-            }
-        }
-        if !failures.is_empty() {
-            return Err(self.stop(failures));
-        }
-        out.map_err(EngineError::from)
+        Ok(self.gather(out)?.0)
     }
     fn state_bytes(&self) -> usize {
         self.leader.state_bytes() + self.peers.iter().map(|p| p.state_bytes).sum::<usize>()
@@ -220,37 +294,57 @@ impl Runner for ThreadRunner {
         Some(Arc::new(move |why: &str| groups.abort(why)))
     }
     fn speculation(&self) -> std::result::Result<(), String> {
-        match self.peers.is_empty() {
-            true => Ok(()),
-            false => Err(format!("speculative decoding on a parallel layout ({} ranks) is not built yet (the step message carries no verify or rollback); decoding without speculation", self.world())),
-        }
+        Ok(())
     }
-    fn verify(&mut self, step: Step) -> Result<Vec<f32>> {
-        if let Err(why) = self.speculation() {
-            return Err(EngineError::Unsupported(why));
+    fn verify(&mut self, mut step: Step) -> Result<Vec<f32>> {
+        self.idle("verify step")?;
+        if self.peers.is_empty() {
+            return self.leader.verify(&step);
         }
-        self.leader.verify(&step)
+        step.released.append(&mut self.released);
+        let bytes = Arc::new(step.encode_verify());
+        self.send(|_| bytes.clone())?;
+        let mine = guarded(&mut self.leader, |w| w.verify(&step));
+        Ok(self.gather(mine)?.0)
     }
     fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
-        if let Err(why) = self.speculation() {
-            return Err(EngineError::Unsupported(why));
+        self.idle("rollback")?;
+        self.leader.rollback(id, drop)?;
+        if !self.peers.is_empty() {
+            let bytes = Arc::new(Command::Rollback { id, drop }.encode());
+            self.send(|_| bytes.clone())?;
+            self.gather(Ok(()))?;
         }
-        self.leader.rollback(id, drop)
+        Ok(())
     }
     fn prefix_support(&self) -> std::result::Result<String, String> {
-        match self.peers.is_empty() {
-            true => Ok(format!("cpu, one rank, kda state {:?}", self.leader.kda())),
-            false => Err(format!("the prefix cache does not yet capture the states of a parallel layout ({} ranks as threads)", self.world())),
-        }
+        Ok(format!("cpu, {}, kda state {:?}", self.layout(), self.leader.kda()))
     }
     fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
-        self.leader.capture(id, from, grid, kda)
+        let mut parts = self.capture_parts(id, from, grid, kda)?;
+        if parts.len() == 1 {
+            return Ok(parts.pop().expect("one part"));
+        }
+        let m = self.leader.model();
+        layout_state::join(m.plan.par, &m.config, parts)
     }
     fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
-        if !self.peers.is_empty() {
-            return Err(EngineError::Unsupported("prefix restore on a parallel layout".into()));
+        self.idle("restore")?;
+        if self.peers.is_empty() {
+            return self.leader.restore(id, cells, snap);
         }
-        self.leader.restore(id, cells, snap)
+        // Every rank's part first (a stored state of another layout is refused before anything
+        // changes), rank 0's restored, then each peer's sent. The new state replaces any
+        // released one of the same id, so that release no longer needs to reach the peers.
+        let m = self.leader.model_arc();
+        let mut parts =
+            (0..self.world()).map(|r| layout_state::part(m.plan.par, &m.config, r, self.leader.kda(), cells, snap).map(Some)).collect::<Result<Vec<_>>>()?;
+        let own = parts[0].take().expect("rank 0's part");
+        RankWorker::restore(&mut self.leader, id, &own)?;
+        self.released.retain(|&r| r != id);
+        self.send(|r| Arc::new(parts[r].take().map_or_else(Vec::new, |part| Command::Restore { id, part }.encode())))?;
+        self.gather(Ok(()))?;
+        Ok(())
     }
 }
 

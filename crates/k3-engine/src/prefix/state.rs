@@ -14,7 +14,7 @@
 //! indexer keys, BF16 conv tails, F32 state: [`SegLayer::Raw`], [`SnapLayer::Raw`]), copied to
 //! host memory, so the pool costs no device memory. The digest keeps the two apart.
 
-use k3_model::layers::kda::KdaState;
+use k3_model::layers::kda::{KdaState, StateBuf};
 use k3_model::model::LayerState;
 use k3_model::SeqState;
 
@@ -58,6 +58,9 @@ pub enum SnapLayer {
     Mla,
     /// A KDA layer of the CPU runner: state and conv tails.
     Cpu(KdaState),
+    /// A KDA layer of a CPU parallel layout whose ranks split its heads (`--tp` > 1): each
+    /// rank's state and conv tails, in tensor-parallel order (`dist::layout_state`).
+    Ranks(Vec<KdaState>),
     /// A KDA layer of a device runner: its slot's conv tails and recurrent state, as stored.
     Raw { conv: Vec<u8>, state: Vec<u8> },
 }
@@ -76,6 +79,7 @@ impl KdaSnap {
             .map(|l| match l {
                 SnapLayer::Mla => 0,
                 SnapLayer::Cpu(s) => s.bytes(),
+                SnapLayer::Ranks(v) => v.iter().map(KdaState::bytes).sum(),
                 SnapLayer::Raw { conv, state } => conv.len() + state.len(),
             })
             .sum()
@@ -137,14 +141,29 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
 }
 
 /// Rebuilds the state at `snap.at` into `fresh` (a new, empty state of the same model): the
-/// segments of every cell before it, in order, and the KDA snapshot.
+/// segments of every cell before it, in order, and the KDA snapshot. A KDA state must have
+/// `fresh`'s shapes and dtype (on a parallel layout: this rank's heads).
 pub fn restore(mut fresh: SeqState, cells: &[&Segment], snap: &KdaSnap) -> Result<SeqState> {
     if fresh.pos != 0 || snap.layers.len() != fresh.layers.len() || cells.iter().any(|c| c.layers.len() != fresh.layers.len()) {
         return Err(EngineError::Internal("prefix restore: the stored state was made for another model".into()));
     }
     for (l, layer) in fresh.layers.iter_mut().enumerate() {
         match (layer, &snap.layers[l]) {
-            (LayerState::Kda(s), SnapLayer::Cpu(k)) => *s = k.clone(),
+            (LayerState::Kda(s), SnapLayer::Cpu(k)) => {
+                let shape = |k: &KdaState| {
+                    let s = match &k.s {
+                        StateBuf::F32(v) => (v.len(), "f32"),
+                        StateBuf::Bf16(v) => (v.len(), "bf16"),
+                    };
+                    (k.conv.each_ref().map(Vec::len), s)
+                };
+                if shape(s) != shape(k) {
+                    return Err(EngineError::Internal(format!(
+                        "prefix restore: layer {l}'s stored KDA state is not shaped as this rank's (its heads or state dtype differ: made for another model or layout)"
+                    )));
+                }
+                *s = k.clone();
+            }
             (LayerState::Mla(c), SnapLayer::Mla) => {
                 for cell in cells {
                     let SegLayer::Mla { latent, index_keys } = &cell.layers[l] else {
@@ -238,7 +257,7 @@ pub fn restore_raw<'a>(cells: &[&'a Segment], snap: &'a KdaSnap) -> Result<(Vec<
         .map(|l| match l {
             SnapLayer::Mla => Ok(None),
             SnapLayer::Raw { conv, state } => Ok(Some((conv.as_slice(), state.as_slice()))),
-            SnapLayer::Cpu(_) => Err(bad()),
+            SnapLayer::Cpu(_) | SnapLayer::Ranks(_) => Err(bad()),
         })
         .collect::<Result<Vec<_>>>()?;
     Ok((rows, kda))

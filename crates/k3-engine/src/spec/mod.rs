@@ -20,11 +20,13 @@
 //!   kept per token), then `Runner::rollback` drops each sequence's rejected tail — a copy of
 //!   the KDA snapshot and a truncation of the MLA/DSA caches (`k3_model::verify`).
 //!
-//! Runners: the CPU runner of one rank verifies. The GPU runner and parallel layouts (ranks as
-//! threads or processes) do not yet (their KDA kernels and step messages keep no per-token
-//! states); on them the engine decodes plainly and [`Engine::speculation`] says why.
+//! Runners: the CPU runner verifies, on one rank and on every layout of ranks as threads (each
+//! rank runs the verify forward on its shard and keeps its per-token KDA states; the rollback
+//! is a command every rank applies: `dist::step::Command`); so does the runner of one GPU. A
+//! multi-process (GPU) layout does not yet; on it the engine decodes plainly and
+//! [`Engine::speculating`] says why.
 //!
-//! [`Engine::speculation`]: crate::Engine::speculation
+//! [`Engine::speculating`]: crate::Engine::speculating
 
 pub mod accept;
 pub mod ngram;

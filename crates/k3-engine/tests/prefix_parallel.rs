@@ -1,0 +1,276 @@
+//! The prefix cache on parallel layouts (issue 21 on ranks as threads, `dist::layout_state`):
+//! a warm engine over `--tp 2`, `--ep 2`, `--pp 2` and `--tp 2 --pp 2` equals a cold engine of
+//! the same layout bit for bit — every logits row each output token was sampled from, and the
+//! greedy tokens — for hits at, 1, 63, 64 and 65 tokens past a grid point, a divergence one
+//! token before a grid point (the branch point then snapshotted, and hit by the next request),
+//! prompts ending on a grid point (exact re-send, one token more), and concurrent requests
+//! sharing and diverging from one prefix (by tokens: see prefix.rs's
+//! `concurrent_logits_follow_the_schedule_not_the_cache`). Models: `k3 init`'s tiny (4 KDA
+//! heads, its KDA layers all on the first stage of `--pp 2`) on every layout, tiny K3.1 DSA on
+//! `--tp 2 --pp 2`, and the golden MXFP4 fixture (3 heads: an uneven 2 + 1 split; KDA layers on
+//! both stages) on `--tp 2` and `--pp 2`.
+//!
+//! Mutants, each seen to make the comparison fail: one rank's KDA heads perturbed, the two
+//! ranks' heads swapped (restored to the wrong rank), a KDA state and a latent row of the second
+//! pipeline stage perturbed. A swap of uneven head shares is refused by the rank, and a state
+//! stored by one layout is refused by another (the cache's digest names the layout, too).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use k3_engine::dist::runner::{Runner, Step, StepSeq, ThreadRunner};
+use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
+use k3_engine::{Engine, EngineConfig, PrefixConfig};
+use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
+use k3_model::layers::kda::{StateBuf, StateDType};
+use k3_model::{Checkpoint, Parallel};
+
+#[path = "../../../tests/support/golden.rs"]
+mod golden;
+#[path = "support/prefix_run.rs"]
+mod prefix_run;
+#[path = "support/recorder.rs"]
+mod recorder;
+use prefix_run::{prompt_ids, run, Out};
+use recorder::{Log, Mutate, Rec};
+
+const GRID: usize = 128;
+
+fn par(tp: usize, ep: Option<usize>, pp: usize) -> Parallel {
+    Parallel::new(tp, ep, pp).unwrap()
+}
+
+/// `--tp 2` (experts whole, ep = tp), `--ep 2` alone, `--pp 2`, `--tp 2 --pp 2`.
+fn layouts() -> [Parallel; 4] {
+    [par(2, None, 1), par(1, Some(2), 1), par(1, None, 2), par(2, None, 2)]
+}
+
+/// The checkpoints (made or opened once per test binary).
+fn ck(name: &str) -> Arc<Checkpoint> {
+    static CKS: Mutex<Vec<(String, Arc<Checkpoint>)>> = Mutex::new(Vec::new());
+    let mut all = CKS.lock().unwrap();
+    if let Some((_, c)) = all.iter().find(|(n, _)| n == name) {
+        return c.clone();
+    }
+    let ck = match name {
+        "k3_small_mxfp4" => Checkpoint::open(&golden::fixture(name)).unwrap(),
+        base => {
+            let dir: PathBuf = std::env::temp_dir().join(format!("k3-prefix-par-test-{}-{base}", std::process::id()));
+            let dtype = if base == "tiny" { FloatDType::F32 } else { FloatDType::BF16 };
+            let o = InitOptions { seed: 21, dtype, experts: ExpertFormat::Float(dtype), shard_size: None };
+            init(k3_model::config::builtin_config(base).unwrap(), &Overrides::default(), &dir, &o).unwrap();
+            let ck = Checkpoint::open(&dir).unwrap();
+            let _ = std::fs::remove_dir_all(&dir); // the map stays valid
+            ck
+        }
+    };
+    let ck = Arc::new(ck);
+    all.push((name.to_string(), ck.clone()));
+    ck
+}
+
+fn ids(name: &str, seed: u32, n: usize) -> Vec<u32> {
+    prompt_ids(ck(name).config.text.vocab_size as u32, seed, n)
+}
+
+fn engine_with(name: &str, p: Parallel, mutate: Option<Mutate>) -> (Engine, Log) {
+    let log: Log = Default::default();
+    let mut r = Rec::new(ThreadRunner::start(&ck(name), p, StateDType::F32).unwrap(), &log);
+    r.mutate = mutate;
+    let cfg = EngineConfig { max_batch: 8, max_step_tokens: 1024, prefix: Some(PrefixConfig::new(GRID, 1 << 30)), ..Default::default() };
+    (Engine::with_runner(Box::new(r), None, cfg), log)
+}
+
+fn engine(name: &str, p: Parallel) -> (Engine, Log) {
+    engine_with(name, p, None)
+}
+
+/// `prompt` alone on a fresh engine of the same layout.
+fn cold(name: &str, p: Parallel, prompt: &[u32], n: usize) -> Out {
+    let (mut e, log) = engine(name, p);
+    let out = run(&mut e, &log, &[prompt.to_vec()], n, &[]).pop().unwrap().unwrap();
+    assert_eq!(out.cached, 0);
+    out
+}
+
+/// `prompt` on the warm engine `e`: equal to a cold start, with `cached` tokens restored.
+fn check_warm(name: &str, p: Parallel, e: &mut Engine, log: &Log, prompt: &[u32], cached: usize, what: &str) {
+    let warm = run(e, log, &[prompt.to_vec()], 4, &[]).pop().unwrap().unwrap();
+    let c = cold(name, p, prompt, 4);
+    assert_eq!(warm.cached, cached, "{name} {p:?} {what}: cached tokens");
+    assert_eq!(warm.tokens, c.tokens, "{name} {p:?} {what}: greedy tokens");
+    assert!(warm.rows == c.rows, "{name} {p:?} {what}: logits rows are not bit-equal to a cold start");
+}
+
+/// Hits at and past a grid point, and a divergence just before one (first sighting: cold, its
+/// branch point snapshotted; the next request resumes there).
+fn around_a_grid_point(name: &str, p: Parallel, offsets: &[usize]) {
+    let (mut e, log) = engine(name, p);
+    let a = ids(name, 1, 2 * GRID + 80); // snapshot at 256, its prompt's last grid point
+    run(&mut e, &log, std::slice::from_ref(&a), 2, &[]);
+    for &d in offsets {
+        let mut b = a[..2 * GRID + d].to_vec();
+        b.extend(ids(name, 100 + d as u32, 9));
+        check_warm(name, p, &mut e, &log, &b, 2 * GRID, &format!("{d} past the grid point"));
+    }
+    let mut before = a[..2 * GRID - 1].to_vec();
+    before.extend(ids(name, 7, 20));
+    check_warm(name, p, &mut e, &log, &before, 0, "one token before the grid point (branch at 128)");
+    let mut again = a[..GRID + 72].to_vec();
+    again.extend(ids(name, 8, 5));
+    check_warm(name, p, &mut e, &log, &again, GRID, "resumes at the branch point");
+    let st = e.prefix_status().unwrap().unwrap();
+    assert!(st.kv_only_matches >= 1 && st.hits as usize > offsets.len(), "{st:?}");
+}
+
+/// A prompt ending on a grid point: the exact re-send resumes a cell earlier (its last token is
+/// always computed), one token more resumes at its end.
+fn prompt_ends(name: &str, p: Parallel) {
+    let (mut e, log) = engine(name, p);
+    let c = ids(name, 2, 3 * GRID);
+    run(&mut e, &log, std::slice::from_ref(&c), 2, &[]);
+    check_warm(name, p, &mut e, &log, &c, 2 * GRID, "exact re-send of a grid-aligned prompt");
+    let mut c1 = c.clone();
+    c1.push(7);
+    check_warm(name, p, &mut e, &log, &c1, 3 * GRID, "prompt end + 1");
+}
+
+#[test]
+fn warm_equals_cold_on_every_layout() {
+    for p in layouts() {
+        around_a_grid_point("tiny", p, &[0, 1, 63, 64, 65]);
+        prompt_ends("tiny", p);
+    }
+}
+
+#[test]
+fn warm_equals_cold_dsa_and_mxfp4() {
+    around_a_grid_point("tiny_dsa", par(2, None, 2), &[0, 65]);
+    for p in [par(2, None, 1), par(1, None, 2)] {
+        around_a_grid_point("k3_small_mxfp4", p, &[1, 64]);
+    }
+}
+
+/// Six requests at once sharing a prefix and diverging inside its third cell and after it, one
+/// cancelled mid-prefill: every greedy output equals its cold run alone on the same layout.
+#[test]
+fn concurrent_requests_share_and_diverge() {
+    let name = "tiny";
+    for p in [par(2, None, 1), par(2, None, 2)] {
+        let (mut e, log) = engine(name, p);
+        let sys = ids(name, 3, 2 * GRID + 60);
+        run(&mut e, &log, std::slice::from_ref(&sys), 1, &[]);
+        let prompts: Vec<Vec<u32>> = (0..6)
+            .map(|k| {
+                let mut q = sys[..2 * GRID + 10 * k].to_vec();
+                q.extend(ids(name, 60 + k as u32, 15 + 40 * k));
+                q
+            })
+            .collect();
+        let outs = run(&mut e, &log, &prompts, 5, &[(3, 1)]);
+        for (k, (q, o)) in prompts.iter().zip(&outs).enumerate() {
+            let Some(o) = o else { continue };
+            assert_eq!(o.cached, 2 * GRID, "{p:?} request {k}");
+            assert_eq!(o.tokens, cold(name, p, q, 5).tokens, "{p:?} concurrent request {k}");
+        }
+        assert!(outs[3].is_none());
+    }
+}
+
+/// What a mutant does to the stored state before a restore.
+#[derive(Clone, Copy, Debug)]
+enum Mutant {
+    /// One value of rank 1's heads of the last KDA layer (`--tp 2`).
+    RankHeads,
+    /// The ranks' heads of every KDA layer swapped: each rank gets its peer's part.
+    SwapRanks,
+    /// One value of the last KDA layer's state (on `--pp 2`, a second-stage layer).
+    LastKda,
+    /// One value of the last MLA layer's latent rows (on `--pp 2`, the second stage's).
+    LastLatent,
+}
+
+fn mutation(m: Mutant) -> Mutate {
+    Box::new(move |cells: &mut Vec<Segment>, snap: &mut KdaSnap| {
+        let bump = |s: &mut StateBuf| match s {
+            StateBuf::F32(v) => v[5] += 0.25,
+            StateBuf::Bf16(v) => v[5] ^= 0x40,
+        };
+        match m {
+            Mutant::RankHeads => match snap.layers.iter_mut().rev().find(|l| matches!(l, SnapLayer::Ranks(_))) {
+                Some(SnapLayer::Ranks(v)) => bump(&mut v[1].s),
+                _ => panic!("no KDA layer split over ranks"),
+            },
+            Mutant::SwapRanks => snap.layers.iter_mut().for_each(|l| {
+                if let SnapLayer::Ranks(v) = l {
+                    v.swap(0, 1);
+                }
+            }),
+            Mutant::LastKda => match snap.layers.iter_mut().rev().find(|l| matches!(l, SnapLayer::Cpu(_))) {
+                Some(SnapLayer::Cpu(k)) => bump(&mut k.s),
+                _ => panic!("no KDA layer"),
+            },
+            Mutant::LastLatent => match cells.last_mut().unwrap().layers.iter_mut().rev().find(|l| matches!(l, SegLayer::Mla { .. })) {
+                Some(SegLayer::Mla { latent, .. }) => *latent.last_mut().unwrap() += 0.5,
+                _ => panic!("no MLA layer"),
+            },
+        }
+    })
+}
+
+#[test]
+fn mutants_are_caught() {
+    for (name, p, m) in [
+        ("tiny", par(2, None, 1), Mutant::RankHeads),
+        ("tiny", par(2, None, 1), Mutant::SwapRanks),
+        ("tiny", par(2, None, 2), Mutant::SwapRanks),
+        ("k3_small_mxfp4", par(1, None, 2), Mutant::LastKda),
+        ("k3_small_mxfp4", par(1, None, 2), Mutant::LastLatent),
+    ] {
+        let (mut e, log) = engine_with(name, p, Some(mutation(m)));
+        let a = ids(name, 4, 2 * GRID + 30);
+        run(&mut e, &log, std::slice::from_ref(&a), 2, &[]);
+        let warm = run(&mut e, &log, std::slice::from_ref(&a), 4, &[]).pop().unwrap().unwrap();
+        assert_eq!(warm.cached, 2 * GRID);
+        assert!(warm.rows != cold(name, p, &a, 4).rows, "{name} {p:?}: a corrupted restore ({m:?}) went unnoticed");
+    }
+}
+
+/// One sequence of `n` prompt tokens through `r`, its state captured whole (one grid cell).
+fn captured(r: &mut ThreadRunner, n: usize) -> k3_engine::prefix::Capture {
+    let tokens = ids("k3_small_mxfp4", 5, n);
+    r.forward(Step { seqs: vec![StepSeq { id: 1, tokens, rows: None }], last_only: true, released: vec![] }).unwrap();
+    r.capture(1, 0, n, true).unwrap()
+}
+
+/// A stored state goes only into the layout that made it: the digest names the layout, and a
+/// restore of another layout's state (or of uneven head shares on the wrong ranks) is refused
+/// with an error, changing nothing.
+#[test]
+fn states_stay_in_their_layout() {
+    let c = ck("k3_small_mxfp4");
+    let start = |p| ThreadRunner::start(&c, p, StateDType::F32).unwrap();
+    let mut digests: Vec<String> = layouts().into_iter().map(|p| start(p).prefix_support().unwrap()).collect();
+    digests.push(ThreadRunner::single(Arc::new(k3_model::Model::load(&c).unwrap()), StateDType::F32).prefix_support().unwrap());
+    assert!(digests[0].contains("--tp 2 --ep 2 --pp 1"), "{}", digests[0]);
+    let mut unique = digests.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), digests.len(), "{digests:?}");
+    // A --pp 2 state (every KDA layer whole) into --tp 2 (heads split): refused.
+    let pp = captured(&mut start(par(1, None, 2)), 16);
+    let mut tp = start(par(2, None, 1));
+    let cells: Vec<&Segment> = pp.cells.iter().collect();
+    let e = tp.restore(2, &cells, pp.kda.as_ref().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("another model or layout"), "{e}");
+    // --tp 2's own state with the ranks' uneven shares (2 + 1 heads) swapped: refused by a rank.
+    let mut own = captured(&mut tp, 16);
+    for l in &mut own.kda.as_mut().unwrap().layers {
+        if let SnapLayer::Ranks(v) = l {
+            v.swap(0, 1);
+        }
+    }
+    let cells: Vec<&Segment> = own.cells.iter().collect();
+    let e = tp.restore(3, &cells, own.kda.as_ref().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("not shaped as this rank's"), "{e}");
+}
