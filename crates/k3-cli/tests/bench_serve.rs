@@ -4,8 +4,6 @@
 //! the generator reports; requests the server refuses are counted as failed with the server's
 //! message; bad flags and an unreachable server are clear errors.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -30,21 +28,11 @@ fn bench(args: &[&str]) -> (bool, Value, String) {
     (out.status.success(), v, stderr)
 }
 
-/// The sum of the server's Prometheus samples whose line starts with `name`.
-fn metric(base: &str, name: &str) -> f64 {
-    let addr = base.trim_start_matches("http://");
-    let mut s = TcpStream::connect(addr).expect("connect for /metrics");
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
-    body.lines().filter(|l| l.starts_with(name) && !l.starts_with('#')).filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok()).sum()
-}
-
 #[test]
 fn load_generator_against_k3_serve() {
     let (_server, base) = serve();
     let completions = "k3_requests_total{endpoint=\"/v1/completions\"";
-    let (requests_before, tokens_before) = (metric(&base, completions), metric(&base, "k3_generation_tokens_total"));
+    let (requests_before, tokens_before) = (serve::metric(&base, completions), serve::metric(&base, "k3_generation_tokens_total"));
     let (ok, v, err) = bench(&["--base-url", &base, "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "12", "--output-len", "5", "--json"]);
     assert!(ok, "k3 bench serve failed: {err}");
     assert_eq!(v["requests_ok"], 6, "{v}");
@@ -59,9 +47,9 @@ fn load_generator_against_k3_serve() {
     let want = 30.0 / v["duration_s"].as_f64().unwrap();
     assert!((tps - want).abs() <= 1e-6 * want, "{tps} vs {want}");
     // The server saw exactly these requests and tokens.
-    let seen = metric(&base, completions) - requests_before;
+    let seen = serve::metric(&base, completions) - requests_before;
     assert_eq!(seen, 6.0, "the server counted {seen} new completions");
-    assert_eq!(metric(&base, "k3_generation_tokens_total") - tokens_before, 30.0);
+    assert_eq!(serve::metric(&base, "k3_generation_tokens_total") - tokens_before, 30.0);
 
     // Prompt ids beyond the model's vocabulary: the server refuses each, the generator counts
     // them and names the server's reason, and exits non-zero as nothing was measured.

@@ -69,3 +69,43 @@ fn bad_expert_flags_name_the_flag() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+#[path = "../../../tests/support/serve.rs"]
+mod serve;
+
+#[test]
+fn serve_with_experts_from_disk_answers_as_mapped_and_counts_reads() {
+    let req = serde_json::json!({"model": "k3-nano", "prompt": "ROMEO.", "max_tokens": 12, "temperature": 0});
+    let nano = nano();
+    let answer = |extra: &[&str]| {
+        let (_server, addr) = serve::start(&[&["--model", &nano, "--served-model-name", "k3-nano"], extra].concat(), std::time::Duration::from_secs(120));
+        let v = serve::post(&addr, "/v1/completions", &req);
+        (v["choices"][0]["text"].clone(), serve::metric(&addr, "k3_expert_cache_reads_total"), serve::metric(&addr, "k3_expert_cache_requests_total"))
+    };
+    let (plain, r0, _) = answer(&[]);
+    assert!(plain.as_str().is_some_and(|t| !t.is_empty()), "{plain}");
+    assert_eq!(r0, 0.0, "no expert cache without --experts-on disk");
+    let (disk, reads, requests) = answer(&["--experts-on", "disk", "--expert-cache-mem", "1MiB"]);
+    assert_eq!(disk, plain);
+    assert!(reads > 0.0 && requests > 0.0, "reads {reads}, requests {requests}");
+}
+
+#[test]
+fn bench_experts_reports_both_tiers_beside_their_floors() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let o = k3(&["init", "--config", "tiny", "--out", d, "--experts", "mxfp4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = k3(&["bench", "--op", "experts", "1", "3", "--model", d, "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["batch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 3]);
+    for r in rows {
+        for key in ["host_ms", "host_floor_ms", "disk_ms", "disk_floor_ms", "expert_bytes_per_step"] {
+            assert!(r[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {r}");
+        }
+        assert!(r["disk_reads"].as_u64().unwrap() > 0, "{r}");
+    }
+    assert!(v["memory_read_bandwidth_gb_s"].as_f64().unwrap() > 0.0 && v["disk_read_bandwidth_gb_s"].as_f64().unwrap() > 0.0, "{v}");
+}

@@ -5,8 +5,6 @@
 //! without CUDA, node flags and `--precision` on the CPU, and a bad layout are refused naming
 //! the flags (the GPU world itself: `scripts/gpu/parallel_serve.sh`).
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -83,19 +81,6 @@ fn serve(extra: &[&str]) -> (serve::Server, String) {
     serve::start(&[&["--served-model-name", "k3"], extra].concat(), Duration::from_secs(120))
 }
 
-fn post(addr: &str, path: &str, body: &Value) -> Value {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
-    let b = body.to_string();
-    write!(s, "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len())
-        .expect("write");
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).expect("read");
-    let (head, body) = raw.split_once("\r\n\r\n").expect("a response head");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
-    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
-}
-
 #[test]
 fn serve_tp2_answers_as_tp1() {
     let req = json!({
@@ -104,7 +89,7 @@ fn serve_tp2_answers_as_tp1() {
     });
     let answer = |extra: &[&str]| {
         let (_server, addr) = serve(extra);
-        let v = post(&addr, "/v1/chat/completions", &req);
+        let v = serve::post(&addr, "/v1/chat/completions", &req);
         (
             v["choices"][0]["message"].clone(),
             v["choices"][0]["logprobs"]["content"].as_array().map(|c| c.iter().map(|t| t["token"].clone()).collect::<Vec<_>>()),

@@ -48,6 +48,10 @@ pub trait Backend: Send + 'static {
     fn prefix_stats(&self) -> Option<PrefixStats> {
         None
     }
+    /// The expert cache's counters, when routed experts are read from disk.
+    fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
+        None
+    }
 }
 
 impl Backend for Engine {
@@ -85,6 +89,9 @@ impl Backend for Engine {
     }
     fn prefix_stats(&self) -> Option<PrefixStats> {
         self.prefix_status().ok().flatten()
+    }
+    fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
+        self.runner.expert_cache_stats()
     }
 }
 

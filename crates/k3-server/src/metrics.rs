@@ -76,6 +76,8 @@ pub struct Metrics {
     pub spec: Mutex<k3_engine::SpecStats>,
     /// The engine's prefix-cache counters as of its last step (`None`: the cache is off).
     pub prefix: Mutex<Option<k3_engine::PrefixStats>>,
+    /// The expert cache (routed experts read from disk), when there is one.
+    pub experts: Mutex<Option<k3_model::offload::CacheStats>>,
 }
 
 impl Metrics {
@@ -123,6 +125,16 @@ impl Metrics {
             put("k3_prefix_cache_deferred_total", "counter", "Admission steps put off because a running prefill was writing the same prefix.", p.deferred);
             put("k3_prefix_cache_pool_bytes", "gauge", "Bytes held by the prefix-cache pool (latent cells + KDA snapshots).", p.pool_bytes);
             put("k3_prefix_cache_pool_snapshots", "gauge", "KDA snapshots held by the pool.", p.pool_snapshots);
+        }
+        if let Some(c) = self.experts.lock().ok().and_then(|c| c.clone()) {
+            put("k3_expert_cache_requests_total", "counter", "Routed experts asked of the expert cache (experts read from disk).", c.requests);
+            put("k3_expert_cache_hits_total", "counter", "Of those, found in memory.", c.hits);
+            put("k3_expert_cache_in_flight_total", "counter", "Of those, already being read (by read-ahead or another step).", c.in_flight);
+            put("k3_expert_cache_reads_total", "counter", "Experts read from disk.", c.reads);
+            put("k3_expert_cache_read_bytes_total", "counter", "Bytes of experts read from disk.", c.bytes_read);
+            put("k3_expert_cache_evictions_total", "counter", "Experts evicted from the cache.", c.evictions);
+            put("k3_expert_cache_resident_bytes", "gauge", "Bytes of experts held (and being read).", c.resident_bytes);
+            put("k3_expert_cache_wait_microseconds_total", "counter", "Time steps waited for experts to arrive.", (c.wait_seconds * 1e6) as u64);
         }
         if let Ok(s) = self.spec.lock() {
             put("k3_spec_decode_steps_total", "counter", "Sequence decode steps under speculative decoding (one per sequence per step).", s.steps);

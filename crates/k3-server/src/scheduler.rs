@@ -152,6 +152,9 @@ fn run(mut backend: Box<dyn Backend>, rx: stdmpsc::Receiver<Cmd>, metrics: Arc<M
         if let (Some(p), Ok(mut m)) = (backend.prefix_stats(), metrics.prefix.lock()) {
             *m = Some(p);
         }
+        if let (Some(c), Ok(mut m)) = (backend.expert_cache_stats(), metrics.experts.lock()) {
+            *m = Some(c);
+        }
     }
 }
 

@@ -10,6 +10,10 @@
 //! BF16, F32) on the same shape, computing from the stored form, in GB/s of weights read, over
 //! enough distinct matrices (≥ 1 GiB per format) that they stream from memory, not cache.
 //!
+//! Experts mode (`--op experts [BATCHES...] --model DIR`, issue 23): one MoE layer's routed
+//! experts computed by the CPU from host memory and from disk, each beside its floor; see
+//! `bench_experts.rs`.
+//!
 //! DSA mode (`--op dsa [CONTEXTS...] --model DIR`, a model with a DSA layer): per-token decode
 //! cost of that layer over a filled cache at each context (default 4096 16384 65536), sparse
 //! (its `index_topk`) against the same layer run dense, and the indexer alone — the sparse
@@ -96,6 +100,7 @@ Modes:
   k3 bench --tp T --pp P [--batch B --prompt-len L --gen-len G]   pipelined steps vs one at a time (ranks as threads)
   k3 bench --op gemv 3072 3584                     expert GEMV: MXFP4 vs BF16 vs F32, GB/s
   k3 bench --op dsa 4096 16384 65536 --model DIR   DSA layer per-token cost vs dense
+  k3 bench --op experts 1 4 16 --model DIR         routed experts on the CPU: host memory and disk vs floors
   k3 bench --device cuda --model DIR --prompt-len 4096 --batches 1,16,64 --context 512 [--profile]
   k3 bench --device cuda --op gemm 8192 8192 8192  one GPU op (gemm | gemv | copy | rmsnorm)
   k3 bench --device cuda --op dsa 16384 131072 524288 --model DIR   DSA decode vs context
@@ -150,7 +155,8 @@ pub struct GpuModelMode {
 #[derive(clap::Args)]
 #[command(next_help_heading = "Op mode (--op)")]
 pub struct OpMode {
-    /// The op and its dims. CPU: gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...] (with --model).
+    /// The op and its dims. CPU: gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...] (with --model) |
+    /// experts [BATCHES...] (with --model).
     /// cuda: gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM | dsa [CONTEXTS...] (with
     /// --model).
     #[arg(long, num_args = 1.., value_name = "OP DIMS")]
@@ -174,6 +180,7 @@ enum Mode {
     CpuModel,
     CpuGemv,
     CpuDsa,
+    CpuExperts,
     CudaModel,
     CudaOp,
     CudaDsa,
@@ -206,7 +213,7 @@ pub fn memory_bandwidth() -> (f64, f64) {
 }
 
 /// Ops `--op` takes on each device.
-const CPU_OPS: &[&str] = &["gemv", "dsa"];
+const CPU_OPS: &[&str] = &["gemv", "dsa", "experts"];
 const CUDA_OPS: &[&str] = &["gemm", "gemv", "copy", "rmsnorm", "dsa"];
 
 pub fn run(a: Args) -> Result<()> {
@@ -219,7 +226,7 @@ pub fn run(a: Args) -> Result<()> {
     let device = parse_device(&a.device);
     if let Some(op) = a.op.op.first() {
         let (known, list): (&[&str], &str) = match device {
-            Ok(None) => (CPU_OPS, "gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...]"),
+            Ok(None) => (CPU_OPS, "gemv ROWS COLS [TOKENS] | dsa [CONTEXTS...] | experts [BATCHES...]"),
             _ => (CUDA_OPS, "gemm M N K | gemv M N K | copy BYTES | rmsnorm ROWS DIM | dsa [CONTEXTS...]"),
         };
         if !known.contains(&op.as_str()) {
@@ -230,6 +237,7 @@ pub fn run(a: Args) -> Result<()> {
     let mode = match (device, op) {
         (Ok(None), None) => Mode::CpuModel,
         (Ok(None), Some("dsa")) => Mode::CpuDsa,
+        (Ok(None), Some("experts")) => Mode::CpuExperts,
         (Ok(None), Some(_)) => Mode::CpuGemv,
         (Ok(Some(0)), None) => Mode::CudaModel,
         (Ok(Some(0)), Some("dsa")) => Mode::CudaDsa,
@@ -244,6 +252,7 @@ pub fn run(a: Args) -> Result<()> {
             (None, None, None) => bench_model(&a),
         },
         Mode::CpuDsa => bench_cpu_dsa(&a),
+        Mode::CpuExperts => super::bench_experts::bench_experts(&a),
         Mode::CpuGemv => bench_cpu_gemv(&a),
         Mode::CudaModel => match &a.run.speculative {
             Some(m) => super::bench_spec::bench_spec(&a, m, true),

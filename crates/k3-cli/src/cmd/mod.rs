@@ -3,6 +3,7 @@ pub mod args;
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod bench_cuda;
+pub mod bench_experts;
 pub mod bench_grammar;
 pub mod bench_pipeline;
 pub mod bench_serve;
