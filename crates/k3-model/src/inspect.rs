@@ -211,7 +211,8 @@ pub fn report(cfg: &Config) -> Report {
     // Active counts per component (routed experts summed first, then scaled, to stay exact).
     for c in by_comp.values_mut() {
         c.active = match c.component {
-            Component::Embedding | Component::VisionTower | Component::MmProjector => 0,
+            // The MTP draft layers are not part of the target's forward.
+            Component::Embedding | Component::VisionTower | Component::MmProjector | Component::Mtp => 0,
             Component::RoutedExperts => c.total * t.num_experts_per_token as u64 / t.num_experts as u64,
             _ => c.total,
         };
