@@ -77,7 +77,8 @@ pub struct MtpRef {
     head: Vec<f64>,
 }
 
-/// One row's attention keys: normed latent `[r]` and `k_pe` `[dr]`.
+/// One row's attention keys: `k_pe` `[dr]` and `kv_b_proj · latent` `[nh·(dn+dv)]` (the
+/// normed latent expanded).
 pub type Key = (Vec<f64>, Vec<f64>);
 
 impl MtpRef {
@@ -176,17 +177,16 @@ impl MtpRef {
         let xin = rms(&x, &self.in_norm, eps);
         let q = mv(&self.qb, &rms(&mv(&self.qa, &xin), &self.qa_norm, 1e-6));
         let ckv = mv(&self.kva, &xin);
-        keys.push((rms(&ckv[..r], &self.kva_norm, 1e-6), ckv[r..].to_vec()));
-        let kv: Vec<Vec<f64>> = keys.iter().map(|(lat, _)| mv(&self.kvb, lat)).collect(); // [n][nh·(dn+dv)]
+        keys.push((ckv[r..].to_vec(), mv(&self.kvb, &rms(&ckv[..r], &self.kva_norm, 1e-6))));
         let gate = mv(&self.g, &xin);
         let mut o = vec![0f64; nh * dv];
         for hd in 0..nh {
             let qh = &q[hd * (dn + dr)..(hd + 1) * (dn + dr)];
             let sc: Vec<f64> = (0..=pos)
                 .map(|s| {
-                    let kn = &kv[s][hd * (dn + dv)..hd * (dn + dv) + dn];
+                    let kn = &keys[s].1[hd * (dn + dv)..hd * (dn + dv) + dn];
                     let nope: f64 = qh[..dn].iter().zip(kn).map(|(a, b)| a * b).sum();
-                    let pe: f64 = qh[dn..].iter().zip(&keys[s].1).map(|(a, b)| a * b).sum();
+                    let pe: f64 = qh[dn..].iter().zip(&keys[s].0).map(|(a, b)| a * b).sum();
                     (nope + pe) / ((dn + dr) as f64).sqrt()
                 })
                 .collect();
@@ -194,7 +194,7 @@ impl MtpRef {
             let e: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
             let z: f64 = e.iter().sum();
             for (s, es) in e.iter().enumerate() {
-                let vv = &kv[s][hd * (dn + dv) + dn..(hd + 1) * (dn + dv)];
+                let vv = &keys[s].1[hd * (dn + dv) + dn..(hd + 1) * (dn + dv)];
                 for j in 0..dv {
                     o[hd * dv + j] += es / z * vv[j];
                 }
