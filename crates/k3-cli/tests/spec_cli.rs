@@ -1,7 +1,8 @@
-//! `k3 run --speculative ngram|suffix|off` on the embedded k3-nano (issue 22): the greedy ids
-//! equal plain decoding's (on one rank and on `--tp 2`, ranks as threads), `--json` reports
+//! `k3 run --speculative ngram|suffix|mtp|off` (issue 22): on the embedded k3-nano the greedy
+//! ids equal plain decoding's (on one rank and on `--tp 2`, ranks as threads), `--json` reports
 //! `accepted_per_step`, `draft_acceptance` and the acceptance per position, and bad values are
-//! errors naming their flag.
+//! errors naming their flag; `mtp` drafts on a `k3 init` checkpoint with an MTP layer and says
+//! why not on k3-nano.
 
 use std::process::{Command, Output};
 
@@ -70,4 +71,30 @@ fn bad_values_name_the_flag() {
         let e = String::from_utf8_lossy(&o.stderr);
         assert!(e.contains(flag), "{a:?}: {e}");
     }
+}
+
+/// `--speculative mtp`: on a `k3 init` checkpoint with an MTP layer (`--set
+/// num_nextn_predict_layers=1`) it drafts and keeps plain greedy decoding's ids; on k3-nano,
+/// which has none, a note names `num_nextn_predict_layers` and decoding stays plain.
+#[test]
+fn mtp_drafts_where_the_checkpoint_has_the_layer() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("m");
+    let m = m.to_str().unwrap();
+    let o = k3(&["init", "--config", "tiny", "--dtype", "f32", "--set", "num_nextn_predict_layers=1", "--out", m]);
+    assert!(o.status.success(), "k3 init: {}", String::from_utf8_lossy(&o.stderr));
+    let run = |model: &str, method: &str, ids: &str| {
+        let args = ["run", "--model", model, "--temperature", "0", "-n", "12", "--json", "--speculative", method, "--ids", ids];
+        let o = k3(&args);
+        assert!(o.status.success(), "k3 {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+        (serde_json::from_slice::<Value>(&o.stdout).unwrap(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (plain, _) = run(m, "off", "5,9,12,3,5,9");
+    let (v, _) = run(m, "mtp", "5,9,12,3,5,9");
+    assert_eq!(v["speculating"], true);
+    assert!(v["drafted_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(v["ids"], plain["ids"]);
+    let (v, note) = run(&nano(), "mtp", "5,9,12");
+    assert_eq!(v["speculating"], false);
+    assert!(note.contains("num_nextn_predict_layers"), "{note}");
 }

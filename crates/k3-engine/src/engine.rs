@@ -209,7 +209,11 @@ impl Engine {
     }
 
     /// An engine whose forwards run on `runner` (e.g. `dist::runner::load`'s).
-    pub fn with_runner(runner: Box<dyn Runner>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
+    pub fn with_runner(mut runner: Box<dyn Runner>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
+        // `--speculative mtp`: every sequence state carries the MTP layer's (so prefix-cache
+        // cells hold its rows whichever request wrote them); constrained requests keep it
+        // without drafting.
+        let mtp_off = (config.spec.method == crate::spec::SpecMethod::Mtp).then(|| runner.enable_mtp().err()).flatten();
         let (prefix, prefix_off) = match (&config.prefix, runner.prefix_support()) {
             (None, _) => (None, None),
             (Some(c), Ok(layout)) => {
@@ -233,7 +237,7 @@ impl Engine {
             masks: None,
             prefix,
             prefix_off,
-            spec: Default::default(),
+            spec: spec_step::EngineSpec::new(mtp_off),
             flight: VecDeque::new(),
         }
     }

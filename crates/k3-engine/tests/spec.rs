@@ -20,14 +20,16 @@ use std::sync::{Arc, Mutex};
 use k3_engine::dist::layout_state::encode_capture;
 use k3_engine::dist::runner::{Runner, Step, StepSeq, ThreadRunner};
 use k3_engine::spec::{Draft, Proposer, SpecConfig, SpecMethod};
-use k3_engine::{Engine, EngineConfig, Event, Request, Result, Sampler, SamplingParams};
+use k3_engine::{Engine, EngineConfig, Event, Request, Result, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::kda::StateDType;
-use k3_model::{Checkpoint, Config, ForwardOpts, Model, Parallel};
+use k3_model::{Checkpoint, Config, Model, Parallel};
 
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
 use golden::fixture;
+#[path = "support/chi2.rs"]
+mod chi2;
 #[path = "support/replay.rs"]
 mod replay;
 use replay::replay;
@@ -275,12 +277,6 @@ impl Proposer for Oracle {
     }
 }
 
-/// The upper 0.001 point of χ² with `df` degrees of freedom (Wilson–Hilferty).
-fn chi2_crit(df: f64) -> f64 {
-    let z = 3.090; // the normal's upper 0.001 point
-    df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
-}
-
 #[test]
 fn sampled_distribution_matches_plain() {
     const N: usize = 4; // tokens per run
@@ -289,25 +285,8 @@ fn sampled_distribution_matches_plain() {
     let p0 = prompt(model.config.text.vocab_size as u32, 9);
     let params = SamplingParams { temperature: 1.0, top_k: 3, ..Default::default() };
     // The exact distribution of every context the runs can reach (top-3 at each step).
-    let mut exact: HashMap<Vec<u32>, Vec<(u32, f64)>> = HashMap::new();
-    let mut frontier = vec![Vec::<u32>::new()];
-    for _ in 0..N {
-        let mut next = Vec::new();
-        for out in frontier {
-            let ctx: Vec<u32> = p0.iter().chain(&out).copied().collect();
-            let lg = model.forward(&ctx, &mut model.new_state(), ForwardOpts { last_only: true, ..Default::default() }, None).unwrap();
-            let p = Sampler::new(params.clone()).distribution(&lg);
-            let mut top: Vec<(u32, f64)> = p.iter().enumerate().filter(|x| *x.1 > 0.0).map(|(i, &x)| (i as u32, x as f64)).collect();
-            top.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
-            for &(t, _) in &top {
-                next.push(out.iter().copied().chain([t]).collect());
-            }
-            exact.insert(out, top);
-        }
-        frontier = next;
-    }
+    let exact = chi2::exact(&model, &p0, &params, N);
     let tree: Arc<HashMap<Vec<u32>, u32>> = Arc::new(exact.iter().filter(|(_, t)| t.len() > 1).map(|(o, t)| (o.clone(), t[1].0)).collect());
-    let joint = |seq: &[u32]| -> f64 { (0..N).map(|i| exact[&seq[..i]].iter().find(|x| x.0 == seq[i]).map_or(0.0, |x| x.1)).product() };
     let run = |spec: bool| {
         let mut counts: HashMap<Vec<u32>, u64> = HashMap::new();
         let (mut drafted, mut accepted) = (0, 0);
@@ -330,31 +309,7 @@ fn sampled_distribution_matches_plain() {
         if spec {
             assert!(accepted > 0 && accepted < drafted, "drafted {drafted}, accepted {accepted}: both outcomes must occur");
         }
-        // χ² over the reachable sequences; cells expected below 5 pooled.
-        let (mut x2, mut cells, mut pool_e, mut pool_o) = (0.0, 0usize, 0.0, 0.0);
-        let mut all: Vec<Vec<u32>> = vec![Vec::new()];
-        for _ in 0..N {
-            all = all.iter().flat_map(|o| exact[o].iter().map(move |x| o.iter().copied().chain([x.0]).collect::<Vec<u32>>())).collect();
-        }
-        let mut seen = 0;
-        for s in &all {
-            let ex = joint(s) * RUNS as f64;
-            let ob = counts.get(s).copied().unwrap_or(0) as f64;
-            seen += ob as u64;
-            if ex < 5.0 {
-                pool_e += ex;
-                pool_o += ob;
-            } else {
-                x2 += (ob - ex).powi(2) / ex;
-                cells += 1;
-            }
-        }
-        assert_eq!(seen, RUNS, "a run produced a sequence outside the top-3 tree");
-        if pool_e > 0.0 {
-            x2 += (pool_o - pool_e).powi(2) / pool_e;
-            cells += 1;
-        }
-        let crit = chi2_crit((cells - 1) as f64);
+        let (x2, cells, crit) = chi2::chi2(&exact, &counts, N, RUNS);
         assert!(x2 < crit, "speculative={spec}: χ² {x2:.1} over {cells} cells ≥ {crit:.1} (drafted {drafted}, accepted {accepted})");
         eprintln!("speculative={spec}: χ² {x2:.1} over {cells} cells (0.001 point {crit:.1}); drafted {drafted}, accepted {accepted}");
     }

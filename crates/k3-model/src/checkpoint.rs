@@ -185,8 +185,16 @@ impl Checkpoint {
         }
         let known: std::collections::HashSet<&str> = table.iter().map(|s| s.name.as_str()).collect();
         let has_vision = self.config.vision_config.is_some();
+        let n = self.config.text.num_hidden_layers;
+        // What an MTP layer may carry beyond the table (around-backbone §5.1), read by nothing.
+        let mtp_extra = |name: &str| {
+            (n..n + self.config.mtp_layers()).any(|l| {
+                name.strip_prefix(&weights::layer_prefix(l))
+                    .is_some_and(|rest| rest == "embed_tokens.weight" || rest.starts_with("self_attention_res_") || rest.starts_with("mlp_res_"))
+            })
+        };
         for name in self.names() {
-            if known.contains(name) {
+            if known.contains(name) || mtp_extra(name) {
                 continue;
             }
             let inside_layer = name.starts_with(&format!("{}layers.", weights::TEXT));
@@ -204,7 +212,15 @@ impl Checkpoint {
 
     fn check_one(&self, spec: &TensorSpec) -> Result<()> {
         let Some(e) = self.entries.get(&spec.name) else {
-            return Err(ModelError::Tensor { name: spec.name.clone(), msg: format!("missing from the checkpoint (expected shape {:?})", spec.shape) });
+            let why = match spec.component {
+                weights::Component::Mtp => format!(
+                    "; config.json declares num_nextn_predict_layers = {} (MTP draft layers at layers.{}..), so their tensors must be there: set it to 0 to load the model without them",
+                    self.config.mtp_layers(),
+                    self.config.text.num_hidden_layers
+                ),
+                _ => String::new(),
+            };
+            return Err(ModelError::Tensor { name: spec.name.clone(), msg: format!("missing from the checkpoint (expected shape {:?}){why}", spec.shape) });
         };
         let terr = |msg: String| ModelError::Tensor { name: spec.name.clone(), msg };
         let dtype_ok = match spec.kind {

@@ -492,9 +492,6 @@ impl Config {
         if t.num_expert_group.unwrap_or(1) != 1 || t.topk_group.unwrap_or(1) != 1 {
             return Err(field("text_config.num_expert_group", "grouped expert selection (num_expert_group/topk_group ≠ 1) is unsupported: K3 uses 1 and 1"));
         }
-        if t.num_nextn_predict_layers.unwrap_or(0) != 0 {
-            return Err(field("text_config.num_nextn_predict_layers", "MTP layers are not supported (K3 ships 0)"));
-        }
         if t.moe_layer_freq == 0 {
             return Err(field("text_config.moe_layer_freq", "must be ≥ 1"));
         }
@@ -619,6 +616,20 @@ impl Config {
     /// Number of AttnRes blocks written (`ceil(num_hidden_layers / B)`).
     pub fn attn_res_blocks(&self) -> usize {
         self.text.num_hidden_layers.div_ceil(self.text.attn_res_block_size)
+    }
+    /// MTP draft layers (`num_nextn_predict_layers`; K3: 0). Their tensors sit at
+    /// `layers.{num_hidden_layers + k}.*` (around-backbone §5.1).
+    pub fn mtp_layers(&self) -> usize {
+        self.text.num_nextn_predict_layers.unwrap_or(0)
+    }
+    /// The decoder layer of MTP layer `k` (0-based): checkpoint index `num_hidden_layers + k`,
+    /// always gated MLA (vLLM builds it as a full-attention layer; no DSA indexer), its FFN by
+    /// the same rule as the backbone's (`first_k_dense_replace`, `moe_layer_freq`), no AttnRes
+    /// (`attn_res_block_start` is unused there).
+    pub fn mtp_layer(&self, k: usize) -> LayerSpec {
+        let (t, l) = (&self.text, self.text.num_hidden_layers + k);
+        let ffn = if l >= t.first_k_dense_replace && l % t.moe_layer_freq == 0 { Ffn::Moe } else { Ffn::Dense };
+        LayerSpec { index: l, mixer: Mixer::Mla, ffn, attn_res_block_start: false }
     }
     /// Context limit (`max_position_embeddings`, K3: 1,048,576).
     pub fn max_context(&self) -> usize {

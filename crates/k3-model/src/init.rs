@@ -408,9 +408,9 @@ fn plan(cfg: &Config, opts: &InitOptions) -> Vec<Planned> {
                     )
                 }
                 k => {
-                    let dtype = match (k, s.component, opts.experts) {
+                    let dtype = match (k, s.expert, opts.experts) {
                         (Kind::Float32, _, _) => DType::F32,
-                        (_, Component::RoutedExperts, ExpertFormat::Float(d)) => d.dtype(),
+                        (_, Some(_), ExpertFormat::Float(d)) => d.dtype(), // routed experts (an MTP layer's too)
                         _ => opts.dtype.dtype(),
                     };
                     (dtype, Source::Float { dist: dist_for(&s, h), dtype, numel, seed: name_seed(opts.seed, &s.name) })

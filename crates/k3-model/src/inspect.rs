@@ -105,6 +105,9 @@ pub struct Report {
     pub dsa_layers: usize,
     pub dense_ffn_layers: usize,
     pub moe_layers: usize,
+    /// MTP draft layers (`num_nextn_predict_layers`), each `(checkpoint layer index, FFN)`:
+    /// gated MLA + that FFN with a plain residual (around-backbone §5.1).
+    pub mtp_layers: Vec<(usize, Ffn)>,
     pub attn_res_block_size: usize,
     /// 0-based layers where an AttnRes block starts.
     pub attn_res_block_starts: Vec<usize>,
@@ -211,7 +214,8 @@ pub fn report(cfg: &Config) -> Report {
     // Active counts per component (routed experts summed first, then scaled, to stay exact).
     for c in by_comp.values_mut() {
         c.active = match c.component {
-            Component::Embedding | Component::VisionTower | Component::MmProjector => 0,
+            // The MTP draft layers are not part of the target's forward.
+            Component::Embedding | Component::VisionTower | Component::MmProjector | Component::Mtp => 0,
             Component::RoutedExperts => c.total * t.num_experts_per_token as u64 / t.num_experts as u64,
             _ => c.total,
         };
@@ -238,6 +242,7 @@ pub fn report(cfg: &Config) -> Report {
         dsa_layers: dsa,
         dense_ffn_layers: dense,
         moe_layers: cfg.layers.len() - dense,
+        mtp_layers: (0..cfg.mtp_layers()).map(|k| cfg.mtp_layer(k)).map(|l| (l.index, l.ffn)).collect(),
         attn_res_block_size: t.attn_res_block_size,
         attn_res_block_starts: cfg.layers.iter().filter(|l| l.attn_res_block_start).map(|l| l.index).collect(),
         schedule: runs(&cfg.layers),

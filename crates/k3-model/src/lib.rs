@@ -13,7 +13,8 @@
 //! - [`parallel`]: the sharding plan (`--tp/--ep/--pp` → what each rank holds) and the
 //!   groups a rank's forward talks to; [`source`]: one rank's shards of a checkpoint.
 //! - [`verify`]: speculative verification (the forward that scores drafts exactly as decode
-//!   steps, the rollback to the accepted prefix).
+//!   steps, the rollback to the accepted prefix); [`draft`]: the MTP draft layer beside the
+//!   target (around-backbone §5.1; `layers::mtp` is the layer).
 pub mod capacity;
 pub mod checkpoint;
 pub mod config;
@@ -29,6 +30,7 @@ pub mod weights;
 pub use checkpoint::Checkpoint;
 pub use config::Config;
 pub use error::{ModelError, Result};
+pub mod draft;
 pub mod layers;
 pub mod model;
 pub mod verify;

@@ -23,6 +23,7 @@ use crate::layers::ffn::Mlp;
 use crate::layers::kda::{Kda, KdaMode, KdaState, StateDType};
 use crate::layers::mla::{Mla, MlaCache, MlaForm};
 use crate::layers::moe::{ExpertSource, Moe};
+use crate::layers::mtp::{Mtp, MtpState};
 use crate::layers::{lin, matrix, vector};
 use crate::parallel::{Groups, RankPlan};
 use crate::source::Source;
@@ -61,6 +62,9 @@ pub struct SeqState {
     pub layers: Vec<LayerState>,
     /// Tokens consumed so far.
     pub pos: usize,
+    /// The MTP draft layer's state, when this sequence drafts with it (`crate::draft`): the
+    /// forward then keeps the target's pre-final-norm hidden rows here.
+    pub mtp: Option<MtpState>,
 }
 
 impl SeqState {
@@ -78,17 +82,19 @@ impl SeqState {
                 _ => LayerState::Mla(MlaCache::default()),
             })
             .collect();
-        SeqState { layers, pos: 0 }
+        SeqState { layers, pos: 0, mtp: None }
     }
     /// Bytes held by the caches and states.
     pub fn bytes(&self) -> usize {
-        self.layers
+        let layers: usize = self
+            .layers
             .iter()
             .map(|l| match l {
                 LayerState::Kda(s) => s.bytes(),
                 LayerState::Mla(c) => c.bytes(),
             })
-            .sum()
+            .sum();
+        layers + self.mtp.as_ref().map_or(0, MtpState::bytes)
     }
 }
 
@@ -134,6 +140,8 @@ pub struct Model {
     pub layers: Vec<Layer>,
     /// On the last stage only.
     pub head: Option<OutputHead>,
+    /// The first MTP draft layer (`num_nextn_predict_layers > 0`), on a one-rank model only.
+    pub mtp: Option<Mtp>,
 }
 
 impl Model {
@@ -159,7 +167,7 @@ impl Model {
         let plan = RankPlan::single(&cfg);
         let (h, v) = (cfg.text.hidden_size, cfg.text.vocab_size);
         let embed_tokens = Some(matrix(&Source::new(ck, plan.clone()), &format!("{TEXT}embed_tokens.weight"), v, h)?);
-        Ok(Model { config: cfg, plan, groups: Groups::single(), embed_tokens, layers: Vec::new(), head: None })
+        Ok(Model { config: cfg, plan, groups: Groups::single(), embed_tokens, layers: Vec::new(), head: None, mtp: None })
     }
 
     /// One rank's model: only the tensors `plan` gives it are touched (row shards are views of
@@ -217,8 +225,12 @@ impl Model {
             }),
             false => None,
         };
+        // Layers 1.. of a checkpoint with several are checked (the table) but not run: chained
+        // drafts feed the first one back into itself (around-backbone §5.1; vLLM's rule for
+        // more layers is not confirmed for K3).
+        let mtp = (cfg.mtp_layers() > 0 && plan.par.world() == 1).then(|| Mtp::load(&src, &cfg, 0)).transpose()?;
         let plan = src.plan.clone();
-        Ok(Model { embed_tokens, head, layers, config: cfg, plan, groups })
+        Ok(Model { embed_tokens, head, layers, config: cfg, plan, groups, mtp })
     }
 
     /// The cache the routed experts of some layer are read through (`--experts-on disk`).
@@ -249,7 +261,7 @@ impl Model {
                 _ => LayerState::Mla(MlaCache::default()),
             })
             .collect();
-        SeqState { layers, pos: 0 }
+        SeqState { layers, pos: 0, mtp: None }
     }
 
     /// Embedding rows for `tokens` `[T]` → `[T, H]`; ids out of range are an input error. On
@@ -419,6 +431,16 @@ impl Model {
             return if plan.rank == 0 && !opts.defer_logits { self.recv_logits() } else { Ok(Vec::new()) };
         };
         let mut hout = head.output_attn_res.mix(&res.output_sources(), t);
+        // The pre-final-norm rows of the sequences that draft with the MTP layer.
+        let mut r0 = 0;
+        for (st, &n) in states.iter_mut().zip(lens) {
+            if let Some(m) = st.mtp.as_mut() {
+                if !m.push_hidden(&hout[r0 * h..(r0 + n) * h], st.pos - n) {
+                    st.mtp = None; // it no longer follows this sequence: drafting stops for it
+                }
+            }
+            r0 += n;
+        }
         rms_norm_inplace(&mut hout, &head.norm, eps);
         emit("output_norm", &hout);
         let rows = if opts.last_only { lens.len() } else { t };

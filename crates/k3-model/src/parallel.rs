@@ -196,6 +196,7 @@ impl RankPlan {
     /// layer, another owner's expert).
     pub fn shard(&self, spec: &TensorSpec) -> Option<Shard> {
         let on_stage = match (spec.layer, spec.component) {
+            (_, Component::Mtp) => self.last_stage(), // the MTP draft layers sit with the head
             (Some(l), _) => self.holds_layer(l),
             (None, Component::Embedding | Component::VisionTower | Component::MmProjector) => self.first_stage(),
             (None, _) => self.last_stage(),

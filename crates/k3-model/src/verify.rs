@@ -14,7 +14,8 @@
 //!
 //! Rollback ([`SeqState::rollback`]) of the last `drop` tokens of a verify call: each KDA layer
 //! takes its snapshot after token `T − drop` (a copy), each MLA/DSA cache is truncated to the
-//! kept length, `pos` goes back. Shapes: `emb` `[N, H]` packed as in `Model::forward_varlen`;
+//! kept length, `pos` goes back; an MTP draft state keeps its cache rows and hidden row up to
+//! the kept length (`crate::draft`). Shapes: `emb` `[N, H]` packed as in `Model::forward_varlen`;
 //! logits `[N, vocab]` (every row).
 
 use k3_core::kernels::cpu::matmul::with_row_exact;
@@ -56,6 +57,9 @@ impl SeqState {
             }
         }
         let (n, keep) = (self.pos, self.pos - drop);
+        if let Some(m) = &self.mtp {
+            m.check_rollback(keep)?;
+        }
         for layer in &mut self.layers {
             match layer {
                 LayerState::Kda(k) => {
@@ -75,6 +79,9 @@ impl SeqState {
                     }
                 }
             }
+        }
+        if let Some(m) = self.mtp.as_mut() {
+            m.rollback(keep)?; // cache rows 0..keep−1, the hidden row h_{keep−1} (crate::draft)
         }
         self.pos = keep;
         Ok(())
@@ -99,6 +106,11 @@ impl SeqState {
                     f(&mut b, &c.index_keys);
                 }
             }
+        }
+        if let Some(m) = &self.mtp {
+            // The draft layer's cache and the hidden row waiting for the next token.
+            f(&mut b, &m.cache.latent);
+            f(&mut b, self.pos.checked_sub(1).and_then(|p| m.hidden_row(p)).unwrap_or_default());
         }
         b.extend_from_slice(&(self.pos as u64).to_le_bytes());
         b

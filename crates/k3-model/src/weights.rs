@@ -6,10 +6,17 @@
 //! exactly this table, and `k3 inspect` counts parameters from it — so a name lives in one place.
 //! Each entry also says how the tensor is split across ranks ([`Split`]); `parallel.rs` turns
 //! that into one rank's shard, and `source.rs` cuts it out of the memory map.
+//!
+//! MTP draft layers (around-backbone §5.1, `num_nextn_predict_layers` = n > 0): layer
+//! `N + k` (`N = num_hidden_layers`, k < n) holds `enorm`, `hnorm`, `eh_proj` `[H, 2H]`,
+//! `shared_head.{norm,head}` and one decoder layer (gated MLA + the FFN the layer rule gives,
+//! no AttnRes), all of [`Component::Mtp`] and held by the last pipeline stage. The optional
+//! `layers.{N+k}.embed_tokens.weight` and any `self_attention_res_*` / `mlp_res_*` there are
+//! not in the table; the loader tolerates them (`Checkpoint::check_table`) and reads none.
 
 use serde::Serialize;
 
-use crate::config::{Config, Ffn, Mixer};
+use crate::config::{Config, Ffn, LayerSpec, Mixer};
 
 /// Prefix of every text-backbone tensor.
 pub const TEXT: &str = "language_model.model.";
@@ -35,6 +42,8 @@ pub enum Component {
     LmHead,
     VisionTower,
     MmProjector,
+    /// An MTP draft layer (every tensor of `layers.{N+k}.*`; not part of the target's forward).
+    Mtp,
 }
 
 /// What the stored bytes are.
@@ -107,6 +116,8 @@ struct Table<'a> {
     out: &'a mut Vec<TensorSpec>,
     layer: Option<usize>,
     expert: Option<usize>,
+    /// Every tensor added is [`Component::Mtp`] (an MTP layer's).
+    mtp: bool,
 }
 
 impl Table<'_> {
@@ -115,6 +126,7 @@ impl Table<'_> {
         self.split(Split::Replicated, name, shape, kind, component);
     }
     fn split(&mut self, split: Split, name: String, shape: &[usize], kind: Kind, component: Component) {
+        let component = if self.mtp { Component::Mtp } else { component };
         self.out.push(TensorSpec { name, shape: shape.to_vec(), kind, component, layer: self.layer, expert: self.expert, split });
     }
 }
@@ -129,121 +141,146 @@ pub fn tensor_table(cfg: &Config) -> Vec<TensorSpec> {
     let t = &cfg.text;
     let (h, v) = (t.hidden_size, t.vocab_size);
     let mut out = Vec::new();
-    let mut tb = Table { out: &mut out, layer: None, expert: None };
+    let mut tb = Table { out: &mut out, layer: None, expert: None, mtp: false };
     use Component as C;
     use Kind::*;
     tb.split(Split::Rows(1), format!("{TEXT}embed_tokens.weight"), &[v, h], Float, C::Embedding);
     for spec in &cfg.layers {
-        let l = spec.index;
-        let p = layer_prefix(l);
-        tb.layer = Some(l);
-        let a = format!("{p}self_attn.");
-        match spec.mixer {
-            Mixer::Kda => {
-                let la = &t.linear_attn_config;
-                let (nh, hd, k) = (la.num_heads, la.head_dim, la.short_conv_kernel_size);
-                let d = nh * hd;
-                let head = Split::Rows(hd);
-                for x in ["q", "k", "v"] {
-                    tb.split(head, format!("{a}{x}_proj.weight"), &[d, h], Float, C::Kda);
-                    tb.split(head, format!("{a}{x}_conv1d.weight"), &[d, 1, k], Float32, C::Kda);
-                }
-                tb.split(Split::Rows(1), format!("{a}b_proj.weight"), &[nh, h], Float, C::Kda);
-                tb.add(format!("{a}f_a_proj.weight"), &[hd, h], Float, C::Kda);
-                tb.split(head, format!("{a}f_b_proj.weight"), &[d, hd], Float, C::Kda);
-                tb.split(Split::Rows(1), format!("{a}A_log"), &[nh], Float32, C::Kda);
-                tb.split(head, format!("{a}dt_bias"), &[d], Float32, C::Kda);
-                tb.split(head, format!("{a}g_proj.weight"), &[d, h], Float, C::Kda);
-                tb.add(format!("{a}o_norm.weight"), &[hd], Float32, C::Kda);
-                tb.split(Split::Cols(hd), format!("{a}o_proj.weight"), &[h, d], Float, C::Kda);
-            }
-            Mixer::Mla | Mixer::Dsa => {
-                let (nh, dn, dr, dv, r) = (t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
-                let q = t.q_lora_rank.unwrap_or(0);
-                tb.add(format!("{a}q_a_proj.weight"), &[q, h], Float, C::Mla);
-                tb.add(format!("{a}q_a_layernorm.weight"), &[q], Float, C::Mla);
-                tb.split(Split::Rows(dn + dr), format!("{a}q_b_proj.weight"), &[nh * (dn + dr), q], Float, C::Mla);
-                tb.add(format!("{a}kv_a_proj_with_mqa.weight"), &[r + dr, h], Float, C::Mla);
-                tb.add(format!("{a}kv_a_layernorm.weight"), &[r], Float, C::Mla);
-                tb.split(Split::Rows(dn + dv), format!("{a}kv_b_proj.weight"), &[nh * (dn + dv), r], Float, C::Mla);
-                tb.split(Split::Rows(dv), format!("{a}g_proj.weight"), &[nh * dv, h], Float, C::Mla);
-                tb.split(Split::Cols(dv), format!("{a}o_proj.weight"), &[h, nh * dv], Float, C::Mla);
-                if spec.mixer == Mixer::Dsa {
-                    if let Some(d) = &t.dsa_config {
-                        let (ih, id) = (d.index_num_heads, d.index_head_dim);
-                        tb.add(format!("{a}indexer.wq_b.weight"), &[ih * id, q], Float, C::DsaIndexer);
-                        tb.add(format!("{a}indexer.wk.weight"), &[id, h], Float, C::DsaIndexer);
-                        tb.add(format!("{a}indexer.k_norm.weight"), &[id], Float, C::DsaIndexer);
-                        tb.add(format!("{a}indexer.k_norm.bias"), &[id], Float, C::DsaIndexer);
-                        tb.add(format!("{a}indexer.weights_proj.weight"), &[ih, h], Float, C::DsaIndexer);
-                    }
-                }
-            }
-        }
-        tb.add(format!("{p}input_layernorm.weight"), &[h], Float, C::LayerNorms);
-        tb.add(format!("{p}post_attention_layernorm.weight"), &[h], Float, C::LayerNorms);
-        for n in ["self_attention_res", "mlp_res"] {
-            tb.add(format!("{p}{n}_norm.weight"), &[h], Float, C::AttnRes);
-            tb.add(format!("{p}{n}_proj.weight"), &[1, h], Float, C::AttnRes);
-        }
-        match spec.ffn {
-            Ffn::Dense => {
-                let i = t.intermediate_size;
-                tb.split(Split::Rows(1), format!("{p}mlp.gate_proj.weight"), &[i, h], Float, C::DenseFfn);
-                tb.split(Split::Rows(1), format!("{p}mlp.up_proj.weight"), &[i, h], Float, C::DenseFfn);
-                tb.split(Split::Cols(1), format!("{p}mlp.down_proj.weight"), &[h, i], Float, C::DenseFfn);
-            }
-            Ffn::Moe => {
-                let m = format!("{p}block_sparse_moe.");
-                let (e, lat, fi) = (t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
-                tb.split(Split::StageRows(1), format!("{m}gate.weight"), &[e, h], Float, C::MoeRouter);
-                tb.add(format!("{m}gate.e_score_correction_bias"), &[e], Float32, C::MoeRouter);
-                tb.split(Split::StageRows(1), format!("{m}routed_expert_down_proj.weight"), &[lat, h], Float, C::MoeLatent);
-                if t.latent_moe_use_norm {
-                    tb.add(format!("{m}routed_expert_norm.weight"), &[lat], Float, C::MoeLatent);
-                }
-                tb.add(format!("{m}routed_expert_up_proj.weight"), &[h, lat], Float, C::MoeLatent);
-                if t.num_shared_experts > 0 {
-                    let si = fi * t.num_shared_experts;
-                    tb.split(Split::Rows(1), format!("{m}shared_experts.gate_proj.weight"), &[si, h], Float, C::SharedExperts);
-                    tb.split(Split::Rows(1), format!("{m}shared_experts.up_proj.weight"), &[si, h], Float, C::SharedExperts);
-                    tb.split(Split::Cols(1), format!("{m}shared_experts.down_proj.weight"), &[h, si], Float, C::SharedExperts);
-                }
-                for ex in 0..e {
-                    tb.expert = Some(ex);
-                    // Without EP the intermediate dim is split; MXFP4 cuts at whole 32-value blocks,
-                    // so w1/w3 rows go 32 at a time to match w2's block columns.
-                    let mx = cfg.experts_mxfp4();
-                    let block = if mx { 32 } else { 1 };
-                    for (w, o, i) in [("w1", fi, lat), ("w3", fi, lat), ("w2", lat, fi)] {
-                        let n = format!("{m}experts.{ex}.{w}.");
-                        // w2's packed bytes hold two values each: a block is 16 bytes, 1 scale.
-                        let (packed, scale) = if w == "w2" {
-                            (Split::ExpertCols(if mx { 16 } else { 1 }), Split::ExpertCols(1))
-                        } else {
-                            (Split::ExpertRows(block), Split::ExpertRows(block))
-                        };
-                        if mx {
-                            tb.split(packed, format!("{n}weight_packed"), &[o, i / 2], Mxfp4Packed, C::RoutedExperts);
-                            tb.split(scale, format!("{n}weight_scale"), &[o, i / 32], Mxfp4Scale, C::RoutedExperts);
-                        } else {
-                            tb.split(packed, format!("{n}weight"), &[o, i], Float, C::RoutedExperts);
-                        }
-                    }
-                }
-                tb.expert = None;
-            }
-        }
+        tb.layer = Some(spec.index);
+        decoder_layer(&mut tb, cfg, spec, true);
     }
     tb.layer = None;
     tb.add(format!("{TEXT}norm.weight"), &[h], Float, C::FinalNorm);
     tb.add(format!("{TEXT}output_attn_res_norm.weight"), &[h], Float, C::AttnRes);
     tb.add(format!("{TEXT}output_attn_res_proj.weight"), &[1, h], Float, C::AttnRes);
     tb.split(Split::Rows(1), LM_HEAD.to_string(), &[v, h], Float, C::LmHead);
+    tb.mtp = true;
+    for k in 0..cfg.mtp_layers() {
+        let spec = cfg.mtp_layer(k);
+        let p = layer_prefix(spec.index);
+        tb.layer = Some(spec.index);
+        tb.add(format!("{p}enorm.weight"), &[h], Float, C::Mtp);
+        tb.add(format!("{p}hnorm.weight"), &[h], Float, C::Mtp);
+        tb.add(format!("{p}eh_proj.weight"), &[h, 2 * h], Float, C::Mtp);
+        decoder_layer(&mut tb, cfg, &spec, false);
+        tb.add(format!("{p}shared_head.norm.weight"), &[h], Float, C::Mtp);
+        tb.split(Split::Rows(1), format!("{p}shared_head.head.weight"), &[v, h], Float, C::Mtp);
+    }
+    tb.mtp = false;
+    tb.layer = None;
     if let Some(vc) = &cfg.vision_config {
         vision_table(&mut tb, vc, h);
     }
     out
+}
+
+/// One decoder layer's tensors (mixer, norms, AttnRes when `attn_res`, FFN).
+fn decoder_layer(tb: &mut Table<'_>, cfg: &Config, spec: &LayerSpec, attn_res: bool) {
+    use Component as C;
+    use Kind::*;
+    let t = &cfg.text;
+    let h = t.hidden_size;
+    let l = spec.index;
+    let p = layer_prefix(l);
+    let a = format!("{p}self_attn.");
+    match spec.mixer {
+        Mixer::Kda => {
+            let la = &t.linear_attn_config;
+            let (nh, hd, k) = (la.num_heads, la.head_dim, la.short_conv_kernel_size);
+            let d = nh * hd;
+            let head = Split::Rows(hd);
+            for x in ["q", "k", "v"] {
+                tb.split(head, format!("{a}{x}_proj.weight"), &[d, h], Float, C::Kda);
+                tb.split(head, format!("{a}{x}_conv1d.weight"), &[d, 1, k], Float32, C::Kda);
+            }
+            tb.split(Split::Rows(1), format!("{a}b_proj.weight"), &[nh, h], Float, C::Kda);
+            tb.add(format!("{a}f_a_proj.weight"), &[hd, h], Float, C::Kda);
+            tb.split(head, format!("{a}f_b_proj.weight"), &[d, hd], Float, C::Kda);
+            tb.split(Split::Rows(1), format!("{a}A_log"), &[nh], Float32, C::Kda);
+            tb.split(head, format!("{a}dt_bias"), &[d], Float32, C::Kda);
+            tb.split(head, format!("{a}g_proj.weight"), &[d, h], Float, C::Kda);
+            tb.add(format!("{a}o_norm.weight"), &[hd], Float32, C::Kda);
+            tb.split(Split::Cols(hd), format!("{a}o_proj.weight"), &[h, d], Float, C::Kda);
+        }
+        Mixer::Mla | Mixer::Dsa => {
+            let (nh, dn, dr, dv, r) = (t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
+            let q = t.q_lora_rank.unwrap_or(0);
+            tb.add(format!("{a}q_a_proj.weight"), &[q, h], Float, C::Mla);
+            tb.add(format!("{a}q_a_layernorm.weight"), &[q], Float, C::Mla);
+            tb.split(Split::Rows(dn + dr), format!("{a}q_b_proj.weight"), &[nh * (dn + dr), q], Float, C::Mla);
+            tb.add(format!("{a}kv_a_proj_with_mqa.weight"), &[r + dr, h], Float, C::Mla);
+            tb.add(format!("{a}kv_a_layernorm.weight"), &[r], Float, C::Mla);
+            tb.split(Split::Rows(dn + dv), format!("{a}kv_b_proj.weight"), &[nh * (dn + dv), r], Float, C::Mla);
+            tb.split(Split::Rows(dv), format!("{a}g_proj.weight"), &[nh * dv, h], Float, C::Mla);
+            tb.split(Split::Cols(dv), format!("{a}o_proj.weight"), &[h, nh * dv], Float, C::Mla);
+            if spec.mixer == Mixer::Dsa {
+                if let Some(d) = &t.dsa_config {
+                    let (ih, id) = (d.index_num_heads, d.index_head_dim);
+                    tb.add(format!("{a}indexer.wq_b.weight"), &[ih * id, q], Float, C::DsaIndexer);
+                    tb.add(format!("{a}indexer.wk.weight"), &[id, h], Float, C::DsaIndexer);
+                    tb.add(format!("{a}indexer.k_norm.weight"), &[id], Float, C::DsaIndexer);
+                    tb.add(format!("{a}indexer.k_norm.bias"), &[id], Float, C::DsaIndexer);
+                    tb.add(format!("{a}indexer.weights_proj.weight"), &[ih, h], Float, C::DsaIndexer);
+                }
+            }
+        }
+    }
+    tb.add(format!("{p}input_layernorm.weight"), &[h], Float, C::LayerNorms);
+    tb.add(format!("{p}post_attention_layernorm.weight"), &[h], Float, C::LayerNorms);
+    if attn_res {
+        for n in ["self_attention_res", "mlp_res"] {
+            tb.add(format!("{p}{n}_norm.weight"), &[h], Float, C::AttnRes);
+            tb.add(format!("{p}{n}_proj.weight"), &[1, h], Float, C::AttnRes);
+        }
+    }
+    match spec.ffn {
+        Ffn::Dense => {
+            let i = t.intermediate_size;
+            tb.split(Split::Rows(1), format!("{p}mlp.gate_proj.weight"), &[i, h], Float, C::DenseFfn);
+            tb.split(Split::Rows(1), format!("{p}mlp.up_proj.weight"), &[i, h], Float, C::DenseFfn);
+            tb.split(Split::Cols(1), format!("{p}mlp.down_proj.weight"), &[h, i], Float, C::DenseFfn);
+        }
+        Ffn::Moe => {
+            let m = format!("{p}block_sparse_moe.");
+            let (e, lat, fi) = (t.num_experts, t.routed_expert_hidden_size, t.moe_intermediate_size);
+            tb.split(Split::StageRows(1), format!("{m}gate.weight"), &[e, h], Float, C::MoeRouter);
+            tb.add(format!("{m}gate.e_score_correction_bias"), &[e], Float32, C::MoeRouter);
+            tb.split(Split::StageRows(1), format!("{m}routed_expert_down_proj.weight"), &[lat, h], Float, C::MoeLatent);
+            if t.latent_moe_use_norm {
+                tb.add(format!("{m}routed_expert_norm.weight"), &[lat], Float, C::MoeLatent);
+            }
+            tb.add(format!("{m}routed_expert_up_proj.weight"), &[h, lat], Float, C::MoeLatent);
+            if t.num_shared_experts > 0 {
+                let si = fi * t.num_shared_experts;
+                tb.split(Split::Rows(1), format!("{m}shared_experts.gate_proj.weight"), &[si, h], Float, C::SharedExperts);
+                tb.split(Split::Rows(1), format!("{m}shared_experts.up_proj.weight"), &[si, h], Float, C::SharedExperts);
+                tb.split(Split::Cols(1), format!("{m}shared_experts.down_proj.weight"), &[h, si], Float, C::SharedExperts);
+            }
+            for ex in 0..e {
+                tb.expert = Some(ex);
+                // Without EP the intermediate dim is split; MXFP4 cuts at whole 32-value blocks,
+                // so w1/w3 rows go 32 at a time to match w2's block columns.
+                let mx = cfg.experts_mxfp4();
+                let block = if mx { 32 } else { 1 };
+                for (w, o, i) in [("w1", fi, lat), ("w3", fi, lat), ("w2", lat, fi)] {
+                    let n = format!("{m}experts.{ex}.{w}.");
+                    // w2's packed bytes hold two values each: a block is 16 bytes, 1 scale.
+                    let (packed, scale) = if w == "w2" {
+                        (Split::ExpertCols(if mx { 16 } else { 1 }), Split::ExpertCols(1))
+                    } else {
+                        (Split::ExpertRows(block), Split::ExpertRows(block))
+                    };
+                    if mx {
+                        tb.split(packed, format!("{n}weight_packed"), &[o, i / 2], Mxfp4Packed, C::RoutedExperts);
+                        tb.split(scale, format!("{n}weight_scale"), &[o, i / 32], Mxfp4Scale, C::RoutedExperts);
+                    } else {
+                        tb.split(packed, format!("{n}weight"), &[o, i], Float, C::RoutedExperts);
+                    }
+                }
+            }
+            tb.expert = None;
+        }
+    }
 }
 
 fn vision_table(tb: &mut Table<'_>, vc: &crate::config::VisionConfig, text_hidden: usize) {

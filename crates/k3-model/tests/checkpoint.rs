@@ -179,3 +179,52 @@ fn checkpoints_check_clean(fixtures: &[&str]) {
         assert!(ck.tensor(&name).unwrap().is_mapped());
     }
 }
+
+/// A tiny checkpoint with one MTP draft layer (`layers.5.*`, around-backbone §5.1).
+fn make_mtp(dir: &Path) -> PathBuf {
+    let mut ov = Overrides::default();
+    ov.set.push(("num_nextn_predict_layers".into(), serde_json::json!(1)));
+    let o = InitOptions { seed: 3, dtype: FloatDType::BF16, experts: ExpertFormat::Float(FloatDType::BF16), shard_size: None };
+    init(builtin_config("tiny").unwrap(), &ov, dir, &o).unwrap();
+    dir.to_path_buf()
+}
+
+const EH: &str = "language_model.model.layers.5.eh_proj.weight";
+
+#[test]
+fn mtp_layer_loads_and_a_missing_tensor_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let m = make_mtp(&d.path().join("m"));
+    let model = Model::load(&Checkpoint::open(&m).unwrap()).unwrap();
+    assert_eq!(model.mtp.as_ref().map(|x| x.index), Some(5));
+    for gone in [EH, "language_model.model.layers.5.block_sparse_moe.experts.3.w2.weight", "language_model.model.layers.5.shared_head.head.weight"] {
+        let d2 = tempfile::tempdir().unwrap();
+        let m2 = make_mtp(&d2.path().join("m"));
+        rewrite(&m2.join("model.safetensors"), |v| v.retain(|e| e.0 != gone));
+        assert_names(&load_err(&m2), &[gone, "missing", "num_nextn_predict_layers"]);
+    }
+}
+
+/// MTP tensors in a checkpoint whose config declares none are refused, naming one; the optional
+/// extras of an MTP layer (a shared `embed_tokens`, AttnRes names) are tolerated and unread.
+#[test]
+fn mtp_tensors_need_the_config_and_extras_are_tolerated() {
+    let d = tempfile::tempdir().unwrap();
+    let m = make_mtp(&d.path().join("m"));
+    let cfg_path = m.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["text_config"]["num_nextn_predict_layers"] = serde_json::json!(0);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    assert_names(&load_err(&m), &["language_model.model.layers.5.", "unexpected"]);
+    let d2 = tempfile::tempdir().unwrap();
+    let m2 = make_mtp(&d2.path().join("m"));
+    rewrite(&m2.join("model.safetensors"), |v| {
+        let h = (Dtype::BF16, vec![64], vec![0u8; 128]);
+        for n in ["embed_tokens.weight", "self_attention_res_norm.weight", "mlp_res_proj.weight"] {
+            v.push((format!("language_model.model.layers.5.{n}"), h.0, h.1.clone(), h.2.clone()));
+        }
+    });
+    let ck = Checkpoint::open(&m2).unwrap();
+    ck.check().unwrap();
+    assert!(Model::load(&ck).unwrap().mtp.is_some());
+}

@@ -198,7 +198,6 @@ fn inconsistent_head_dimensions_are_rejected() {
 fn other_unsupported_fields_are_named() {
     for (k, val, word) in [
         ("model_type", json!("deepseek_v3"), "model_type"),
-        ("num_nextn_predict_layers", json!(1), "num_nextn_predict_layers"),
         ("tie_word_embeddings", json!(true), "tie_word_embeddings"),
         ("num_expert_group", json!(8), "num_expert_group"),
         ("hidden_size", json!(0), "hidden_size"),

@@ -153,6 +153,9 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         (Err(why), _) => eprintln!("k3 serve: prefix cache off: {why}"),
         _ => eprintln!("k3 serve: prefix cache off (--no-prefix-cache)"),
     }
+    if let Err(why) = engine.speculating() {
+        eprintln!("k3 serve: speculative decoding off: {why}");
+    }
     let name = a.served_model_name.clone().unwrap_or_else(|| {
         let canon = model_dir.canonicalize().unwrap_or_else(|_| model_dir.clone());
         canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "k3".into())

@@ -41,14 +41,15 @@ pub fn parse_device(d: &str) -> Result<Option<usize>> {
     }
 }
 
-/// `--speculative ngram|suffix|off` and `--num-speculative-tokens K` (`run`, `serve`, `bench`).
+/// `--speculative ngram|suffix|mtp|off` and `--num-speculative-tokens K` (`run`, `serve`, `bench`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct SpecArgs {
     /// Speculative decoding: ngram (prompt lookup over the prompt and output), suffix (suffix
-    /// automata over the request and earlier requests) or off. Greedy output is unchanged and
-    /// sampling keeps its distribution. CPU (one rank) only for now; elsewhere decoding stays
-    /// plain and a note says why.
-    #[arg(long, default_value = "off", value_name = "ngram|suffix|off")]
+    /// automata over the request and earlier requests), mtp (the checkpoint's MTP draft layer,
+    /// `num_nextn_predict_layers > 0`; K3 ships none) or off. Greedy output is unchanged and
+    /// sampling keeps its distribution. ngram/suffix: the CPU (one rank) and the GPU (one
+    /// rank); mtp: the CPU (one rank); elsewhere decoding stays plain and a note says why.
+    #[arg(long, default_value = "off", value_name = "ngram|suffix|mtp|off")]
     pub speculative: String,
     /// Most drafted tokens per sequence and step (1..=16; adapted to the acceptance).
     #[arg(long, default_value_t = 4, value_name = "K")]

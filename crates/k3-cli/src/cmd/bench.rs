@@ -123,7 +123,7 @@ pub struct ModelMode {
     /// engine, sampling at temperature 1) and report the per-token mask cost.
     #[arg(long, value_name = "FILE")]
     pub json_schema: Option<std::path::PathBuf>,
-    /// Compare these speculative methods (comma separated: ngram,suffix) with plain greedy
+    /// Compare these speculative methods (comma separated: ngram,suffix,mtp) with plain greedy
     /// decoding on text-repeating workloads (`bench_spec.rs`).
     #[arg(long, value_name = "METHODS")]
     pub speculative: Option<String>,

@@ -1,4 +1,4 @@
-//! `k3 bench --speculative ngram,suffix [--num-speculative-tokens K] [--gen-len G] [--model DIR]`:
+//! `k3 bench --speculative ngram,suffix[,mtp] [--num-speculative-tokens K] [--gen-len G] [--model DIR]`:
 //! speculative decoding against plain decoding in one process (issue 22), greedy, on two
 //! workloads that repeat text:
 //!
@@ -100,6 +100,9 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
         for _round in 0..2 {
             for (i, sc) in list.iter().enumerate() {
                 let mut e = engine(*sc)?;
+                if let Err(why) = e.speculating() {
+                    bail!("--speculative {}: {why}", format!("{:?}", sc.method).to_lowercase());
+                }
                 let (outs, secs, n, st) = run_workload(&mut e, tok, w, gen)?;
                 match &plain {
                     None => plain = Some(outs),

@@ -230,6 +230,10 @@ pub fn text(r: &Report) -> String {
         r.moe_layers,
         if r.experts_mxfp4 { "MXFP4" } else { "float" }
     );
+    for (l, ffn) in &r.mtp_layers {
+        let ffn = if *ffn == k3_model::config::Ffn::Moe { "MoE" } else { "dense FFN" };
+        let _ = writeln!(s, "MTP           layer {l}: draft layer (MLA + {ffn}, plain residual; --speculative mtp)");
+    }
     let _ = writeln!(s, "AttnRes       block size {}, blocks start at {:?}", r.attn_res_block_size, r.attn_res_block_starts);
     let _ = writeln!(s, "schedule      (K=KDA M=MLA S=DSA; lowercase = dense FFN, uppercase = MoE; one line per AttnRes block)");
     for (i, &b) in r.attn_res_block_starts.iter().enumerate() {

@@ -64,7 +64,7 @@ pub fn join(par: Parallel, cfg: &Config, mut parts: Vec<Capture>) -> Result<Capt
             )));
         }
     }
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers) }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers), mtp: None }).collect();
     let mut snap = Vec::with_capacity(layers);
     for l in 0..layers {
         // The ranks of the stage that runs layer `l`, in the order of their index in it.
@@ -92,7 +92,7 @@ pub fn join(par: Parallel, cfg: &Config, mut parts: Vec<Capture>) -> Result<Capt
             _ => return Err(EngineError::Internal(format!("layer {l}: rank {owner} captured a device runner's snapshot"))),
         });
     }
-    let kda = with_snap.then_some(KdaSnap { at: to, layers: snap });
+    let kda = with_snap.then_some(KdaSnap { at: to, layers: snap, mtp_hidden: None });
     Ok(Capture { from, to, cells, kda })
 }
 
@@ -118,6 +118,7 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
                     x => x.clone(),
                 })
                 .collect(),
+            mtp: None,
         })
         .collect();
     let snap_layers = snap
@@ -132,7 +133,7 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
             _ => Err(bad(format!("layer {l}'s KDA snapshot is not one of this layout's"))),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Capture { from: 0, to: snap.at, cells, kda: Some(KdaSnap { at: snap.at, layers: snap_layers }) })
+    Ok(Capture { from: 0, to: snap.at, cells, kda: Some(KdaSnap { at: snap.at, layers: snap_layers, mtp_hidden: None }) })
 }
 
 fn put_u64(b: &mut Vec<u8>, x: usize) {
@@ -257,7 +258,7 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
                 t => Err(bad(format!("cell layer tag {t} (0 KDA, 1 MLA, 2 raw)"))),
             })
             .collect::<Result<Vec<_>>>()?;
-        cells.push(Segment { layers });
+        cells.push(Segment { layers, mtp: None });
     }
     let kda = match r.u8("the snapshot flag")? {
         0 => None,
@@ -276,7 +277,7 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
                     t => Err(bad(format!("snapshot layer tag {t} (0 MLA, 1 KDA, 2 raw, 3 ranks)"))),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            Some(KdaSnap { at, layers })
+            Some(KdaSnap { at, layers, mtp_hidden: None })
         }
         f => return Err(bad(format!("snapshot flag {f} (0 or 1)"))),
     };
@@ -309,6 +310,7 @@ mod tests {
                         (false, false) => SegLayer::Mla { latent: Vec::new(), index_keys: Vec::new() },
                     })
                     .collect(),
+                mtp: None,
             })
             .collect();
         let layers = (0..cfg.layers.len())
@@ -325,7 +327,7 @@ mod tests {
                 false => SnapLayer::Mla,
             })
             .collect();
-        Capture { from: 4, to: 8, cells, kda: Some(KdaSnap { at: 8, layers }) }
+        Capture { from: 4, to: 8, cells, kda: Some(KdaSnap { at: 8, layers, mtp_hidden: None }) }
     }
 
     /// Every layout's captures joined, then cut into the ranks' parts, give each rank its own

@@ -34,6 +34,7 @@ use std::sync::Arc;
 use k3_core::kernels::cpu::matmul::with_row_exact;
 use k3_model::layers::kda::StateDType;
 use k3_model::offload::OffloadOptions;
+use k3_model::layers::mtp::MtpState;
 use k3_model::parallel::Parallel;
 use k3_model::{Checkpoint, Config, ForwardOpts, Model, ModelError, SeqState};
 
@@ -139,6 +140,21 @@ pub trait Runner: Send {
         let _ = (id, drop);
         Err(EngineError::Unsupported(NO_SPECULATION.into()))
     }
+    /// Turns the checkpoint's MTP draft layer on for every sequence state made from now on
+    /// (`--speculative mtp`): its per-sequence state then lives beside the target's, advances
+    /// with every forward, rolls back, is captured for the prefix cache and freed with it. Why
+    /// not, when this runner cannot.
+    fn enable_mtp(&mut self) -> std::result::Result<(), String> {
+        Err(NO_MTP.into())
+    }
+    /// Sequence `id`'s chained MTP drafts (`k3_model::draft`): up to `k` positions after its
+    /// consumed tokens, the first fed `next`; `choose` gets each position's logits `[vocab]` and
+    /// returns the token fed to the next one (`None`: stop). Returns the tokens chosen (0 when
+    /// the sequence has no MTP state, e.g. after a prefix-cache restore without one).
+    fn draft(&mut self, id: SeqId, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
+        let _ = (id, next, k, choose);
+        Err(EngineError::Unsupported(NO_MTP.into()))
+    }
     /// Prefix caching (`crate::prefix`): `Ok(layout)` (a digest input: the layout and state
     /// dtypes) when this runner can capture and restore sequence states, else why it cannot —
     /// the engine then runs without the cache and says so.
@@ -169,6 +185,10 @@ pub trait Runner: Send {
 /// Why a runner does not verify drafts (the default of [`Runner::speculation`]).
 pub const NO_SPECULATION: &str =
     "speculative decoding needs per-token KDA states in the verify forward, which this runner does not keep (the CPU runners and the one-GPU runner do); decoding without speculation";
+
+/// Why a runner has no MTP draft layer (the default of [`Runner::enable_mtp`]).
+pub const NO_MTP: &str =
+    "MTP drafting runs on the CPU runner of one rank only so far (not the GPU runner, not a parallel layout); decoding without speculation";
 
 /// Aborts a runner's collectives from another thread (see [`Runner::aborter`]).
 pub type Aborter = Arc<dyn Fn(&str) + Send + Sync>;
@@ -328,11 +348,13 @@ pub struct Worker {
     /// Every projection row-exact (`with_row_exact`): a sequence's logits do not depend on
     /// which other sequences share its steps.
     batch_invariant: bool,
+    /// New sequence states carry an MTP draft state (`Runner::enable_mtp`).
+    mtp: bool,
 }
 
 impl Worker {
     pub fn new(model: Arc<Model>, kda: StateDType) -> Worker {
-        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false }
+        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false, mtp: false }
     }
 
     /// This worker with [`RankOptions`] (a deliberate fault, batch invariance).
@@ -369,9 +391,37 @@ impl Worker {
     }
     /// See [`Runner::restore`] (on a parallel layout: this rank's part, `dist::layout_state::part`).
     pub fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
-        let st = prefix_state::restore(self.model.new_state_with(self.kda), cells, snap)?;
+        let st = prefix_state::restore(self.new_seq_state(), cells, snap)?;
         self.states.insert(id, st);
         Ok(())
+    }
+
+    /// A new sequence state (with an MTP draft state when it is on).
+    fn new_seq_state(&self) -> SeqState {
+        let mut st = self.model.new_state_with(self.kda);
+        if self.mtp {
+            st.mtp = Some(MtpState::new(self.model.config.text.hidden_size));
+        }
+        st
+    }
+
+    /// See [`Runner::enable_mtp`].
+    pub fn enable_mtp(&mut self) -> std::result::Result<(), String> {
+        if self.model.mtp.is_none() {
+            let n = self.model.config.mtp_layers();
+            return Err(match n {
+                0 => "this checkpoint has no MTP draft layer (config.json's num_nextn_predict_layers is 0, as in the K3 release); use ngram or suffix — decoding without speculation".into(),
+                _ => format!("its MTP layer (num_nextn_predict_layers = {n}) is loaded on a one-rank model only; decoding without speculation"),
+            });
+        }
+        self.mtp = true;
+        Ok(())
+    }
+
+    /// See [`Runner::draft`].
+    pub fn draft(&mut self, id: SeqId, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
+        let st = self.states.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
+        Ok(with_row_exact(self.batch_invariant, || self.model.mtp_draft(st, next, k, choose))?)
     }
 
     /// Applies one step (see the module doc). Returns the logits on the first and last
@@ -450,16 +500,25 @@ impl Worker {
         } else {
             Vec::new()
         };
-        let mut taken: Vec<SeqState> = step.seqs.iter().map(|s| self.states.remove(&s.id).unwrap_or_else(|| self.model.new_state_with(self.kda))).collect();
+        let mut taken: Vec<SeqState> = step.seqs.iter().map(|s| self.states.remove(&s.id).unwrap_or_else(|| self.new_seq_state())).collect();
         let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
         let out = {
             let mut refs: Vec<&mut SeqState> = taken.iter_mut().collect();
-            match pass {
+            let out = match pass {
                 Pass::Verify => self.model.forward_verify(emb, &lens, &mut refs),
                 _ => {
                     let opts = ForwardOpts { last_only: step.last_only, defer_logits: pass == Pass::Deferred, ..Default::default() };
                     with_row_exact(self.batch_invariant, || self.model.forward_varlen(emb, &lens, &mut refs, opts, None))
                 }
+            };
+            // The MTP draft layer takes the rows this forward made (row-exact in a verify step,
+            // as the target's rows are).
+            match out {
+                Ok(v) if self.mtp => {
+                    let ids: Vec<&[u32]> = step.seqs.iter().map(|s| s.tokens.as_slice()).collect();
+                    with_row_exact(pass == Pass::Verify || self.batch_invariant, || self.model.mtp_advance(&ids, &mut refs)).map(|()| v)
+                }
+                o => o,
             }
         };
         for (s, st) in step.seqs.iter().zip(taken) {

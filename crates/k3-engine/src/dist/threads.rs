@@ -317,6 +317,18 @@ impl Runner for ThreadRunner {
         }
         Ok(())
     }
+    fn enable_mtp(&mut self) -> std::result::Result<(), String> {
+        match self.peers.is_empty() {
+            true => self.leader.enable_mtp(),
+            false => Err(format!("MTP drafting on a parallel layout ({} ranks) is not built yet; decoding without speculation", self.world())),
+        }
+    }
+    fn draft(&mut self, id: SeqId, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
+        if !self.peers.is_empty() {
+            return Err(EngineError::Unsupported("MTP drafts on a parallel layout".into()));
+        }
+        self.leader.draft(id, next, k, choose)
+    }
     fn prefix_support(&self) -> std::result::Result<String, String> {
         Ok(format!("cpu, {}, kda state {:?}", self.layout(), self.leader.kda()))
     }

@@ -9,6 +9,13 @@
 //! copies in the KDA snapshot taken at `g`: the restored state is equal, value for value, to the
 //! one the prefill that wrote them had at `g` (the cache copies; it never recomputes).
 //!
+//! An MTP draft state (`--speculative mtp`, `k3_model::draft`) rides along on the CPU: its cache
+//! row `j` is made from `(h_j, t_{j+1})`, so a cell `[a, b)` stores the draft rows
+//! `[a − 1, b − 1)` (`[0, b − 1)` for the first cell) — every one of them determined by the
+//! tokens up to `b` — and a snapshot at `g` stores the hidden row `h_{g−1}` that waits for token
+//! `g`. A restore from cells or a snapshot without them (none are written without MTP) leaves
+//! the sequence without a draft state: it then decodes without drafts.
+//!
 //! The CPU runner stores its f32 rows and [`KdaState`]s ([`SegLayer::Mla`], [`SnapLayer::Cpu`]);
 //! the GPU runner the bytes its pools hold, in their format (BF16 or FP8 latents, F32 or FP8
 //! indexer keys, BF16 conv tails, F32 state: [`SegLayer::Raw`], [`SnapLayer::Raw`]), copied to
@@ -36,18 +43,22 @@ pub enum SegLayer {
 #[derive(Clone, Debug)]
 pub struct Segment {
     pub layers: Vec<SegLayer>,
+    /// The MTP draft layer's latent rows of the span, shifted by one (see the module doc).
+    pub mtp: Option<Vec<f32>>,
 }
 
 impl Segment {
     pub fn bytes(&self) -> usize {
-        self.layers
+        let rows: usize = self
+            .layers
             .iter()
             .map(|l| match l {
                 SegLayer::Kda => 0,
                 SegLayer::Mla { latent, index_keys } => 4 * (latent.len() + index_keys.len()),
                 SegLayer::Raw { latent, index_keys } => latent.len() + index_keys.len(),
             })
-            .sum()
+            .sum();
+        rows + self.mtp.as_ref().map_or(0, |m| 4 * m.len())
     }
 }
 
@@ -70,11 +81,14 @@ pub enum SnapLayer {
 pub struct KdaSnap {
     pub at: usize,
     pub layers: Vec<SnapLayer>,
+    /// The target's hidden row `h_{at−1}` for the MTP draft layer (see the module doc).
+    pub mtp_hidden: Option<Vec<f32>>,
 }
 
 impl KdaSnap {
     pub fn bytes(&self) -> usize {
-        self.layers
+        let layers: usize = self
+            .layers
             .iter()
             .map(|l| match l {
                 SnapLayer::Mla => 0,
@@ -82,7 +96,8 @@ impl KdaSnap {
                 SnapLayer::Ranks(v) => v.iter().map(KdaState::bytes).sum(),
                 SnapLayer::Raw { conv, state } => conv.len() + state.len(),
             })
-            .sum()
+            .sum();
+        layers + self.mtp_hidden.as_ref().map_or(0, |h| 4 * h.len())
     }
 }
 
@@ -112,7 +127,7 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
         return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
     }
     let n = (to - from) / grid;
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()) }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()), mtp: None }).collect();
     for (l, layer) in st.layers.iter().enumerate() {
         match layer {
             LayerState::Kda(_) => cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda)),
@@ -126,6 +141,16 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
             }
         }
     }
+    if let Some(m) = &st.mtp {
+        if to > 0 && m.rows + 1 < to {
+            return Err(EngineError::Internal(format!("capture at {to}: the MTP draft layer holds {} rows", m.rows)));
+        }
+        let w = m.cache.latent.len().checked_div(m.rows).unwrap_or(0);
+        for (k, cell) in cells.iter_mut().enumerate() {
+            let (a, b) = ((from + k * grid).saturating_sub(1), from + (k + 1) * grid - 1);
+            cell.mtp = Some(m.cache.latent[a * w..b * w].to_vec());
+        }
+    }
     let kda = kda.then(|| KdaSnap {
         at: to,
         layers: st
@@ -136,6 +161,7 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
                 LayerState::Mla(_) => SnapLayer::Mla,
             })
             .collect(),
+        mtp_hidden: st.mtp.as_ref().and_then(|m| m.hidden_row(to.checked_sub(1)?)).map(<[f32]>::to_vec),
     });
     Ok(Capture { from, to, cells, kda })
 }
@@ -176,6 +202,20 @@ pub fn restore(mut fresh: SeqState, cells: &[&Segment], snap: &KdaSnap) -> Resul
             _ => return Err(EngineError::Internal(format!("prefix restore: layer {l} does not match the stored snapshot"))),
         }
     }
+    // The MTP draft state: from the cells and the snapshot when they carry it, else none.
+    let stored = snap.mtp_hidden.as_ref().filter(|_| cells.iter().all(|c| c.mtp.is_some()));
+    match (fresh.mtp.as_mut(), stored) {
+        (Some(m), Some(hid)) if snap.at > 0 => {
+            m.cache.latent = cells.iter().flat_map(|c| c.mtp.iter().flatten().copied()).collect();
+            m.rows = snap.at - 1;
+            if (m.rows > 0 && !m.cache.latent.len().is_multiple_of(m.rows)) || hid.len() != m.width {
+                return Err(EngineError::Internal("prefix restore: the stored MTP draft rows do not fit the model".into()));
+            }
+            m.hidden = hid.clone();
+            m.hidden_from = snap.at - 1;
+        }
+        _ => fresh.mtp = None,
+    }
     fresh.pos = snap.at;
     Ok(fresh)
 }
@@ -196,7 +236,7 @@ pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, 
         return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
     }
     let n = (to - from) / grid;
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers.len()) }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers.len()), mtp: None }).collect();
     let mut snap = Vec::with_capacity(layers.len());
     for (l, (layer, &k)) in layers.into_iter().zip(is_kda).enumerate() {
         match (k, layer) {
@@ -227,6 +267,7 @@ pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, 
                 .enumerate()
                 .map(|(l, s)| s.ok_or_else(|| EngineError::Internal(format!("layer {l}: no KDA slot read"))))
                 .collect::<Result<_>>()?,
+            mtp_hidden: None,
         }),
         false => None,
     };

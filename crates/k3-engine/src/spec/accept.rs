@@ -55,7 +55,7 @@ pub fn decide(sampler: &mut Sampler, logits: &[f32], prompt: &[u32], output: &[u
 }
 
 /// A draw from the unnormalised weights `w` (> 0 somewhere).
-fn draw(sampler: &mut Sampler, w: &[f32]) -> usize {
+pub(crate) fn draw(sampler: &mut Sampler, w: &[f32]) -> usize {
     let total: f32 = w.iter().sum();
     let u = sampler.uniform() * total;
     let mut acc = 0f32;

@@ -14,13 +14,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{push_token, sample_next, Engine, Event, Request, Sequence};
-use crate::dist::runner::Step;
+use super::{push_token, sample_next, Engine, Event, Request, SeqId, Sequence};
+use crate::dist::runner::{Runner, Step};
 use crate::error::{EngineError, Result};
 use crate::spec::accept::decide;
+use crate::spec::mtp::MtpProposer;
 use crate::spec::ngram::NgramProposer;
 use crate::spec::suffix::{remember, History, SuffixProposer};
-use crate::spec::{Adaptive, Draft, Proposer, SpecMethod, SpecStats};
+use crate::spec::{Adaptive, Draft, DraftModel, Proposer, SpecMethod, SpecStats};
 
 /// Makes a request's proposer (a draft model would be plugged in here; see
 /// [`Engine::set_proposer`]).
@@ -39,9 +40,27 @@ pub(crate) struct EngineSpec {
     factory: Option<ProposerFactory>,
     /// Every speculative decode step's counters since the engine started.
     totals: SpecStats,
+    /// Why `--speculative mtp` cannot run on this runner (it then decodes plainly).
+    mtp_off: Option<String>,
+}
+
+/// Sequence `id`'s draft model in the runner.
+struct RunnerDraft<'a> {
+    runner: &'a mut dyn Runner,
+    id: SeqId,
+}
+
+impl DraftModel for RunnerDraft<'_> {
+    fn run(&mut self, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
+        self.runner.draft(self.id, next, k, choose)
+    }
 }
 
 impl EngineSpec {
+    pub(crate) fn new(mtp_off: Option<String>) -> EngineSpec {
+        EngineSpec { mtp_off, ..Default::default() }
+    }
+
     /// A sequence leaves the engine: its tokens join the suffix proposer's history (kept for
     /// that method only).
     pub(crate) fn finished(&mut self, s: &Sequence, method: SpecMethod) {
@@ -57,6 +76,9 @@ impl Engine {
     pub fn speculating(&self) -> std::result::Result<bool, String> {
         if !self.config.spec.enabled() {
             return Ok(false);
+        }
+        if let Some(why) = &self.spec.mtp_off {
+            return Err(why.clone());
         }
         self.runner.speculation().map(|()| true)
     }
@@ -82,6 +104,7 @@ impl Engine {
             (Some(f), _) => f(req),
             (None, SpecMethod::Ngram) => Box::new(NgramProposer),
             (None, SpecMethod::Suffix) => Box::new(SuffixProposer::new(Some(self.spec.history.clone()))),
+            (None, SpecMethod::Mtp) => Box::new(MtpProposer::new(&req.params)),
             (None, SpecMethod::Off) => return None,
         };
         Some(SeqSpec { proposer, adapt: Adaptive::new(&self.config.spec) })
@@ -108,11 +131,17 @@ impl Engine {
                 let k = sp.adapt.next_k().min(room);
                 if k > 0 {
                     let ctx: Vec<u32> = s.req.prompt.iter().chain(&s.output).copied().collect();
-                    let dr = sp.proposer.propose(&ctx, k);
+                    let dr = sp.proposer.propose_on(&ctx, k, &mut RunnerDraft { runner: &mut *self.runner, id: s.id })?;
                     d = dr.tokens;
                     d.truncate(k);
                     spare -= d.len();
                     q = dr.probs;
+                    if q.as_ref().is_some_and(|q| q.len() < d.len() || q.iter().any(|q| q.len() != vocab)) {
+                        return Err(EngineError::Internal(format!(
+                            "the proposer's draft distributions do not cover its {} drafts of vocabulary {vocab}",
+                            d.len()
+                        )));
+                    }
                     if let Some(bad) = d.iter().find(|&&t| t as usize >= vocab) {
                         return Err(EngineError::Internal(format!("the proposer drafted token {bad}, outside the vocabulary ({vocab})")));
                     }

@@ -1,12 +1,17 @@
 //! Speculative decoding (issue 22): draft tokens from a proposer, verify them all in one
 //! batched forward, keep the longest accepted prefix plus one token from the target model.
 //!
-//! - [`SpecConfig`] / [`SpecMethod`]: `--speculative ngram|suffix|off`, `--num-speculative-tokens K`.
+//! - [`SpecConfig`] / [`SpecMethod`]: `--speculative ngram|suffix|mtp|off`, `--num-speculative-tokens K`.
 //! - Proposers ([`Proposer`]): [`ngram::NgramProposer`] (prompt lookup over the prompt and the
 //!   output so far) and [`suffix::SuffixProposer`] (a suffix automaton over the request and over
-//!   the engine's finished requests). No extra weights. A draft model (an MTP layer when a
-//!   checkpoint has `num_nextn_predict_layers > 0`, or a small separate model) plugs in as
-//!   another [`Proposer`] returning its draft distributions in [`Draft::probs`]; none is built.
+//!   the engine's finished requests), with no extra weights; [`mtp::MtpProposer`], the
+//!   checkpoint's MTP layer (`num_nextn_predict_layers > 0`, around-backbone §5.1). A draft
+//!   model runs where the target runs — its per-sequence state beside the target's in the
+//!   runner, so that it advances, rolls back, is prefix-cached and freed with it — and the
+//!   proposer reaches it through [`DraftModel`] ([`Proposer::propose_on`]): it chooses each
+//!   draft token from the draft logits (argmax when greedy, a draw from `q` when sampling) and
+//!   returns the `q`s in [`Draft::probs`]. A separate small draft model of the same family
+//!   would plug in the same way (a runner that holds it, a proposer that chooses).
 //! - [`accept`]: greedy acceptance (the target's argmax must equal the draft: output identical to
 //!   plain decoding) and rejection sampling (accept `d` with `min(1, p(d)/q(d))`, on reject draw
 //!   from `max(p − q, 0)` normalised — for a deterministic proposer `q` is one-hot, so accept
@@ -18,17 +23,20 @@
 //! - The engine side (`engine/spec_step.rs`): drafted sequences and plain ones share one verify
 //!   forward (`Runner::verify`: every row's logits equal a single decode step's, KDA states
 //!   kept per token), then `Runner::rollback` drops each sequence's rejected tail — a copy of
-//!   the KDA snapshot and a truncation of the MLA/DSA caches (`k3_model::verify`).
+//!   the KDA snapshot and a truncation of the MLA/DSA caches (`k3_model::verify`), and of the
+//!   MTP layer's cache when it drafts (`k3_model::draft`).
 //!
 //! Runners: the CPU runner verifies, on one rank and on every layout of ranks as threads (each
 //! rank runs the verify forward on its shard and keeps its per-token KDA states; the rollback
 //! is a command every rank applies: `dist::step::Command`); so does the runner of one GPU. A
 //! multi-process (GPU) layout does not yet; on it the engine decodes plainly and
-//! [`Engine::speculating`] says why.
+//! [`Engine::speculating`] says why. The MTP draft layer runs on the CPU runner of one rank
+//! only (`Runner::enable_mtp`).
 //!
 //! [`Engine::speculating`]: crate::Engine::speculating
 
 pub mod accept;
+pub mod mtp;
 pub mod ngram;
 pub mod suffix;
 
@@ -51,6 +59,8 @@ pub enum SpecMethod {
     /// The longest suffix of the context that occurs earlier in this request or in a finished
     /// one (suffix automata), and what followed it there.
     Suffix,
+    /// The checkpoint's MTP draft layer, chained (`mtp::MtpProposer`).
+    Mtp,
 }
 
 impl SpecMethod {
@@ -60,10 +70,11 @@ impl SpecMethod {
             "off" | "none" => Ok(SpecMethod::Off),
             "ngram" => Ok(SpecMethod::Ngram),
             "suffix" => Ok(SpecMethod::Suffix),
-            "mtp" | "draft" | "eagle" => Err(EngineError::Unsupported(format!(
-                "--speculative {s}: draft-model speculation is not built yet (the proposer interface is there: spec::Proposer); use ngram, suffix or off"
+            "mtp" => Ok(SpecMethod::Mtp),
+            "draft" | "eagle" => Err(EngineError::Unsupported(format!(
+                "--speculative {s}: a separate draft model is not built yet (the MTP layer of a checkpoint is: --speculative mtp); use ngram, suffix, mtp or off"
             ))),
-            _ => Err(EngineError::Unsupported(format!("--speculative: `{s}` is not one of ngram, suffix, off"))),
+            _ => Err(EngineError::Unsupported(format!("--speculative: `{s}` is not one of ngram, suffix, mtp, off"))),
         }
     }
 }
@@ -111,6 +122,20 @@ pub struct Draft {
 pub trait Proposer: Send {
     /// Up to `k` drafted tokens (fewer or none when nothing fits).
     fn propose(&mut self, context: &[u32], k: usize) -> Draft;
+    /// What the engine calls: [`Proposer::propose`], or, for a proposer backed by a draft model,
+    /// drafts from `model` (this sequence's draft model in the runner).
+    fn propose_on(&mut self, context: &[u32], k: usize, model: &mut dyn DraftModel) -> Result<Draft> {
+        let _ = model;
+        Ok(self.propose(context, k))
+    }
+}
+
+/// One sequence's draft model where the target runs (the MTP layer in the CPU runner).
+pub trait DraftModel {
+    /// Runs up to `k` chained draft positions after the sequence's consumed tokens, the first fed
+    /// `next`: `choose` gets each position's logits `[vocab]` and returns the token fed to the
+    /// next position (`None`: stop). Returns the tokens chosen.
+    fn run(&mut self, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize>;
 }
 
 /// Speculation counters of one sequence (or summed over several), for `k3 run --json`, the
@@ -241,7 +266,8 @@ mod tests {
         assert!(e.contains("--speculative") && e.contains("bogus"), "{e}");
         let e = SpecConfig::from_flags("suffix", 0).unwrap_err().to_string();
         assert!(e.contains("--num-speculative-tokens"), "{e}");
-        let e = SpecConfig::from_flags("mtp", 4).unwrap_err().to_string();
+        assert_eq!(SpecConfig::from_flags("mtp", 4).unwrap().method, SpecMethod::Mtp);
+        let e = SpecConfig::from_flags("draft", 4).unwrap_err().to_string();
         assert!(e.contains("not built"), "{e}");
     }
 

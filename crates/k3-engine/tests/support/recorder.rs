@@ -1,7 +1,8 @@
 //! The recording runner the prefix-cache tests share (`prefix.rs` on the CPU, `cuda_prefix.rs`
-//! on the GPU): it forwards to a real runner, records every logits row per sequence (so warm and
-//! cold runs can be compared row by row), and hands what it restores to a mutation first (the
-//! tests' mutants corrupt it there, to show that the comparison can fail).
+//! on the GPU, `mtp.rs` for the MTP draft state in the cache): it forwards to a real runner
+//! (speculative verification and MTP drafts too, unrecorded), records every logits row per
+//! sequence (so warm and cold runs can be compared row by row), and hands what it restores to a
+//! mutation first (the tests' mutants corrupt it there, to show that the comparison can fail).
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -69,6 +70,21 @@ impl<R: Runner> Runner for Rec<R> {
     }
     fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
         self.inner.capture(id, from, grid, kda)
+    }
+    fn speculation(&self) -> Result<(), String> {
+        self.inner.speculation()
+    }
+    fn verify(&mut self, step: Step) -> k3_engine::Result<Vec<f32>> {
+        self.inner.verify(step)
+    }
+    fn rollback(&mut self, id: u64, drop: usize) -> k3_engine::Result<()> {
+        self.inner.rollback(id, drop)
+    }
+    fn enable_mtp(&mut self) -> Result<(), String> {
+        self.inner.enable_mtp()
+    }
+    fn draft(&mut self, id: u64, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> k3_engine::Result<usize> {
+        self.inner.draft(id, next, k, choose)
     }
     fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
         let Some(mutate) = &self.mutate else { return self.inner.restore(id, cells, snap) };

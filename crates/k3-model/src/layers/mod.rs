@@ -1,7 +1,8 @@
 //! The layers of the K3 text backbone, one file each, named as in the spec:
 //! `attn_res` (§6), `kda` (§3), `mla` (§4), `dsa` (§5, the indexer and selection used by
 //! `mla`), `moe` (§7.1–7.5), `experts` (its routed experts on the CPU: mapped or read from
-//! disk, f32 or int8-activation kernels), `ffn` (the SiTU-GLU MLP: §7.5–7.6).
+//! disk, f32 or int8-activation kernels), `ffn` (the SiTU-GLU MLP: §7.5–7.6); `mtp`
+//! (around-backbone §5.1, the MTP draft layer built from `mla` and `moe`).
 //!
 //! Activations are f32 `[T, ·]` row-major `Vec<f32>`; weights are `Matrix` views of the
 //! checkpoint, used in place.
@@ -13,6 +14,7 @@ pub mod ffn;
 pub mod kda;
 pub mod mla;
 pub mod moe;
+pub mod mtp;
 
 use k3_core::kernels::cpu::matmul::{linear, Matrix};
 
