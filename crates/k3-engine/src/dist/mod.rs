@@ -7,7 +7,8 @@
 //!   their byte form.
 //! - [`layout_state`]: a sequence state of a layout, rank by rank: every rank's captured part
 //!   joined into the prefix cache's one stored state, a stored state cut into the ranks' parts.
-//! - [`runner`]: the runner interface the engine drives, and one rank's worker.
+//! - [`runner`]: the runner interface the engine drives; [`worker`]: one CPU rank's model and
+//!   sequence states as the runner drives them.
 //! - [`threads`]: ranks as threads on the CPU (`k3 run --tp N --device cpu`), each step sent
 //!   to every rank; on a pipeline layout successive steps overlap across the stages.
 //! - `engine_step.rs` (a part of the engine): pipelined scheduling, a step per stage in flight.
@@ -26,3 +27,4 @@ pub mod process;
 pub mod runner;
 pub mod step;
 pub mod threads;
+pub mod worker;

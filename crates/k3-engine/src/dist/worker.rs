@@ -1,0 +1,259 @@
+//! One rank of the CPU model as the runner drives it ([`Worker`]): its model and its map
+//! sequence id → [`SeqState`] (with the MTP draft state when enabled). [`Worker::apply`] drops
+//! the released states, creates a state on a sequence's first sight, embeds the tokens (or
+//! takes the step's own rows) and runs `Model::forward_varlen`; the other commands (`dist::step`) —
+//! verify, rollback, capture, restore — act on the same states. Every rank of a layout applies
+//! the same commands in the same order, so their collectives pair up (`runner.rs` has the
+//! interface, `threads.rs` the ranks as threads).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use k3_core::kernels::cpu::matmul::with_row_exact;
+use k3_model::layers::kda::StateDType;
+use k3_model::layers::mtp::MtpState;
+use k3_model::{ForwardOpts, Model, SeqState};
+
+use super::runner::{run_step, Failure, Fault, RankOptions, RankWorker, Step};
+use crate::engine::SeqId;
+use crate::error::{EngineError, Result};
+use crate::prefix::{state as prefix_state, Capture, KdaSnap, Segment};
+
+/// Which forward [`Worker::apply_with`] runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Plain,
+    /// Rank 0 of a pipeline layout: the logits come later ([`Worker::recv_logits`]).
+    Deferred,
+    /// Every row's logits, each a single decode step's (`Model::forward_verify`).
+    Verify,
+}
+
+/// One rank's model and the states of the sequences it has seen.
+pub struct Worker {
+    model: Arc<Model>,
+    kda: StateDType,
+    states: HashMap<SeqId, SeqState>,
+    steps: usize,
+    fault: Option<Fault>,
+    /// Every projection row-exact (`with_row_exact`): a sequence's logits do not depend on
+    /// which other sequences share its steps.
+    batch_invariant: bool,
+    /// New sequence states carry an MTP draft state (`Runner::enable_mtp`).
+    mtp: bool,
+}
+
+impl Worker {
+    pub fn new(model: Arc<Model>, kda: StateDType) -> Worker {
+        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false, mtp: false }
+    }
+
+    /// This worker with [`RankOptions`] (a deliberate fault, batch invariance).
+    pub fn with_options(mut self, o: RankOptions) -> Worker {
+        self.fault = o.fault;
+        self.batch_invariant = o.batch_invariant;
+        self
+    }
+
+    /// The global rank.
+    pub fn rank(&self) -> usize {
+        self.model.plan.rank
+    }
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+    pub fn model_arc(&self) -> Arc<Model> {
+        self.model.clone()
+    }
+    /// The KDA state dtype of the states it makes.
+    pub fn kda(&self) -> StateDType {
+        self.kda
+    }
+    pub fn release(&mut self, id: SeqId) {
+        self.states.remove(&id);
+    }
+    pub fn state_bytes(&self) -> usize {
+        self.states.values().map(SeqState::bytes).sum()
+    }
+    /// See [`Runner::capture`].
+    pub fn capture(&self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        let st = self.states.get(&id).ok_or(EngineError::UnknownSeq(id))?;
+        prefix_state::capture(st, from, grid, kda)
+    }
+    /// See [`Runner::restore`] (on a parallel layout: this rank's part, `dist::layout_state::part`).
+    pub fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        let st = prefix_state::restore(self.new_seq_state(), cells, snap)?;
+        self.states.insert(id, st);
+        Ok(())
+    }
+
+    /// A new sequence state (with an MTP draft state when it is on).
+    fn new_seq_state(&self) -> SeqState {
+        let mut st = self.model.new_state_with(self.kda);
+        if self.mtp {
+            st.mtp = Some(MtpState::new(self.model.config.text.hidden_size));
+        }
+        st
+    }
+
+    /// See [`Runner::enable_mtp`].
+    pub fn enable_mtp(&mut self) -> std::result::Result<(), String> {
+        if self.model.mtp.is_none() {
+            let n = self.model.config.mtp_layers();
+            return Err(match n {
+                0 => "this checkpoint has no MTP draft layer (config.json's num_nextn_predict_layers is 0, as in the K3 release); use ngram or suffix — decoding without speculation".into(),
+                _ => format!("its MTP layer (num_nextn_predict_layers = {n}) is loaded on a one-rank model only; decoding without speculation"),
+            });
+        }
+        self.mtp = true;
+        Ok(())
+    }
+
+    /// See [`Runner::draft`].
+    pub fn draft(&mut self, id: SeqId, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
+        let st = self.states.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
+        Ok(with_row_exact(self.batch_invariant, || self.model.mtp_draft(st, next, k, choose))?)
+    }
+
+    /// Applies one step (see the module doc). Returns the logits on the first and last
+    /// pipeline stages, nothing on the stages between.
+    pub fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, Pass::Plain)
+    }
+
+    /// [`Worker::apply`] on rank 0 of a pipeline layout: returns (no logits) once its stage's
+    /// layers ran and the residual state is sent on; [`Worker::recv_logits`] gets the logits.
+    pub fn submit(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, Pass::Deferred)
+    }
+
+    /// The logits of the oldest step [`Worker::submit`] started.
+    pub fn recv_logits(&mut self) -> Result<Vec<f32>> {
+        Ok(self.model.recv_logits()?)
+    }
+
+    /// [`Worker::apply`] as a verify forward (`Model::forward_verify`): every row's logits.
+    pub fn verify(&mut self, step: &Step) -> Result<Vec<f32>> {
+        self.apply_with(step, Pass::Verify)
+    }
+
+    /// Drops the last `drop` tokens of sequence `id`'s last verify forward.
+    pub fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        let st = self.states.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
+        Ok(st.rollback(drop)?)
+    }
+
+    fn apply_with(&mut self, step: &Step, pass: Pass) -> Result<Vec<f32>> {
+        for id in &step.released {
+            self.states.remove(id);
+        }
+        self.steps += 1;
+        if let Some(f) = self.fault.filter(|f| f.rank == self.rank() && f.at_step == self.steps) {
+            if f.panic {
+                panic!("injected panic at step {}", self.steps);
+            }
+            return Err(EngineError::Unsupported(format!("injected fault at step {}", self.steps)));
+        }
+        if step.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let h = self.model.config.text.hidden_size;
+        let mut seen = HashSet::new();
+        for s in &step.seqs {
+            if s.tokens.is_empty() {
+                return Err(EngineError::Internal(format!("sequence {} has no tokens", s.id)));
+            }
+            if !seen.insert(s.id) {
+                return Err(EngineError::Internal(format!("sequence {} is planned twice", s.id)));
+            }
+            if let Some(r) = s.rows.as_ref().filter(|r| r.len() != s.tokens.len() * h) {
+                return Err(EngineError::Internal(format!("sequence {}: {} row values for {} tokens of hidden_size {h}", s.id, r.len(), s.tokens.len())));
+            }
+        }
+        // Input rows, on the first stage: the step's own rows, else the token embeddings (one
+        // lookup for the step; on a tensor-parallel stage a collective, the same on every rank).
+        let emb = if self.model.plan.first_stage() {
+            let toks: Vec<u32> = step.seqs.iter().filter(|s| s.rows.is_none()).flat_map(|s| s.tokens.iter().copied()).collect();
+            let looked_up = if toks.is_empty() { Vec::new() } else { self.model.embed(&toks)? };
+            let mut emb = Vec::with_capacity(step.num_tokens() * h);
+            let mut at = 0;
+            for s in &step.seqs {
+                match &s.rows {
+                    Some(r) => emb.extend_from_slice(r),
+                    None => {
+                        let n = s.tokens.len() * h;
+                        emb.extend_from_slice(&looked_up[at..at + n]);
+                        at += n;
+                    }
+                }
+            }
+            emb
+        } else {
+            Vec::new()
+        };
+        let mut taken: Vec<SeqState> = step.seqs.iter().map(|s| self.states.remove(&s.id).unwrap_or_else(|| self.new_seq_state())).collect();
+        let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
+        let out = {
+            let mut refs: Vec<&mut SeqState> = taken.iter_mut().collect();
+            let out = match pass {
+                Pass::Verify => self.model.forward_verify(emb, &lens, &mut refs),
+                _ => {
+                    let opts = ForwardOpts { last_only: step.last_only, defer_logits: pass == Pass::Deferred, ..Default::default() };
+                    with_row_exact(self.batch_invariant, || self.model.forward_varlen(emb, &lens, &mut refs, opts, None))
+                }
+            };
+            // The MTP draft layer takes the rows this forward made (row-exact in a verify step,
+            // as the target's rows are).
+            match out {
+                Ok(v) if self.mtp => {
+                    let ids: Vec<&[u32]> = step.seqs.iter().map(|s| s.tokens.as_slice()).collect();
+                    with_row_exact(pass == Pass::Verify || self.batch_invariant, || self.model.mtp_advance(&ids, &mut refs)).map(|()| v)
+                }
+                o => o,
+            }
+        };
+        for (s, st) in step.seqs.iter().zip(taken) {
+            self.states.insert(s.id, st);
+        }
+        Ok(out?)
+    }
+
+    /// [`Worker::apply`] through [`run_step`]: an error or a panic becomes a [`Failure`] and
+    /// aborts the rank's groups.
+    pub fn run(&mut self, step: &Step) -> std::result::Result<Vec<f32>, Failure> {
+        run_step(self, step)
+    }
+}
+
+impl RankWorker for Worker {
+    fn rank(&self) -> usize {
+        Worker::rank(self)
+    }
+    fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
+        Worker::apply(self, step)
+    }
+    fn verify(&mut self, step: &Step) -> Result<Vec<f32>> {
+        Worker::verify(self, step)
+    }
+    fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
+        Worker::rollback(self, id, drop)
+    }
+    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        Worker::capture(self, id, from, grid, kda)
+    }
+    fn drop_states(&mut self, ids: &[SeqId]) -> Result<()> {
+        ids.iter().for_each(|id| Worker::release(self, *id));
+        Ok(())
+    }
+    fn restore(&mut self, id: SeqId, part: &Capture) -> Result<()> {
+        let snap = part.kda.as_ref().ok_or_else(|| EngineError::Internal(format!("restore of sequence {id}: the part has no KDA snapshot")))?;
+        let cells: Vec<&Segment> = part.cells.iter().collect();
+        Worker::restore(self, id, &cells, snap)
+    }
+    fn abort(&self, why: &str) {
+        self.model.groups.abort(why);
+    }
+    fn state_bytes(&self) -> usize {
+        Worker::state_bytes(self)
+    }
+}
