@@ -8,6 +8,8 @@
 #   k31r4mx  K3.1 Pro widths, layers KDA, KDA, KDA, DSA, 64 MXFP4 experts
 #   k3r4par  K3, dense layer 0, then MoE with 64 MXFP4 experts (9.4 GB; the parallel scripts'
 #            checkpoint: its vocabulary of 32768 splits evenly over the ranks)
+#   k3r2x896 K3, 2 layers (KDA, MLA), both MoE with the real 896 MXFP4 experts (issue 23's
+#            offload checkpoint: 2 × 15.7 GB of routed experts)
 
 K3_REAL4="--num-hidden-layers 4 --num-experts 64 --set vocab_size=32768"
 
@@ -18,8 +20,9 @@ k3_recipe() {
   k3r4mx) echo "--config k3 $K3_REAL4 --set first_k_dense_replace=0 --experts mxfp4" ;;
   k31r4mx) echo "--config k3_1_pro $K3_REAL4 --set first_k_dense_replace=0 --experts mxfp4" ;;
   k3r4par) echo "--config k3 $K3_REAL4 --set first_k_dense_replace=1 --experts mxfp4" ;;
+  k3r2x896) echo "--config k3 --num-hidden-layers 2 --num-experts 896 --set vocab_size=32768 --set first_k_dense_replace=0 --experts mxfp4" ;;
   *)
-    echo "unknown model recipe '$1' (k3r4bf, k3r4mx, k31r4mx, k3r4par)" >&2
+    echo "unknown model recipe '$1' (k3r4bf, k3r4mx, k31r4mx, k3r4par, k3r2x896)" >&2
     return 1
     ;;
   esac

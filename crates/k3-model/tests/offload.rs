@@ -79,7 +79,8 @@ fn disk_tier_equals_the_mapped_model_bit_for_bit() {
             let got = run(&m, &toks);
             assert_eq!(bits(&got), bits(&want), "{what} {direct:?}: streamed experts differ from the mapped ones");
             let s = cache.stats();
-            assert!(s.reads > 0 && s.evictions > 0 && s.hits > 0, "{what} {direct:?}: {s:?}");
+            // Read-ahead at routing time: a step's fetch finds its experts arrived or on their way.
+            assert!(s.reads > 0 && s.evictions > 0 && s.hits + s.in_flight > s.misses, "{what} {direct:?}: {s:?}");
             assert_eq!(s.requests, s.hits + s.in_flight + s.misses, "{s:?}");
             assert_eq!(s.reads, s.direct_reads + s.buffered_reads, "{s:?}");
             assert!(s.resident_bytes <= s.budget_bytes, "{what}: {} bytes held after the steps, budget {}", s.resident_bytes, s.budget_bytes);

@@ -102,6 +102,7 @@ Modes:
   k3 bench --op dsa 4096 16384 65536 --model DIR   DSA layer per-token cost vs dense
   k3 bench --op experts 1 4 16 --model DIR         routed experts on the CPU: host memory and disk vs floors
   k3 bench --device cuda --model DIR --prompt-len 4096 --batches 1,16,64 --context 512 [--profile]
+  k3 bench --device cuda --model DIR --offload gpu,cpu,disk [--batches 1,4 --expert-cache-mem 16GiB]   experts off the GPU
   k3 bench --device cuda --op gemm 8192 8192 8192  one GPU op (gemm | gemv | copy | rmsnorm)
   k3 bench --device cuda --op dsa 16384 131072 524288 --model DIR   DSA decode vs context
 The GPU modes need a k3 built with --features cuda.";
@@ -149,6 +150,14 @@ pub struct GpuModelMode {
     /// Latent / indexer-key cache format: bf16, fp8 (`fp8_ds_mla` + FP8 indexer keys).
     #[arg(long, default_value = "bf16", value_name = "bf16|fp8")]
     pub kv_cache_dtype: String,
+    /// Experts off the GPU (issue 23): the model with every MoE layer's routed experts on each
+    /// of these tiers in turn (comma separated: gpu,cpu,disk), parity against the first, eager
+    /// decode steps beside the tiers' floors (`bench_offload_cuda.rs`).
+    #[arg(long, value_name = "TIERS")]
+    pub offload: Option<String>,
+    /// With --offload disk: bytes of experts the cache holds (e.g. 16GiB) [default: 8GiB].
+    #[arg(long, value_name = "SIZE", value_parser = k3_engine::prefix::parse_bytes)]
+    pub expert_cache_mem: Option<usize>,
 }
 
 /// One op instead of the model (--op).
@@ -244,6 +253,9 @@ pub fn run(a: Args) -> Result<()> {
         (Ok(Some(0)), Some(_)) => Mode::CudaOp,
         _ => bail!("--device `{}`: use cpu or cuda", a.device),
     };
+    if a.gpu.offload.is_some() && !matches!(mode, Mode::CudaModel) {
+        bail!("--offload compares expert tiers of the model on a GPU: add --device cuda (no --op); on the CPU, `--op experts` times the CPU's tiers");
+    }
     match mode {
         Mode::CpuModel => match (&a.run.json_schema, &a.run.speculative, a.parallel.parallel()?) {
             (Some(f), _, _) => super::bench_grammar::bench_grammar(&a, f),
@@ -254,9 +266,10 @@ pub fn run(a: Args) -> Result<()> {
         Mode::CpuDsa => bench_cpu_dsa(&a),
         Mode::CpuExperts => super::bench_experts::bench_experts(&a),
         Mode::CpuGemv => bench_cpu_gemv(&a),
-        Mode::CudaModel => match &a.run.speculative {
-            Some(m) => super::bench_spec::bench_spec(&a, m, true),
-            None => bench_cuda_model(&a),
+        Mode::CudaModel => match (&a.run.speculative, &a.gpu.offload) {
+            (Some(m), _) => super::bench_spec::bench_spec(&a, m, true),
+            (None, Some(t)) => bench_cuda_offload(&a, t),
+            (None, None) => bench_cuda_model(&a),
         },
         Mode::CudaDsa => bench_cuda_dsa(&a),
         Mode::CudaOp => bench_cuda_op(&a),
@@ -555,6 +568,13 @@ fn bench_cuda_op(_: &Args) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 use super::bench_cuda::{bench_cuda_dsa, bench_cuda_model};
+#[cfg(feature = "cuda")]
+use super::bench_offload_cuda::bench_offload as bench_cuda_offload;
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda_offload(_: &Args, _: &str) -> Result<()> {
+    bail!("this k3 was built without CUDA: rebuild with `cargo build --release --features cuda`")
+}
 
 #[cfg(not(feature = "cuda"))]
 fn bench_cuda_model(_: &Args) -> Result<()> {

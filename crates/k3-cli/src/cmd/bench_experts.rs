@@ -156,7 +156,7 @@ fn median(v: &mut [f64]) -> f64 {
 /// as the cache reads them: `readers` threads each reading whole 16 MiB runs with one `pread`
 /// into a page-aligned buffer (O_DIRECT where the file system takes it; whether it did); the
 /// best of three passes over 1 GiB each, spread across the shards.
-fn disk_bandwidth(ck: &Checkpoint, readers: usize) -> Result<(f64, bool)> {
+pub(crate) fn disk_bandwidth(ck: &Checkpoint, readers: usize) -> Result<(f64, bool)> {
     use std::os::unix::fs::OpenOptionsExt;
     // 16 MiB runs, or whole pages of the largest shard when it is smaller (tiny test models).
     let largest = ck.files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).max().unwrap_or(0);

@@ -5,6 +5,8 @@ pub mod bench;
 pub mod bench_cuda;
 pub mod bench_experts;
 pub mod bench_grammar;
+#[cfg(feature = "cuda")]
+pub mod bench_offload_cuda;
 pub mod bench_pipeline;
 pub mod bench_serve;
 pub mod bench_spec;
