@@ -104,6 +104,17 @@ impl Tensor {
         matches!(self.storage, Storage::Mapped { .. })
     }
 
+    /// Asks the kernel to start reading a memory-mapped tensor's pages into memory now
+    /// (`madvise(MADV_WILLNEED)`, Unix; asynchronous, a no-op for owned bytes): for weights the
+    /// CPU will compute with that would otherwise fault in from disk a page at a time.
+    pub fn advise_willneed(&self) {
+        #[cfg(unix)]
+        if let Storage::Mapped { map, start, len } = &self.storage {
+            // A refused advice only loses the read-ahead.
+            let _ = map.advise_range(memmap2::Advice::WillNeed, *start, *len);
+        }
+    }
+
     /// The raw bytes, wherever they live.
     pub fn bytes(&self) -> &[u8] {
         match &self.storage {

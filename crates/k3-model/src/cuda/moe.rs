@@ -326,16 +326,20 @@ struct Landed {
 }
 
 /// A layer's experts `experts` as CPU matrices over the memory map (host tier), every MXFP4
-/// scale byte checked now (the CPU computes with them).
+/// scale byte checked now (the CPU computes with them) and every page asked for at once
+/// (`Tensor::advise_willneed`), so the first steps do not fault them in from disk one by one.
 fn cpu_experts(ck: &Source<'_>, p: &str, experts: std::ops::Range<usize>, fi: usize, lat: usize, mx: bool) -> Result<Vec<Expert>> {
     use k3_core::kernels::cpu::matmul::Matrix;
     let m = |name: String, rows: usize, cols: usize| -> Result<Matrix> {
         if mx {
             let (pn, sn) = (format!("{name}weight_packed"), format!("{name}weight_scale"));
-            Matrix::mxfp4(ck.tensor(&pn)?, ck.tensor(&sn)?).map_err(|e| ModelError::Tensor { name: sn, msg: e.to_string() })
+            let (pt, st) = (ck.tensor(&pn)?, ck.tensor(&sn)?);
+            pt.advise_willneed();
+            Matrix::mxfp4(pt, st).map_err(|e| ModelError::Tensor { name: sn, msg: e.to_string() })
         } else {
             let n = format!("{name}weight");
             let t = ck.tensor(&n)?;
+            t.advise_willneed();
             if t.shape() != [rows, cols] {
                 return Err(ModelError::Tensor { name: n, msg: format!("has shape {:?}, expected [{rows}, {cols}]", t.shape()) });
             }

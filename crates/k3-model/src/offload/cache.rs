@@ -22,14 +22,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::ops::Range;
-use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use k3_core::kernels::cpu::matmul::Matrix;
-use k3_core::{DType, Tensor};
+use k3_core::DType;
 use serde::Serialize;
 
+use super::read::{open_direct, read_expert, Part, Place, ShardFile, Span};
 use crate::checkpoint::Checkpoint;
 use crate::error::{ModelError, Result};
 use crate::layers::moe::Expert;
@@ -98,45 +97,6 @@ impl CacheStats {
     }
 }
 
-/// One tensor's bytes in the files.
-#[derive(Clone, Debug)]
-struct Span {
-    name: String,
-    shard: usize,
-    start: u64,
-    len: u64,
-    dtype: DType,
-    shape: Vec<usize>,
-}
-
-/// One weight of an expert.
-#[derive(Clone, Debug)]
-enum Part {
-    Mxfp4 { packed: Span, scale: Span },
-    Dense(Span),
-}
-
-/// Where one expert's `w1`, `w3`, `w2` are.
-#[derive(Clone, Debug)]
-struct Place {
-    parts: [Part; 3],
-}
-
-impl Place {
-    fn spans(&self) -> Vec<&Span> {
-        self.parts
-            .iter()
-            .flat_map(|p| match p {
-                Part::Mxfp4 { packed, scale } => vec![packed, scale],
-                Part::Dense(w) => vec![w],
-            })
-            .collect()
-    }
-    fn bytes(&self) -> u64 {
-        self.spans().iter().map(|s| s.len).sum()
-    }
-}
-
 type Key = (usize, usize);
 
 enum Slot {
@@ -160,12 +120,6 @@ struct State {
     shutdown: bool,
 }
 
-struct ShardFile {
-    path: PathBuf,
-    buffered: File,
-    direct: Option<File>,
-}
-
 struct Shared {
     state: Mutex<State>,
     /// A slot became ready or failed.
@@ -187,10 +141,6 @@ pub struct ExpertCache {
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
-
-const PAGE: u64 = 4096;
-/// Tensors of one shard closer than this are read in one `pread` (the gap read and dropped).
-const COALESCE_GAP: u64 = 1 << 20;
 
 impl ExpertCache {
     /// A cache over the routed experts `experts` (global ids) of the MoE `layers` of `ck`, whole
@@ -453,17 +403,6 @@ impl Drop for Fetch<'_> {
     }
 }
 
-#[cfg(target_os = "linux")]
-fn open_direct(path: &std::path::Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_direct(_path: &std::path::Path) -> std::io::Result<File> {
-    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "O_DIRECT is Linux-only here"))
-}
-
 /// A reader thread: takes queued keys, reads them, publishes the result.
 fn reader(sh: &Shared) {
     loop {
@@ -480,7 +419,7 @@ fn reader(sh: &Shared) {
             }
         };
         let t0 = Instant::now();
-        let got = read_expert(sh, &sh.places[&k]);
+        let got = read_expert(&sh.files, &sh.places[&k]);
         let secs = t0.elapsed().as_secs_f64();
         let mut st = lock(&sh.state);
         st.stats.read_seconds += secs;
@@ -505,104 +444,4 @@ fn reader(sh: &Shared) {
         evict(&mut st, &sh.places);
         sh.arrived.notify_all();
     }
-}
-
-/// Reads one expert: its tensors grouped into runs of nearby spans per shard, one `pread`
-/// (loop) per run. Returns the expert and whether every read went through O_DIRECT.
-fn read_expert(sh: &Shared, place: &Place) -> std::result::Result<(Expert, bool), String> {
-    let mut spans = place.spans();
-    spans.sort_by_key(|s| (s.shard, s.start));
-    let mut tensors: HashMap<&str, Tensor> = HashMap::new();
-    let mut all_direct = true;
-    let mut i = 0;
-    while i < spans.len() {
-        let mut j = i + 1;
-        let mut end = spans[i].start + spans[i].len;
-        while j < spans.len() && spans[j].shard == spans[i].shard && spans[j].start <= end + COALESCE_GAP {
-            end = end.max(spans[j].start + spans[j].len);
-            j += 1;
-        }
-        let (words, base, direct) = read_range(&sh.files[spans[i].shard], spans[i].start, end, &spans[i].name)?;
-        all_direct &= direct;
-        for s in &spans[i..j] {
-            let off = base + (s.start - spans[i].start) as usize;
-            let t = Tensor::shared(s.dtype, s.shape.clone(), words.clone(), off, s.len as usize).map_err(|e| format!("tensor `{}`: {e}", s.name))?;
-            tensors.insert(&s.name, t);
-        }
-        i = j;
-    }
-    let matrix = |p: &Part| -> std::result::Result<Matrix, String> {
-        match p {
-            Part::Mxfp4 { packed, scale } => Matrix::mxfp4(tensors[packed.name.as_str()].clone(), tensors[scale.name.as_str()].clone())
-                .map_err(|e| format!("tensor `{}` ({}): {e}", scale.name, sh.files[scale.shard].path.display())),
-            Part::Dense(w) => Matrix::dense(tensors[w.name.as_str()].clone()).map_err(|e| format!("tensor `{}`: {e}", w.name)),
-        }
-    };
-    let [w1, w3, w2] = &place.parts;
-    Ok((Expert { w1: matrix(w1)?, w3: matrix(w3)?, w2: matrix(w2)? }, all_direct))
-}
-
-/// Reads into `buf` from `at` until it is full, the file ends or (`page_steps`) a read returns
-/// less than whole pages (O_DIRECT at the end of a file): the bytes read.
-fn fill(f: &File, buf: &mut [u8], at: u64, page_steps: bool) -> std::io::Result<usize> {
-    use std::os::unix::fs::FileExt;
-    let mut done = 0;
-    while done < buf.len() {
-        match f.read_at(&mut buf[done..], at + done as u64) {
-            Ok(0) => break,
-            Ok(k) => {
-                done += k;
-                if page_steps && !(k as u64).is_multiple_of(PAGE) {
-                    break;
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
-}
-
-/// Bytes `[start, end)` of a shard into a new word buffer: `(buffer, byte offset of start in
-/// it, through O_DIRECT)`. O_DIRECT reads whole pages into a page-aligned part of the buffer
-/// (what it leaves at the end of a file is read buffered); a file that refuses it is read
-/// buffered.
-fn read_range(f: &ShardFile, start: u64, end: u64, first: &str) -> std::result::Result<(Arc<Vec<u64>>, usize, bool), String> {
-    let fail = |e: std::io::Error| format!("{}: reading tensor `{first}` (bytes {start}..{end}): {e}", f.path.display());
-    let short = |got: usize| {
-        format!(
-            "{}: reading tensor `{first}` (bytes {start}..{end}) got {got} of {} bytes: the file is truncated or changed since it was opened",
-            f.path.display(),
-            end - start
-        )
-    };
-    if let Some(d) = &f.direct {
-        let (a0, a1) = (start / PAGE * PAGE, end.div_ceil(PAGE) * PAGE);
-        let n = (a1 - a0) as usize;
-        let mut words = vec![0u64; (n + PAGE as usize) / 8];
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
-        let pad = (PAGE as usize - (bytes.as_ptr() as usize % PAGE as usize)) % PAGE as usize;
-        let (lead, need) = ((start - a0) as usize, (end - a0) as usize);
-        match fill(d, &mut bytes[pad..pad + n], a0, true) {
-            Ok(mut done) => {
-                if done < need {
-                    done += fill(&f.buffered, &mut bytes[pad + done..pad + need], a0 + done as u64, false).map_err(fail)?;
-                }
-                if done < need {
-                    return Err(short(done.saturating_sub(lead)));
-                }
-                return Ok((Arc::new(words), pad + lead, true));
-            }
-            // The file system refuses O_DIRECT for this read: buffered below.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-            Err(e) => return Err(fail(e)),
-        }
-    }
-    let n = (end - start) as usize;
-    let mut words = vec![0u64; n.div_ceil(8)];
-    let done = fill(&f.buffered, &mut bytemuck::cast_slice_mut(&mut words)[..n], start, false).map_err(fail)?;
-    if done < n {
-        return Err(short(done));
-    }
-    Ok((Arc::new(words), 0, false))
 }

@@ -10,6 +10,7 @@
 //! O_DIRECT reads, read-ahead at routing time), with the same f32 kernels and so the same bits.
 
 pub mod cache;
+mod read;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
