@@ -134,20 +134,7 @@ impl Moe {
         let plan = &ck.plan;
         let mine = plan.experts(e);
         let fi = plan.expert_inter(cfg);
-        let on_cpu = |weights: Weights| Routed::Cpu {
-            experts: RoutedExperts {
-                weights,
-                layer: l,
-                first_expert: mine.start,
-                count: mine.len(),
-                latent: lat,
-                inter: fi,
-                kernel: Kernel::Q8,
-                beta: t.activation_situ_beta,
-                linear_beta: t.activation_situ_linear_beta,
-            },
-            stage: Mutex::new(None),
-        };
+        let on_cpu = |weights: Weights| Routed::Cpu { experts: RoutedExperts::new(cfg, plan, l, weights, Kernel::Q8), stage: Mutex::new(None) };
         let routed = match tier {
             Tier::Gpu => {
                 let (w13, w13_scale) = upload_experts(dev, ck, &p, mine.clone(), &["w1", "w3"], fi, lat, mx, dt)?;

@@ -67,6 +67,24 @@ pub struct RoutedExperts {
 const ROWS_PER_ITEM: usize = 64;
 
 impl RoutedExperts {
+    /// Layer `l`'s routed experts on the rank `plan` describes (its experts, their intermediate
+    /// width), with `weights` and `kernel`.
+    pub fn new(cfg: &crate::config::Config, plan: &crate::parallel::RankPlan, l: usize, weights: Weights, kernel: Kernel) -> RoutedExperts {
+        let t = &cfg.text;
+        let mine = plan.experts(t.num_experts);
+        RoutedExperts {
+            weights,
+            layer: l,
+            first_expert: mine.start,
+            count: mine.len(),
+            latent: t.routed_expert_hidden_size,
+            inter: plan.expert_inter(cfg),
+            kernel,
+            beta: t.activation_situ_beta,
+            linear_beta: t.activation_situ_linear_beta,
+        }
+    }
+
     /// One expert on `n` latent rows `z` `[n, lat]` → `[n, lat]` with the f32 kernels.
     pub fn expert_forward(&self, ex: &Expert, z: &[f32], n: usize) -> Result<Vec<f32>> {
         let g = lin(z, n, &ex.w1)?; // [n, fi]
