@@ -195,3 +195,31 @@ fn cache_errors_name_the_flag_file_and_tensor() {
     let e = ExpertCache::open(&ck, &layers, 0..9, &CacheOptions::default()).err().unwrap().to_string();
     assert!(e.contains("experts.8.w1.weight_packed") && e.contains("missing"), "{e}");
 }
+
+#[test]
+fn gpu_placement_from_the_flags() {
+    use k3_model::capacity::KvDtype;
+    use k3_model::offload::{gpu_offload, OffloadOptions};
+    use k3_model::placement::Tier;
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path(), ExpertFormat::Mxfp4, 60_000, &[]);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let layers = moe_layers(&ck.config);
+    let plan = |o: OffloadOptions| gpu_offload(&ck, &o, KvDtype::Bf16, 0..8);
+    // Nothing asked: every expert on the GPU, no cache.
+    let p = plan(OffloadOptions::default()).unwrap();
+    assert!(p.tiers.is_empty() && p.cache.is_none() && layers.iter().all(|&l| p.tier(l) == Tier::Gpu));
+    // Forced tiers: the disk tier's cache covers exactly the MoE layers.
+    let p = plan(OffloadOptions { experts_on: Some(Tier::Disk), ..Default::default() }).unwrap();
+    assert_eq!(p.cpu_layers(), layers.len());
+    assert_eq!(p.cache.as_ref().unwrap().layers(), &layers[..]);
+    let p = plan(OffloadOptions { experts_on: Some(Tier::Host), ..Default::default() }).unwrap();
+    assert!(p.cache.is_none() && layers.iter().all(|&l| p.tier(l) == Tier::Host));
+    // The planner: a budget that holds the tiny trunk and every expert keeps them on the GPU; one
+    // below the reserve is refused naming the flags.
+    let gib = 1u64 << 30;
+    let p = plan(OffloadOptions { gpu_mem: Some(64 * gib), host_mem: Some(gib), ..Default::default() }).unwrap();
+    assert!(p.tiers.values().all(|t| *t == Tier::Gpu), "{:?}", p.tiers);
+    let e = plan(OffloadOptions { gpu_mem: Some(gib), ..Default::default() }).err().unwrap().to_string();
+    assert!(e.contains("--gpu-mem") && e.contains("reserve"), "{e}");
+}
