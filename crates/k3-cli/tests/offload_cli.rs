@@ -43,6 +43,12 @@ fn experts_from_disk_give_the_mapped_ids() {
     }
     // Host memory is the CPU's own tier: the mapped run.
     assert_eq!(run_json(&["--experts-on", "cpu"])["ids"], plain["ids"]);
+    // The text run says where the experts are, and what the cache did.
+    let nano = nano();
+    let o = k3(&["run", "--model", &nano, "-n", "4", "--experts-on", "disk", "--expert-cache-mem", "1GiB", "--expert-readers", "3", "ROMEO."]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("routed experts read from disk into a 1.00 GiB cache (3 readers"), "{err}");
+    assert!(err.contains("[experts from disk:") && err.contains("hit rate"), "{err}");
 }
 
 #[test]

@@ -331,6 +331,9 @@ mod imp {
         fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
             self.model.expert_cache().map(|c| c.stats())
         }
+        fn experts_summary(&self) -> Option<String> {
+            self.model.experts_summary()
+        }
         fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
             Ok(self.embedder.embed(ids)?)
         }

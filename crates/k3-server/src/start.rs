@@ -145,6 +145,9 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
         }
         ok
     });
+    if let Some(x) = runner.experts_summary() {
+        eprintln!("k3 serve: {x}");
+    }
     let engine = Engine::with_runner(runner, Some(tok.clone()), ecfg);
     match (engine.prefix_status(), &a.prefix_cache) {
         (Ok(Some(_)), Some(p)) => {

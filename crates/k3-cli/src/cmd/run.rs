@@ -145,6 +145,9 @@ pub fn run(a: Args) -> Result<()> {
         Err(e) if device.is_some() => return Err(anyhow::Error::new(e).context(format!("--device {}", a.device.device))),
         Err(e) => return Err(e.into()),
     };
+    if let Some(x) = runner.experts_summary().filter(|_| !a.json) {
+        eprintln!("note: {x}");
+    }
     let mut engine = Engine::with_runner(runner, tokenizer.clone(), ecfg);
     if let Err(why) = engine.speculating() {
         eprintln!("note: --speculative {}: {why}", a.spec.speculative);

@@ -117,6 +117,10 @@ pub trait Runner: Send {
     fn aborter(&self) -> Option<Aborter> {
         None
     }
+    /// Where the routed experts are, when not all where the model runs (a start-up line).
+    fn experts_summary(&self) -> Option<String> {
+        None
+    }
     /// What the expert cache of routed experts read from disk did so far (`--experts-on disk`;
     /// `None` without one).
     fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {

@@ -225,6 +225,9 @@ impl Runner for ThreadRunner {
     fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
         self.leader.model().expert_cache().map(|c| c.stats())
     }
+    fn experts_summary(&self) -> Option<String> {
+        self.leader.model().expert_cache().map(|c| c.describe())
+    }
     fn config(&self) -> &Config {
         &self.leader.model().config
     }

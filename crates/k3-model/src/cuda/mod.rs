@@ -286,6 +286,28 @@ impl CudaModel {
         })
     }
 
+    /// Where the routed experts are, for start-up messages, when any is off the GPU.
+    pub fn experts_summary(&self) -> Option<String> {
+        let (mut gpu, mut host, mut disk) = (0, 0, 0);
+        for l in &self.layers {
+            if let Ffn::Moe(m) = &l.ffn {
+                match &m.routed {
+                    moe::Routed::Gpu(_) => gpu += 1,
+                    moe::Routed::Cpu { experts, .. } => match experts.weights {
+                        crate::layers::experts::Weights::Mapped(_) => host += 1,
+                        crate::layers::experts::Weights::Streamed(_) => disk += 1,
+                    },
+                }
+            }
+        }
+        (host + disk > 0).then(|| {
+            let cache = self.expert_cache().map_or(String::new(), |c| format!("; {}", c.describe()));
+            format!(
+                "routed experts of {gpu} MoE layers on the GPU, {host} in host memory and {disk} on disk, the latter two computed by the CPU (decode steps run eagerly, without CUDA graphs){cache}"
+            )
+        })
+    }
+
     /// Whether a step can be captured in a CUDA graph: not when some layer's routed experts
     /// are computed by the CPU (its forward waits on the host).
     pub fn capturable(&self) -> bool {

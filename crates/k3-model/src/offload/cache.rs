@@ -235,6 +235,20 @@ impl ExpertCache {
         self.shared.places.get(&(layer, expert)).map_or(0, Place::bytes)
     }
 
+    /// One line for start-up messages: what is read, into how much memory, how.
+    pub fn describe(&self) -> String {
+        let sh = &self.shared;
+        let direct = sh.files.iter().all(|f| f.direct.is_some());
+        let b = lock(&sh.state).stats.budget_bytes as f64;
+        let size = if b >= (1u64 << 30) as f64 { format!("{:.2} GiB", b / (1u64 << 30) as f64) } else { format!("{:.1} MiB", b / (1u64 << 20) as f64) };
+        format!(
+            "{} MoE layers' routed experts read from disk into a {size} cache ({} readers, {})",
+            self.layers.len(),
+            self.readers.len(),
+            if direct { "O_DIRECT" } else { "buffered reads" }
+        )
+    }
+
     pub fn stats(&self) -> CacheStats {
         lock(&self.shared.state).stats.clone()
     }
