@@ -2,7 +2,9 @@
 //! ids equal plain decoding's (on one rank and on `--tp 2`, ranks as threads), `--json` reports
 //! `accepted_per_step`, `draft_acceptance` and the acceptance per position, and bad values are
 //! errors naming their flag; `mtp` drafts on a `k3 init` checkpoint with an MTP layer and says
-//! why not on k3-nano.
+//! why not on k3-nano; `draft --draft-model DIR` drafts with a separate model (k3-nano as its
+//! own draft accepts every draft; a `k3 init` draft of k3-nano's vocabulary keeps the ids), and
+//! a missing or mismatched draft model is an error naming `--draft-model`.
 
 use std::process::{Command, Output};
 
@@ -97,4 +99,47 @@ fn mtp_drafts_where_the_checkpoint_has_the_layer() {
     let (v, note) = run(&nano(), "mtp", "5,9,12");
     assert_eq!(v["speculating"], false);
     assert!(note.contains("num_nextn_predict_layers"), "{note}");
+}
+
+/// `--speculative draft --draft-model DIR`: k3-nano as its own draft accepts every greedy draft
+/// (k + 1 tokens per step but for the last), a random `k3 init` draft of k3-nano's vocabulary
+/// still gives plain greedy decoding's ids; the flags must come together, and a draft of another
+/// vocabulary is refused naming both vocab sizes.
+#[test]
+fn draft_model_drafts_and_bad_flags_are_named() {
+    let nano = nano();
+    let plain = run_json("off", &[]);
+    let v = run_json("draft", &["--draft-model", &nano]);
+    assert_eq!(v["speculating"], true, "{v}");
+    assert_eq!(v["ids"], plain["ids"], "self-draft: ids differ from plain greedy decoding");
+    assert_eq!(v["draft_acceptance"], 1.0, "{v}");
+    let aps = v["accepted_per_step"].as_f64().unwrap();
+    assert!(aps > 5.0, "k = 5, every draft accepted: {aps}");
+    let d = tempfile::tempdir().unwrap();
+    let same = d.path().join("same");
+    let other = d.path().join("other");
+    for (dir, vocab) in [(&same, "4352"), (&other, "256")] {
+        let o = k3(&["init", "--config", "tiny", "--dtype", "f32", "--set", &format!("vocab_size={vocab}"), "--out", dir.to_str().unwrap()]);
+        assert!(o.status.success(), "k3 init: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    let v = run_json("draft", &["--draft-model", same.to_str().unwrap()]);
+    assert_eq!(v["speculating"], true, "{v}");
+    assert!(v["drafted_tokens"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["ids"], plain["ids"], "a random draft model: ids differ from plain greedy decoding");
+    let bad: [(Vec<&str>, &[&str]); 3] = [
+        (vec!["--speculative", "draft"], &["--draft-model"]),
+        (vec!["--speculative", "ngram", "--draft-model", &nano], &["--draft-model", "--speculative draft"]),
+        (vec!["--speculative", "draft", "--draft-model", other.to_str().unwrap()], &["--draft-model", "vocab_size is 256", "is 4352"]),
+    ];
+    for (args, says) in bad {
+        let mut a = vec!["run", "--model", &nano, "-n", "2"];
+        a.extend(&args);
+        a.push("hi");
+        let o = k3(&a);
+        assert!(!o.status.success(), "{a:?} succeeded");
+        let e = String::from_utf8_lossy(&o.stderr);
+        for s in says {
+            assert!(e.contains(s), "{a:?}: {e}");
+        }
+    }
 }

@@ -35,7 +35,7 @@ use crate::grammar::{Constraint, Guide, GuideStats, MaskPool};
 use crate::prefix::{Admission, PrefixCache, PrefixConfig, PrefixStats};
 use crate::sample_rows::{self, RowSample};
 use crate::sampler::{penalty_pairs, Sampled, Sampler, SamplingParams};
-use crate::spec::{SpecConfig, SpecStats};
+use crate::spec::{SpecConfig, SpecMethod, SpecStats};
 use crate::stop::{StopCheck, StopMatcher};
 
 #[path = "dist/engine_step.rs"]
@@ -117,6 +117,8 @@ pub struct EngineConfig {
     pub prefix: Option<PrefixConfig>,
     /// Speculative decoding (`--speculative`, `--num-speculative-tokens`); off by default.
     pub spec: SpecConfig,
+    /// The separate draft model of `--speculative draft` (`--draft-model`).
+    pub draft: Option<crate::spec::draft::DraftSpec>,
     /// Most steps in flight at once on a runner that overlaps them (`--pipeline-depth`; the
     /// runner's depth, its pipeline stages, when `None`; 1 runs one step at a time).
     pub pipeline_depth: Option<usize>,
@@ -131,6 +133,7 @@ impl Default for EngineConfig {
             kda_state: Default::default(),
             prefix: None,
             spec: Default::default(),
+            draft: None,
             pipeline_depth: None,
         }
     }
@@ -210,10 +213,17 @@ impl Engine {
 
     /// An engine whose forwards run on `runner` (e.g. `dist::runner::load`'s).
     pub fn with_runner(mut runner: Box<dyn Runner>, tokenizer: Option<Arc<Tokenizer>>, config: EngineConfig) -> Self {
-        // `--speculative mtp`: every sequence state carries the MTP layer's (so prefix-cache
-        // cells hold its rows whichever request wrote them); constrained requests keep it
-        // without drafting.
-        let mtp_off = (config.spec.method == crate::spec::SpecMethod::Mtp).then(|| runner.enable_mtp().err()).flatten();
+        // `--speculative mtp` / `draft`: every sequence state carries the MTP layer's or the
+        // draft model's (so prefix-cache cells hold its rows whichever request wrote them);
+        // constrained requests keep it without drafting.
+        let model_off = match (config.spec.method, &config.draft) {
+            (SpecMethod::Mtp, _) => runner.enable_mtp().err(),
+            (SpecMethod::Draft, Some(d)) => runner.enable_draft(d.model.clone()).err(),
+            (SpecMethod::Draft, None) => {
+                Some("--speculative draft needs --draft-model DIR (a K3-family checkpoint with the target's vocabulary); decoding without speculation".into())
+            }
+            _ => None,
+        };
         let (prefix, prefix_off) = match (&config.prefix, runner.prefix_support()) {
             (None, _) => (None, None),
             (Some(c), Ok(layout)) => {
@@ -237,7 +247,7 @@ impl Engine {
             masks: None,
             prefix,
             prefix_off,
-            spec: spec_step::EngineSpec::new(mtp_off),
+            spec: spec_step::EngineSpec::new(model_off),
             flight: VecDeque::new(),
         }
     }

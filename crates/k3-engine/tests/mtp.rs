@@ -20,19 +20,22 @@ use std::sync::{Arc, Mutex};
 
 use k3_engine::dist::runner::ThreadRunner;
 use k3_engine::engine::ProposerFactory;
-use k3_engine::spec::mtp::MtpProposer;
+use k3_engine::spec::model::ModelProposer;
 use k3_engine::spec::{Draft, DraftModel, Proposer, SpecConfig, SpecMethod};
-use k3_engine::{Engine, EngineConfig, Event, PrefixConfig, Request, Result, Sampler, SamplingParams};
+use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, Result, Sampler, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::mtp::MtpState;
 use k3_model::{Checkpoint, ForwardOpts, Model};
 
 #[path = "support/chi2.rs"]
 mod chi2;
+#[path = "support/drive.rs"]
+mod drive;
 #[path = "../../../tests/support/mtp_ref.rs"]
 mod mtp_ref;
 #[path = "support/recorder.rs"]
 mod recorder;
+use drive::{drive, plain_solo, Out};
 use mtp_ref::MtpRef;
 
 /// The tiny config with one MTP layer and a vocabulary of `vocab` ids (small, so that a random
@@ -60,43 +63,6 @@ fn mtp_cfg(k: usize, adaptive: bool) -> EngineConfig {
     EngineConfig { spec: SpecConfig { method: SpecMethod::Mtp, num_tokens: k, adaptive }, ..Default::default() }
 }
 
-/// (token, log-probability bits) of each event of one request.
-type Out = Vec<(u32, u32)>;
-
-/// Steps `e` to the end, adding `reqs[i]` before step `at[i]` and cancelling the `i`-th request
-/// before step `cancel[i]` (if any); the events per request, and the finished requests' stats.
-fn drive(e: &mut Engine, reqs: &[Request], at: &[usize], cancel: &[Option<usize>]) -> (Vec<Out>, Vec<k3_engine::SeqStats>) {
-    let mut ids = vec![None; reqs.len()];
-    let mut outs = vec![Out::new(); reqs.len()];
-    let mut stats = Vec::new();
-    let mut step = 0;
-    while step == 0 || e.has_work() || ids.iter().any(Option::is_none) {
-        for (i, r) in reqs.iter().enumerate() {
-            if at[i] == step {
-                ids[i] = Some(e.add(r.clone()).unwrap());
-            }
-            if cancel[i] == Some(step) {
-                assert!(e.cancel(ids[i].unwrap()));
-            }
-        }
-        let evs: Vec<Event> = e.step().unwrap();
-        for ev in evs {
-            let i = ids.iter().position(|&x| x == Some(ev.seq)).unwrap();
-            outs[i].push((ev.token, ev.sampled.logprob.to_bits()));
-        }
-        stats.extend(e.take_finished_stats().into_iter().map(|x| x.1));
-        step += 1;
-        assert!(step < 1000);
-    }
-    assert_eq!(e.state_bytes(), 0, "every sequence's state (the draft layer's included) is freed");
-    (outs, stats)
-}
-
-fn plain_solo(m: &Arc<Model>, r: &Request) -> Out {
-    let mut e = Engine::new(m.clone(), None, EngineConfig::default());
-    drive(&mut e, std::slice::from_ref(r), &[0], &[None]).0.remove(0)
-}
-
 /// Three greedy requests admitted at steps 0, 1, 3 — their prefills alone, their decode rows
 /// (drafted or not) verified together — equal each request decoded plainly alone, for k = 1..4.
 #[test]
@@ -112,7 +78,7 @@ fn greedy_equals_plain() {
         for (i, (o, s)) in outs.iter().zip(&solo).enumerate() {
             assert_eq!(o, s, "k={k}: request {i}: tokens or log-probabilities differ from plain decoding");
         }
-        for s in &stats {
+        for s in stats.iter().flatten() {
             assert!(s.spec.per_position.len() <= k);
             drafted += s.spec.drafted;
             accepted += s.spec.accepted;
@@ -128,7 +94,7 @@ type Asked = (Vec<u32>, Vec<u32>, Vec<Vec<f32>>, Option<Vec<Vec<f32>>>);
 
 /// The MTP proposer, keeping every draft's context, tokens and logits.
 struct Tapped {
-    inner: MtpProposer,
+    inner: ModelProposer,
     log: Arc<Mutex<Vec<Asked>>>,
 }
 
@@ -162,7 +128,7 @@ impl Proposer for Tapped {
 
 fn tapped(log: &Arc<Mutex<Vec<Asked>>>) -> ProposerFactory {
     let log = log.clone();
-    Arc::new(move |r: &Request| Box::new(Tapped { inner: MtpProposer::new(&r.params), log: log.clone() }) as Box<dyn Proposer>)
+    Arc::new(move |r: &Request| Box::new(Tapped { inner: ModelProposer::new(&r.params), log: log.clone() }) as Box<dyn Proposer>)
 }
 
 /// Every recorded draft against the reference: the target's hidden rows of the context from
@@ -209,9 +175,9 @@ fn drafts_follow_every_sequence() {
     ];
     let (outs, stats) = drive(&mut e, &reqs, &[0, 1, 9], &[None, Some(8), None]);
     assert!(outs[1].len() < 40, "the sampled request was cancelled");
-    let (d, a) = stats.iter().fold((0, 0), |x, s| (x.0 + s.spec.drafted, x.1 + s.spec.accepted));
+    let (d, a) = stats.iter().flatten().fold((0, 0), |x, s| (x.0 + s.spec.drafted, x.1 + s.spec.accepted));
     assert!(a > 0 && a < d, "drafted {d}, accepted {a}: both outcomes must occur");
-    for s in &stats {
+    for s in stats.iter().flatten() {
         // Every decode step drafts but the last (no room left): the draft state never got lost.
         assert!(s.spec.spec_steps + 1 >= s.spec.steps, "a request stopped drafting: {:?}", s.spec);
     }
@@ -258,7 +224,8 @@ fn prefix_cache_keeps_the_draft_state() {
             let (o, st) = drive(&mut e, std::slice::from_ref(t), &[0], &[None]);
             log.lock().unwrap().push((Vec::new(), Vec::new(), Vec::new(), None)); // a turn's end
             outs.push(o.into_iter().next().unwrap());
-            cached.push((st[0].cached_tokens, st[0].spec.drafted));
+            let st = st[0].as_ref().unwrap();
+            cached.push((st.cached_tokens, st.spec.drafted));
         }
         let asked = log.lock().unwrap().clone();
         (outs, cached, asked)

@@ -1,6 +1,6 @@
 //! The MTP draft layer beside the target model (around-backbone §5.1; the layer itself is
 //! `layers::mtp`): which of its rows exist when, chained drafts, and the rollback with the
-//! target's state. k3-engine's `spec::mtp` proposer drives it through the runner.
+//! target's state. k3-engine's `spec::model` proposer drives it through the runner.
 //!
 //! Row `j` of the draft layer's cache is made from `(h_j, t_{j+1})`: the target's pre-final-norm
 //! hidden state at position `j` and the token after it. A sequence that has consumed `pos` tokens

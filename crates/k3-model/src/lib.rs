@@ -14,7 +14,8 @@
 //!   groups a rank's forward talks to; [`source`]: one rank's shards of a checkpoint.
 //! - [`verify`]: speculative verification (the forward that scores drafts exactly as decode
 //!   steps, the rollback to the accepted prefix); [`draft`]: the MTP draft layer beside the
-//!   target (around-backbone §5.1; `layers::mtp` is the layer).
+//!   target (around-backbone §5.1; `layers::mtp` is the layer); [`draft_model`]: a separate
+//!   draft model following the target's forwards, chained drafts.
 pub mod capacity;
 pub mod checkpoint;
 pub mod config;
@@ -31,6 +32,7 @@ pub use checkpoint::Checkpoint;
 pub use config::Config;
 pub use error::{ModelError, Result};
 pub mod draft;
+pub mod draft_model;
 pub mod layers;
 pub mod model;
 pub mod verify;

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use k3_engine::dist::launch::NodeArgs;
 use k3_engine::dist::process::{self, Finish, Role, FINISH_LIMIT};
 use k3_engine::dist::runner::RunnerSpec;
+use k3_engine::spec::draft::DraftSpec;
 use k3_engine::{Engine, EngineConfig, PrefixConfig};
 use k3_model::layers::kda::StateDType;
 use k3_model::{Checkpoint, Parallel};
@@ -50,6 +51,8 @@ pub struct ServeOptions {
     pub kda_state: StateDType,
     /// Speculative decoding (`--speculative`, `--num-speculative-tokens`).
     pub spec: k3_engine::SpecConfig,
+    /// `--draft-model`: the separate draft model of `--speculative draft`.
+    pub draft_model: Option<PathBuf>,
     pub max_body_bytes: usize,
     pub allowed_local_media_path: Option<PathBuf>,
     pub max_image_bytes: usize,
@@ -98,12 +101,13 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
     };
     let read_timeout = secs("--read-timeout", a.read_timeout)?;
     let shutdown_timeout = secs("--shutdown-timeout", a.shutdown_timeout)?;
-    let ecfg = EngineConfig {
+    let mut ecfg = EngineConfig {
         max_batch: a.max_batch,
         prefill_chunk: a.prefill_chunk.max(1),
         max_step_tokens: a.max_step_tokens.max(a.max_batch + 1),
         kda_state: a.kda_state,
         spec: a.spec,
+        draft: None,
         prefix: a.prefix_cache.clone(),
         pipeline_depth: a.pipeline_depth,
     };
@@ -128,6 +132,11 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
             }))
         }
     };
+    if let Some(dir) = &a.draft_model {
+        // On rank 0 only: the draft model runs beside the target there.
+        let d = DraftSpec::load(dir, &ck.config, &model_dir.display().to_string()).map_err(|e| ServerError::Config(e.to_string()))?;
+        ecfg.draft = Some(d);
+    }
     let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     let vision = match ck.config.vision_config {
         Some(_) => Some(Arc::new(VisionModel::load(&ck).map_err(|e| ServerError::Config(format!("loading the vision tower: {e}")))?)),

@@ -41,25 +41,58 @@ pub fn parse_device(d: &str) -> Result<Option<usize>> {
     }
 }
 
-/// `--speculative ngram|suffix|mtp|off` and `--num-speculative-tokens K` (`run`, `serve`, `bench`).
+/// `--speculative ngram|suffix|mtp|draft|off`, `--num-speculative-tokens K` and `--draft-model
+/// DIR` (`run`, `serve`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct SpecArgs {
     /// Speculative decoding: ngram (prompt lookup over the prompt and output), suffix (suffix
     /// automata over the request and earlier requests), mtp (the checkpoint's MTP draft layer,
-    /// `num_nextn_predict_layers > 0`; K3 ships none) or off. Greedy output is unchanged and
-    /// sampling keeps its distribution. ngram/suffix: the CPU (one rank) and the GPU (one
-    /// rank); mtp: the CPU (one rank); elsewhere decoding stays plain and a note says why.
-    #[arg(long, default_value = "off", value_name = "ngram|suffix|mtp|off")]
+    /// `num_nextn_predict_layers > 0`; K3 ships none), draft (a separate draft model,
+    /// --draft-model) or off. Greedy output is unchanged and sampling keeps its distribution.
+    /// ngram/suffix: the CPU (one rank) and the GPU (one rank); mtp/draft: the CPU (one rank);
+    /// elsewhere decoding stays plain and a note says why.
+    #[arg(long, default_value = "off", value_name = "ngram|suffix|mtp|draft|off")]
     pub speculative: String,
     /// Most drafted tokens per sequence and step (1..=16; adapted to the acceptance).
     #[arg(long, default_value_t = 4, value_name = "K")]
     pub num_speculative_tokens: usize,
+    /// With --speculative draft: the draft model's directory, a K3-family checkpoint the CPU
+    /// model loads (k3-nano, a `k3 init` model, …) with the target's vocab_size. It runs on the
+    /// CPU beside the target.
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<PathBuf>,
 }
 
 impl SpecArgs {
-    /// The engine's setting; a bad value is an error naming its flag.
+    /// The engine's setting; a bad value is an error naming its flag (`--speculative draft`
+    /// without `--draft-model`, or `--draft-model` with another method, too).
     pub fn config(&self) -> Result<k3_engine::SpecConfig> {
-        Ok(k3_engine::SpecConfig::from_flags(&self.speculative, self.num_speculative_tokens)?)
+        let c = k3_engine::SpecConfig::from_flags(&self.speculative, self.num_speculative_tokens)?;
+        check_draft_flags(&self.speculative, self.draft_model.is_some())?;
+        Ok(c)
+    }
+
+    /// The draft model of `--speculative draft` (`None` for the other methods), loaded and
+    /// checked against the target `target` (its config; `target_name` names it).
+    pub fn draft(&self, target: &k3_model::Config, target_name: &str) -> Result<Option<k3_engine::spec::draft::DraftSpec>> {
+        self.config()?;
+        match &self.draft_model {
+            Some(dir) => Ok(Some(k3_engine::spec::draft::DraftSpec::load(dir, target, target_name)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+/// `--speculative` (one method, or a comma-separated list for `k3 bench`) and whether
+/// `--draft-model` was given: they must come together.
+pub fn check_draft_flags(methods: &str, draft_model: bool) -> Result<()> {
+    let draft = methods.split(',').any(|m| m.trim() == "draft");
+    match (draft, draft_model) {
+        (true, false) => {
+            bail!("--speculative draft needs --draft-model DIR: the draft model's directory (a K3-family checkpoint with the target's vocab_size)")
+        }
+        (false, true) => bail!("--draft-model is used by --speculative draft only (got --speculative {methods})"),
+        _ => Ok(()),
     }
 }
 

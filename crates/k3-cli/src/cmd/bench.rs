@@ -95,7 +95,7 @@ Modes:
   k3 bench serve --base-url URL [--max-concurrency C] [--num-prompts N] [--input-len I] [--output-len O]   load a server
   k3 bench [--model DIR] --prompt-len P --gen-len G [--batch B] [--threads N]
   k3 bench --json-schema FILE [--model DIR] [--prompt-len P --gen-len G --batch B]   constrained decoding overhead
-  k3 bench --speculative ngram,suffix [--num-speculative-tokens K] [--gen-len G]   speculative vs plain decoding
+  k3 bench --speculative ngram,suffix[,draft --draft-model DIR] [--num-speculative-tokens K] [--gen-len G]   speculative vs plain decoding
   k3 bench --device cuda --speculative ngram,suffix [--batches 1,16 --context C]   the same on the GPU + verify step costs
   k3 bench --tp T --pp P [--batch B --prompt-len L --gen-len G]   pipelined steps vs one at a time (ranks as threads)
   k3 bench --op gemv 3072 3584                     expert GEMV: MXFP4 vs BF16 vs F32, GB/s
@@ -124,13 +124,16 @@ pub struct ModelMode {
     /// engine, sampling at temperature 1) and report the per-token mask cost.
     #[arg(long, value_name = "FILE")]
     pub json_schema: Option<std::path::PathBuf>,
-    /// Compare these speculative methods (comma separated: ngram,suffix,mtp) with plain greedy
-    /// decoding on text-repeating workloads (`bench_spec.rs`).
+    /// Compare these speculative methods (comma separated: ngram,suffix,mtp,draft) with plain
+    /// greedy decoding on text-repeating workloads (`bench_spec.rs`).
     #[arg(long, value_name = "METHODS")]
     pub speculative: Option<String>,
     /// With --speculative: most drafted tokens per step.
     #[arg(long, default_value_t = 4, value_name = "K")]
     pub num_speculative_tokens: usize,
+    /// With --speculative …,draft: the draft model's directory (the target's vocab_size).
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<std::path::PathBuf>,
 }
 
 /// The model mode on the GPU (`--device cuda`, no --op; `bench_cuda.rs`).

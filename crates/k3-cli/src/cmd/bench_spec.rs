@@ -1,4 +1,4 @@
-//! `k3 bench --speculative ngram,suffix[,mtp] [--num-speculative-tokens K] [--gen-len G] [--model DIR]`:
+//! `k3 bench --speculative ngram,suffix[,mtp][,draft --draft-model DIR] [--num-speculative-tokens K] [--gen-len G] [--model DIR]`:
 //! speculative decoding against plain decoding in one process (issue 22), greedy, on two
 //! workloads that repeat text:
 //!
@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use k3_engine::spec::draft::DraftSpec;
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams, SpecConfig, SpecStats};
 use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
@@ -63,6 +64,11 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
     let dir = a.model.dir()?;
     let ck = Checkpoint::open(&dir)?;
     let model = if cuda { None } else { Some(Arc::new(Model::load(&ck)?)) };
+    super::args::check_draft_flags(methods, a.run.draft_model.is_some())?;
+    let draft = match &a.run.draft_model {
+        Some(d) => Some(DraftSpec::load(d, &ck.config, &dir.display().to_string())?),
+        None => None,
+    };
     // The workloads need a tokenizer; the GPU's verify step costs do not (a `k3 init` checkpoint).
     let tok = match Tokenizer::from_dir(&dir).with_context(|| format!("the tokenizer of {}", dir.display())) {
         Ok(t) => Some(Arc::new(t)),
@@ -73,7 +79,7 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
         Err(e) => return Err(e),
     };
     let engine = |spec: SpecConfig| -> Result<Engine> {
-        let cfg = EngineConfig { max_batch: 1, spec, ..Default::default() };
+        let cfg = EngineConfig { max_batch: 1, spec, draft: draft.clone(), ..Default::default() };
         Ok(match &model {
             Some(m) => Engine::new(m.clone(), tok.clone(), cfg),
             None => {

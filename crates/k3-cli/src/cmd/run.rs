@@ -107,12 +107,13 @@ pub fn run(a: Args) -> Result<()> {
     req.prompt_embeds = embeds;
     req.stop = a.stop.clone();
     let ids_mode = a.ids.is_some() || tokenizer.is_none();
-    let ecfg = EngineConfig {
+    let mut ecfg = EngineConfig {
         max_batch: 1,
         prefill_chunk: a.prefill_chunk.max(1),
         max_step_tokens: a.prefill_chunk.max(1),
         kda_state: a.kda_state.kda_state.into(),
         spec: a.spec.config()?,
+        draft: None,
         prefix: None,
         pipeline_depth: None,
     };
@@ -148,6 +149,8 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(x) = runner.experts_summary().filter(|_| !a.json) {
         eprintln!("note: {x}");
     }
+    // `--speculative draft`: the draft model, on rank 0 only (it runs beside the target there).
+    ecfg.draft = a.spec.draft(&ck.config, &dir.display().to_string())?;
     let mut engine = Engine::with_runner(runner, tokenizer.clone(), ecfg);
     if let Err(why) = engine.speculating() {
         eprintln!("note: --speculative {}: {why}", a.spec.speculative);

@@ -121,6 +121,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_step_tokens: a.max_step_tokens.unwrap_or(if device.is_some() { 8192 } else { 2048 }),
         kda_state: a.kda_state.kda_state.into(),
         spec: a.spec.config()?,
+        draft_model: a.spec.draft_model.clone(),
         max_body_bytes: a.max_body_bytes,
         allowed_local_media_path: a.allowed_local_media_path,
         max_image_bytes: a.max_image_bytes,

@@ -64,7 +64,7 @@ pub fn join(par: Parallel, cfg: &Config, mut parts: Vec<Capture>) -> Result<Capt
             )));
         }
     }
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers), mtp: None }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers), mtp: None, draft: None }).collect();
     let mut snap = Vec::with_capacity(layers);
     for l in 0..layers {
         // The ranks of the stage that runs layer `l`, in the order of their index in it.
@@ -92,7 +92,7 @@ pub fn join(par: Parallel, cfg: &Config, mut parts: Vec<Capture>) -> Result<Capt
             _ => return Err(EngineError::Internal(format!("layer {l}: rank {owner} captured a device runner's snapshot"))),
         });
     }
-    let kda = with_snap.then_some(KdaSnap { at: to, layers: snap, mtp_hidden: None });
+    let kda = with_snap.then_some(KdaSnap { at: to, layers: snap, mtp_hidden: None, draft: None });
     Ok(Capture { from, to, cells, kda })
 }
 
@@ -119,6 +119,7 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
                 })
                 .collect(),
             mtp: None,
+            draft: None,
         })
         .collect();
     let snap_layers = snap
@@ -133,7 +134,7 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
             _ => Err(bad(format!("layer {l}'s KDA snapshot is not one of this layout's"))),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Capture { from: 0, to: snap.at, cells, kda: Some(KdaSnap { at: snap.at, layers: snap_layers, mtp_hidden: None }) })
+    Ok(Capture { from: 0, to: snap.at, cells, kda: Some(KdaSnap { at: snap.at, layers: snap_layers, mtp_hidden: None, draft: None }) })
 }
 
 fn put_u64(b: &mut Vec<u8>, x: usize) {
@@ -258,7 +259,7 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
                 t => Err(bad(format!("cell layer tag {t} (0 KDA, 1 MLA, 2 raw)"))),
             })
             .collect::<Result<Vec<_>>>()?;
-        cells.push(Segment { layers, mtp: None });
+        cells.push(Segment { layers, mtp: None, draft: None });
     }
     let kda = match r.u8("the snapshot flag")? {
         0 => None,
@@ -277,7 +278,7 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
                     t => Err(bad(format!("snapshot layer tag {t} (0 MLA, 1 KDA, 2 raw, 3 ranks)"))),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            Some(KdaSnap { at, layers, mtp_hidden: None })
+            Some(KdaSnap { at, layers, mtp_hidden: None, draft: None })
         }
         f => return Err(bad(format!("snapshot flag {f} (0 or 1)"))),
     };
@@ -311,6 +312,7 @@ mod tests {
                     })
                     .collect(),
                 mtp: None,
+                draft: None,
             })
             .collect();
         let layers = (0..cfg.layers.len())
@@ -327,7 +329,7 @@ mod tests {
                 false => SnapLayer::Mla,
             })
             .collect();
-        Capture { from: 4, to: 8, cells, kda: Some(KdaSnap { at: 8, layers, mtp_hidden: None }) }
+        Capture { from: 4, to: 8, cells, kda: Some(KdaSnap { at: 8, layers, mtp_hidden: None, draft: None }) }
     }
 
     /// Every layout's captures joined, then cut into the ranks' parts, give each rank its own

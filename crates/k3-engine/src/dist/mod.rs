@@ -8,7 +8,8 @@
 //! - [`layout_state`]: a sequence state of a layout, rank by rank: every rank's captured part
 //!   joined into the prefix cache's one stored state, a stored state cut into the ranks' parts.
 //! - [`runner`]: the runner interface the engine drives; [`worker`]: one CPU rank's model and
-//!   sequence states as the runner drives them.
+//!   sequence states as the runner drives them; [`draft`]: a separate draft model's states
+//!   beside them (`--speculative draft`, one rank).
 //! - [`threads`]: ranks as threads on the CPU (`k3 run --tp N --device cpu`), each step sent
 //!   to every rank; on a pipeline layout successive steps overlap across the stages.
 //! - `engine_step.rs` (a part of the engine): pipelined scheduling, a step per stage in flight.
@@ -20,6 +21,7 @@
 //!   local ranks started by the node's first process, the TCP rendezvous (digest check, NCCL
 //!   ids), and the NCCL groups of a rank.
 
+pub mod draft;
 pub mod launch;
 pub mod layout_state;
 pub mod monitor;

@@ -10,6 +10,9 @@
 //!   [`Runner::capture`] and [`Runner::restore`]: the CPU runner has them on one rank and on
 //!   every layout of ranks as threads, the GPU runner on one GPU; the multi-process runner
 //!   (`dist::process`) says why not ([`Runner::speculation`], [`Runner::prefix_support`]).
+//!   Draft models run beside the target on the CPU runner of one rank: the MTP layer
+//!   ([`Runner::enable_mtp`]) or a separate model ([`Runner::enable_draft`], `dist::draft`),
+//!   both drafting through [`Runner::draft`].
 //! - [`Worker`] (`dist::worker`): one rank's model and its map sequence id → `SeqState`;
 //!   [`Worker::apply`] drops the released states, creates a state on a sequence's first sight,
 //!   embeds the tokens (or takes the step's own rows) and runs `Model::forward_varlen`. Every
@@ -149,10 +152,20 @@ pub trait Runner: Send {
     fn enable_mtp(&mut self) -> std::result::Result<(), String> {
         Err(NO_MTP.into())
     }
-    /// Sequence `id`'s chained MTP drafts (`k3_model::draft`): up to `k` positions after its
-    /// consumed tokens, the first fed `next`; `choose` gets each position's logits `[vocab]` and
-    /// returns the token fed to the next one (`None`: stop). Returns the tokens chosen (0 when
-    /// the sequence has no MTP state, e.g. after a prefix-cache restore without one).
+    /// Runs `draft`, a separate draft model with the target's vocabulary, beside the target
+    /// (`--speculative draft`, `dist::draft`): every sequence seen from now on gets a state of
+    /// it, which consumes what the target consumes, rolls back, is captured for the prefix
+    /// cache and freed with the target's. Why not, when this runner cannot.
+    fn enable_draft(&mut self, draft: Arc<Model>) -> std::result::Result<(), String> {
+        let _ = draft;
+        Err(NO_DRAFT_MODEL.into())
+    }
+    /// Sequence `id`'s chained drafts from its draft model — the separate one when enabled
+    /// (`k3_model::draft_model`), else the MTP layer (`k3_model::draft`): up to `k` positions
+    /// after its consumed tokens, the first fed `next`; `choose` gets each position's logits
+    /// `[vocab]` and returns the token fed to the next one (`None`: stop). Returns the tokens
+    /// chosen (0 when the sequence has no draft state, e.g. after a prefix-cache restore
+    /// without one).
     fn draft(&mut self, id: SeqId, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
         let _ = (id, next, k, choose);
         Err(EngineError::Unsupported(NO_MTP.into()))
@@ -191,6 +204,10 @@ pub const NO_SPECULATION: &str =
 /// Why a runner has no MTP draft layer (the default of [`Runner::enable_mtp`]).
 pub const NO_MTP: &str =
     "MTP drafting runs on the CPU runner of one rank only so far (not the GPU runner, not a parallel layout); decoding without speculation";
+
+/// Why a runner has no separate draft model (the default of [`Runner::enable_draft`]).
+pub const NO_DRAFT_MODEL: &str =
+    "a separate draft model runs on the CPU runner of one rank only so far (not the GPU runner, not a parallel layout); decoding without speculation";
 
 /// Aborts a runner's collectives from another thread (see [`Runner::aborter`]).
 pub type Aborter = Arc<dyn Fn(&str) + Send + Sync>;

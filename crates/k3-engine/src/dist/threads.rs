@@ -326,9 +326,15 @@ impl Runner for ThreadRunner {
             false => Err(format!("MTP drafting on a parallel layout ({} ranks) is not built yet; decoding without speculation", self.world())),
         }
     }
+    fn enable_draft(&mut self, draft: Arc<Model>) -> std::result::Result<(), String> {
+        match self.peers.is_empty() {
+            true => self.leader.enable_draft(draft),
+            false => Err(format!("a separate draft model on a parallel layout ({} ranks) is not built yet; decoding without speculation", self.world())),
+        }
+    }
     fn draft(&mut self, id: SeqId, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
         if !self.peers.is_empty() {
-            return Err(EngineError::Unsupported("MTP drafts on a parallel layout".into()));
+            return Err(EngineError::Unsupported("draft-model drafts on a parallel layout".into()));
         }
         self.leader.draft(id, next, k, choose)
     }

@@ -1,5 +1,6 @@
 //! One rank of the CPU model as the runner drives it ([`Worker`]): its model and its map
-//! sequence id → [`SeqState`] (with the MTP draft state when enabled). [`Worker::apply`] drops
+//! sequence id → [`SeqState`] (with the MTP draft state when enabled), and a separate draft
+//! model's states beside them when one is (`dist::draft`). [`Worker::apply`] drops
 //! the released states, creates a state on a sequence's first sight, embeds the tokens (or
 //! takes the step's own rows) and runs `Model::forward_varlen`; the other commands (`dist::step`) —
 //! verify, rollback, capture, restore — act on the same states. Every rank of a layout applies
@@ -14,6 +15,7 @@ use k3_model::layers::kda::StateDType;
 use k3_model::layers::mtp::MtpState;
 use k3_model::{ForwardOpts, Model, SeqState};
 
+use super::draft::DraftSide;
 use super::runner::{run_step, Failure, Fault, RankOptions, RankWorker, Step};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
@@ -41,11 +43,13 @@ pub struct Worker {
     batch_invariant: bool,
     /// New sequence states carry an MTP draft state (`Runner::enable_mtp`).
     mtp: bool,
+    /// A separate draft model and its states (`Runner::enable_draft`).
+    draft: Option<DraftSide>,
 }
 
 impl Worker {
     pub fn new(model: Arc<Model>, kda: StateDType) -> Worker {
-        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false, mtp: false }
+        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false, mtp: false, draft: None }
     }
 
     /// This worker with [`RankOptions`] (a deliberate fault, batch invariance).
@@ -71,18 +75,29 @@ impl Worker {
     }
     pub fn release(&mut self, id: SeqId) {
         self.states.remove(&id);
+        if let Some(d) = self.draft.as_mut() {
+            d.release(id);
+        }
     }
+    /// Bytes of the live sequence states (a draft model's included).
     pub fn state_bytes(&self) -> usize {
-        self.states.values().map(SeqState::bytes).sum()
+        self.states.values().map(SeqState::bytes).sum::<usize>() + self.draft.as_ref().map_or(0, DraftSide::bytes)
     }
-    /// See [`Runner::capture`].
+    /// See [`Runner::capture`] (with the draft model's state of the sequence, if any).
     pub fn capture(&self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
         let st = self.states.get(&id).ok_or(EngineError::UnknownSeq(id))?;
-        prefix_state::capture(st, from, grid, kda)
+        let mut cap = prefix_state::capture(st, from, grid, kda)?;
+        if let Some(d) = &self.draft {
+            d.capture(id, grid, &mut cap)?;
+        }
+        Ok(cap)
     }
     /// See [`Runner::restore`] (on a parallel layout: this rank's part, `dist::layout_state::part`).
     pub fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
         let st = prefix_state::restore(self.new_seq_state(), cells, snap)?;
+        if let Some(d) = self.draft.as_mut() {
+            d.restore(id, cells, snap)?;
+        }
         self.states.insert(id, st);
         Ok(())
     }
@@ -109,9 +124,25 @@ impl Worker {
         Ok(())
     }
 
-    /// See [`Runner::draft`].
+    /// See [`Runner::enable_draft`]: every sequence seen from now on gets a state of `draft`
+    /// beside the target's. Why not, when the vocabularies differ.
+    pub fn enable_draft(&mut self, draft: Arc<Model>) -> std::result::Result<(), String> {
+        let (t, d) = (self.model.config.text.vocab_size, draft.config.text.vocab_size);
+        if t != d {
+            return Err(format!(
+                "the draft model's vocab_size is {d}, the target's {t} (--draft-model must share the target's vocabulary); decoding without speculation"
+            ));
+        }
+        self.draft = Some(DraftSide::new(draft, self.kda));
+        Ok(())
+    }
+
+    /// See [`Runner::draft`]: from the separate draft model when there is one, else the MTP layer.
     pub fn draft(&mut self, id: SeqId, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> Result<usize> {
         let st = self.states.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
+        if let Some(d) = self.draft.as_mut() {
+            return d.draft(id, st.pos, next, k, choose);
+        }
         Ok(with_row_exact(self.batch_invariant, || self.model.mtp_draft(st, next, k, choose))?)
     }
 
@@ -137,15 +168,20 @@ impl Worker {
         self.apply_with(step, Pass::Verify)
     }
 
-    /// Drops the last `drop` tokens of sequence `id`'s last verify forward.
+    /// Drops the last `drop` tokens of sequence `id`'s last verify forward (the draft model's
+    /// state of it too).
     pub fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
         let st = self.states.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
-        Ok(st.rollback(drop)?)
+        st.rollback(drop)?;
+        match self.draft.as_mut() {
+            Some(d) => d.rollback(id, drop, st.pos),
+            None => Ok(()),
+        }
     }
 
     fn apply_with(&mut self, step: &Step, pass: Pass) -> Result<Vec<f32>> {
         for id in &step.released {
-            self.states.remove(id);
+            self.release(*id);
         }
         self.steps += 1;
         if let Some(f) = self.fault.filter(|f| f.rank == self.rank() && f.at_step == self.steps) {
@@ -191,7 +227,19 @@ impl Worker {
         } else {
             Vec::new()
         };
-        let mut taken: Vec<SeqState> = step.seqs.iter().map(|s| self.states.remove(&s.id).unwrap_or_else(|| self.new_seq_state())).collect();
+        let mut taken = Vec::with_capacity(step.seqs.len());
+        for s in &step.seqs {
+            taken.push(match self.states.remove(&s.id) {
+                Some(st) => st,
+                None => {
+                    // First sight: the draft model's state starts with the target's.
+                    if let Some(d) = self.draft.as_mut() {
+                        d.start(s.id);
+                    }
+                    self.new_seq_state()
+                }
+            });
+        }
         let lens: Vec<usize> = step.seqs.iter().map(|s| s.tokens.len()).collect();
         let out = {
             let mut refs: Vec<&mut SeqState> = taken.iter_mut().collect();
@@ -212,10 +260,18 @@ impl Worker {
                 o => o,
             }
         };
+        // The draft model consumes the same tokens in a forward of the same kind (`dist::draft`).
+        let out = match (out, self.draft.as_mut()) {
+            (Ok(v), Some(d)) => {
+                let seqs: Vec<(SeqId, &[u32], usize)> = step.seqs.iter().zip(&taken).map(|(s, st)| (s.id, s.tokens.as_slice(), st.pos)).collect();
+                d.follow(&seqs, pass == Pass::Verify, self.batch_invariant).map(|()| v)
+            }
+            (o, _) => o.map_err(EngineError::from),
+        };
         for (s, st) in step.seqs.iter().zip(taken) {
             self.states.insert(s.id, st);
         }
-        Ok(out?)
+        out
     }
 
     /// [`Worker::apply`] through [`run_step`]: an error or a panic becomes a [`Failure`] and

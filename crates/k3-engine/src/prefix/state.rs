@@ -14,7 +14,10 @@
 //! `[a − 1, b − 1)` (`[0, b − 1)` for the first cell) — every one of them determined by the
 //! tokens up to `b` — and a snapshot at `g` stores the hidden row `h_{g−1}` that waits for token
 //! `g`. A restore from cells or a snapshot without them (none are written without MTP) leaves
-//! the sequence without a draft state: it then decodes without drafts.
+//! the sequence without a draft state: it then decodes without drafts. A separate draft model's
+//! state (`--speculative draft`, `dist::draft`) is a [`SeqState`] of its own at the same token
+//! count: it is cut into the same cells and snapshot ([`Segment::draft`], [`KdaSnap::draft`]) by
+//! the same functions, and restored likewise, or not at all when an entry lacks it.
 //!
 //! The CPU runner stores its f32 rows and [`KdaState`]s ([`SegLayer::Mla`], [`SnapLayer::Cpu`]);
 //! the GPU runner the bytes its pools hold, in their format (BF16 or FP8 latents, F32 or FP8
@@ -45,6 +48,8 @@ pub struct Segment {
     pub layers: Vec<SegLayer>,
     /// The MTP draft layer's latent rows of the span, shifted by one (see the module doc).
     pub mtp: Option<Vec<f32>>,
+    /// The separate draft model's rows of the span (see the module doc).
+    pub draft: Option<Box<Segment>>,
 }
 
 impl Segment {
@@ -58,7 +63,7 @@ impl Segment {
                 SegLayer::Raw { latent, index_keys } => latent.len() + index_keys.len(),
             })
             .sum();
-        rows + self.mtp.as_ref().map_or(0, |m| 4 * m.len())
+        rows + self.mtp.as_ref().map_or(0, |m| 4 * m.len()) + self.draft.as_ref().map_or(0, |d| d.bytes())
     }
 }
 
@@ -83,6 +88,8 @@ pub struct KdaSnap {
     pub layers: Vec<SnapLayer>,
     /// The target's hidden row `h_{at−1}` for the MTP draft layer (see the module doc).
     pub mtp_hidden: Option<Vec<f32>>,
+    /// The separate draft model's KDA states at `at` (see the module doc).
+    pub draft: Option<Box<KdaSnap>>,
 }
 
 impl KdaSnap {
@@ -97,7 +104,7 @@ impl KdaSnap {
                 SnapLayer::Raw { conv, state } => conv.len() + state.len(),
             })
             .sum();
-        layers + self.mtp_hidden.as_ref().map_or(0, |h| 4 * h.len())
+        layers + self.mtp_hidden.as_ref().map_or(0, |h| 4 * h.len()) + self.draft.as_ref().map_or(0, |d| d.bytes())
     }
 }
 
@@ -127,7 +134,7 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
         return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
     }
     let n = (to - from) / grid;
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()), mtp: None }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()), mtp: None, draft: None }).collect();
     for (l, layer) in st.layers.iter().enumerate() {
         match layer {
             LayerState::Kda(_) => cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda)),
@@ -162,6 +169,7 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
             })
             .collect(),
         mtp_hidden: st.mtp.as_ref().and_then(|m| m.hidden_row(to.checked_sub(1)?)).map(<[f32]>::to_vec),
+        draft: None,
     });
     Ok(Capture { from, to, cells, kda })
 }
@@ -236,7 +244,7 @@ pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, 
         return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
     }
     let n = (to - from) / grid;
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers.len()), mtp: None }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers.len()), mtp: None, draft: None }).collect();
     let mut snap = Vec::with_capacity(layers.len());
     for (l, (layer, &k)) in layers.into_iter().zip(is_kda).enumerate() {
         match (k, layer) {
@@ -268,6 +276,7 @@ pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, 
                 .map(|(l, s)| s.ok_or_else(|| EngineError::Internal(format!("layer {l}: no KDA slot read"))))
                 .collect::<Result<_>>()?,
             mtp_hidden: None,
+            draft: None,
         }),
         false => None,
     };

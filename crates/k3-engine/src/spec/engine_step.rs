@@ -18,12 +18,12 @@ use super::{push_token, sample_next, Engine, Event, Request, SeqId, Sequence};
 use crate::dist::runner::{Runner, Step};
 use crate::error::{EngineError, Result};
 use crate::spec::accept::decide;
-use crate::spec::mtp::MtpProposer;
+use crate::spec::model::ModelProposer;
 use crate::spec::ngram::NgramProposer;
 use crate::spec::suffix::{remember, History, SuffixProposer};
 use crate::spec::{Adaptive, Draft, DraftModel, Proposer, SpecMethod, SpecStats};
 
-/// Makes a request's proposer (a draft model would be plugged in here; see
+/// Makes a request's proposer (a proposer of one's own, or a tap on the configured one; see
 /// [`Engine::set_proposer`]).
 pub type ProposerFactory = Arc<dyn Fn(&Request) -> Box<dyn Proposer> + Send + Sync>;
 
@@ -40,8 +40,8 @@ pub(crate) struct EngineSpec {
     factory: Option<ProposerFactory>,
     /// Every speculative decode step's counters since the engine started.
     totals: SpecStats,
-    /// Why `--speculative mtp` cannot run on this runner (it then decodes plainly).
-    mtp_off: Option<String>,
+    /// Why `--speculative mtp` / `draft` cannot run on this runner (it then decodes plainly).
+    model_off: Option<String>,
 }
 
 /// Sequence `id`'s draft model in the runner.
@@ -57,8 +57,8 @@ impl DraftModel for RunnerDraft<'_> {
 }
 
 impl EngineSpec {
-    pub(crate) fn new(mtp_off: Option<String>) -> EngineSpec {
-        EngineSpec { mtp_off, ..Default::default() }
+    pub(crate) fn new(model_off: Option<String>) -> EngineSpec {
+        EngineSpec { model_off, ..Default::default() }
     }
 
     /// A sequence leaves the engine: its tokens join the suffix proposer's history (kept for
@@ -77,7 +77,7 @@ impl Engine {
         if !self.config.spec.enabled() {
             return Ok(false);
         }
-        if let Some(why) = &self.spec.mtp_off {
+        if let Some(why) = &self.spec.model_off {
             return Err(why.clone());
         }
         self.runner.speculation().map(|()| true)
@@ -89,7 +89,8 @@ impl Engine {
     }
 
     /// Uses `factory` for every later request's proposer instead of the configured method's
-    /// (while `config.spec` is on): the place for a draft model.
+    /// (while `config.spec` is on). A draft model is configured instead (`--speculative mtp` /
+    /// `draft`: the runner holds it); a factory may still wrap its proposer.
     pub fn set_proposer(&mut self, factory: ProposerFactory) {
         self.spec.factory = Some(factory);
     }
@@ -104,7 +105,7 @@ impl Engine {
             (Some(f), _) => f(req),
             (None, SpecMethod::Ngram) => Box::new(NgramProposer),
             (None, SpecMethod::Suffix) => Box::new(SuffixProposer::new(Some(self.spec.history.clone()))),
-            (None, SpecMethod::Mtp) => Box::new(MtpProposer::new(&req.params)),
+            (None, SpecMethod::Mtp | SpecMethod::Draft) => Box::new(ModelProposer::new(&req.params)),
             (None, SpecMethod::Off) => return None,
         };
         Some(SeqSpec { proposer, adapt: Adaptive::new(&self.config.spec) })

@@ -1,17 +1,18 @@
 //! Speculative decoding (issue 22): draft tokens from a proposer, verify them all in one
 //! batched forward, keep the longest accepted prefix plus one token from the target model.
 //!
-//! - [`SpecConfig`] / [`SpecMethod`]: `--speculative ngram|suffix|mtp|off`, `--num-speculative-tokens K`.
+//! - [`SpecConfig`] / [`SpecMethod`]: `--speculative ngram|suffix|mtp|draft|off`,
+//!   `--num-speculative-tokens K`.
 //! - Proposers ([`Proposer`]): [`ngram::NgramProposer`] (prompt lookup over the prompt and the
 //!   output so far) and [`suffix::SuffixProposer`] (a suffix automaton over the request and over
-//!   the engine's finished requests), with no extra weights; [`mtp::MtpProposer`], the
-//!   checkpoint's MTP layer (`num_nextn_predict_layers > 0`, around-backbone §5.1). A draft
-//!   model runs where the target runs — its per-sequence state beside the target's in the
-//!   runner, so that it advances, rolls back, is prefix-cached and freed with it — and the
+//!   the engine's finished requests), with no extra weights; [`model::ModelProposer`] over a
+//!   draft model: the checkpoint's MTP layer (`num_nextn_predict_layers > 0`, around-backbone
+//!   §5.1) or a separate draft model of the same family ([`draft::DraftSpec`], `--draft-model`).
+//!   A draft model runs where the target runs — its per-sequence state beside the target's in
+//!   the runner, so that it advances, rolls back, is prefix-cached and freed with it — and the
 //!   proposer reaches it through [`DraftModel`] ([`Proposer::propose_on`]): it chooses each
 //!   draft token from the draft logits (argmax when greedy, a draw from `q` when sampling) and
-//!   returns the `q`s in [`Draft::probs`]. A separate small draft model of the same family
-//!   would plug in the same way (a runner that holds it, a proposer that chooses).
+//!   returns the `q`s in [`Draft::probs`].
 //! - [`accept`]: greedy acceptance (the target's argmax must equal the draft: output identical to
 //!   plain decoding) and rejection sampling (accept `d` with `min(1, p(d)/q(d))`, on reject draw
 //!   from `max(p − q, 0)` normalised — for a deterministic proposer `q` is one-hot, so accept
@@ -24,19 +25,21 @@
 //!   forward (`Runner::verify`: every row's logits equal a single decode step's, KDA states
 //!   kept per token), then `Runner::rollback` drops each sequence's rejected tail — a copy of
 //!   the KDA snapshot and a truncation of the MLA/DSA caches (`k3_model::verify`), and of the
-//!   MTP layer's cache when it drafts (`k3_model::draft`).
+//!   MTP layer's cache (`k3_model::draft`) or the draft model's state (`dist::draft`) when one
+//!   drafts.
 //!
 //! Runners: the CPU runner verifies, on one rank and on every layout of ranks as threads (each
 //! rank runs the verify forward on its shard and keeps its per-token KDA states; the rollback
 //! is a command every rank applies: `dist::step::Command`); so does the runner of one GPU. A
 //! multi-process (GPU) layout does not yet; on it the engine decodes plainly and
-//! [`Engine::speculating`] says why. The MTP draft layer runs on the CPU runner of one rank
-//! only (`Runner::enable_mtp`).
+//! [`Engine::speculating`] says why. The MTP draft layer and a separate draft model run on the
+//! CPU runner of one rank only (`Runner::enable_mtp`, `Runner::enable_draft`).
 //!
 //! [`Engine::speculating`]: crate::Engine::speculating
 
 pub mod accept;
-pub mod mtp;
+pub mod draft;
+pub mod model;
 pub mod ngram;
 pub mod suffix;
 
@@ -59,8 +62,11 @@ pub enum SpecMethod {
     /// The longest suffix of the context that occurs earlier in this request or in a finished
     /// one (suffix automata), and what followed it there.
     Suffix,
-    /// The checkpoint's MTP draft layer, chained (`mtp::MtpProposer`).
+    /// The checkpoint's MTP draft layer, chained (`model::ModelProposer`).
     Mtp,
+    /// A separate draft model (`--draft-model`, `draft::DraftSpec`), chained decode steps
+    /// (`model::ModelProposer`).
+    Draft,
 }
 
 impl SpecMethod {
@@ -71,10 +77,11 @@ impl SpecMethod {
             "ngram" => Ok(SpecMethod::Ngram),
             "suffix" => Ok(SpecMethod::Suffix),
             "mtp" => Ok(SpecMethod::Mtp),
-            "draft" | "eagle" => Err(EngineError::Unsupported(format!(
-                "--speculative {s}: a separate draft model is not built yet (the MTP layer of a checkpoint is: --speculative mtp); use ngram, suffix, mtp or off"
-            ))),
-            _ => Err(EngineError::Unsupported(format!("--speculative: `{s}` is not one of ngram, suffix, mtp, off"))),
+            "draft" => Ok(SpecMethod::Draft),
+            "eagle" => Err(EngineError::Unsupported(
+                "--speculative eagle: EAGLE heads are not built (a checkpoint's MTP layer is: --speculative mtp; a separate draft model: --speculative draft --draft-model DIR)".into(),
+            )),
+            _ => Err(EngineError::Unsupported(format!("--speculative: `{s}` is not one of ngram, suffix, mtp, draft, off"))),
         }
     }
 }
@@ -267,7 +274,8 @@ mod tests {
         let e = SpecConfig::from_flags("suffix", 0).unwrap_err().to_string();
         assert!(e.contains("--num-speculative-tokens"), "{e}");
         assert_eq!(SpecConfig::from_flags("mtp", 4).unwrap().method, SpecMethod::Mtp);
-        let e = SpecConfig::from_flags("draft", 4).unwrap_err().to_string();
+        assert_eq!(SpecConfig::from_flags("draft", 4).unwrap().method, SpecMethod::Draft);
+        let e = SpecConfig::from_flags("eagle", 4).unwrap_err().to_string();
         assert!(e.contains("not built"), "{e}");
     }
 

@@ -1,8 +1,9 @@
-//! The recording runner the prefix-cache tests share (`prefix.rs` on the CPU, `cuda_prefix.rs`
-//! on the GPU, `mtp.rs` for the MTP draft state in the cache): it forwards to a real runner
-//! (speculative verification and MTP drafts too, unrecorded), records every logits row per
-//! sequence (so warm and cold runs can be compared row by row), and hands what it restores to a
-//! mutation first (the tests' mutants corrupt it there, to show that the comparison can fail).
+//! The recording runner the prefix-cache and draft-model tests share (`prefix.rs` on the CPU,
+//! `cuda_prefix.rs` on the GPU, `mtp.rs` and `draft.rs` for the draft states): it forwards to a
+//! real runner, records every plain forward's logits rows per sequence (so warm and cold runs
+//! can be compared row by row) and, when given a [`Timeline`], every draft call's chained
+//! logits and every verify step's rows per sequence, in order; and it hands what it restores to
+//! a mutation first (the tests' mutants corrupt it there, to show that the comparison can fail).
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -18,6 +19,17 @@ pub type Log = Arc<Mutex<HashMap<u64, Vec<Vec<f32>>>>>;
 /// What a restore goes through before it reaches the inner runner (the cells, the snapshot).
 pub type Mutate = Box<dyn Fn(&mut Vec<Segment>, &mut KdaSnap) + Send>;
 
+/// One call that concerned a sequence: its draft call's logits, one row per chained position,
+/// or its rows of a verify step's logits (`1 + drafts`).
+#[derive(Clone, Debug)]
+pub enum Entry {
+    Drafted(Vec<Vec<f32>>),
+    Verified(Vec<Vec<f32>>),
+}
+
+/// Every sequence's [`Entry`]s, in call order.
+pub type Timeline = Arc<Mutex<HashMap<u64, Vec<Entry>>>>;
+
 /// `inner` recording into `log`; its restores pass `mutate`; `exact_cuts` overrides the inner
 /// runner's answer when set.
 pub struct Rec<R> {
@@ -25,11 +37,12 @@ pub struct Rec<R> {
     pub log: Log,
     pub mutate: Option<Mutate>,
     pub exact_cuts: Option<bool>,
+    pub timeline: Option<Timeline>,
 }
 
 impl<R: Runner> Rec<R> {
     pub fn new(inner: R, log: &Log) -> Self {
-        Rec { inner, log: log.clone(), mutate: None, exact_cuts: None }
+        Rec { inner, log: log.clone(), mutate: None, exact_cuts: None, timeline: None }
     }
 }
 
@@ -75,7 +88,17 @@ impl<R: Runner> Runner for Rec<R> {
         self.inner.speculation()
     }
     fn verify(&mut self, step: Step) -> k3_engine::Result<Vec<f32>> {
-        self.inner.verify(step)
+        let rows: Vec<(u64, usize)> = step.seqs.iter().map(|s| (s.id, s.tokens.len())).collect();
+        let out = self.inner.verify(step)?;
+        if let Some(t) = &self.timeline {
+            let v = self.config().text.vocab_size;
+            let mut rest = out.chunks_exact(v);
+            let mut t = t.lock().unwrap();
+            for (id, n) in rows {
+                t.entry(id).or_default().push(Entry::Verified(rest.by_ref().take(n).map(<[f32]>::to_vec).collect()));
+            }
+        }
+        Ok(out)
     }
     fn rollback(&mut self, id: u64, drop: usize) -> k3_engine::Result<()> {
         self.inner.rollback(id, drop)
@@ -83,8 +106,18 @@ impl<R: Runner> Runner for Rec<R> {
     fn enable_mtp(&mut self) -> Result<(), String> {
         self.inner.enable_mtp()
     }
+    fn enable_draft(&mut self, draft: Arc<k3_model::Model>) -> Result<(), String> {
+        self.inner.enable_draft(draft)
+    }
     fn draft(&mut self, id: u64, next: u32, k: usize, choose: &mut dyn FnMut(&[f32]) -> Option<u32>) -> k3_engine::Result<usize> {
-        self.inner.draft(id, next, k, choose)
+        let Some(t) = &self.timeline else { return self.inner.draft(id, next, k, choose) };
+        let mut rows = Vec::new();
+        let n = self.inner.draft(id, next, k, &mut |lg: &[f32]| {
+            rows.push(lg.to_vec());
+            choose(lg)
+        })?;
+        t.lock().unwrap().entry(id).or_default().push(Entry::Drafted(rows));
+        Ok(n)
     }
     fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
         let Some(mutate) = &self.mutate else { return self.inner.restore(id, cells, snap) };
