@@ -3,10 +3,12 @@
 //! input rows.
 //!
 //! A video part is `{"type": "video_url", "video_url": {"url": URL}}` (or `{"type": "video",
-//! "video": URL}`), URL as for images, holding MP4/H.264, animated GIF or animated WebP; it is
-//! sampled and cut into chunks of up to 4 frames (`k3_vision::video`), each chunk one tower
-//! sample rendered as `{hh:mm:ss.fff}<|media_begin|>video<|media_content|>` + N pads +
-//! `<|media_end|>`. A video over `--max-video-frames` sampled frames is a 400 naming its part.
+//! "video": URL}`), URL as for images, holding MP4/H.264, animated GIF or animated WebP (and
+//! WebM/Matroska with VP8 or VP9 in a build with the `vp9` feature; without it a WebM part is a
+//! 400 saying how to convert it); it is sampled and cut into chunks of up to 4 frames
+//! (`k3_vision::video`), each chunk one tower sample rendered as
+//! `{hh:mm:ss.fff}<|media_begin|>video<|media_content|>` + N pads + `<|media_end|>`. A video
+//! over `--max-video-frames` sampled frames is a 400 naming its part.
 //!
 //! An image part is `{"type": "image_url", "image_url": {"url": URL}}` (the URL may also be given
 //! as a bare string, and `{"type": "image", "image": URL}` is read the same way). URL is either
@@ -192,7 +194,10 @@ fn data_uri(field: &str, uri: &str, limit: usize, video: bool) -> Result<Vec<u8>
         return Err(bad_param(field, format!("unsupported image type {mime:?}; supported formats are PNG, JPEG and WebP")));
     }
     if !mime.is_empty() && video && !VIDEO_TYPES.contains(&mime.as_str()) {
-        return Err(bad_param(field, format!("unsupported video type {mime:?}; supported are MP4 (H.264), animated GIF and animated WebP")));
+        return Err(bad_param(
+            field,
+            format!("unsupported video type {mime:?}; supported are MP4 (H.264), WebM (VP8/VP9, with the vp9 feature), animated GIF and animated WebP"),
+        ));
     }
     let clean: Vec<u8> = data.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
     if clean.len() / 4 * 3 > limit.saturating_add(3) {

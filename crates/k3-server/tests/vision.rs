@@ -7,7 +7,8 @@
 //! features spliced into the token embeddings, and one full prefill. Error cases: bad base64,
 //! unsupported and corrupt images, local paths outside `--allowed-local-media-path` or without
 //! it, and images sent to a text-only model — each a 400 naming the image field. A video part
-//! (an animated GIF made here, two chunks) is checked the same way against its own reference.
+//! (an animated GIF made here, two chunks; with the `vp9` feature also a VP9 WebM, four chunks)
+//! is checked the same way against its own reference.
 
 mod common;
 
@@ -180,45 +181,70 @@ fn video_chat(url: &str) -> Value {
     })
 }
 
+const VIDEO_FIELD: &str = "messages[0].content[1].video_url";
+
+/// Sends `clip` as a `video_url` data URI of type `mime` and checks the first greedy token, its
+/// logprob and the prompt's token count against the reference prefill; returns the chunks'
+/// frame counts.
+fn check_video_chat(l: &Loaded, srv: &BackgroundServer, clip: &[u8], mime: &str) -> Vec<usize> {
+    let feats = l.vision.encode_video_bytes(clip, "clip", &Default::default()).expect("encode video");
+    let body = video_chat(&data_uri(clip, mime));
+    let (ids, want, plain) = reference_with(l, &body, feats.prompt_text(), &feats.projected());
+    assert!(want.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-2), "the video must change the logits for this test to mean anything");
+    let top = argmax(&want);
+    let r = post(srv.addr, "/v1/chat/completions", &body);
+    let (id, lp) = first_token(&r, &l.tok);
+    assert_eq!(id as usize, top, "first greedy token");
+    assert!((lp - want[top]).abs() < 1e-3, "logprob {lp} vs reference {}", want[top]);
+    assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64), "usage counts the pads of every chunk");
+    feats.chunks.iter().map(|c| c.2.grid_thw[0]).collect()
+}
+
+/// A video part that must be a 400 naming the part, its message holding `needle`.
+fn bad_video(srv: &BackgroundServer, url: &str, needle: &str) {
+    let r = post(srv.addr, "/v1/chat/completions", &video_chat(url));
+    assert_eq!(r.status, 400, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["error"]["param"], VIDEO_FIELD, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
+}
+
 #[test]
 #[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
 fn video_chat_matches_the_reference_prefill() {
     let l = load();
     let gif = gif_clip();
-    let feats = l.vision.encode_video_bytes(&gif, "clip.gif", &Default::default()).expect("encode video");
-    let t: Vec<usize> = feats.chunks.iter().map(|c| c.2.grid_thw[0]).collect();
-    assert_eq!(t, vec![4, 1]);
-    let body = video_chat(&data_uri(&gif, "image/gif"));
-    let (ids, want, plain) = reference_with(&l, &body, feats.prompt_text(), &feats.projected());
-    assert!(want.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-2), "the video must change the logits for this test to mean anything");
-    let top = argmax(&want);
-
     let srv = start(&l, None);
-    let r = post(srv.addr, "/v1/chat/completions", &body);
-    let (id, lp) = first_token(&r, &l.tok);
-    assert_eq!(id as usize, top, "first greedy token");
-    assert!((lp - want[top]).abs() < 1e-3, "logprob {lp} vs reference {}", want[top]);
-    assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64), "usage counts the pads of both chunks");
+    assert_eq!(check_video_chat(&l, &srv, &gif, "image/gif"), vec![4, 1]);
 
-    let vfield = "messages[0].content[1].video_url";
-    let bad = |url: &str, needle: &str| {
-        let r = post(srv.addr, "/v1/chat/completions", &video_chat(url));
-        assert_eq!(r.status, 400, "{}", r.text());
-        let v = r.json();
-        assert_eq!(v["error"]["param"], vfield, "{v}");
-        let msg = v["error"]["message"].as_str().unwrap_or_default();
-        assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
-    };
-    bad(&data_uri(&gif[..gif.len() / 2], "image/gif"), "");
-    bad(&data_uri(&[0x1A, 0x45, 0xDF, 0xA3, 0, 0, 0, 0], "video/webm"), "ffmpeg");
-    bad(&data_uri(b"hello", "video/x-msvideo"), "unsupported video type");
+    bad_video(&srv, &data_uri(&gif[..gif.len() / 2], "image/gif"), "");
+    // WebM: without the vp9 feature refused with the ways out; with it, these 8 bytes are corrupt.
+    let webm_needle = if cfg!(feature = "vp9") { "corrupt WebM" } else { "--features vp9" };
+    bad_video(&srv, &data_uri(&[0x1A, 0x45, 0xDF, 0xA3, 0, 0, 0, 0], "video/webm"), webm_needle);
+    bad_video(&srv, &data_uri(b"hello", "video/x-msvideo"), "unsupported video type");
     let long = ServerConfig { served_model_name: "vis".into(), max_video_frames: 4, ..Default::default() };
     let ecfg = EngineConfig { max_batch: 2, prefill_chunk: 512, max_step_tokens: 1024, ..Default::default() };
     let engine = Engine::new(l.model.clone(), Some(l.tok.clone()), ecfg);
     let strict = spawn_background_with_vision(Box::new(engine), l.tok.clone(), long, Some(l.vision.clone())).expect("server starts");
-    let r = post(strict.addr, "/v1/chat/completions", &body);
+    let r = post(strict.addr, "/v1/chat/completions", &video_chat(&data_uri(&gif, "image/gif")));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.json()["error"]["message"].as_str().unwrap_or_default().contains("over the limit of 4 frames"), "{}", r.text());
+    assert_eq!(get(srv.addr, "/health").status, 200);
+}
+
+/// A VP9 WebM (k3-vision's tests/data/vp9_24f_12fps.webm: 24 frames at 12 fps, sampled at the
+/// fixture's 8 fps to 16 frames, 4 chunks) as a `data:video/webm` part, against its reference;
+/// a truncated copy is a 400 naming the part.
+#[cfg(feature = "vp9")]
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn webm_video_chat_matches_the_reference_prefill() {
+    let l = load();
+    let webm = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../k3-vision/tests/data/vp9_24f_12fps.webm")).expect("the VP9 clip");
+    let srv = start(&l, None);
+    assert_eq!(check_video_chat(&l, &srv, &webm, "video/webm"), vec![4, 4, 4, 4]);
+    bad_video(&srv, &data_uri(&webm[..webm.len() / 2], "video/webm"), "corrupt WebM/Matroska file");
     assert_eq!(get(srv.addr, "/health").status, 200);
 }
 

@@ -12,7 +12,8 @@
 //! - [`tower`], [`merger`], [`projector`]: the three model stages.
 //! - [`prompt`]: the media block, pad runs and the one-pad-per-image expansion.
 //! - [`video`], [`video_decode`]: video sampling, per-frame resize, chunks of up to 4 frames (one
-//!   sample of grid `(t, h, w)` each) and their prompt blocks; MP4/H.264, GIF, WebP decoding.
+//!   sample of grid `(t, h, w)` each) and their prompt blocks; MP4/H.264, GIF, WebP decoding,
+//!   and with the `vp9` feature WebM/Matroska with VP8 or VP9 (`video_webm`, `video_vpx`).
 //! - [`VisionModel`]: load from a [`Checkpoint`], [`VisionModel::encode_image`],
 //!   [`VisionModel::encode_video`], and [`splice`].
 
@@ -25,6 +26,10 @@ pub mod resample;
 pub mod tower;
 pub mod video;
 pub mod video_decode;
+#[cfg(feature = "vp9")]
+mod video_vpx;
+#[cfg(feature = "vp9")]
+mod video_webm;
 
 use std::path::Path;
 
@@ -290,8 +295,9 @@ impl VideoFeatures {
 }
 
 impl VisionModel {
-    /// Decodes, samples and chunks a video (MP4/H.264, animated GIF or WebP) and runs every
-    /// stage on each chunk; `name` names the video in errors.
+    /// Decodes, samples and chunks a video (MP4/H.264, animated GIF or WebP; WebM with VP8/VP9
+    /// with the `vp9` feature) and runs every stage on each chunk; `name` names the video in
+    /// errors.
     pub fn encode_video_bytes(&self, bytes: &[u8], name: &str, limits: &video::VideoLimits) -> Result<VideoFeatures> {
         self.check_video()?;
         let v = video::preprocess_video_bytes(bytes, name, &self.processor, limits)?;

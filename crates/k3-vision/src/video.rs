@@ -106,8 +106,9 @@ fn frame_budget(cfg: &ProcessorConfig, t: usize) -> usize {
     }
 }
 
-/// Decodes, samples, resizes and chunks a clip (MP4/H.264, animated GIF or WebP); `name` names it
-/// in errors. Frames are decoded one at a time; only the resized sampled frames are kept.
+/// Decodes, samples, resizes and chunks a clip (MP4/H.264, animated GIF or WebP; WebM/VP8/VP9 with
+/// the `vp9` feature); `name` names it in errors. Frames are decoded one at a time; only the
+/// resized sampled frames are kept.
 pub fn preprocess_video_bytes(bytes: &[u8], name: &str, cfg: &ProcessorConfig, limits: &VideoLimits) -> Result<PreprocessedVideo> {
     let info = probe_video(bytes, name, limits)?;
     preprocess_probed(bytes, name, info, cfg, limits)

@@ -1,12 +1,14 @@
 //! Video containers and codecs for the video path ([`crate::video`]): MP4 with H.264 (the `mp4`
 //! demuxer and Cisco's OpenH264 through the `openh264` crate, built from source), animated GIF
-//! and animated WebP (the `image` crate). WebM/VP9 and other MP4 codecs are refused with the
-//! command that converts them.
+//! and animated WebP (the `image` crate), and with the `vp9` feature WebM/Matroska with VP8 or
+//! VP9 ([`crate::video_webm`]: `matroska-demuxer` and the system libvpx). Other codecs, and WebM
+//! in a build without the feature, are refused with the command that converts them.
 //!
 //! Shape legend: a clip is `F` frames of `W×H` in presentation order, frame `i` at `i / fps`
-//! seconds (`fps = F / duration`, the average rate, as decord reports it). Frames are decoded one
-//! at a time and handed to a callback only when wanted, so memory is one decoded frame plus
-//! what the callback keeps, never the whole clip.
+//! seconds (`fps` the average rate, as decord reports it: `F / duration` for MP4, GIF and WebP;
+//! WebM's in [`crate::video_webm`]). Frames are decoded one at a time and handed to a callback
+//! only when wanted, so memory is one decoded frame plus what the callback keeps, never the
+//! whole clip.
 
 use std::io::Cursor;
 
@@ -29,17 +31,25 @@ pub struct ClipInfo {
     pub fps: f64,
 }
 
-fn err(name: &str, msg: impl Into<String>) -> VisionError {
+pub(crate) fn err(name: &str, msg: impl Into<String>) -> VisionError {
     VisionError::Image { path: name.to_string(), msg: msg.into() }
 }
 
-const CONVERT: &str = "convert it with `ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT.mp4`";
+pub(crate) const CONVERT: &str = "convert it with `ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT.mp4`";
+
+/// The containers and codecs this build decodes, for error messages.
+#[cfg(feature = "vp9")]
+const SUPPORTED: &str = "MP4 with H.264, WebM/Matroska with VP8 or VP9, animated GIF, animated WebP";
+#[cfg(not(feature = "vp9"))]
+const SUPPORTED: &str = "MP4 with H.264, animated GIF, animated WebP";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Container {
     Mp4,
     Gif,
     WebP,
+    #[cfg(feature = "vp9")]
+    WebM,
 }
 
 fn container(bytes: &[u8], name: &str) -> Result<Container> {
@@ -56,12 +66,17 @@ fn container(bytes: &[u8], name: &str) -> Result<Container> {
         return Ok(Container::WebP);
     }
     if bytes.starts_with(&[0x1A, 0x45, 0xDF, 0xA3]) {
+        #[cfg(feature = "vp9")]
+        return Ok(Container::WebM);
+        #[cfg(not(feature = "vp9"))]
         return Err(err(
             name,
-            format!("is WebM/Matroska, which this build does not decode (supported: MP4 with H.264, animated GIF, animated WebP); {CONVERT}"),
+            format!(
+                "is WebM/Matroska, which this build does not decode (supported: {SUPPORTED}); {CONVERT}, or build k3 with `--features vp9` (VP8/VP9 through the system libvpx: `apt-get install libvpx-dev`)"
+            ),
         ));
     }
-    Err(err(name, "is not a recognised video (supported: MP4 with H.264, animated GIF, animated WebP)"))
+    Err(err(name, format!("is not a recognised video (supported: {SUPPORTED})")))
 }
 
 /// Reads the clip's header: size, frame count and average rate (GIF and WebP are walked once,
@@ -97,6 +112,8 @@ pub fn probe(bytes: &[u8], name: &str, max_source_frames: usize, max_frame_pixel
             let format = if kind == Container::Gif { "GIF" } else { "WebP" };
             ClipInfo { format, width: size.0, height: size.1, num_frames: n, fps }
         }
+        #[cfg(feature = "vp9")]
+        Container::WebM => crate::video_webm::probe(bytes, name, max_source_frames)?,
     };
     if info.num_frames == 0 {
         return Err(err(name, format!("{} video holds no frames", info.format)));
@@ -139,6 +156,8 @@ pub fn decode_frames(bytes: &[u8], name: &str, info: &ClipInfo, wanted: &[usize]
             let mut d = Some(d);
             offer(i, size, &mut || d.take().expect("one frame is made once"))
         })?,
+        #[cfg(feature = "vp9")]
+        Container::WebM => crate::video_webm::frames(bytes, name, info, &mut offer)?,
     }
     if next < wanted.len() {
         return Err(err(name, format!("frame {} could not be decoded: the stream ends after fewer frames than its header counts", wanted[next])));
@@ -146,7 +165,7 @@ pub fn decode_frames(bytes: &[u8], name: &str, info: &ClipInfo, wanted: &[usize]
     Ok(())
 }
 
-type Offer<'a> = dyn FnMut(usize, (usize, usize), &mut dyn FnMut() -> Decoded) -> Result<bool> + 'a;
+pub(crate) type Offer<'a> = dyn FnMut(usize, (usize, usize), &mut dyn FnMut() -> Decoded) -> Result<bool> + 'a;
 
 /// Checks the MP4 box tree before the demuxer sees it: every box (and the boxes inside the
 /// containers the demuxer walks, down to the sample entries) has a size of at least its header

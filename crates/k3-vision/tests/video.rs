@@ -4,60 +4,13 @@
 //! chunks of t = 1..4 frames.
 
 use k3_core::Tensor;
-use k3_vision::preprocess::ProcessorConfig;
 use k3_vision::video::{preprocess_video_bytes, VideoLimits};
-use k3_vision::{TowerDims, VisionModel, VisionSpec};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 
-const DIMS: TowerDims = TowerDims { hidden: 32, heads: 2, qkv: 48, intermediate: 40, layers: 2, patch: 14, pos_h: 4, pos_w: 6, pos_t: 4 };
-
-fn processor(sample_fps: f64) -> ProcessorConfig {
-    serde_json::from_value(serde_json::json!({
-        "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 24, "patch_limit_on_one_side": 16,
-        "fixed_output_tokens": null, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "transparent_bg_config": {"pattern": "chessboard", "chessboard_square_size": 8, "chessboard_square_on_top_left": true,
-            "chessboard_white_value": 255, "chessboard_gray_value": 180},
-        "transparent_bg_fill_stage": "after_resize",
-        "in_patch_limit_each_frame": 24, "sample_fps": sample_fps, "temporal_merge_kernel_size": 4
-    }))
-    .unwrap()
-}
-
-/// Random weights N-ish(0, 1/fan_in), norm gains around 1.
-fn weights() -> HashMap<String, Tensor> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let mut w = HashMap::new();
-    let mut add = |name: String, shape: Vec<usize>, fan_in: usize| {
-        let n: usize = shape.iter().product();
-        let s = (1.0 / fan_in.max(1) as f32).sqrt() * 1.7;
-        let v: Vec<f32> = (0..n).map(|_| if fan_in == 0 { 1.0 + rng.random_range(-0.2..0.2) } else { rng.random_range(-s..s) }).collect();
-        w.insert(name, Tensor::from_f32(shape, &v).unwrap());
-    };
-    let (c, q, i) = (DIMS.hidden, DIMS.qkv, DIMS.intermediate);
-    add("vision_tower.patch_embed.proj.weight".into(), vec![c, 3, 14, 14], 588);
-    add("vision_tower.patch_embed.pos_emb.weight".into(), vec![DIMS.pos_h, DIMS.pos_w, c], 4);
-    for b in 0..DIMS.layers {
-        let p = format!("vision_tower.encoder.blocks.{b}.");
-        add(format!("{p}norm0.weight"), vec![c], 0);
-        add(format!("{p}norm1.weight"), vec![c], 0);
-        add(format!("{p}wqkv.weight"), vec![3 * q, c], c);
-        add(format!("{p}wo.weight"), vec![c, q], q);
-        add(format!("{p}mlp.fc0.weight"), vec![i, c], c);
-        add(format!("{p}mlp.fc1.weight"), vec![c, i], i);
-    }
-    add("vision_tower.encoder.final_layernorm.weight".into(), vec![c], 0);
-    add("mm_projector.proj.0.weight".into(), vec![4 * c, 4 * c], 4 * c);
-    add("mm_projector.proj.2.weight".into(), vec![16, 4 * c], 4 * c);
-    add("mm_projector.post_norm.weight".into(), vec![16], 0);
-    w
-}
-
-fn model(w: &HashMap<String, Tensor>, cfg: ProcessorConfig) -> VisionModel {
-    let spec = VisionSpec { tower: DIMS, merge: (2, 2), text_hidden: 16, projector_eps: 1e-5 };
-    let get = |n: &str| w.get(n).cloned().ok_or_else(|| k3_vision::VisionError::Weight { name: n.into(), msg: "missing".into() });
-    VisionModel::from_parts(spec, cfg, &get, 163605).unwrap()
-}
+#[path = "support/video_common.rs"]
+mod video_common;
+use video_common::*;
 
 /// Frame `i` of the synthetic clips: red = 8·i, a green ramp across, blue constant.
 fn frame_rgb(i: usize, w: usize, h: usize) -> Vec<u8> {
@@ -84,21 +37,6 @@ fn gif_clip(n: usize, delay_ms: u32, w: usize, h: usize) -> Vec<u8> {
         }
     }
     out
-}
-
-/// Mean red byte of frame `f` of a chunk (pixels inside the resized area only).
-fn mean_red(pv: &[f32], grid: [usize; 3], f: usize, new_w: usize, new_h: usize) -> f64 {
-    let (gh, gw) = (grid[1], grid[2]);
-    let (mut s, mut n) = (0f64, 0usize);
-    for y in 0..new_h {
-        for x in 0..new_w {
-            let patch = f * gh * gw + (y / 14) * gw + x / 14;
-            let v = pv[patch * 588 + (y % 14) * 14 + x % 14] as f64;
-            s += (v * 0.5 + 0.5) * 255.0;
-            n += 1;
-        }
-    }
-    s / n as f64
 }
 
 #[test]
@@ -320,8 +258,12 @@ fn corrupt_unsupported_and_oversize_videos_are_refused() {
     let m = e(b"", &lim);
     assert!(m.contains("video_url") && m.contains("empty"), "{m}");
     assert!(e(b"hello, not a video at all", &lim).contains("not a recognised video"));
-    let m = e(&[0x1A, 0x45, 0xDF, 0xA3, 1, 2, 3, 4], &lim);
-    assert!(m.contains("WebM") && m.contains("ffmpeg"), "{m}");
+    // WebM without the `vp9` feature: refused with the two ways out (tests/webm.rs has it with).
+    #[cfg(not(feature = "vp9"))]
+    {
+        let m = e(&[0x1A, 0x45, 0xDF, 0xA3, 1, 2, 3, 4], &lim);
+        assert!(m.contains("WebM") && m.contains("ffmpeg") && m.contains("--features vp9"), "{m}");
+    }
     let clip = mp4_clip(12, 12.0, 32, 32);
     for cut in [clip.len() / 3, clip.len() - 20] {
         let m = e(&clip[..cut], &lim);
@@ -339,15 +281,6 @@ fn corrupt_unsupported_and_oversize_videos_are_refused() {
     assert!(m.contains("32x32") && m.contains("over the limit"), "{m}");
     let m = e(&gif_clip(3, 100, 8, 8), &VideoLimits { max_source_frames: 2, ..lim });
     assert!(m.contains("over the limit"), "{m}");
-}
-
-/// Runs `f` on a thread and fails if it has not returned within `secs` (a hang is a failure).
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(std::time::Duration::from_secs(secs)).expect("the video decode hung (or panicked)")
 }
 
 /// Corrupt MP4s end in an error or in frames, never in a hang or a panic: the fuzzer-found file

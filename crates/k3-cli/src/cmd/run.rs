@@ -40,8 +40,9 @@ pub struct Args {
     #[arg(long)]
     pub image: Vec<PathBuf>,
     /// A video to put before the prompt, after the images (repeatable; MP4/H.264, animated GIF
-    /// or WebP; sampled at the processor's sample_fps, chunks of 4 frames). With --ids, the ids
-    /// must already hold each chunk's run of <|media_pad|> ids.
+    /// or WebP, and WebM/VP8/VP9 in a build with `--features vp9`; sampled at the processor's
+    /// sample_fps, chunks of 4 frames). With --ids, the ids must already hold each chunk's run of
+    /// <|media_pad|> ids.
     #[arg(long)]
     pub video: Vec<PathBuf>,
     /// Frames sampled from one --video at most.

@@ -22,7 +22,7 @@ pub struct Args {
     /// Image file (PNG, JPEG or WebP).
     #[arg(long, required_unless_present = "video", conflicts_with = "video")]
     pub image: Option<PathBuf>,
-    /// Video file (MP4/H.264, animated GIF or WebP).
+    /// Video file (MP4/H.264, animated GIF or WebP; WebM/VP8/VP9 in a build with `--features vp9`).
     #[arg(long)]
     pub video: Option<PathBuf>,
     /// Frames sampled from the video at most.
