@@ -1,5 +1,6 @@
 //! Helpers of the video tests (`video.rs`, `webm.rs`; included with `#[path]`): the tiny tower
-//! and processor config, the mean red byte of a chunk's frame, and a watchdog.
+//! and processor config, the mean red byte of a chunk's frame, a watchdog, and seeded mutations
+//! of a clip.
 #![allow(dead_code)]
 
 use k3_core::Tensor;
@@ -79,4 +80,34 @@ pub fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'stat
         let _ = tx.send(f());
     });
     rx.recv_timeout(std::time::Duration::from_secs(secs)).expect("the video decode hung (or panicked)")
+}
+
+/// Preprocesses 300 seeded mutations of `clip` (random bytes, 0xff bytes and runs, one in five
+/// also truncated) named `name`, under a 120 s watchdog; `(decoded, refused)`. A panic or a hang
+/// fails the test.
+pub fn mutation_outcomes(clip: Vec<u8>, name: &'static str, seed: u64) -> (usize, usize) {
+    within(120, move || {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (mut ok, mut bad) = (0, 0);
+        for _ in 0..300 {
+            let mut m = clip.clone();
+            for _ in 0..rng.random_range(1..9) {
+                let p = rng.random_range(0..m.len());
+                let q = (p + rng.random_range(1..5)).min(m.len());
+                match rng.random_range(0..3) {
+                    0 => m[p] = rng.random(),
+                    1 => m[p] = 0xff,
+                    _ => m[p..q].iter_mut().for_each(|x| *x = 0xff),
+                }
+            }
+            if rng.random_range(0..5) == 0 {
+                m.truncate(rng.random_range(1..m.len()));
+            }
+            match k3_vision::video::preprocess_video_bytes(&m, name, &processor(8.0), &k3_vision::video::VideoLimits::default()) {
+                Ok(_) => ok += 1,
+                Err(_) => bad += 1,
+            }
+        }
+        (ok, bad)
+    })
 }
