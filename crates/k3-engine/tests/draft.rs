@@ -35,7 +35,7 @@ mod chi2;
 mod drive;
 #[path = "support/recorder.rs"]
 mod recorder;
-use drive::{drive, plain_solo, Out};
+use drive::{drive, greedy_sweep, plain_solo, Out};
 use recorder::{Entry, Timeline};
 
 /// A `k3 init` checkpoint of built-in `config` (random F32 weights) with `vocab` ids.
@@ -89,20 +89,7 @@ fn greedy_equals_plain() {
     let (_b, _, draft) = init_model("tiny_dsa", 11, VOCAB);
     let reqs: Vec<Request> = (0..3).map(|i| greedy(prompt(9 + 5 * i, i as u32, VOCAB as u32), 24)).collect();
     let solo: Vec<Out> = reqs.iter().map(|r| plain_solo(&target, r)).collect();
-    let (mut drafted, mut accepted) = (0, 0);
-    for k in 1..=4 {
-        let mut e = Engine::new(target.clone(), None, EngineConfig { max_batch: 3, ..draft_cfg(k, &draft) });
-        assert_eq!(e.speculating(), Ok(true));
-        let (outs, stats) = drive(&mut e, &reqs, &[0, 1, 3], &[None; 3]);
-        for (i, (o, s)) in outs.iter().zip(&solo).enumerate() {
-            assert_eq!(o, s, "k={k}: request {i}: tokens or log-probabilities differ from plain decoding");
-        }
-        for s in stats.iter().flatten() {
-            assert!(s.spec.per_position.len() <= k);
-            drafted += s.spec.drafted;
-            accepted += s.spec.accepted;
-        }
-    }
+    let (drafted, accepted) = greedy_sweep(&target, &reqs, &solo, |k| draft_cfg(k, &draft));
     eprintln!("tiny + tiny_dsa draft: drafted {drafted}, accepted {accepted}");
     assert!(accepted > 0 && accepted < drafted, "drafted {drafted}, accepted {accepted}: both outcomes must occur");
 

@@ -35,7 +35,7 @@ mod drive;
 mod mtp_ref;
 #[path = "support/recorder.rs"]
 mod recorder;
-use drive::{drive, plain_solo, Out};
+use drive::{drive, greedy_sweep, plain_solo, Out};
 use mtp_ref::MtpRef;
 
 /// The tiny config with one MTP layer and a vocabulary of `vocab` ids (small, so that a random
@@ -70,20 +70,7 @@ fn greedy_equals_plain() {
     let (_d, _ck, m) = mtp_model(VOCAB);
     let reqs: Vec<Request> = (0..3).map(|i| Request { ignore_eos: true, ..Request::new(prompt(9 + 5 * i, i as u32), SamplingParams::greedy(), 24) }).collect();
     let solo: Vec<Out> = reqs.iter().map(|r| plain_solo(&m, r)).collect();
-    let (mut drafted, mut accepted) = (0, 0);
-    for k in 1..=4 {
-        let mut e = Engine::new(m.clone(), None, EngineConfig { max_batch: 3, ..mtp_cfg(k, true) });
-        assert_eq!(e.speculating(), Ok(true));
-        let (outs, stats) = drive(&mut e, &reqs, &[0, 1, 3], &[None; 3]);
-        for (i, (o, s)) in outs.iter().zip(&solo).enumerate() {
-            assert_eq!(o, s, "k={k}: request {i}: tokens or log-probabilities differ from plain decoding");
-        }
-        for s in stats.iter().flatten() {
-            assert!(s.spec.per_position.len() <= k);
-            drafted += s.spec.drafted;
-            accepted += s.spec.accepted;
-        }
-    }
+    let (drafted, accepted) = greedy_sweep(&m, &reqs, &solo, |k| mtp_cfg(k, true));
     eprintln!("greedy: drafted {drafted}, accepted {accepted}");
     assert!(accepted > 0 && accepted < drafted, "drafted {drafted}, accepted {accepted}: both outcomes must occur");
 }

@@ -47,3 +47,24 @@ pub fn plain_solo(m: &Arc<Model>, r: &Request) -> Out {
     let mut e = Engine::new(m.clone(), None, EngineConfig::default());
     drive(&mut e, std::slice::from_ref(r), &[0], &[None]).0.remove(0)
 }
+
+/// Greedy `reqs` (admitted at steps 0, 1, 3) on engines of `m` configured by `cfg(k)` for
+/// k = 1..4 (`max_batch` 3), each request's events equal to `solo`'s (decoded plainly alone);
+/// the drafted and accepted tokens summed over every k.
+pub fn greedy_sweep(m: &Arc<Model>, reqs: &[Request], solo: &[Out], cfg: impl Fn(usize) -> EngineConfig) -> (u64, u64) {
+    let (mut drafted, mut accepted) = (0, 0);
+    for k in 1..=4 {
+        let mut e = Engine::new(m.clone(), None, EngineConfig { max_batch: 3, ..cfg(k) });
+        assert_eq!(e.speculating(), Ok(true));
+        let (outs, stats) = drive(&mut e, reqs, &[0, 1, 3], &[None; 3]);
+        for (i, (o, s)) in outs.iter().zip(solo).enumerate() {
+            assert_eq!(o, s, "k={k}: request {i}: tokens or log-probabilities differ from plain decoding");
+        }
+        for s in stats.iter().flatten() {
+            assert!(s.spec.per_position.len() <= k);
+            drafted += s.spec.drafted;
+            accepted += s.spec.accepted;
+        }
+    }
+    (drafted, accepted)
+}
