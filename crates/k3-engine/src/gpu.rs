@@ -523,7 +523,7 @@ mod imp {
         let off = k3_model::offload::gpu_offload(ck, offload, kv, 0..ck.config.text.num_experts)?;
         let plan = k3_model::RankPlan::single(&ck.config);
         let groups = k3_model::parallel::CudaGroups::single();
-        let model = CudaModel::load_offloaded(ck, &dev, plan, groups, cache, precision(f32), None, &off)?;
+        let model = CudaModel::load_rank_reporting(ck, &dev, plan, groups, cache, precision(f32), None, &off)?;
         let graphs = graphs && model.capturable();
         Ok(GpuRunner::new(model, Model::load_embedding(ck)?, graphs))
     }

@@ -42,7 +42,7 @@ fn load(ck: &Checkpoint, dev: &CudaDevice, tier: Option<Tier>, n: usize) -> Cuda
     let o = OffloadOptions { experts_on: tier, cache: CacheOptions { budget_bytes: 1 << 20, readers: 4, direct_io: DirectIo::Auto }, ..Default::default() };
     let off = gpu_offload(ck, &o, KvDtype::Bf16, 0..ck.config.text.num_experts).expect("placement");
     let cache = CacheConfig { max_seqs: 2, max_tokens: n + 64, ..Default::default() };
-    CudaModel::load_offloaded(ck, dev, RankPlan::single(&ck.config), CudaGroups::single(), cache, Precision::Bf16, None, &off).expect("load on GPU")
+    CudaModel::load_rank_reporting(ck, dev, RankPlan::single(&ck.config), CudaGroups::single(), cache, Precision::Bf16, None, &off).expect("load on GPU")
 }
 
 /// Prefill of `toks[..n/2]`, then one decode step per remaining token: every row's logits.

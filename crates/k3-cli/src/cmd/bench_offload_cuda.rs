@@ -80,7 +80,7 @@ pub fn bench_offload(a: &Args, tiers: &str) -> Result<()> {
         let cfg =
             CacheConfig { max_seqs: max_b + 2, max_tokens: (max_b + 2) * (a.gpu.context + PARITY_STEPS + TIMED_STEPS + 64), kv_cache_dtype: KvDtype::Bf16 };
         let t0 = Instant::now();
-        let mut m = CudaModel::load_offloaded(&ck, &dev, RankPlan::single(&ck.config), CudaGroups::single(), cfg, Precision::Bf16, None, &off)?;
+        let mut m = CudaModel::load_rank_reporting(&ck, &dev, RankPlan::single(&ck.config), CudaGroups::single(), cfg, Precision::Bf16, None, &off)?;
         let load_s = t0.elapsed().as_secs_f64();
         // Parity: the prompt, then greedy steps; logits of every step's row.
         let (logits, ids) = greedy(&mut m, &prompt)?;

@@ -383,7 +383,7 @@ pub fn load_gpu_rank(
         let ids: Vec<[u8; 128]> = world.payload().chunks_exact(128).map(|c| c.try_into().expect("128 bytes")).collect();
         let plan = world.par.plans(&ck.config)?.swap_remove(rank);
         let groups = CudaGroups::nccl(&dev, &plan, &ids)?;
-        Ok(k3_model::cuda::CudaModel::load_rank_reporting(ck, &dev, plan, groups, cache, precision, report)?)
+        Ok(k3_model::cuda::CudaModel::load_rank_reporting(ck, &dev, plan, groups, cache, precision, report, &Default::default())?)
     })();
     let m = loaded.map_err(|e| EngineError::Rank { rank, msg: format!("loading its shards: {e}") })?;
     let groups = m.groups.clone();

@@ -187,27 +187,14 @@ impl CudaModel {
     /// One rank's model on `dev`: only the tensors `plan` gives it are read and uploaded (row
     /// shards are views of the memory map, column shards copies of their columns).
     pub fn load_rank(ck: &Checkpoint, dev: &CudaDevice, plan: RankPlan, groups: CudaGroups, cache: CacheConfig, precision: Precision) -> Result<CudaModel> {
-        Self::load_rank_reporting(ck, dev, plan, groups, cache, precision, None)
+        Self::load_rank_reporting(ck, dev, plan, groups, cache, precision, None, &Default::default())
     }
 
     /// [`CudaModel::load_rank`] that reports the bytes it has read to `report` (a world's
-    /// loading: rank 0 draws one bar for every rank) instead of drawing rank 0's own bar.
+    /// loading: rank 0 draws one bar for every rank) instead of drawing rank 0's own bar, with
+    /// each MoE layer's routed experts on the tier `offload` gives it (issue 23): uploaded, or
+    /// computed by the CPU from host memory or from disk through its cache (`cuda/moe.rs`).
     pub fn load_rank_reporting(
-        ck: &Checkpoint,
-        dev: &CudaDevice,
-        plan: RankPlan,
-        groups: CudaGroups,
-        cache: CacheConfig,
-        precision: Precision,
-        report: Option<&crate::source::LoadReport<'_>>,
-    ) -> Result<CudaModel> {
-        Self::load_offloaded(ck, dev, plan, groups, cache, precision, report, &crate::offload::GpuOffload::default())
-    }
-
-    /// [`CudaModel::load_rank_reporting`] with each MoE layer's routed experts on the tier
-    /// `offload` gives it (issue 23): uploaded, or computed by the CPU from host memory or
-    /// from disk through its cache (`cuda/moe.rs`).
-    pub fn load_offloaded(
         ck: &Checkpoint,
         dev: &CudaDevice,
         plan: RankPlan,
