@@ -205,6 +205,12 @@ pub fn rss() -> (u64, u64) {
     (get("VmHWM:"), get("VmRSS:"))
 }
 
+/// The median of `v` (sorted in place; the upper middle for an even count).
+pub(crate) fn median_of(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// (parallel read GB/s, memcpy GB/s counting read + write) over a 1 GiB buffer, best of 3.
 pub fn memory_bandwidth() -> (f64, f64) {
     let n = (1usize << 30) / 4;

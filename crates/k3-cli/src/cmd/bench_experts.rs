@@ -19,7 +19,7 @@ use k3_model::offload::{moe_layers, CacheOptions, DirectIo, ExpertCache};
 use k3_model::{Checkpoint, Model};
 use rand::{Rng, SeedableRng};
 
-use super::bench::{memory_bandwidth, Args};
+use super::bench::{median_of, memory_bandwidth, Args};
 
 /// Steps timed per batch size and tier (the median is reported).
 const REPEATS: usize = 7;
@@ -78,7 +78,7 @@ pub fn bench_experts(a: &Args) -> Result<()> {
             read += cache.stats().bytes_read - before;
         }
         let bytes = distinct as f64 / REPEATS as f64 * expert_bytes as f64;
-        let (mh, md) = (median(&mut th), median(&mut td));
+        let (mh, md) = (median_of(&mut th), median_of(&mut td));
         let (fh, fd) = (bytes / read_bw / 1e9, read as f64 / REPEATS as f64 / disk_bw / 1e9);
         let s = cache.stats();
         rows.push(serde_json::json!({
@@ -145,11 +145,6 @@ fn pick(rng: &mut impl Rng, e: usize, k: usize) -> Route {
         }
     }
     ids.into_iter().map(|x| (x, 1.0 / k as f32)).collect()
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// Read bandwidth of the disk under the checkpoint (bytes/s ÷ 1e9), measured on its own files

@@ -18,7 +18,7 @@ use k3_model::{Checkpoint, Model};
 use k3_tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
 
-use super::bench::Args;
+use super::bench::{median_of, Args};
 
 /// One pass: decode tokens, each decode step's wall time per token, and the summed mask counters.
 #[derive(Default)]
@@ -69,11 +69,6 @@ fn one_pass(model: &Arc<Model>, tok: &Arc<Tokenizer>, prompts: &[Vec<u32>], gen:
 /// Rounds of (unconstrained, constrained) passes.
 const ROUNDS: usize = 3;
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 pub fn bench_grammar(a: &Args, schema_file: &Path) -> Result<()> {
     if a.run.prompt_len == 0 || a.run.gen_len < 2 || a.run.batch == 0 {
         bail!("--prompt-len and --batch must be ≥ 1 and --gen-len ≥ 2");
@@ -114,8 +109,8 @@ pub fn bench_grammar(a: &Args, schema_file: &Path) -> Result<()> {
         bail!("no decode step was timed: raise --gen-len (the schema's values completed during the first step)");
     }
     let us = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n as f64;
-    let free_us = median(&mut free.per_token);
-    let cons_us = median(&mut cons.per_token);
+    let free_us = median_of(&mut free.per_token);
+    let cons_us = median_of(&mut cons.per_token);
     let r = serde_json::json!({
         "model": dir.display().to_string(), "schema": schema_file.display().to_string(),
         "threads": rayon::current_num_threads(), "batch": a.run.batch, "prompt_len": a.run.prompt_len, "gen_len": a.run.gen_len,
