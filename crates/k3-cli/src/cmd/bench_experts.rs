@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use k3_model::layers::experts::{Kernel, RoutedExperts};
 use k3_model::layers::moe::{ExpertSource, Route};
 use k3_model::model::Ffn;
-use k3_model::offload::{moe_layers, CacheOptions, DirectIo, ExpertCache};
+use k3_model::offload::{expert_bytes, moe_layers, CacheOptions, DirectIo, ExpertCache};
 use k3_model::{Checkpoint, Model};
 use rand::{Rng, SeedableRng};
 
@@ -43,9 +43,7 @@ pub fn bench_experts(a: &Args) -> Result<()> {
     let (disk_bw, direct) = disk_bandwidth(&ck, readers)?;
     let host = Model::load_with(&ck, &ExpertSource { cache: None, kernel: Kernel::Q8 })?;
     let h = routed(&host, layer)?;
-    let probe = ExpertCache::open(&ck, &[layer], 0..e_all, &CacheOptions { budget_bytes: u64::MAX, ..Default::default() })?;
-    let expert_bytes = probe.expert_bytes(layer, 0);
-    drop(probe);
+    let expert_bytes = expert_bytes(&ck, layer, 0)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
     // Page the layer's experts in once, so the host tier reads memory, not the disk.
     let all: Vec<Route> = vec![(0..e_all).map(|e| (e, 1.0)).collect()];

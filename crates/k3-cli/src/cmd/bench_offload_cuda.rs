@@ -50,10 +50,10 @@ pub fn bench_offload(a: &Args, tiers: &str) -> Result<()> {
     let t = &ck.config.text;
     let (e, k) = (t.num_experts, t.num_experts_per_token);
     let moe = moe_layers(&ck.config).len();
-    let probe =
-        k3_model::offload::ExpertCache::open(&ck, &moe_layers(&ck.config)[..1.min(moe)], 0..e, &CacheOptions { budget_bytes: u64::MAX, ..Default::default() })?;
-    let expert_bytes = moe_layers(&ck.config).first().map_or(0, |&l| probe.expert_bytes(l, 0)) as f64;
-    drop(probe);
+    let expert_bytes = match moe_layers(&ck.config).first() {
+        Some(&l) => k3_model::offload::expert_bytes(&ck, l, 0)? as f64,
+        None => 0.0,
+    };
     let (host_bw, _) = memory_bandwidth();
     let (disk_bw, direct) = super::bench_experts::disk_bandwidth(&ck, 8)?;
     let copy_bw = copy_bandwidth(&dev)?;

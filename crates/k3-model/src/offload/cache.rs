@@ -25,10 +25,9 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use k3_core::DType;
 use serde::Serialize;
 
-use super::read::{open_direct, read_expert, Part, Place, ShardFile, Span};
+use super::read::{open_direct, read_expert, Place, ShardFile};
 use crate::checkpoint::Checkpoint;
 use crate::error::{ModelError, Result};
 use crate::layers::moe::Expert;
@@ -148,32 +147,11 @@ impl ExpertCache {
     /// now (naming the first bad one) and starts the readers.
     pub fn open(ck: &Checkpoint, layers: &[usize], experts: Range<usize>, opts: &CacheOptions) -> Result<ExpertCache> {
         let t = &ck.config.text;
-        let (lat, fi) = (t.routed_expert_hidden_size, t.moe_intermediate_size);
-        let mx = ck.config.experts_mxfp4();
-        let span = |name: String, shape: &[usize], dtypes: &[DType]| -> Result<Span> {
-            let e =
-                ck.entry(&name).ok_or_else(|| ModelError::Tensor { name: name.clone(), msg: format!("missing from the checkpoint (expected {shape:?})") })?;
-            if e.shape != shape || !dtypes.contains(&e.dtype) {
-                return Err(ModelError::Tensor { name, msg: format!("is {} {:?}, expected {:?} {shape:?}", e.dtype, e.shape, dtypes) });
-            }
-            Ok(Span { name, shard: e.shard, start: e.start as u64, len: e.len as u64, dtype: e.dtype, shape: e.shape.clone() })
-        };
-        let part = |p: String, rows: usize, cols: usize| -> Result<Part> {
-            Ok(if mx {
-                Part::Mxfp4 {
-                    packed: span(format!("{p}weight_packed"), &[rows, cols / 2], &[DType::U8])?,
-                    scale: span(format!("{p}weight_scale"), &[rows, cols / 32], &[DType::U8])?,
-                }
-            } else {
-                Part::Dense(span(format!("{p}weight"), &[rows, cols], &[DType::F32, DType::BF16, DType::F16])?)
-            })
-        };
         let mut places = HashMap::new();
         let mut largest = 0u64;
         for &l in layers {
             for e in experts.clone() {
-                let q = format!("{}block_sparse_moe.experts.{e}.", crate::weights::layer_prefix(l));
-                let place = Place { parts: [part(format!("{q}w1."), fi, lat)?, part(format!("{q}w3."), fi, lat)?, part(format!("{q}w2."), lat, fi)?] };
+                let place = Place::of(ck, l, e)?;
                 largest = largest.max(place.bytes());
                 places.insert((l, e), place);
             }

@@ -97,6 +97,12 @@ pub fn available_memory() -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// Bytes of expert `e` of layer `l` as stored (its tensors checked as the expert cache checks
+/// them), without opening a cache: the benches' floors, a budget's minimum.
+pub fn expert_bytes(ck: &Checkpoint, l: usize, e: usize) -> Result<u64> {
+    Ok(read::Place::of(ck, l, e)?.bytes())
+}
+
 /// The MoE layers of a config, in order.
 pub fn moe_layers(cfg: &Config) -> Vec<usize> {
     cfg.layers.iter().filter(|s| s.ffn == Ffn::Moe).map(|s| s.index).collect()

@@ -14,6 +14,8 @@ use std::sync::Arc;
 use k3_core::kernels::cpu::matmul::Matrix;
 use k3_core::{DType, Tensor};
 
+use crate::checkpoint::Checkpoint;
+use crate::error::{ModelError, Result};
 use crate::layers::moe::Expert;
 
 /// One tensor's bytes in the files.
@@ -41,6 +43,33 @@ pub(super) struct Place {
 }
 
 impl Place {
+    /// Where expert `e` of layer `l` is in `ck`, each tensor checked for presence, shape and
+    /// dtype (whole experts: `moe_intermediate_size` rows); an error names the first bad one.
+    pub(super) fn of(ck: &Checkpoint, l: usize, e: usize) -> Result<Place> {
+        let t = &ck.config.text;
+        let (lat, fi) = (t.routed_expert_hidden_size, t.moe_intermediate_size);
+        let span = |name: String, shape: &[usize], dtypes: &[DType]| -> Result<Span> {
+            let x =
+                ck.entry(&name).ok_or_else(|| ModelError::Tensor { name: name.clone(), msg: format!("missing from the checkpoint (expected {shape:?})") })?;
+            if x.shape != shape || !dtypes.contains(&x.dtype) {
+                return Err(ModelError::Tensor { name, msg: format!("is {} {:?}, expected {:?} {shape:?}", x.dtype, x.shape, dtypes) });
+            }
+            Ok(Span { name, shard: x.shard, start: x.start as u64, len: x.len as u64, dtype: x.dtype, shape: x.shape.clone() })
+        };
+        let part = |p: String, rows: usize, cols: usize| -> Result<Part> {
+            Ok(if ck.config.experts_mxfp4() {
+                Part::Mxfp4 {
+                    packed: span(format!("{p}weight_packed"), &[rows, cols / 2], &[DType::U8])?,
+                    scale: span(format!("{p}weight_scale"), &[rows, cols / 32], &[DType::U8])?,
+                }
+            } else {
+                Part::Dense(span(format!("{p}weight"), &[rows, cols], &[DType::F32, DType::BF16, DType::F16])?)
+            })
+        };
+        let q = format!("{}block_sparse_moe.experts.{e}.", crate::weights::layer_prefix(l));
+        Ok(Place { parts: [part(format!("{q}w1."), fi, lat)?, part(format!("{q}w3."), fi, lat)?, part(format!("{q}w2."), lat, fi)?] })
+    }
+
     pub(super) fn spans(&self) -> Vec<&Span> {
         self.parts
             .iter()
@@ -50,8 +79,15 @@ impl Place {
             })
             .collect()
     }
+    /// Bytes of the expert as stored.
     pub(super) fn bytes(&self) -> u64 {
-        self.spans().iter().map(|s| s.len).sum()
+        self.parts
+            .iter()
+            .map(|p| match p {
+                Part::Mxfp4 { packed, scale } => packed.len + scale.len,
+                Part::Dense(w) => w.len,
+            })
+            .sum()
     }
 }
 
