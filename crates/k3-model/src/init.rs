@@ -3,7 +3,7 @@
 //! F32 tensors) and §2.2 (MXFP4 `weight_packed`/`weight_scale`); value ranges follow the golden
 //! fixtures' recipe (golden/README.md: weights N(0, 1/fan_in), logit std ≈ 1).
 //!
-//! Every tensor of [`weights::tensor_table`] is written, in the dtype the release uses for it:
+//! Every tensor of [`crate::weights::tensor_table`] is written, in the dtype the release uses for it:
 //! float tensors in `--dtype` (F32 or BF16), the release's F32 tensors always F32, routed experts
 //! as float or MXFP4 (normal weights quantised per 32-block, so scale bytes land around 2^-7 like
 //! the release's 112..122). `A_log` is written `[num_heads]` (unpadded, as the fixtures do).
@@ -17,19 +17,14 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use half::bf16;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use k3_core::kernels::cpu::mxfp4::E2M1;
 use k3_core::DType;
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
-use rand_distr::StandardNormal;
-use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use crate::config::{builtin_config, Config};
 use crate::error::{ModelError, Result};
-use crate::weights::{self, Component, Kind, TensorSpec};
+pub use crate::init_data::{e2m1_code, quantize_block};
+use crate::init_data::{forget_kept_scales, plan, stream, Planned};
 
 /// Float storage for the trunk (and for unquantised experts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +34,7 @@ pub enum FloatDType {
 }
 
 impl FloatDType {
-    fn dtype(self) -> DType {
+    pub(crate) fn dtype(self) -> DType {
         match self {
             FloatDType::F32 => DType::F32,
             FloatDType::BF16 => DType::BF16,
@@ -269,227 +264,6 @@ pub fn init(source: Value, ov: &Overrides, out: &Path, opts: &InitOptions) -> Re
 }
 
 // ---------------------------------------------------------------------------------------------
-// Values
-
-/// Elements per generated chunk (each chunk has its own RNG stream).
-const CHUNK: usize = 1 << 20;
-
-#[derive(Clone, Copy, Debug)]
-enum Dist {
-    Normal {
-        mean: f32,
-        std: f32,
-    },
-    Uniform {
-        lo: f32,
-        hi: f32,
-    },
-    /// `ln U(lo, hi)` (KDA `A_log`: decay rates e^A in [1, 16]).
-    LnUniform {
-        lo: f32,
-        hi: f32,
-    },
-}
-
-/// The distribution of a float tensor, by name and shape.
-fn dist_for(spec: &TensorSpec, hidden: usize) -> Dist {
-    let n = &spec.name;
-    let fan_in = spec.shape.iter().skip(1).product::<usize>().max(1) as f32;
-    if n.ends_with("self_attn.A_log") {
-        Dist::LnUniform { lo: 1.0, hi: 16.0 }
-    } else if n.ends_with("dt_bias") {
-        Dist::Uniform { lo: -2.0, hi: -0.2 }
-    } else if n.ends_with("e_score_correction_bias") || n.ends_with("k_norm.bias") {
-        Dist::Normal { mean: 0.0, std: 0.02 }
-    } else if n.ends_with("norm.weight") || n.ends_with("layernorm.weight") || n.ends_with(".norm0.weight") || n.ends_with(".norm1.weight") {
-        Dist::Normal { mean: 1.0, std: 0.1 }
-    } else if n.ends_with("_conv1d.weight") {
-        Dist::Normal { mean: 0.0, std: 0.6 / fan_in.sqrt() }
-    } else if n.ends_with("_res_proj.weight") {
-        Dist::Normal { mean: 0.0, std: 1.0 / (hidden as f32).sqrt() }
-    } else if spec.component == Component::Embedding {
-        Dist::Normal { mean: 0.0, std: 1.0 }
-    } else if n.ends_with("pos_emb.weight") {
-        Dist::Normal { mean: 0.0, std: 0.02 }
-    } else {
-        Dist::Normal { mean: 0.0, std: 1.0 / fan_in.sqrt() }
-    }
-}
-
-fn sample(d: Dist, rng: &mut SmallRng) -> f32 {
-    match d {
-        Dist::Normal { mean, std } => mean + std * rng.sample::<f32, _>(StandardNormal),
-        Dist::Uniform { lo, hi } => rng.random_range(lo..hi),
-        Dist::LnUniform { lo, hi } => rng.random_range(lo..hi).ln(),
-    }
-}
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-fn name_seed(seed: u64, name: &str) -> u64 {
-    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-    splitmix(seed ^ h)
-}
-
-fn chunk_rng(tensor_seed: u64, chunk: usize) -> SmallRng {
-    SmallRng::seed_from_u64(splitmix(tensor_seed.wrapping_add(chunk as u64)))
-}
-
-/// Quantises 32 values to one E8M0 scale byte and 16 packed e2m1 bytes (low nibble = even
-/// column; round to nearest magnitude, clip at 6).
-pub fn quantize_block(v: &[f32], packed: &mut [u8]) -> u8 {
-    let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
-    // Scale so that amax / 2^e lies in [4, 8): the top codes (4, 6) are used, 6 clips.
-    let e = if amax > 0.0 { amax.log2().floor() as i32 - 2 } else { -127 };
-    let s = (e + 127).clamp(0, 254) as u8;
-    let inv = 1.0 / k3_core::kernels::cpu::mxfp4::e8m0_to_f32(s);
-    let code = |x: f32| -> u8 {
-        let a = (x.abs() * inv).min(6.0);
-        let mut best = 0u8;
-        for c in 1..8u8 {
-            if (E2M1[c as usize] - a).abs() < (E2M1[best as usize] - a).abs() {
-                best = c;
-            }
-        }
-        best | if x.is_sign_negative() && best != 0 { 8 } else { 0 }
-    };
-    for (j, p) in packed.iter_mut().enumerate() {
-        *p = code(v[2 * j]) | (code(v[2 * j + 1]) << 4);
-    }
-    s
-}
-
-/// How one tensor's bytes are produced.
-#[derive(Clone, Debug)]
-enum Source {
-    Float {
-        dist: Dist,
-        dtype: DType,
-        numel: usize,
-        seed: u64,
-    },
-    /// One half of an MXFP4 pair, generated from the same normal `[rows, cols]` matrix.
-    Mxfp4 {
-        scale: bool,
-        rows: usize,
-        cols: usize,
-        std: f32,
-        seed: u64,
-    },
-}
-
-struct Planned {
-    name: String,
-    shape: Vec<usize>,
-    dtype: DType,
-    bytes: u64,
-    src: Source,
-}
-
-fn plan(cfg: &Config, opts: &InitOptions) -> Vec<Planned> {
-    let h = cfg.text.hidden_size;
-    weights::tensor_table(cfg)
-        .into_iter()
-        .map(|s| {
-            let numel: usize = s.shape.iter().product();
-            let (dtype, src) = match s.kind {
-                Kind::Mxfp4Packed | Kind::Mxfp4Scale => {
-                    let rows = s.shape[0];
-                    let cols = if s.kind == Kind::Mxfp4Packed { s.shape[1] * 2 } else { s.shape[1] * 32 };
-                    let base = s.name.trim_end_matches("weight_packed").trim_end_matches("weight_scale");
-                    (
-                        DType::U8,
-                        Source::Mxfp4 { scale: s.kind == Kind::Mxfp4Scale, rows, cols, std: 1.0 / (cols as f32).sqrt(), seed: name_seed(opts.seed, base) },
-                    )
-                }
-                k => {
-                    let dtype = match (k, s.expert, opts.experts) {
-                        (Kind::Float32, _, _) => DType::F32,
-                        (_, Some(_), ExpertFormat::Float(d)) => d.dtype(), // routed experts (an MTP layer's too)
-                        _ => opts.dtype.dtype(),
-                    };
-                    (dtype, Source::Float { dist: dist_for(&s, h), dtype, numel, seed: name_seed(opts.seed, &s.name) })
-                }
-            };
-            Planned { bytes: (numel * dtype.size_in_bytes()) as u64, name: s.name, shape: s.shape, dtype, src }
-        })
-        .collect()
-}
-
-/// The bytes of chunk `c` of a tensor (`None` past the end).
-fn chunk_bytes(src: &Source, c: usize) -> Option<Vec<u8>> {
-    match *src {
-        Source::Float { dist, dtype, numel, seed } => {
-            let start = c * CHUNK;
-            if start >= numel {
-                return None;
-            }
-            let n = CHUNK.min(numel - start);
-            let mut rng = chunk_rng(seed, c);
-            let mut out = Vec::with_capacity(n * dtype.size_in_bytes());
-            for _ in 0..n {
-                let x = sample(dist, &mut rng);
-                match dtype {
-                    DType::BF16 => out.extend_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes()),
-                    _ => out.extend_from_slice(&x.to_le_bytes()),
-                }
-            }
-            Some(out)
-        }
-        Source::Mxfp4 { scale, rows, cols, std, seed } => {
-            let per = (CHUNK / cols).max(1);
-            let r0 = c * per;
-            if r0 >= rows {
-                return None;
-            }
-            let nr = per.min(rows - r0);
-            let mut rng = chunk_rng(seed, c);
-            let mut row = vec![0f32; cols];
-            let mut packed = vec![0u8; cols / 2];
-            let mut out = Vec::with_capacity(nr * if scale { cols / 32 } else { cols / 2 });
-            for _ in 0..nr {
-                row.iter_mut().for_each(|x| *x = std * rng.sample::<f32, _>(StandardNormal));
-                let mut scales = Vec::with_capacity(cols / 32);
-                for (blk, p) in row.chunks_exact(32).zip(packed.chunks_exact_mut(16)) {
-                    scales.push(quantize_block(blk, p));
-                }
-                out.extend_from_slice(if scale { &scales } else { &packed });
-            }
-            Some(out)
-        }
-    }
-}
-
-/// Streams one tensor's bytes into `w`, a few chunks at a time (generated in parallel).
-fn stream(p: &Planned, w: &mut impl Write, pb: &ProgressBar) -> std::io::Result<u64> {
-    let batch = rayon::current_num_threads().max(1) * 2;
-    let mut written = 0u64;
-    for first in (0..).step_by(batch) {
-        let parts: Vec<Option<Vec<u8>>> = (first..first + batch).into_par_iter().map(|c| chunk_bytes(&p.src, c)).collect();
-        let mut done = false;
-        for part in parts {
-            match part {
-                Some(b) => {
-                    w.write_all(&b)?;
-                    written += b.len() as u64;
-                    pb.inc(b.len() as u64);
-                }
-                None => done = true,
-            }
-        }
-        if done {
-            break;
-        }
-    }
-    Ok(written)
-}
-
-// ---------------------------------------------------------------------------------------------
 // Files
 
 /// Removes the temporary directory unless the write completed.
@@ -600,10 +374,12 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, opts: &InitOptions) -> 
     };
     let data_bytes: u64 = planned.iter().map(|p| p.bytes).sum();
     let pb = progress(data_bytes);
-    for (s, n) in shards.iter().zip(&names) {
+    let written = shards.iter().zip(&names).try_for_each(|(s, n)| {
         pb.set_message(n.clone());
-        write_file(&tmp.path.join(n), s, &pb)?;
-    }
+        write_file(&tmp.path.join(n), s, &pb)
+    });
+    forget_kept_scales();
+    written?;
     pb.finish_and_clear();
     if opts.shard_size.is_some() {
         let mut wm = serde_json::Map::new();

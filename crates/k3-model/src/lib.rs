@@ -21,6 +21,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod init;
+mod init_data;
 pub mod inspect;
 pub mod offload;
 pub mod parallel;
