@@ -23,6 +23,7 @@ use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
 use k3_engine::{Engine, EngineConfig, PrefixConfig};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::kda::{StateBuf, StateDType};
+use k3_model::layers::pages::StoredPage;
 use k3_model::{Checkpoint, Parallel};
 
 #[path = "../../../tests/support/golden.rs"]
@@ -211,7 +212,12 @@ fn mutation(m: Mutant) -> Mutate {
                 _ => panic!("no KDA layer"),
             },
             Mutant::LastLatent => match cells.last_mut().unwrap().layers.iter_mut().rev().find(|l| matches!(l, SegLayer::Mla { .. })) {
-                Some(SegLayer::Mla { latent, .. }) => *latent.last_mut().unwrap() += 0.5,
+                Some(SegLayer::Mla { latent, .. }) => {
+                    // A corrupted copy of the page (the pool's own page stays as it was).
+                    let mut v = latent.values().to_vec();
+                    *v.last_mut().unwrap() += 0.5;
+                    *latent = StoredPage::from_values(v);
+                }
                 _ => panic!("no MLA layer"),
             },
         }

@@ -68,7 +68,12 @@ impl Indexer {
 
 /// Scores `I[s]` of one query (`q` `[ih, id]`, scaled weights `a` `[ih]`) against `keys` `[n, id]`.
 pub fn index_scores(q: &[f32], a: &[f32], keys: &[f32], id: usize) -> Vec<f32> {
-    keys.chunks_exact(id).map(|ks| q.chunks_exact(id).zip(a).map(|(qh, &ah)| ah * dot(qh, ks).max(0.0)).sum()).collect()
+    index_scores_rows(q, a, keys.chunks_exact(id), id)
+}
+
+/// [`index_scores`] against key rows `[id]` however they are stored (a paged cache's).
+pub fn index_scores_rows<'a>(q: &[f32], a: &[f32], keys: impl Iterator<Item = &'a [f32]>, id: usize) -> Vec<f32> {
+    keys.map(|ks| q.chunks_exact(id).zip(a).map(|(qh, &ah)| ah * dot(qh, ks).max(0.0)).sum()).collect()
 }
 
 /// Positions of the `k` largest scores, ordered by `(score desc, position desc)`; all
