@@ -170,7 +170,7 @@ impl PagedRows {
     /// cache at a page boundary, else copied.
     pub fn push_page(&mut self, page: &Arc<Page>, n: usize) {
         let whole = n == self.page_rows && self.rows.is_multiple_of(self.page_rows) && page.values.len().is_multiple_of(n);
-        let w = if n == 0 { 0 } else { page.values.len() / n };
+        let w = page.values.len().checked_div(n).unwrap_or(0);
         if whole && w > 0 && (self.width == 0 || self.width == w) {
             self.width = w;
             self.pages.push(page.clone());
