@@ -136,7 +136,8 @@ impl Mla {
                 (Some(ix), Some(io)) => {
                     let (ih, id) = (ix.heads, ix.head_dim);
                     cache.index_keys.push_rows(&io.k[r0 * id..(r0 + t) * id], t);
-                    let keys = &cache.index_keys;
+                    // The key rows, looked up once across the pages (no page arithmetic per key).
+                    let keys: Vec<&[f32]> = cache.index_keys.iter().collect();
                     (0..t)
                         .into_par_iter()
                         .map(|i| {
@@ -145,7 +146,7 @@ impl Mla {
                                 let s = index_scores_rows(
                                     &io.q[row * ih * id..(row + 1) * ih * id],
                                     &io.a[row * ih..(row + 1) * ih],
-                                    keys.iter().take(pos + 1),
+                                    keys[..=pos].iter().copied(),
                                     id,
                                 );
                                 select_topk(&s, ix.topk)
@@ -161,7 +162,8 @@ impl Mla {
                 MlaForm::Absorbed => false,
             };
             let qs = &q[r0 * nh * (dn + dr)..(r0 + t) * nh * (dn + dr)];
-            let heads = self.attend(qs, t, past, &cache.latent, &sel, explicit)?;
+            let lat: Vec<&[f32]> = cache.latent.iter().collect();
+            let heads = self.attend(qs, t, past, &lat, &sel, explicit)?;
             for (h, oh) in heads.iter().enumerate() {
                 for i in 0..t {
                     o[((r0 + i) * nh + h) * dv..][..dv].copy_from_slice(&oh[i * dv..(i + 1) * dv]);
@@ -175,9 +177,9 @@ impl Mla {
     }
 
     /// Attention of one sequence's `t` new queries `q` `[t, nh, dn+dr]` over its cache
-    /// `lat` `[past+t, r+dr]` (read row by row across its pages); returns per-head outputs
+    /// `lat`: its `past + t` cache rows `[r + dr]` (looked up once across the pages); returns per-head outputs
     /// `[nh][t, dv]`.
-    fn attend(&self, q: &[f32], t: usize, past: usize, lat: &PagedRows, sel: &[Option<Vec<u32>>], explicit: bool) -> Result<Vec<Vec<f32>>> {
+    fn attend(&self, q: &[f32], t: usize, past: usize, lat: &[&[f32]], sel: &[Option<Vec<u32>>], explicit: bool) -> Result<Vec<Vec<f32>>> {
         let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
         let n = past + t;
         let scale = ((dn + dr) as f32).powf(-0.5);
@@ -199,7 +201,7 @@ impl Mla {
                         let mut p: Vec<f32> = keys(i)
                             .map(|s| {
                                 let kn = &kv[(s * nh + h) * (dn + dv)..][..dn];
-                                (dot(&qh[..dn], kn) + dot(&qh[dn..], &lat.row(s)[r..])) * scale
+                                (dot(&qh[..dn], kn) + dot(&qh[dn..], &lat[s][r..])) * scale
                             })
                             .collect();
                         softmax_inplace(&mut p);
@@ -232,14 +234,14 @@ impl Mla {
                         }
                         let mut p: Vec<f32> = keys(i)
                             .map(|s| {
-                                let row = lat.row(s);
+                                let row = lat[s];
                                 (dot(&q_lat, &row[..r]) + dot(&qh[dn..], &row[r..])) * scale
                             })
                             .collect();
                         softmax_inplace(&mut p);
                         o_lat.iter_mut().for_each(|v| *v = 0.0);
                         for (s, &ps) in keys(i).zip(&p) {
-                            o_lat.iter_mut().zip(&lat.row(s)[..r]).for_each(|(a, &b)| *a += ps * b);
+                            o_lat.iter_mut().zip(&lat[s][..r]).for_each(|(a, &b)| *a += ps * b);
                         }
                         for (j, o) in out[i * dv..(i + 1) * dv].iter_mut().enumerate() {
                             *o = dot(&w_uv[j * r..(j + 1) * r], &o_lat);
