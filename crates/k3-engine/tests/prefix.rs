@@ -13,7 +13,9 @@
 //! same request alone (concurrent runs by their tokens: see
 //! `concurrent_logits_follow_the_schedule_not_the_cache`). `mutants_are_caught` corrupts
 //! restored snapshots (recurrent state, conv tails, a latent value, the indexer keys) and checks
-//! that the comparison then fails, so these tests can fail.
+//! that the comparison then fails, so these tests can fail. `live_sequences_share_prefix_pages`:
+//! live sequences resumed from one prefix hold the pool's latent and indexer-key pages by
+//! reference, private pages where they diverge, and are charged for them once.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
