@@ -466,7 +466,7 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
 }
 
 fn bench_cpu_dsa(a: &Args) -> Result<()> {
-    use k3_model::layers::dsa::{index_scores_rows, select_topk};
+    use k3_model::layers::dsa::{index_scores_into, select_topk};
     use k3_model::layers::mla::{MlaCache, MlaForm};
     use k3_model::model::Mixer;
     let contexts: Vec<usize> = if a.op.op.len() > 1 {
@@ -525,7 +525,8 @@ fn bench_cpu_dsa(a: &Args) -> Result<()> {
         let c_q: Vec<f32> = (0..ixr.wq_b.cols()).map(|_| rng.random_range(-1.0..1.0)).collect();
         let indexer = time(&mut || {
             let io = ixr.project(&x, &c_q, 1)?;
-            let s = index_scores_rows(&io.q, &io.a, cache.index_keys.iter(), id);
+            let mut s = Vec::with_capacity(ctx + 1);
+            cache.index_keys.spans(ctx).for_each(|span| index_scores_into(&io.q, &io.a, span, id, &mut s));
             std::hint::black_box(select_topk(&s, topk));
             Ok(())
         })?;

@@ -13,7 +13,7 @@ use k3_core::kernels::cpu::matmul::{dot, Matrix};
 use k3_core::kernels::cpu::norm::rms_norm_inplace;
 use rayon::prelude::*;
 
-use super::dsa::{index_scores_rows, select_topk, Indexer};
+use super::dsa::{index_scores_into, select_topk, Indexer};
 use super::pages::{PageSet, PagedRows};
 use super::{lin, matrix, vector};
 use crate::config::Config;
@@ -136,19 +136,16 @@ impl Mla {
                 (Some(ix), Some(io)) => {
                     let (ih, id) = (ix.heads, ix.head_dim);
                     cache.index_keys.push_rows(&io.k[r0 * id..(r0 + t) * id], t);
-                    // The key rows, looked up once across the pages (no page arithmetic per key).
-                    let keys: Vec<&[f32]> = cache.index_keys.iter().collect();
+                    let keys = &cache.index_keys;
                     (0..t)
                         .into_par_iter()
                         .map(|i| {
                             let (pos, row) = (past + i, r0 + i);
                             (pos + 1 > ix.topk).then(|| {
-                                let s = index_scores_rows(
-                                    &io.q[row * ih * id..(row + 1) * ih * id],
-                                    &io.a[row * ih..(row + 1) * ih],
-                                    keys[..=pos].iter().copied(),
-                                    id,
-                                );
+                                // Keys 0..=pos, page by page (each page's rows contiguous).
+                                let (qi, ai) = (&io.q[row * ih * id..(row + 1) * ih * id], &io.a[row * ih..(row + 1) * ih]);
+                                let mut s = Vec::with_capacity(pos + 1);
+                                keys.spans(pos + 1).for_each(|span| index_scores_into(qi, ai, span, id, &mut s));
                                 select_topk(&s, ix.topk)
                             })
                         })

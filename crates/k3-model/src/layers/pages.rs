@@ -135,6 +135,12 @@ impl PagedRows {
         self.pages.iter().flat_map(move |p| p.values.chunks_exact(w))
     }
 
+    /// The first `n` rows (`n ≤ rows`) as each page's contiguous run of them, in order.
+    pub fn spans(&self, n: usize) -> impl Iterator<Item = &[f32]> + '_ {
+        let (w, pr) = (self.width, self.page_rows);
+        self.pages.iter().enumerate().take(n.div_ceil(pr)).map(move |(i, p)| &p.values[..(n - i * pr).min(pr) * w])
+    }
+
     /// Rows `[a, b)` as one buffer `[b − a, w]`.
     pub fn copy_rows(&self, a: usize, b: usize) -> Vec<f32> {
         let mut v = Vec::with_capacity((b - a) * self.width);
@@ -231,6 +237,9 @@ mod tests {
                 assert_eq!(p.iter().flatten().copied().collect::<Vec<_>>(), all);
                 assert!((0..23).all(|s| p.row(s) == &all[s * w..(s + 1) * w]));
                 assert_eq!(p.copy_rows(5, 11), all[5 * w..11 * w]);
+                for n in [0, 1, 5, 17, 23] {
+                    assert_eq!(p.spans(n).flatten().copied().collect::<Vec<_>>(), all[..n * w], "spans({n})");
+                }
                 p.truncate_rows(10);
                 assert_eq!(p.iter().flatten().copied().collect::<Vec<_>>(), all[..10 * w]);
                 p.push_rows(&all[10 * w..], 13);
