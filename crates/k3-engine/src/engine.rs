@@ -232,6 +232,8 @@ impl Engine {
                     true => PrefixCache::new(c.clone(), &digest),
                     false => PrefixCache::with_free_cuts(c.clone(), &digest),
                 };
+                // A cell = one whole cache page: the pool and the sequences share it.
+                runner.set_page_rows(c.grid);
                 (Some(cache), None)
             }
             (Some(_), Err(why)) => (None, Some(why)),
@@ -375,9 +377,15 @@ impl Engine {
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
-    /// Bytes held by all live sequence states (as the runner last knew them).
+    /// Bytes held by all live sequence states (as the runner last knew them): cache pages that
+    /// several sequences share count once, and the prefix-cache pool's pages not at all (its
+    /// `pool_bytes` counts them).
     pub fn state_bytes(&self) -> usize {
         self.runner.state_bytes()
+    }
+    /// The runner (inspection: `Runner::seq_state`).
+    pub fn runner(&self) -> &dyn Runner {
+        self.runner.as_ref()
     }
     /// Stats of sequences finished since the last call.
     pub fn take_finished_stats(&mut self) -> Vec<(SeqId, SeqStats)> {

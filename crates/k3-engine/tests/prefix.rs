@@ -13,7 +13,9 @@
 //! same request alone (concurrent runs by their tokens: see
 //! `concurrent_logits_follow_the_schedule_not_the_cache`). `mutants_are_caught` corrupts
 //! restored snapshots (recurrent state, conv tails, a latent value, the indexer keys) and checks
-//! that the comparison then fails, so these tests can fail.
+//! that the comparison then fails, so these tests can fail. `live_sequences_share_prefix_pages`:
+//! live sequences resumed from one prefix hold the pool's latent and indexer-key pages by
+//! reference, private pages where they diverge, and are charged for them once.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -23,6 +25,8 @@ use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
 use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::kda::{StateBuf, StateDType};
+use k3_model::layers::pages::StoredPage;
+use k3_model::model::LayerState;
 use k3_model::{Checkpoint, Model};
 
 #[path = "../../../tests/support/golden.rs"]
@@ -73,7 +77,10 @@ fn mutation(mutant: Mutant) -> Option<Mutate> {
                 // One value of one cached latent row.
                 let last = cells.last_mut().unwrap();
                 if let Some(SegLayer::Mla { latent, .. }) = last.layers.iter_mut().rev().find(|l| matches!(l, SegLayer::Mla { .. })) {
-                    *latent.last_mut().unwrap() += 0.5;
+                    // A corrupted copy of the page (the pool's own page stays as it was).
+                    let mut v = latent.values().to_vec();
+                    *v.last_mut().unwrap() += 0.5;
+                    *latent = StoredPage::from_values(v);
                 }
             }
             (Mutant::IndexKey, _) => {
@@ -82,7 +89,7 @@ fn mutation(mutant: Mutant) -> Option<Mutate> {
                 for c in cells.iter_mut() {
                     for l in &mut c.layers {
                         if let SegLayer::Mla { index_keys, .. } = l {
-                            index_keys.iter_mut().for_each(|x| *x = -*x);
+                            *index_keys = StoredPage::from_values(index_keys.values().iter().map(|x| -x).collect());
                         }
                     }
                 }
@@ -423,4 +430,71 @@ fn mutants_are_caught() {
 fn off_unless_asked_for() {
     let e = Engine::with_runner(Box::new(ThreadRunner::single(model("tiny"), Default::default())), None, EngineConfig::default());
     assert_eq!(e.prefix_status(), Ok(None));
+}
+
+/// Live sequences resumed from one prefix hold the pool's latent and indexer-key pages
+/// themselves, by reference (the same page objects: the pool's, B's and C's handles, nobody
+/// else's), each computes the cell it diverges in into a page of its own, the shared pages are
+/// charged once (to the pool, not to the sequences), and the outputs equal a cold start bit for
+/// bit. A mutant that copies pages at restore (`PagedRows::push_page`) fails the first check;
+/// one that charges the pool's pages to the sequences fails the memory check.
+#[test]
+fn live_sequences_share_prefix_pages() {
+    let name = "tiny_dsa";
+    let (mut e, log) = engine(name, 1 << 30, Mutant::None);
+    let sys = ids(name, 12, 2 * GRID + 40);
+    let user = |k: u32| {
+        let mut p = sys.clone();
+        p.extend(ids(name, 60 + k, 20));
+        p
+    };
+    // A publishes the cells [0, 256) and the snapshot at 256; its state is freed at its end.
+    run(&mut e, &log, &[user(0)], 2, &[]);
+    let pool = e.prefix_status().unwrap().unwrap().pool_bytes;
+    let (pb, pc) = (user(1), user(2));
+    let (b, c) = (e.add(Request::new(pb.clone(), SamplingParams::greedy(), 4)).unwrap(), e.add(Request::new(pc.clone(), SamplingParams::greedy(), 4)).unwrap());
+    let mut events = Vec::new();
+    while events.len() < 2 {
+        events.extend(e.step().unwrap()); // both prefilled: their first tokens
+    }
+    assert!(events.iter().all(|ev| ev.cached_tokens == 2 * GRID), "both resumed at 256");
+    let (sb, sc) = (e.runner().seq_state(b).unwrap(), e.runner().seq_state(c).unwrap());
+    let (mut shared_per_token, mut layers) = (0, 0);
+    for (l, (lb, lc)) in sb.layers.iter().zip(&sc.layers).enumerate() {
+        let (LayerState::Mla(cb), LayerState::Mla(cc)) = (lb, lc) else { continue };
+        layers += 1;
+        for (rb, rc, what) in [(&cb.latent, &cc.latent, "latent"), (&cb.index_keys, &cc.index_keys, "indexer-key")] {
+            assert_eq!((rb.page_rows(), rb.pages().len(), rc.pages().len()), (GRID, 3, 3), "layer {l} {what}: pages of the grid");
+            for k in 0..2 {
+                let (x, y) = (&rb.pages()[k], &rc.pages()[k]);
+                assert!(Arc::ptr_eq(x, y), "layer {l} {what} page {k}: B and C hold the same page");
+                assert!(x.is_stored() && Arc::strong_count(x) == 3, "layer {l} {what} page {k}: held by the pool, B and C only");
+            }
+            // Cell 2 (B and C diverge inside it): a page of each one's own, the common rows
+            // [256, 296) equal value for value.
+            let (x, y) = (&rb.pages()[2], &rc.pages()[2]);
+            assert!(!Arc::ptr_eq(x, y) && !x.is_stored() && Arc::strong_count(x) == 1 && Arc::strong_count(y) == 1, "layer {l} {what}: private tail pages");
+            assert_eq!(rb.copy_rows(2 * GRID, sys.len()), rc.copy_rows(2 * GRID, sys.len()), "layer {l} {what}");
+            assert_ne!(rb.copy_rows(sys.len(), sys.len() + 1), rc.copy_rows(sys.len(), sys.len() + 1), "layer {l} {what}: B and C diverge");
+            shared_per_token += 4 * rb.width();
+        }
+    }
+    assert!(layers > 0 && shared_per_token > 0);
+    // Memory: each sequence is charged its own rows and KDA states, not the 256 shared rows
+    // (the pool's bytes, unchanged: nothing new was published).
+    let own = |st: &k3_model::SeqState| st.bytes() - 2 * GRID * shared_per_token;
+    assert_eq!(e.state_bytes(), own(sb) + own(sc), "shared pages charged to the pool only");
+    assert_eq!(e.prefix_status().unwrap().unwrap().pool_bytes, pool);
+    // Run both to the end: the cold tokens (run together, their logits follow the batch's
+    // composition: `concurrent_logits_follow_the_schedule_not_the_cache`); every state freed.
+    while e.has_work() {
+        events.extend(e.step().unwrap());
+    }
+    assert_eq!(e.state_bytes(), 0);
+    for (id, p) in [(b, &pb), (c, &pc)] {
+        let toks: Vec<u32> = events.iter().filter(|ev| ev.seq == id).map(|ev| ev.token).collect();
+        assert_eq!(toks, cold(name, p, 4).tokens, "sequence {id}");
+    }
+    // Alone, on the same pages again: bit for bit.
+    check_warm(name, &mut e, &log, &pb, 2 * GRID, "B alone on the shared pages");
 }

@@ -14,15 +14,19 @@
 //! ranks' heads swapped (restored to the wrong rank), a KDA state and a latent row of the second
 //! pipeline stage perturbed. A swap of uneven head shares is refused by the rank, and a state
 //! stored by one layout is refused by another (the cache's digest names the layout, too).
+//! `rank_zero_shares_the_pools_pages`: rank 0's restored sequences hold the pool's latent pages
+//! by reference (a thread runner that ignores `set_page_rows` fails it).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k3_engine::dist::runner::{Runner, Step, StepSeq, ThreadRunner};
 use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
-use k3_engine::{Engine, EngineConfig, PrefixConfig};
+use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::kda::{StateBuf, StateDType};
+use k3_model::layers::pages::StoredPage;
+use k3_model::model::LayerState;
 use k3_model::{Checkpoint, Parallel};
 
 #[path = "../../../tests/support/golden.rs"]
@@ -211,7 +215,12 @@ fn mutation(m: Mutant) -> Mutate {
                 _ => panic!("no KDA layer"),
             },
             Mutant::LastLatent => match cells.last_mut().unwrap().layers.iter_mut().rev().find(|l| matches!(l, SegLayer::Mla { .. })) {
-                Some(SegLayer::Mla { latent, .. }) => *latent.last_mut().unwrap() += 0.5,
+                Some(SegLayer::Mla { latent, .. }) => {
+                    // A corrupted copy of the page (the pool's own page stays as it was).
+                    let mut v = latent.values().to_vec();
+                    *v.last_mut().unwrap() += 0.5;
+                    *latent = StoredPage::from_values(v);
+                }
                 _ => panic!("no MLA layer"),
             },
         }
@@ -273,4 +282,45 @@ fn states_stay_in_their_layout() {
     let cells: Vec<&Segment> = own.cells.iter().collect();
     let e = tp.restore(3, &cells, own.kda.as_ref().unwrap()).unwrap_err().to_string();
     assert!(e.contains("not shaped as this rank's"), "{e}");
+}
+
+/// Rank 0's sequences share the pool's latent pages (the other ranks' parts travel as bytes:
+/// copies): on `--tp 2`, `--ep 2` (tiny) and `--pp 2` (the MXFP4 fixture, whose first stage
+/// has MLA layers), with a grid of 64 (not the default page size: the runner sizes its pages
+/// to the grid), a sequence resumed at 256 holds the pool's own pages of its first four cells
+/// in every MLA layer rank 0 holds — the pool's handle and its own, nobody else's.
+#[test]
+fn rank_zero_shares_the_pools_pages() {
+    const G: usize = 64;
+    for (name, p) in [("tiny", par(2, None, 1)), ("tiny", par(1, Some(2), 1)), ("k3_small_mxfp4", par(1, None, 2))] {
+        let log: Log = Default::default();
+        let r = Rec::new(ThreadRunner::start(&ck(name), p, StateDType::F32).unwrap(), &log);
+        let cfg = EngineConfig { max_batch: 8, max_step_tokens: 1024, prefix: Some(PrefixConfig::new(G, 1 << 30)), ..Default::default() };
+        let mut e = Engine::with_runner(Box::new(r), None, cfg);
+        let a = ids(name, 3, 4 * G + 50); // a snapshot at 256
+        run(&mut e, &log, std::slice::from_ref(&a), 2, &[]);
+        let mut b = a[..4 * G + 10].to_vec();
+        b.extend(ids(name, 4, 7));
+        let id = e.add(Request::new(b, SamplingParams::greedy(), 3)).unwrap();
+        while e.step().unwrap().is_empty() {}
+        let st = e.runner().seq_state(id).expect("rank 0's state");
+        let held: Vec<_> = st
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerState::Mla(c) if c.latent.rows() > 0 => Some(&c.latent),
+                _ => None,
+            })
+            .collect();
+        assert!(!held.is_empty(), "{name} {p:?}");
+        for rows in held {
+            assert_eq!((rows.page_rows(), rows.pages().len()), (G, 5), "{name} {p:?}");
+            assert!(rows.pages()[..4].iter().all(|pg| pg.is_stored() && Arc::strong_count(pg) == 2), "{name} {p:?}: the pool's pages, by reference");
+            assert!(!rows.pages()[4].is_stored() && Arc::strong_count(&rows.pages()[4]) == 1, "{name} {p:?}: its own tail page");
+        }
+        while e.has_work() {
+            e.step().unwrap();
+        }
+        assert_eq!(e.prefix_status().unwrap().unwrap().hits, 1);
+    }
 }

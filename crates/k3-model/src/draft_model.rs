@@ -63,7 +63,7 @@ impl Model {
             .iter()
             .map(|l| match l {
                 LayerState::Kda(s) => Saved::Kda(s.conv.clone(), s.s.clone()),
-                LayerState::Mla(c) => Saved::Mla(c.latent.len(), c.index_keys.len()),
+                LayerState::Mla(c) => Saved::Mla(c.latent.rows(), c.index_keys.rows()),
             })
             .collect();
         let out = (|| -> Result<usize> {
@@ -88,8 +88,8 @@ impl Model {
                     st.snapshots.clear();
                 }
                 (LayerState::Mla(c), Saved::Mla(n, m)) => {
-                    c.latent.truncate(n);
-                    c.index_keys.truncate(m);
+                    c.latent.truncate_rows(n);
+                    c.index_keys.truncate_rows(m);
                 }
                 _ => {} // `saved` was made from these layers: the kinds pair up
             }

@@ -24,6 +24,7 @@ use crate::layers::kda::{Kda, KdaMode, KdaState, StateDType};
 use crate::layers::mla::{Mla, MlaCache, MlaForm};
 use crate::layers::moe::{ExpertSource, Moe};
 use crate::layers::mtp::{Mtp, MtpState};
+use crate::layers::pages::PageSet;
 use crate::layers::{lin, matrix, vector};
 use crate::parallel::{Groups, RankPlan};
 use crate::source::Source;
@@ -84,7 +85,34 @@ impl SeqState {
             .collect();
         SeqState { layers, pos: 0, mtp: None }
     }
-    /// Bytes held by the caches and states.
+    /// This (new, empty) state with its MLA/DSA caches in pages of `rows` rows (the prefix
+    /// cache's grid, so that its captures and restores share whole pages: `layers::pages`).
+    pub fn with_page_rows(mut self, rows: usize) -> Self {
+        for l in &mut self.layers {
+            if let LayerState::Mla(c) = l {
+                debug_assert!(c.latent.rows() == 0, "pages are sized before the first row");
+                *c = MlaCache::with_page_rows(rows);
+            }
+        }
+        self
+    }
+
+    /// Bytes this state holds alone: its KDA states and MTP state, and its cache pages that
+    /// no prefix-cache pool holds and `seen` has not counted yet (pages shared by several
+    /// sequences count once per `seen`; see `layers::pages`).
+    pub fn bytes_once(&self, seen: &mut PageSet) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kda(s) => s.bytes(),
+                LayerState::Mla(c) => c.bytes_once(seen),
+            })
+            .sum();
+        layers + self.mtp.as_ref().map_or(0, MtpState::bytes)
+    }
+
+    /// Bytes of the caches and states (shared pages included).
     pub fn bytes(&self) -> usize {
         let layers: usize = self
             .layers

@@ -56,7 +56,7 @@ impl SeqState {
                 }
             }
         }
-        let (n, keep) = (self.pos, self.pos - drop);
+        let keep = self.pos - drop;
         if let Some(m) = &self.mtp {
             m.check_rollback(keep)?;
         }
@@ -72,11 +72,10 @@ impl SeqState {
                     k.snapshots.clear();
                 }
                 LayerState::Mla(c) => {
-                    if n > 0 && drop > 0 {
-                        let (w, iw) = (c.latent.len() / n, c.index_keys.len() / n);
-                        c.latent.truncate(keep * w);
-                        c.index_keys.truncate(keep * iw);
-                    }
+                    // Rows kept; a page shared with another sequence or the prefix-cache pool
+                    // that keeps only some of its rows becomes a private copy (`pages.rs`).
+                    c.latent.truncate_rows(keep);
+                    c.index_keys.truncate_rows(keep);
                 }
             }
         }
@@ -102,14 +101,13 @@ impl SeqState {
                     }
                 }
                 LayerState::Mla(c) => {
-                    f(&mut b, &c.latent);
-                    f(&mut b, &c.index_keys);
+                    c.latent.iter().chain(c.index_keys.iter()).for_each(|r| f(&mut b, r));
                 }
             }
         }
         if let Some(m) = &self.mtp {
             // The draft layer's cache and the hidden row waiting for the next token.
-            f(&mut b, &m.cache.latent);
+            m.cache.latent.iter().for_each(|r| f(&mut b, r));
             f(&mut b, self.pos.checked_sub(1).and_then(|p| m.hidden_row(p)).unwrap_or_default());
         }
         b.extend_from_slice(&(self.pos as u64).to_le_bytes());

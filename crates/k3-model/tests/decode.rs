@@ -1,9 +1,11 @@
 //! Incremental inference on the golden fixtures: stepwise decode, chunked prefill (N = 1, 7,
 //! 64) and prefill-64-then-decode all equal the full pass and the fixtures' own
-//! `decode_logits_L160`, at the manifest tolerances.
+//! `decode_logits_L160`, at the manifest tolerances. The paged MLA/DSA caches give the same
+//! logits bit for bit whatever their page size (`layers::pages`).
 
 mod common;
 use common::*;
+use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::{Checkpoint, ForwardOpts, Model};
 
 fn chunked(model: &Model, toks: &[u32], n: usize) -> Vec<f32> {
@@ -132,4 +134,35 @@ fn bf16_kda_state_is_close_and_smaller() {
     // ≥ 95% of positions.
     assert!(c.top1 >= 0.95 && c.max_rel_l2 < 1.0, "{c:?}");
     assert!(c.max_rel_l2 > 1e-7, "bf16 state should not be bit-identical to f32: {c:?}");
+}
+
+/// Prefill in chunks (an explicit-form call into the empty cache, absorbed ones after), then
+/// decode, with the MLA latent and DSA indexer-key caches in pages of 1, 5 and 128 rows: the
+/// logits are bit-equal (attention reads the rows across pages as from one buffer). On the
+/// MXFP4 fixture (MLA) and a random K3.1 model with DSA top-8 (the indexer's selection runs).
+#[test]
+fn page_size_does_not_change_a_bit() {
+    let dir = std::env::temp_dir().join(format!("k3-pages-{}", std::process::id()));
+    let o = InitOptions { seed: 5, dtype: FloatDType::F32, experts: ExpertFormat::Float(FloatDType::F32), shard_size: None };
+    init(k3_model::config::builtin_config("tiny_dsa").unwrap(), &Overrides::default(), &dir, &o).unwrap();
+    let dsa = Model::load(&Checkpoint::open(&dir).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let mxfp4 = Model::load(&Checkpoint::open(&fixture("k3_small_mxfp4")).unwrap()).unwrap();
+    for (name, model) in [("k3_small_mxfp4", &mxfp4), ("tiny_dsa", &dsa)] {
+        let v = model.config.text.vocab_size as u32;
+        let toks: Vec<u32> = (0..90u32).map(|i| (i * 7919 + 13) % v).collect();
+        let run = |pages: usize| {
+            let mut st = model.new_state().with_page_rows(pages);
+            let mut out = Vec::new();
+            for c in [&toks[..64], &toks[64..71], &toks[71..]] {
+                out.extend(model.forward(c, &mut st, ForwardOpts::default(), None).unwrap());
+            }
+            for t in 0..12u32 {
+                out.extend(model.forward(&[(t * 31 + 1) % v], &mut st, ForwardOpts::default(), None).unwrap());
+            }
+            out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+        };
+        let one = run(128);
+        assert!(run(1) == one && run(5) == one, "{name}: logits depend on the cache's page size");
+    }
 }

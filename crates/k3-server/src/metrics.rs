@@ -107,7 +107,7 @@ impl Metrics {
         put("k3_queue_depth", "gauge", "Sequences waiting for a batch slot.", self.waiting.load(Relaxed) as u64);
         put("k3_running_sequences", "gauge", "Sequences in the running batch.", self.running.load(Relaxed) as u64);
         put("k3_requests_live", "gauge", "Requests admitted and not finished (running + queued).", self.live.load(Relaxed) as u64);
-        put("k3_state_bytes", "gauge", "Bytes held by live sequence states.", self.state_bytes.load(Relaxed) as u64);
+        put("k3_state_bytes", "gauge", "Bytes held by live sequence states (a cache page several sequences share counted once; the prefix-cache pool's pages counted in its pool-bytes gauge only).", self.state_bytes.load(Relaxed) as u64);
         put("k3_cancelled_total", "counter", "Sequences cancelled (client gone or stop string).", self.cancelled.load(Relaxed));
         put("k3_engine_steps_total", "counter", "Batched engine steps.", self.steps.load(Relaxed));
         if let Some(p) = self.prefix.lock().ok().and_then(|p| p.clone()) {

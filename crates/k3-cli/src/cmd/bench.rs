@@ -466,7 +466,7 @@ fn bench_cpu_gemv(a: &Args) -> Result<()> {
 }
 
 fn bench_cpu_dsa(a: &Args) -> Result<()> {
-    use k3_model::layers::dsa::{index_scores, select_topk};
+    use k3_model::layers::dsa::{index_scores_into, select_topk};
     use k3_model::layers::mla::{MlaCache, MlaForm};
     use k3_model::model::Mixer;
     let contexts: Vec<usize> = if a.op.op.len() > 1 {
@@ -501,22 +501,23 @@ fn bench_cpu_dsa(a: &Args) -> Result<()> {
     };
     let mut rows = Vec::new();
     for &ctx in &contexts {
-        let mut cache = MlaCache {
-            latent: (0..ctx * w).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
-            index_keys: (0..ctx * id).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
-        };
-        let (n_lat, n_key) = (cache.latent.len(), cache.index_keys.len());
+        let mut cache = MlaCache::default();
+        let lat: Vec<f32> = (0..ctx * w).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let keys: Vec<f32> = (0..ctx * id).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        cache.latent.push_rows(&lat, ctx);
+        cache.index_keys.push_rows(&keys, ctx);
+        let (n_lat, n_key) = (cache.latent.rows(), cache.index_keys.rows());
         // Dense: the layer without its indexer (attends to all ctx+1 positions).
         let dense = time(&mut || {
             m.forward(&x, 1, &mut cache, MlaForm::Absorbed)?;
-            cache.latent.truncate(n_lat);
+            cache.latent.truncate_rows(n_lat);
             Ok(())
         })?;
         m.indexer = Some(ix.clone());
         let sparse = time(&mut || {
             m.forward(&x, 1, &mut cache, MlaForm::Absorbed)?;
-            cache.latent.truncate(n_lat);
-            cache.index_keys.truncate(n_key);
+            cache.latent.truncate_rows(n_lat);
+            cache.index_keys.truncate_rows(n_key);
             Ok(())
         })?;
         let ixr = m.indexer.take().context("indexer")?;
@@ -524,7 +525,8 @@ fn bench_cpu_dsa(a: &Args) -> Result<()> {
         let c_q: Vec<f32> = (0..ixr.wq_b.cols()).map(|_| rng.random_range(-1.0..1.0)).collect();
         let indexer = time(&mut || {
             let io = ixr.project(&x, &c_q, 1)?;
-            let s = index_scores(&io.q, &io.a, &cache.index_keys, id);
+            let mut s = Vec::with_capacity(ctx + 1);
+            cache.index_keys.spans(ctx).for_each(|span| index_scores_into(&io.q, &io.a, span, id, &mut s));
             std::hint::black_box(select_topk(&s, topk));
             Ok(())
         })?;

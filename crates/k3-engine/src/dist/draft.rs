@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use k3_model::layers::kda::StateDType;
+use k3_model::layers::pages::{PageSet, PAGE_ROWS};
 use k3_model::{Model, SeqState};
 
 use crate::engine::SeqId;
@@ -38,6 +39,8 @@ pub struct DraftSide {
     model: Arc<Model>,
     kda: StateDType,
     states: HashMap<SeqId, SeqState>,
+    /// Rows per page of the MLA/DSA caches of new states (the target's).
+    page_rows: usize,
 }
 
 /// The draft state of sequence `id` is not where the target's is: a bug.
@@ -47,7 +50,16 @@ fn lost(id: SeqId, draft: usize, target: usize) -> EngineError {
 
 impl DraftSide {
     pub fn new(model: Arc<Model>, kda: StateDType) -> DraftSide {
-        DraftSide { model, kda, states: HashMap::new() }
+        DraftSide { model, kda, states: HashMap::new(), page_rows: PAGE_ROWS }
+    }
+
+    /// The MLA/DSA caches of the states made from now on in pages of `rows` rows.
+    pub fn set_page_rows(&mut self, rows: usize) {
+        self.page_rows = rows;
+    }
+
+    fn new_state(&self) -> SeqState {
+        self.model.new_state_with(self.kda).with_page_rows(self.page_rows)
     }
 
     pub fn model(&self) -> &Model {
@@ -56,16 +68,16 @@ impl DraftSide {
 
     /// A new sequence (the target's state is new too): an empty draft state.
     pub fn start(&mut self, id: SeqId) {
-        self.states.insert(id, self.model.new_state_with(self.kda));
+        self.states.insert(id, self.new_state());
     }
 
     pub fn release(&mut self, id: SeqId) {
         self.states.remove(&id);
     }
 
-    /// Bytes of the draft states.
-    pub fn bytes(&self) -> usize {
-        self.states.values().map(SeqState::bytes).sum()
+    /// Bytes of the draft states, pages counted as `SeqState::bytes_once` counts them.
+    pub fn bytes_once(&self, seen: &mut PageSet) -> usize {
+        self.states.values().map(|s| s.bytes_once(seen)).sum()
     }
 
     /// Whether sequence `id` has a draft state.
@@ -149,7 +161,7 @@ impl DraftSide {
         self.states.remove(&id);
         let dcells: Option<Vec<&Segment>> = cells.iter().map(|c| c.draft.as_deref()).collect();
         if let (Some(dcells), Some(dsnap)) = (dcells, snap.draft.as_deref()) {
-            let st = prefix_state::restore(self.model.new_state_with(self.kda), &dcells, dsnap)?;
+            let st = prefix_state::restore(self.new_state(), &dcells, dsnap)?;
             self.states.insert(id, st);
         }
         Ok(())

@@ -36,6 +36,7 @@
 //! [`Command::Restore`]: super::step::Command::Restore
 
 use k3_model::layers::kda::{KdaState, StateBuf, StateDType};
+use k3_model::layers::pages::StoredPage;
 use k3_model::parallel::Parallel;
 use k3_model::Config;
 
@@ -114,7 +115,9 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
                 .iter()
                 .enumerate()
                 .map(|(l, x)| match x {
-                    SegLayer::Mla { .. } if !plan.holds_layer(l) => SegLayer::Mla { latent: Vec::new(), index_keys: Vec::new() },
+                    SegLayer::Mla { .. } if !plan.holds_layer(l) => {
+                        SegLayer::Mla { latent: StoredPage::from_values(Vec::new()), index_keys: StoredPage::from_values(Vec::new()) }
+                    }
                     x => x.clone(),
                 })
                 .collect(),
@@ -179,8 +182,8 @@ pub fn put_capture(b: &mut Vec<u8>, c: &Capture) {
                 SegLayer::Kda => b.push(0),
                 SegLayer::Mla { latent, index_keys } => {
                     b.push(1);
-                    put_f32s(b, latent);
-                    put_f32s(b, index_keys);
+                    put_f32s(b, latent.values());
+                    put_f32s(b, index_keys.values());
                 }
                 SegLayer::Raw { latent, index_keys } => {
                     b.push(2);
@@ -254,7 +257,10 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
         let layers = (0..m)
             .map(|_| match r.u8("a cell layer's tag")? {
                 0 => Ok(SegLayer::Kda),
-                1 => Ok(SegLayer::Mla { latent: take_f32s(r, "latent rows")?, index_keys: take_f32s(r, "indexer keys")? }),
+                1 => Ok(SegLayer::Mla {
+                    latent: StoredPage::from_values(take_f32s(r, "latent rows")?),
+                    index_keys: StoredPage::from_values(take_f32s(r, "indexer keys")?),
+                }),
                 2 => Ok(SegLayer::Raw { latent: r.array(1, "latent rows")?.to_vec(), index_keys: r.array(1, "indexer keys")?.to_vec() }),
                 t => Err(bad(format!("cell layer tag {t} (0 KDA, 1 MLA, 2 raw)"))),
             })
@@ -307,8 +313,11 @@ mod tests {
                 layers: (0..cfg.layers.len())
                     .map(|l| match (is_kda(l), plan.holds_layer(l)) {
                         (true, _) => SegLayer::Kda,
-                        (false, true) => SegLayer::Mla { latent: vec![stage_value(l, k); 6], index_keys: vec![-stage_value(l, k); 2] },
-                        (false, false) => SegLayer::Mla { latent: Vec::new(), index_keys: Vec::new() },
+                        (false, true) => SegLayer::Mla {
+                            latent: StoredPage::from_values(vec![stage_value(l, k); 6]),
+                            index_keys: StoredPage::from_values(vec![-stage_value(l, k); 2]),
+                        },
+                        (false, false) => SegLayer::Mla { latent: StoredPage::from_values(Vec::new()), index_keys: StoredPage::from_values(Vec::new()) },
                     })
                     .collect(),
                 mtp: None,

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use k3_model::layers::kda::StateDType;
 use k3_model::offload::OffloadOptions;
 use k3_model::parallel::Parallel;
-use k3_model::{Checkpoint, Config, Model, ModelError};
+use k3_model::{Checkpoint, Config, Model, ModelError, SeqState};
 
 pub use super::step::{Command, Step, StepSeq};
 pub use super::threads::ThreadRunner;
@@ -182,6 +182,20 @@ pub trait Runner: Send {
     /// anyway (float atomics), so it says `false` and prefills in long chunks.
     fn exact_cuts(&self) -> bool {
         true
+    }
+    /// Sizes the pages of the MLA/DSA caches of the sequences made from now on to `rows`
+    /// tokens (the prefix cache's grid: a captured cell is then one whole page, which the pool
+    /// and every sequence restored from it share instead of copying; `prefix::state`). A runner
+    /// with caches of its own layout ignores it (the GPU's pools).
+    fn set_page_rows(&mut self, rows: usize) {
+        let _ = rows;
+    }
+    /// Sequence `id`'s state on the CPU (rank 0's part on a parallel layout), for inspection
+    /// (the tests check which cache pages sequences share); `None` where the runner keeps no
+    /// CPU state or the sequence has none.
+    fn seq_state(&self, id: SeqId) -> Option<&SeqState> {
+        let _ = id;
+        None
     }
     /// Sequence `id`'s state after the step just run (it holds exactly its grid-aligned token
     /// count): latent rows from `from` on, cut into grid cells, and its KDA states if `kda`.

@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 
 use k3_model::layers::kda::StateDType;
 use k3_model::parallel::{Groups, Parallel};
-use k3_model::{Checkpoint, Config, Model};
+use k3_model::{Checkpoint, Config, Model, SeqState};
 
 use super::layout_state;
 use super::runner::{guarded, serve, Aborter, Answer, ChannelSource, Command, Failure, Fault, RankOptions, RankWorker, Reply, Runner, Step, Worker};
@@ -340,6 +340,14 @@ impl Runner for ThreadRunner {
     }
     fn prefix_support(&self) -> std::result::Result<String, String> {
         Ok(format!("cpu, {}, kda state {:?}", self.layout(), self.leader.kda()))
+    }
+    /// Rank 0's states (the only ones that share pages: the peers' parts of a capture or a
+    /// restore travel as bytes, `layout_state`, so each peer holds its own copy).
+    fn set_page_rows(&mut self, rows: usize) {
+        self.leader.set_page_rows(rows);
+    }
+    fn seq_state(&self, id: SeqId) -> Option<&SeqState> {
+        self.leader.state(id)
     }
     fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
         let mut parts = self.capture_parts(id, from, grid, kda)?;

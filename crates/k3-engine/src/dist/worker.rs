@@ -13,6 +13,7 @@ use std::sync::Arc;
 use k3_core::kernels::cpu::matmul::with_row_exact;
 use k3_model::layers::kda::StateDType;
 use k3_model::layers::mtp::MtpState;
+use k3_model::layers::pages::{PageSet, PAGE_ROWS};
 use k3_model::{ForwardOpts, Model, SeqState};
 
 use super::draft::DraftSide;
@@ -45,11 +46,13 @@ pub struct Worker {
     mtp: bool,
     /// A separate draft model and its states (`Runner::enable_draft`).
     draft: Option<DraftSide>,
+    /// Rows per page of the MLA/DSA caches of new states (`Runner::set_page_rows`).
+    page_rows: usize,
 }
 
 impl Worker {
     pub fn new(model: Arc<Model>, kda: StateDType) -> Worker {
-        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false, mtp: false, draft: None }
+        Worker { model, kda, states: HashMap::new(), steps: 0, fault: None, batch_invariant: false, mtp: false, draft: None, page_rows: PAGE_ROWS }
     }
 
     /// This worker with [`RankOptions`] (a deliberate fault, batch invariance).
@@ -79,9 +82,24 @@ impl Worker {
             d.release(id);
         }
     }
-    /// Bytes of the live sequence states (a draft model's included).
+    /// Bytes of the live sequence states (a draft model's included), each cache page once
+    /// however many sequences share it, and none of the pages the prefix-cache pool holds (it
+    /// counts them: `k3_model::layers::pages`).
     pub fn state_bytes(&self) -> usize {
-        self.states.values().map(SeqState::bytes).sum::<usize>() + self.draft.as_ref().map_or(0, DraftSide::bytes)
+        let mut seen = PageSet::new();
+        self.states.values().map(|s| s.bytes_once(&mut seen)).sum::<usize>() + self.draft.as_ref().map_or(0, |d| d.bytes_once(&mut seen))
+    }
+    /// Sequence `id`'s state, if it has one.
+    pub fn state(&self, id: SeqId) -> Option<&SeqState> {
+        self.states.get(&id)
+    }
+    /// See [`Runner::set_page_rows`](super::runner::Runner::set_page_rows): the states made from
+    /// now on (the draft model's too).
+    pub fn set_page_rows(&mut self, rows: usize) {
+        self.page_rows = rows.max(1);
+        if let Some(d) = self.draft.as_mut() {
+            d.set_page_rows(self.page_rows);
+        }
     }
     /// See [`Runner::capture`] (with the draft model's state of the sequence, if any).
     pub fn capture(&self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
@@ -104,7 +122,7 @@ impl Worker {
 
     /// A new sequence state (with an MTP draft state when it is on).
     fn new_seq_state(&self) -> SeqState {
-        let mut st = self.model.new_state_with(self.kda);
+        let mut st = self.model.new_state_with(self.kda).with_page_rows(self.page_rows);
         if self.mtp {
             st.mtp = Some(MtpState::new(self.model.config.text.hidden_size));
         }
@@ -133,7 +151,9 @@ impl Worker {
                 "the draft model's vocab_size is {d}, the target's {t} (--draft-model must share the target's vocabulary); decoding without speculation"
             ));
         }
-        self.draft = Some(DraftSide::new(draft, self.kda));
+        let mut side = DraftSide::new(draft, self.kda);
+        side.set_page_rows(self.page_rows);
+        self.draft = Some(side);
         Ok(())
     }
 

@@ -27,8 +27,10 @@
 //! equal a cold start.
 //!
 //! **Resume rule**: the deepest snapshot at a position ≤ P − 1 (the last prompt token is always
-//! computed, it gives the first logits); the request's state is rebuilt from copies (its own
-//! latent cache grows from there; the pool's rows are shared only between snapshots).
+//! computed, it gives the first logits); the request's state is rebuilt from the pool's cells
+//! and snapshot — on the CPU its latent and indexer-key pages are the pool's own, shared by
+//! reference (`state`'s "Shared pages"), its KDA state a copy — and its cache grows from there
+//! in pages of its own.
 //!
 //! **Concurrent prefills of one prefix**: a request whose cells a running sequence is still
 //! prefilling, deeper than anything it could resume from now, waits before admission until that

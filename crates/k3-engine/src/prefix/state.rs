@@ -5,9 +5,18 @@
 //! `[nh, hd, hd]` and the conv tails `[3][K−1, D]` (both *at* `g`, so they are snapshotted whole:
 //! [`KdaSnap`]); for an MLA/DSA layer the append-only latent rows `[g, r + dr]` and indexer keys
 //! `[g, id]`, so rows `[from, to)` of one grid cell are enough once the cells before it are
-//! stored ([`Segment`]). Restoring at `g` concatenates the segments of cells `0..g/grid` and
-//! copies in the KDA snapshot taken at `g`: the restored state is equal, value for value, to the
-//! one the prefill that wrote them had at `g` (the cache copies; it never recomputes).
+//! stored ([`Segment`]). Restoring at `g` appends the segments of cells `0..g/grid` and copies
+//! in the KDA snapshot taken at `g`: the restored state is equal, value for value, to the one
+//! the prefill that wrote them had at `g` (the cache never recomputes).
+//!
+//! **Shared pages.** On the CPU a sequence's latent and indexer-key caches are reference-counted
+//! pages (`k3_model::layers::pages`), and the runner sizes them to the grid
+//! (`Runner::set_page_rows`). A cell's rows are then one whole page of the sequence, and the
+//! pool takes that page by reference (a [`StoredPage`]) instead of a copy; a restore hands the
+//! new sequence the pool's pages by reference too. So the prefill that wrote a prefix, the
+//! pool and every live sequence resumed from it hold one copy of its rows; each sequence
+//! appends to pages of its own, and a write into a page held elsewhere copies it first. A cell
+//! that is not one whole page (pages of another size) is copied, as before.
 //!
 //! An MTP draft state (`--speculative mtp`, `k3_model::draft`) rides along on the CPU: its cache
 //! row `j` is made from `(h_j, t_{j+1})`, so a cell `[a, b)` stores the draft rows
@@ -25,6 +34,7 @@
 //! host memory, so the pool costs no device memory. The digest keeps the two apart.
 
 use k3_model::layers::kda::{KdaState, StateBuf};
+use k3_model::layers::pages::{PagedRows, StoredPage};
 use k3_model::model::LayerState;
 use k3_model::SeqState;
 
@@ -35,8 +45,10 @@ use crate::error::{EngineError, Result};
 pub enum SegLayer {
     /// A KDA layer: nothing per token.
     Kda,
-    /// `latent` `[to − from, r + dr]`, `index_keys` `[to − from, id]` (empty without DSA).
-    Mla { latent: Vec<f32>, index_keys: Vec<f32> },
+    /// `latent` `[to − from, r + dr]`, `index_keys` `[to − from, id]` (empty without DSA, and
+    /// both empty for a layer of another pipeline stage): one page each, shared with the
+    /// sequences that hold it (see the module doc).
+    Mla { latent: StoredPage, index_keys: StoredPage },
     /// A device runner's rows of an MLA/DSA layer as its pools store them: `[to − from, w]`
     /// bytes each (`index_keys` empty without DSA).
     Raw { latent: Vec<u8>, index_keys: Vec<u8> },
@@ -59,7 +71,7 @@ impl Segment {
             .iter()
             .map(|l| match l {
                 SegLayer::Kda => 0,
-                SegLayer::Mla { latent, index_keys } => 4 * (latent.len() + index_keys.len()),
+                SegLayer::Mla { latent, index_keys } => 4 * (latent.values().len() + index_keys.values().len()),
                 SegLayer::Raw { latent, index_keys } => latent.len() + index_keys.len(),
             })
             .sum();
@@ -119,6 +131,18 @@ pub struct Capture {
     pub kda: Option<KdaSnap>,
 }
 
+/// Rows `[a, b)` of `rows` as the pool stores them: the sequence's own page when they are one
+/// whole page of it (shared from now on), else a copy; nothing for an empty cache (a layer of
+/// another stage, or indexer keys without DSA).
+fn cell_page(rows: &PagedRows, a: usize, b: usize) -> StoredPage {
+    let pr = rows.page_rows();
+    match rows.rows() {
+        0 => StoredPage::from_values(Vec::new()),
+        _ if b - a == pr && a.is_multiple_of(pr) => StoredPage::new(rows.pages()[a / pr].clone()),
+        _ => StoredPage::from_values(rows.copy_rows(a, b)),
+    }
+}
+
 fn rows_per_token(len: usize, pos: usize, l: usize, what: &str) -> Result<usize> {
     if pos == 0 || !len.is_multiple_of(pos) {
         return Err(EngineError::Internal(format!("layer {l}: {len} {what} values for {pos} cached tokens")));
@@ -139,11 +163,14 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
         match layer {
             LayerState::Kda(_) => cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda)),
             LayerState::Mla(c) => {
-                let w = rows_per_token(c.latent.len(), to, l, "latent")?;
-                let iw = if c.index_keys.is_empty() { 0 } else { rows_per_token(c.index_keys.len(), to, l, "indexer-key")? };
+                for (rows, what) in [(&c.latent, "latent"), (&c.index_keys, "indexer-key")] {
+                    if rows.rows() != 0 && rows.rows() != to {
+                        return Err(EngineError::Internal(format!("layer {l}: {} {what} rows for {to} cached tokens", rows.rows())));
+                    }
+                }
                 for (k, cell) in cells.iter_mut().enumerate() {
                     let (a, b) = (from + k * grid, from + (k + 1) * grid);
-                    cell.layers.push(SegLayer::Mla { latent: c.latent[a * w..b * w].to_vec(), index_keys: c.index_keys[a * iw..b * iw].to_vec() });
+                    cell.layers.push(SegLayer::Mla { latent: cell_page(&c.latent, a, b), index_keys: cell_page(&c.index_keys, a, b) });
                 }
             }
         }
@@ -152,10 +179,9 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
         if to > 0 && m.rows + 1 < to {
             return Err(EngineError::Internal(format!("capture at {to}: the MTP draft layer holds {} rows", m.rows)));
         }
-        let w = m.cache.latent.len().checked_div(m.rows).unwrap_or(0);
         for (k, cell) in cells.iter_mut().enumerate() {
             let (a, b) = ((from + k * grid).saturating_sub(1), from + (k + 1) * grid - 1);
-            cell.mtp = Some(m.cache.latent[a * w..b * w].to_vec());
+            cell.mtp = Some(m.cache.latent.copy_rows(a, b));
         }
     }
     let kda = kda.then(|| KdaSnap {
@@ -199,12 +225,26 @@ pub fn restore(mut fresh: SeqState, cells: &[&Segment], snap: &KdaSnap) -> Resul
                 *s = k.clone();
             }
             (LayerState::Mla(c), SnapLayer::Mla) => {
+                // Each cell's page by reference (`PagedRows::push_page`: copied only where it
+                // is not one whole page of this state); an empty one is a layer not held here.
+                let grid = snap.at / cells.len().max(1);
                 for cell in cells {
                     let SegLayer::Mla { latent, index_keys } = &cell.layers[l] else {
                         return Err(EngineError::Internal(format!("prefix restore: layer {l} is MLA but a stored segment is not")));
                     };
-                    c.latent.extend_from_slice(latent);
-                    c.index_keys.extend_from_slice(index_keys);
+                    for (page, rows) in [(latent, &mut c.latent), (index_keys, &mut c.index_keys)] {
+                        let n = page.values().len();
+                        if n == 0 {
+                            continue;
+                        }
+                        if grid == 0 || !n.is_multiple_of(grid) || (rows.width() != 0 && n != grid * rows.width()) {
+                            return Err(EngineError::Internal(format!("prefix restore: layer {l}: a stored cell of {n} values for {grid} tokens")));
+                        }
+                        rows.push_page(page.page(), grid);
+                    }
+                }
+                if (c.latent.rows() != 0 && c.latent.rows() != snap.at) || (c.index_keys.rows() != 0 && c.index_keys.rows() != snap.at) {
+                    return Err(EngineError::Internal(format!("prefix restore: layer {l}: stored cells of {} rows for {} tokens", c.latent.rows(), snap.at)));
                 }
             }
             _ => return Err(EngineError::Internal(format!("prefix restore: layer {l} does not match the stored snapshot"))),
@@ -214,11 +254,13 @@ pub fn restore(mut fresh: SeqState, cells: &[&Segment], snap: &KdaSnap) -> Resul
     let stored = snap.mtp_hidden.as_ref().filter(|_| cells.iter().all(|c| c.mtp.is_some()));
     match (fresh.mtp.as_mut(), stored) {
         (Some(m), Some(hid)) if snap.at > 0 => {
-            m.cache.latent = cells.iter().flat_map(|c| c.mtp.iter().flatten().copied()).collect();
+            let rows: Vec<f32> = cells.iter().flat_map(|c| c.mtp.iter().flatten().copied()).collect();
             m.rows = snap.at - 1;
-            if (m.rows > 0 && !m.cache.latent.len().is_multiple_of(m.rows)) || hid.len() != m.width {
+            if (m.rows > 0 && (rows.is_empty() || !rows.len().is_multiple_of(m.rows))) || hid.len() != m.width {
                 return Err(EngineError::Internal("prefix restore: the stored MTP draft rows do not fit the model".into()));
             }
+            m.cache.latent = PagedRows::default();
+            m.cache.latent.push_rows(&rows, m.rows);
             m.hidden = hid.clone();
             m.hidden_from = snap.at - 1;
         }

@@ -81,6 +81,12 @@ impl<R: Runner> Runner for Rec<R> {
     fn exact_cuts(&self) -> bool {
         self.exact_cuts.unwrap_or_else(|| self.inner.exact_cuts())
     }
+    fn set_page_rows(&mut self, rows: usize) {
+        self.inner.set_page_rows(rows)
+    }
+    fn seq_state(&self, id: u64) -> Option<&k3_model::SeqState> {
+        self.inner.seq_state(id)
+    }
     fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
         self.inner.capture(id, from, grid, kda)
     }

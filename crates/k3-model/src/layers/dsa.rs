@@ -68,7 +68,14 @@ impl Indexer {
 
 /// Scores `I[s]` of one query (`q` `[ih, id]`, scaled weights `a` `[ih]`) against `keys` `[n, id]`.
 pub fn index_scores(q: &[f32], a: &[f32], keys: &[f32], id: usize) -> Vec<f32> {
-    keys.chunks_exact(id).map(|ks| q.chunks_exact(id).zip(a).map(|(qh, &ah)| ah * dot(qh, ks).max(0.0)).sum()).collect()
+    let mut s = Vec::with_capacity(keys.len() / id);
+    index_scores_into(q, a, keys, id, &mut s);
+    s
+}
+
+/// [`index_scores`] appended to `out` (a paged cache's keys: one call per page's rows).
+pub fn index_scores_into(q: &[f32], a: &[f32], keys: &[f32], id: usize, out: &mut Vec<f32>) {
+    out.extend(keys.chunks_exact(id).map(|ks| q.chunks_exact(id).zip(a).map(|(qh, &ah)| ah * dot(qh, ks).max(0.0)).sum::<f32>()));
 }
 
 /// Positions of the `k` largest scores, ordered by `(score desc, position desc)`; all

@@ -13,24 +13,35 @@ use k3_core::kernels::cpu::matmul::{dot, Matrix};
 use k3_core::kernels::cpu::norm::rms_norm_inplace;
 use rayon::prelude::*;
 
-use super::dsa::{index_scores, select_topk, Indexer};
+use super::dsa::{index_scores_into, select_topk, Indexer};
+use super::pages::{PageSet, PagedRows};
 use super::{lin, matrix, vector};
 use crate::config::Config;
 use crate::error::Result;
 use crate::source::Source;
 
-/// Per-sequence cache of one MLA/DSA layer.
+/// Per-sequence cache of one MLA/DSA layer, in reference-counted pages that sequences with a
+/// common prefix share (`pages.rs`).
 #[derive(Clone, Debug, Default)]
 pub struct MlaCache {
     /// `[n, r + dr]`: normed latent then raw `k_pe`, per cached token.
-    pub latent: Vec<f32>,
+    pub latent: PagedRows,
     /// `[n, id]` indexer keys (DSA layers only).
-    pub index_keys: Vec<f32>,
+    pub index_keys: PagedRows,
 }
 
 impl MlaCache {
+    /// An empty cache in pages of `page_rows` rows.
+    pub fn with_page_rows(page_rows: usize) -> MlaCache {
+        MlaCache { latent: PagedRows::with_page_rows(page_rows), index_keys: PagedRows::with_page_rows(page_rows) }
+    }
+    /// Bytes of its rows, shared pages included.
     pub fn bytes(&self) -> usize {
-        4 * (self.latent.len() + self.index_keys.len())
+        self.latent.bytes() + self.index_keys.bytes()
+    }
+    /// Bytes of its pages that no pool holds and `seen` has not counted (`PagedRows::bytes_once`).
+    pub fn bytes_once(&self, seen: &mut PageSet) -> usize {
+        self.latent.bytes_once(seen) + self.index_keys.bytes_once(seen)
     }
 }
 
@@ -118,20 +129,23 @@ impl Mla {
         let mut o = vec![0f32; n * nh * dv]; // [N, nh, dv]
         let mut r0 = 0;
         for (&t, cache) in lens.iter().zip(caches.iter_mut()) {
-            let past = cache.latent.len() / w;
-            cache.latent.extend_from_slice(&ckv[r0 * w..(r0 + t) * w]);
+            let past = cache.latent.rows();
+            cache.latent.push_rows(&ckv[r0 * w..(r0 + t) * w], t);
             // Key set per new token: None = all of 0..=pos (dense / short-context DSA).
             let sel: Vec<Option<Vec<u32>>> = match (&self.indexer, &ix_out) {
                 (Some(ix), Some(io)) => {
                     let (ih, id) = (ix.heads, ix.head_dim);
-                    cache.index_keys.extend_from_slice(&io.k[r0 * id..(r0 + t) * id]);
+                    cache.index_keys.push_rows(&io.k[r0 * id..(r0 + t) * id], t);
                     let keys = &cache.index_keys;
                     (0..t)
                         .into_par_iter()
                         .map(|i| {
                             let (pos, row) = (past + i, r0 + i);
                             (pos + 1 > ix.topk).then(|| {
-                                let s = index_scores(&io.q[row * ih * id..(row + 1) * ih * id], &io.a[row * ih..(row + 1) * ih], &keys[..(pos + 1) * id], id);
+                                // Keys 0..=pos, page by page (each page's rows contiguous).
+                                let (qi, ai) = (&io.q[row * ih * id..(row + 1) * ih * id], &io.a[row * ih..(row + 1) * ih]);
+                                let mut s = Vec::with_capacity(pos + 1);
+                                keys.spans(pos + 1).for_each(|span| index_scores_into(qi, ai, span, id, &mut s));
                                 select_topk(&s, ix.topk)
                             })
                         })
@@ -145,7 +159,8 @@ impl Mla {
                 MlaForm::Absorbed => false,
             };
             let qs = &q[r0 * nh * (dn + dr)..(r0 + t) * nh * (dn + dr)];
-            let heads = self.attend(qs, t, past, &cache.latent, &sel, explicit)?;
+            let lat: Vec<&[f32]> = cache.latent.iter().collect();
+            let heads = self.attend(qs, t, past, &lat, &sel, explicit)?;
             for (h, oh) in heads.iter().enumerate() {
                 for i in 0..t {
                     o[((r0 + i) * nh + h) * dv..][..dv].copy_from_slice(&oh[i * dv..(i + 1) * dv]);
@@ -159,10 +174,10 @@ impl Mla {
     }
 
     /// Attention of one sequence's `t` new queries `q` `[t, nh, dn+dr]` over its cache
-    /// `lat` `[past+t, r+dr]`; returns per-head outputs `[nh][t, dv]`.
-    fn attend(&self, q: &[f32], t: usize, past: usize, lat: &[f32], sel: &[Option<Vec<u32>>], explicit: bool) -> Result<Vec<Vec<f32>>> {
+    /// `lat`: its `past + t` cache rows `[r + dr]` (looked up once across the pages); returns per-head outputs
+    /// `[nh][t, dv]`.
+    fn attend(&self, q: &[f32], t: usize, past: usize, lat: &[&[f32]], sel: &[Option<Vec<u32>>], explicit: bool) -> Result<Vec<Vec<f32>>> {
         let (nh, dn, dr, dv, r) = (self.nh, self.dn, self.dr, self.dv, self.r);
-        let w = r + dr;
         let n = past + t;
         let scale = ((dn + dr) as f32).powf(-0.5);
         // The positions query i attends to: its DSA selection, or all of 0..=past+i (no allocation).
@@ -172,7 +187,7 @@ impl Mla {
             (0..len).map(move |j| chosen.map_or(j, |c| c[j] as usize))
         };
         Ok(if explicit {
-            let ckv_all: Vec<f32> = lat.chunks_exact(w).flat_map(|row| row[..r].iter().copied()).collect(); // [n, r]
+            let ckv_all: Vec<f32> = lat.iter().flat_map(|row| row[..r].iter().copied()).collect(); // [n, r]
             let kv = lin(&ckv_all, n, &self.kv_b_proj)?; // [n, nh, dn+dv]
             (0..nh)
                 .into_par_iter()
@@ -183,7 +198,7 @@ impl Mla {
                         let mut p: Vec<f32> = keys(i)
                             .map(|s| {
                                 let kn = &kv[(s * nh + h) * (dn + dv)..][..dn];
-                                (dot(&qh[..dn], kn) + dot(&qh[dn..], &lat[s * w + r..(s + 1) * w])) * scale
+                                (dot(&qh[..dn], kn) + dot(&qh[dn..], &lat[s][r..])) * scale
                             })
                             .collect();
                         softmax_inplace(&mut p);
@@ -216,14 +231,14 @@ impl Mla {
                         }
                         let mut p: Vec<f32> = keys(i)
                             .map(|s| {
-                                let row = &lat[s * w..(s + 1) * w];
+                                let row = lat[s];
                                 (dot(&q_lat, &row[..r]) + dot(&qh[dn..], &row[r..])) * scale
                             })
                             .collect();
                         softmax_inplace(&mut p);
                         o_lat.iter_mut().for_each(|v| *v = 0.0);
                         for (s, &ps) in keys(i).zip(&p) {
-                            o_lat.iter_mut().zip(&lat[s * w..s * w + r]).for_each(|(a, &b)| *a += ps * b);
+                            o_lat.iter_mut().zip(&lat[s][..r]).for_each(|(a, &b)| *a += ps * b);
                         }
                         for (j, o) in out[i * dv..(i + 1) * dv].iter_mut().enumerate() {
                             *o = dot(&w_uv[j * r..(j + 1) * r], &o_lat);

@@ -15,6 +15,7 @@ pub mod kda;
 pub mod mla;
 pub mod moe;
 pub mod mtp;
+pub mod pages;
 
 use k3_core::kernels::cpu::matmul::{linear, Matrix};
 

@@ -88,8 +88,7 @@ impl MtpState {
     /// Keeps the first `rows` cache rows.
     pub fn truncate(&mut self, rows: usize) {
         if rows < self.rows {
-            let w = self.cache.latent.len() / self.rows;
-            self.cache.latent.truncate(rows * w);
+            self.cache.latent.truncate_rows(rows);
             self.rows = rows;
         }
     }
