@@ -1,5 +1,6 @@
 //! Parity suite for the CUDA KDA kernels (`cuda::kda`): chunked prefill and fused decode at
-//! head dim 128, the general recurrent kernel at head dims 32, 64 and 96 (prefill and decode),
+//! head dim 128, the general recurrent kernel at head dims 32, 64 and 96 (prefill and decode) and
+//! 16, 48 (prefill and decode), 8 and 100 (prefill),
 //! against a CPU reference of the whole KDA token mixer after the projections (causal conv +
 //! SiLU with conv state, L2 norms, q scale, β = σ(b), the lower-bounded gate, the delta-rule
 //! core from `kernels::cpu::kda` — recurrent, the normative definition, and chunked — then
@@ -294,6 +295,11 @@ fn prefill_parity_general_head_dims() {
         }
     }
     prefill_case(&dev, &mut r, 2, 96, &[1, 66, 5]);
+    // Head dims that are not a multiple of a warp (the CPU model runs any): 16 (R = 16 row
+    // groups), 48 (two warps, the second half empty), 8 and 100.
+    for hd in [16usize, 48, 8, 100] {
+        prefill_case(&dev, &mut r, 3, hd, &[1, 5, 64, 130]);
+    }
 }
 
 #[test]
@@ -363,6 +369,8 @@ fn decode_parity() {
         (64, 4, 5),
         (64, 2, 3),
         (96, 2, 5),
+        (16, 3, 5),
+        (48, 2, 3),
     ];
     for (hd, h, b) in cases {
         let steps = 3;

@@ -300,7 +300,12 @@ fn random_cases(dir: &std::path::Path) -> Vec<(Checkpoint, usize, &'static str)>
         ("num_key_value_heads", json!(3)),
     ];
     k3_heads.extend(all(4));
+    // A KDA head dim below a warp and an odd head count (issue 20: every configuration the CPU
+    // runs, the GPU runs): the general kernel with 16 row groups of 16 channels.
+    let mut hd16 = vec![("linear_attn_config.head_dim", json!(16)), ("linear_attn_config.num_heads", json!(3))];
+    hd16.extend(all(4));
     vec![
+        (random_model(&dir.join("hd16"), "tiny", &hd16, ExpertFormat::Float(FloatDType::BF16)), 100, "tiny, KDA hd 16, 3 heads"),
         (random_model(&dir.join("k3heads"), "tiny", &k3_heads, ExpertFormat::Float(FloatDType::BF16)), 150, "tiny, K3 head dims (explicit prefill)"),
         (random_model(&dir.join("hd128"), "tiny", &hd128, ExpertFormat::Mxfp4), 150, "tiny, KDA hd 128, MXFP4"),
         (random_model(&dir.join("dsa"), "tiny_dsa", &dsa, ExpertFormat::Float(FloatDType::BF16)), 90, "tiny_dsa, KDA hd 32, indexer + top-256"),

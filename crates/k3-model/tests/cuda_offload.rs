@@ -26,7 +26,7 @@ use k3_model::capacity::KvDtype;
 use k3_model::config::builtin_config;
 use k3_model::cuda::{CacheConfig, CudaModel, Precision};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
-use k3_model::offload::{gpu_offload, CacheOptions, DirectIo, OffloadOptions};
+use k3_model::offload::{expert_bytes, gpu_offload, moe_layers, CacheOptions, DirectIo, OffloadOptions};
 use k3_model::parallel::CudaGroups;
 use k3_model::placement::Tier;
 use k3_model::{Checkpoint, RankPlan};
@@ -38,8 +38,8 @@ const TOL_RANDOM: f64 = 5e-2;
 /// (float atomics) separates them.
 const TOL_SAME: f64 = 1e-2;
 
-fn load(ck: &Checkpoint, dev: &CudaDevice, tier: Option<Tier>, n: usize) -> CudaModel {
-    let o = OffloadOptions { experts_on: tier, cache: CacheOptions { budget_bytes: 1 << 20, readers: 4, direct_io: DirectIo::Auto }, ..Default::default() };
+fn load(ck: &Checkpoint, dev: &CudaDevice, tier: Option<Tier>, n: usize, budget: u64) -> CudaModel {
+    let o = OffloadOptions { experts_on: tier, cache: CacheOptions { budget_bytes: budget, readers: 4, direct_io: DirectIo::Auto }, ..Default::default() };
     let off = gpu_offload(ck, &o, KvDtype::Bf16, 0..ck.config.text.num_experts).expect("placement");
     let cache = CacheConfig { max_seqs: 2, max_tokens: n + 64, ..Default::default() };
     CudaModel::load_rank_reporting(ck, dev, RankPlan::single(&ck.config), CudaGroups::single(), cache, Precision::Bf16, None, &off).expect("load on GPU")
@@ -83,14 +83,18 @@ fn offloaded_experts_match_the_gpu_experts() {
     let ck = Checkpoint::open(dir.path()).unwrap();
     let vocab = ck.config.text.vocab_size;
     let toks: Vec<u32> = (0..80).map(|i| ((i * 131 + 17) % vocab) as u32).collect();
-    let want = run(&mut load(&ck, &dev, None, toks.len()), &toks);
-    let mut host = load(&ck, &dev, Some(Tier::Host), toks.len());
+    // The disk tier's budget: one token's experts (every token routes to all four of a layer),
+    // so each MoE layer's step evicts the previous layer's (on the H200 a 1 MiB budget held all
+    // 16 experts of 19.6 KB and evicted nothing).
+    let budget = expert_bytes(&ck, moe_layers(&ck.config)[0], 0).unwrap() * ck.config.text.num_experts_per_token as u64;
+    let want = run(&mut load(&ck, &dev, None, toks.len(), budget), &toks);
+    let mut host = load(&ck, &dev, Some(Tier::Host), toks.len(), budget);
     assert!(!host.capturable());
     let e = host.capture_decode(1, 128).err().expect("a graph of a model with CPU experts").to_string();
     assert!(e.contains("--experts-on") && e.contains("without CUDA graphs"), "{e}");
     let got_host = run(&mut host, &toks);
     drop(host);
-    let mut disk = load(&ck, &dev, Some(Tier::Disk), toks.len());
+    let mut disk = load(&ck, &dev, Some(Tier::Disk), toks.len(), budget);
     let got_disk = run(&mut disk, &toks);
     let stats = disk.expert_cache().expect("an expert cache").stats();
     assert!(stats.reads > 0 && stats.evictions > 0, "{stats:?}");
@@ -107,9 +111,9 @@ fn k3_nano_offloaded_gives_the_gpu_tokens() {
     let ck = Checkpoint::open(&dir).unwrap();
     let vocab = ck.config.text.vocab_size;
     let toks: Vec<u32> = (0..96).map(|i| ((i * 53 + 7) % vocab) as u32).collect();
-    let want = run(&mut load(&ck, &dev, None, toks.len()), &toks);
+    let want = run(&mut load(&ck, &dev, None, toks.len(), 1 << 20), &toks);
     for tier in [Tier::Host, Tier::Disk] {
-        let got = run(&mut load(&ck, &dev, Some(tier), toks.len()), &toks);
+        let got = run(&mut load(&ck, &dev, Some(tier), toks.len(), 1 << 20), &toks);
         let (a, b) = (argmax(&got, vocab), argmax(&want, vocab));
         let same = a.iter().zip(&b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64;
         let m = median(&got, &want, vocab);

@@ -1,7 +1,7 @@
 //! Launchers for the CUDA KDA kernels (text-backbone §3.2–3.8): [`kda_prefill`] (variable-length
 //! packed sequences, fused from the raw projections to the gated, normed output) and
 //! [`kda_decode`] (one token per sequence, state updated in place). Any number of heads; head
-//! dim `hd = D / H` one of 32, 64, 96, 128, taken from the shapes. Head dim 128 (K3's) runs the
+//! dim `hd = D / H` from 1 to 128, taken from the shapes. Head dim 128 (K3's) runs the
 //! fast kernels (`kernels/cuda/kda.cu`: chunked prefill, chunk 64; `kda_decode.cu`); the other
 //! head dims run `kda_general.cu`, the recurrent form token by token, one block per
 //! (sequence, head). The caller never chooses. Every BF16 tensor below may instead be F32 (all
@@ -115,8 +115,8 @@ fn check(inp: &KdaInputs, w: &KdaWeights, n: usize, b: usize, conv_state: &CudaT
         _ => return Err(bad(format!("q {:?} must be [N, D]", inp.q))),
     };
     let hd = d / h;
-    if d % h != 0 || hd % 32 != 0 || !(32..=128).contains(&hd) {
-        return Err(bad(format!("q: D = {d} over H = {h} heads (from beta) must give a head dim of 32, 64, 96 or 128")));
+    if d % h != 0 || !(1..=128).contains(&hd) {
+        return Err(bad(format!("q: D = {d} over H = {h} heads (from beta) must give a whole head dim from 1 to 128")));
     }
     let io = inp.q.dtype();
     if io != DType::BF16 && io != DType::F32 {

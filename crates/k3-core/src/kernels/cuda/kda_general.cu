@@ -1,6 +1,7 @@
-// kda_general.cu: KDA for any head dim that is a multiple of 32 up to 128 (text-backbone
+// kda_general.cu: KDA for any head dim from 1 to 128 (text-backbone
 // §3.2-3.8), in the recurrent form, token by token, exactly the spec's normative definition.
-// Used by the launchers (cuda/kda.rs) for head dims other than 128 (fixtures 32, k3-nano 64);
+// Used by the launchers (cuda/kda.rs) for head dims other than 128 (fixtures 32, k3-nano 64,
+// and any other the CPU model runs: 16, 48, ...);
 // K3's head dim 128 runs the chunked / fused kernels of kda.cu and kda_decode.cu.
 // CPU oracle: kernels/cpu/kda.rs `kda_recurrent` plus k3-model layers/kda.rs.
 //
@@ -14,7 +15,8 @@
 // form: sequence b is token row b (len 1) and its slot is slots[b]. A slot outside [0, S) makes
 // the block return without writing anything.
 // kda_general_f32: the same with every bf16 tensor above F32 (the reference precision; any head
-// dim 32..128, 128 included). Block: R·hd threads (R = 256 / hd, rounded down). Dynamic shared memory: hd·hd (state)
+// dim 1..128, 128 included). Block: R·hd threads (R = 256 / hd, rounded down). Sums over the hd
+// channels run in the first ceil(hd / 32) warps, lanes past hd adding zero. Dynamic shared memory: hd·hd (state)
 // + 5·hd + 256 + 16 floats.
 
 #define KG_CHUNK 64
@@ -76,12 +78,12 @@ __device__ __forceinline__ void kda_general_impl(const T* __restrict__ qr, const
     const float dtb = chan ? dt_bias[col] : 0.0f;
     const float onw = chan ? onorm_w[v] : 0.0f;
     const float qscale = rsqrtf((float)hd);
-    const int nw = hd >> 5;  // warps holding the hd channels
+    const int nw = (hd + 31) >> 5;  // warps holding the hd channels (warp-uniform: wp < nw)
     __syncthreads();
 
     for (int t = 0; t < len; t++) {
         const long long row = (long long)(tok0 + t);
-        float gv = 0.0f;
+        float gv = 0.0f, qsq = 0.0f, ksq = 0.0f;
         if (chan) {
             const T* X[3] = {qr, kr, vr};
             float a[3];
@@ -96,7 +98,11 @@ __device__ __forceinline__ void kda_general_impl(const T* __restrict__ qr, const
             sq[v] = a[0]; sk[v] = a[1]; sv[v] = a[2];
             se[v] = __expf(lower_bound * kg_sigm(aexp * (kg_f(graw[row * D + col]) + dtb)));
             gv = kg_sigm(kg_f(gate[row * D + col]));
-            const float qq = warp_sum(a[0] * a[0]), kk = warp_sum(a[1] * a[1]);
+            qsq = a[0] * a[0];
+            ksq = a[1] * a[1];
+        }
+        if (wp < nw) {  // whole warps: a lane past hd adds zero
+            const float qq = warp_sum(qsq), kk = warp_sum(ksq);
             if (lane == 0) { misc[wp] = qq; misc[4 + wp] = kk; }
         }
         __syncthreads();
@@ -132,6 +138,8 @@ __device__ __forceinline__ void kda_general_impl(const T* __restrict__ qr, const
         float ov = 0.0f;
         if (chan) {
             for (int i = 0; i < R; i++) ov += red[i * hd + v];
+        }
+        if (wp < nw) {
             const float ss = warp_sum(ov * ov);
             if (lane == 0) misc[8 + wp] = ss;
         }

@@ -1,0 +1,59 @@
+#!/bin/bash
+# k3rs: one device call that runs the GPU checks and figures the CPU-only sessions left behind:
+# issue 23's offload suite and bench (scripts/gpu/offload_run.sh: `offload`), issue 22's cuda_spec
+# with its plain control (`spec`), any staged test executable (`cuda_NAME`), issue 20's T = 4096
+# prefill with its per-kind profile (`prefill`), and Moonshot's official code beside it (`hf`).
+# k3r2x896 (offload, 34.5 GB) and k3r4bf + k3r4mx (prefill) do not fit the 64 GB disk together:
+# give them separate calls.
+# Staging (build here, no CUDA needed):
+#   cargo build --release -p k3-cli --features cuda
+#   cargo test --release --features cuda -p k3-model --test cuda_offload --no-run
+#   cargo test --release --features cuda -p k3-engine --test cuda_spec --no-run   (and any other
+#   cuda_* suite a run names)
+#   copy k3 and the test executables (under their stems) to .dev/s42/, strip them, and pack them:
+#   tar -C .dev/s42 -cJf .dev/s42.tar.xz .
+# then `bash scripts/gpu/validate_run.sh [offload] [spec] [cuda_NAME...] [prefill] [hf]` on the
+# device with .dev/s42.tar.xz carried (and .whl for `hf`). Logs go to $OUT.
+set -o pipefail
+export K3_DIR=${K3_DIR:-.dev/s42}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export K3_REQUIRE_CUDA=1
+L=${OUT:-/tmp}
+HERE=$(dirname "$0")
+. "$HERE/lib.sh"
+if [ ! -d "$K3_DIR" ] && [ -f "$K3_DIR.tar.xz" ]; then mkdir -p "$K3_DIR" && tar -C "$K3_DIR" -xJf "$K3_DIR.tar.xz"; fi
+# The test executables find models/k3-nano through the path they were built in.
+[ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
+FAILS=0
+for what in "${@:-offload spec}"; do
+  for w in $what; do
+    case $w in
+    offload)
+      timeout 420 bash "$HERE/offload_run.sh" all 2>&1 | tee "$L/offload.log" | grep -v "^test .* ok$" || FAILS=$((FAILS + 1)) ;;
+    spec)
+      echo "=== cuda_spec ==="
+      timeout 200 /usr/bin/time -f "cuda_spec %e s" "$K3_DIR/cuda_spec" --test-threads=1 --nocapture 2>&1 | tee "$L/spec.log" | grep -v "^test .* ok$" || FAILS=$((FAILS + 1)) ;;
+    cuda_*)
+      # A staged test executable (cuda_moe, cuda_kda, cuda_offload, ...); TESTS_cuda_x=FILTER
+      # runs only the tests whose names contain FILTER.
+      f=TESTS_$w
+      echo "=== $w ${!f} ==="
+      timeout 240 /usr/bin/time -f "$w %e s" "$K3_DIR/$w" ${!f} --test-threads=1 --nocapture 2>&1 | tee "$L/$w.log" | grep -v "^test .* ok$" | grep -v "^$" || FAILS=$((FAILS + 1)) ;;
+    prefill)
+      # Issue 20's prefill T = 4096 on each recipe (k3r4bf, k3r4mx), with the per-kind profile.
+      for R in ${RECIPES:-k3r4bf k3r4mx}; do
+        k3_model $R "$K3_DIR/k3" || exit 1
+        timeout 120 "$K3_DIR/k3" bench --device cuda --model /tmp/$R --prompt-len 4096 --batches 1 --context 512 --profile 2>&1 | grep -v "^  blk\." | tee "$L/profile_$R.log" || FAILS=$((FAILS + 1))
+      done ;;
+    hf)
+      # Moonshot's official code (../shared/tools/bench_hf.py, carried in .whl/k3hf with the two
+      # vendored files and k3-configs.json; fla 0.6.0 wheels in .whl): prefill T = 4096 only.
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || { FAILS=$((FAILS + 1)); continue; }
+      echo "=== bench_hf.py (official code), prefill ==="
+      (cd .whl/k3hf && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout 240 python3 bench_hf.py --k3-hf-dir . --spec k3-configs.json --out "$L" --skip decode,graph,moe896,profile 2>&1 | tee "$L/hf.log" | grep -v "^ *$" | tail -25) || FAILS=$((FAILS + 1)) ;;
+    *) echo "unknown part '$w' (offload, spec, cuda_NAME, prefill, hf)" >&2; FAILS=$((FAILS + 1)) ;;
+    esac
+  done
+done
+echo "validate_run failures: $FAILS"
+[ $FAILS -eq 0 ]
