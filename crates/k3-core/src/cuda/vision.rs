@@ -87,6 +87,12 @@ pub fn vit_rope(qkv: &CudaTensor, rc: &CudaTensor, cos: &CudaTensor, sin: &CudaT
 /// order (`Σ lens = L`); scale `hd^−½`. GEMMs accumulate in f32; the scores are F32, the
 /// probabilities `P` are rounded to the input dtype before `P·V`.
 pub fn vit_attention(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor) -> Result<()> {
+    vit_attention_sliced(qkv, heads, lens, out, SCORE_BYTES)
+}
+
+/// [`vit_attention`] with query slices of at most `score_bytes` of F32 scores (at least one row
+/// each): tests use a small budget to exercise the slicing.
+pub fn vit_attention_sliced(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor, score_bytes: usize) -> Result<()> {
     const OP: &str = "cuda vit_attention";
     same_dev(OP, qkv, &[out])?;
     let (l, w3) = match qkv.shape() {
@@ -112,7 +118,7 @@ pub fn vit_attention(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaT
     if n_max == 0 {
         return Ok(());
     }
-    let slice = |n: usize| (SCORE_BYTES / (heads * n * 4)).clamp(1, n);
+    let slice = |n: usize| (score_bytes / (heads * n * 4)).clamp(1, n);
     let cap = lens.iter().map(|&n| heads * slice(n) * n).max().unwrap_or(0);
     let s = CudaTensor::uninit(dev, DType::F32, vec![cap])?;
     let p = CudaTensor::uninit(dev, dt, vec![cap])?;
