@@ -37,7 +37,7 @@ pub trait Backend: Send + 'static {
         let _ = ids;
         Err(EngineError::Param {
             param: "messages",
-            msg: "this backend cannot take image or video inputs (the vision path runs on the CPU backend only; the GPU tower is not built yet)".into(),
+            msg: "this backend cannot take image or video inputs: it has no token embeddings to splice their features into".into(),
         })
     }
     /// Speculative decoding's counters so far (none without it).

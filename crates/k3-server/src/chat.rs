@@ -16,6 +16,8 @@
 //! with N `<|media_pad|>` (counted in `usage.prompt_tokens`), and the request is submitted with
 //! `prompt_embeds` built on the engine thread.
 
+use std::sync::Arc;
+
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -23,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use k3_engine::stop::{StopCheck, StopMatcher};
 use k3_engine::{Event, FinishReason, Request};
 use k3_tokenizer::{render_chat, ChatRequest, OutputDelta, OutputParser, ParsedOutput, Tokenizer, ToolCall};
+use k3_vision::VisionModel;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -100,7 +103,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         Some(plan) => Some(crate::constrain::compile(s.grammar.as_ref().map_err(|e| crate::error::bad_request(e.clone()))?, plan).await?),
         None => None,
     };
-    let (feats, pad_id) = images(&s, &f).await?;
+    let (feats, vision) = images(&s, &f).await?;
     req.set_image_prompts((!feats.is_empty()).then(|| media::media_prompts(&feats)));
     let rendered = render_chat(&s.tok, &req)?;
     let prompt_tokens = rendered.ids.len();
@@ -109,7 +112,10 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     stop_token_ids.extend(["<|end_of_msg|>", "[EOS]"].iter().filter_map(|n| s.tok.special_id(n)));
     let request =
         Request { prompt, params: g.sampling.clone(), max_tokens, stop: Vec::new(), stop_token_ids, ignore_eos: g.ignore_eos, prompt_embeds: None, constraint };
-    let prep = (!feats.is_empty()).then(|| media::splice_prep(feats, pad_id));
+    let prep = match vision {
+        Some(v) if !feats.is_empty() => Some(media::splice_prep(feats, v)),
+        _ => None,
+    };
     let sub = s.sched.submit_with(request, prep).await?;
     let ctx = Ctx { id: new_id("chatcmpl"), created: now_secs(), prompt_tokens, thinking, tools, stop: g.stop, want_logprobs };
     if g.stream {
@@ -122,21 +128,21 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
 }
 
 /// Reads and encodes the request's images and videos (on a blocking thread); returns their
-/// features and the `<|media_pad|>` id they fill.
-async fn images(s: &AppState, f: &Fields<'_>) -> Result<(Vec<media::MediaFeatures>, u32)> {
+/// features (stages pending when the tower is on the GPU) and the vision model they came from.
+async fn images(s: &AppState, f: &Fields<'_>) -> Result<(Vec<media::MediaFeatures>, Option<Arc<VisionModel>>)> {
     let parts = media::find_images(f.get("messages"))?;
     let Some(first) = parts.first() else {
-        return Ok((Vec::new(), 0));
+        return Ok((Vec::new(), None));
     };
     let Some(vision) = s.vision.clone() else {
         return Err(bad_param(&first.field, "images and videos are not accepted: this server has no vision tower for the model (no `vision_config` in config.json, or a tokenizer whose <|media_pad|> does not match); send text only"));
     };
     s.sched.check_capacity()?;
     let limits = s.media.clone();
-    let pad = vision.pad_id;
-    let job = tokio::task::spawn_blocking(move || media::encode_media(&vision, &parts, &limits));
+    let v = vision.clone();
+    let job = tokio::task::spawn_blocking(move || media::encode_media(&v, &parts, &limits));
     let feats = job.await.map_err(|e| ServerError::Internal(format!("the image encoder failed: {e}")))??;
-    Ok((feats, pad))
+    Ok((feats, Some(vision)))
 }
 
 struct Ctx {

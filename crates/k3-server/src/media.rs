@@ -265,7 +265,10 @@ pub fn image_bytes(part: &ImagePart, limits: &MediaLimits) -> Result<Vec<u8>> {
 
 /// Reads and encodes every image and video (blocking: call from `spawn_blocking`). Each
 /// decode holds its pixels of `limits.decode` (read from the header first: an image's, or one
-/// video frame's) until its pixels are resized; the tower then runs outside the budget.
+/// video frame's) until its pixels are resized; the tower then runs outside the budget. With
+/// the tower on the GPU ([`VisionModel::on_gpu`]) only the preprocessing runs here: the stages
+/// are left pending for [`splice_prep`], which runs them on the engine thread (the text model
+/// shares the GPU's one stream and captures CUDA graphs on it, so no other thread may use it).
 pub fn encode_media(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLimits) -> Result<Vec<MediaFeatures>> {
     let verr = |p: &ImagePart, e: VisionError| match e {
         VisionError::Image { msg, .. } => bad_param(&p.field, msg),
@@ -284,13 +287,15 @@ pub fn encode_media(vision: &VisionModel, parts: &[ImagePart], limits: &MediaLim
                 let permit = limits.decode.acquire(info.width as u64 * info.height as u64);
                 let pre = k3_vision::video::preprocess_probed(&bytes, &p.field, info, &vision.processor, v).map_err(|e| verr(p, e))?;
                 drop((permit, bytes));
-                return Ok(MediaFeatures::Video(vision.encode_video_chunks(pre).map_err(|e| verr(p, e))?));
+                let f = if vision.on_gpu() { vision.pending_video(pre) } else { vision.encode_video_chunks(pre) };
+                return Ok(MediaFeatures::Video(f.map_err(|e| verr(p, e))?));
             }
             let (w, h) = preprocess::dimensions(&bytes, &p.field).map_err(|e| verr(p, e))?;
             let permit = limits.decode.acquire(w as u64 * h as u64);
             let pre = preprocess::preprocess_bytes(&bytes, &p.field, &vision.processor).map_err(|e| verr(p, e))?;
             drop((permit, bytes));
-            let mut f = vision.encode_pixels(pre.pixel_values, pre.grid_thw).map_err(|e| verr(p, e))?;
+            let f = if vision.on_gpu() { vision.pending(pre.pixel_values, pre.grid_thw) } else { vision.encode_pixels(pre.pixel_values, pre.grid_thw) };
+            let mut f = f.map_err(|e| verr(p, e))?;
             f.orig_size = Some(pre.orig_size);
             Ok(MediaFeatures::Image(f))
         })
@@ -312,10 +317,23 @@ pub fn media_prompts(feats: &[MediaFeatures]) -> Vec<String> {
         .collect()
 }
 
-/// Engine-thread work: token embeddings of the prompt with the image features spliced in at the
-/// `pad_id` runs, set as the request's `prompt_embeds`.
-pub fn splice_prep(feats: Vec<MediaFeatures>, pad_id: u32) -> Prep {
+/// Engine-thread work: the pending stages of every part run (on the GPU, all parts' samples
+/// packed: [`VisionModel::complete`]), then the token embeddings of the prompt with the features
+/// spliced in at the `pad_id` runs, set as the request's `prompt_embeds`.
+pub fn splice_prep(mut feats: Vec<MediaFeatures>, vision: Arc<VisionModel>) -> Prep {
+    let pad_id = vision.pad_id;
     Box::new(move |backend, req| {
+        let mut pending: Vec<&mut ImageFeatures> = feats
+            .iter_mut()
+            .flat_map(|f| match f {
+                MediaFeatures::Image(f) => vec![f],
+                MediaFeatures::Video(v) => v.chunks.iter_mut().map(|c| &mut c.2).collect(),
+            })
+            .collect();
+        vision.complete(&mut pending).map_err(|e| match e {
+            VisionError::Input(msg) => bad_param("messages", msg),
+            e => ServerError::Internal(format!("the vision tower failed: {e}")),
+        })?;
         let mut emb = backend.embed(&req.prompt)?;
         let views: Vec<&[f32]> = feats
             .iter()

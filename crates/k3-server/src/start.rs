@@ -139,7 +139,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
     }
     let tok = Arc::new(Tokenizer::from_dir(&tok_dir)?);
     let vision = match ck.config.vision_config {
-        Some(_) => Some(Arc::new(VisionModel::load(&ck).map_err(|e| ServerError::Config(format!("loading the vision tower: {e}")))?)),
+        Some(_) => Some(Arc::new(load_vision(&ck, device, gpu_f32)?)),
         None => None,
     };
     // A tokenizer whose <|media_pad|> is not the model's pad id cannot carry images: serve text.
@@ -210,6 +210,23 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
     let finished = world.wait(finish_limit);
     r?;
     finished.map_err(|e| if failed { ServerError::Engine(e) } else { ServerError::Config(format!("stopping the workers: {e}")) })
+}
+
+/// The vision tower; with `--device cuda:N` uploaded to GPU N in the text model's precision
+/// (its stages then run on the engine thread, between steps: `media::splice_prep`).
+fn load_vision(ck: &k3_model::Checkpoint, device: Option<usize>, gpu_f32: bool) -> Result<VisionModel> {
+    let err = |e: k3_vision::VisionError| ServerError::Config(format!("loading the vision tower: {e}"));
+    #[allow(unused_mut)]
+    let mut v = VisionModel::load(ck).map_err(err)?;
+    #[cfg(feature = "cuda")]
+    if let Some(n) = device {
+        let dev = k3_vision::cuda::CudaDevice::new(n).map_err(|e| ServerError::Config(format!("--device cuda:{n}: the vision tower: {e}")))?;
+        v.attach_cuda(&dev, k3_engine::gpu::precision(gpu_f32))
+            .map_err(|e| ServerError::Config(format!("--device cuda:{n}: uploading the vision tower: {e}")))?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (device, gpu_f32);
+    Ok(v)
 }
 
 /// Ctrl-C, SIGTERM, or the end of the world this server leads (a rank failed).

@@ -299,3 +299,66 @@ fn text_only_model_refuses_images() {
     let r = post(srv.addr, "/v1/chat/completions", &json!({"model": "vis", "messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(r.status, 200, "{}", r.text());
 }
+
+#[cfg(feature = "cuda")]
+#[path = "../../../tests/support/cuda.rs"]
+mod cuda_support;
+
+/// The fixture with its vision tower uploaded to the GPU in the reference precision (F32), or
+/// `None` after printing `skipped` without a GPU (`K3_REQUIRE_CUDA=1`: a failure).
+#[cfg(feature = "cuda")]
+fn gpu_vision(test: &str, l: &Loaded) -> Option<Arc<VisionModel>> {
+    let dev = cuda_support::device(test)?;
+    let mut v = VisionModel::load(&Checkpoint::open(&fixture()).expect("fixture checkpoint")).expect("vision");
+    v.attach_cuda(&dev, k3_vision::cuda::Precision::F32).expect("upload the tower");
+    assert!(v.on_gpu() && !l.vision.on_gpu());
+    Some(Arc::new(v))
+}
+
+/// Sends the fixture's PNG and the GIF clip to `srv` and checks both against the CPU reference
+/// prefill of `l` (CPU tower and CPU text model).
+#[cfg(feature = "cuda")]
+fn check_image_and_video(l: &Loaded, srv: &BackgroundServer) {
+    let png = std::fs::read(fixture().join(IMAGE)).expect("png");
+    let body = chat(&data_uri(&png, "image/png"));
+    let (ids, want, _) = reference(l, &body);
+    let r = post(srv.addr, "/v1/chat/completions", &body);
+    let (id, lp) = first_token(&r, &l.tok);
+    assert_eq!(id as usize, argmax(&want), "first greedy token");
+    assert!((lp - want[argmax(&want)]).abs() < 1e-3, "logprob {lp} vs reference {}", want[argmax(&want)]);
+    assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64));
+    assert_eq!(check_video_chat(l, srv, &gif_clip(), "image/gif"), vec![4, 1]);
+    bad_video(srv, &data_uri(&gif_clip()[..100], "image/gif"), "");
+    assert_eq!(get(srv.addr, "/health").status, 200);
+}
+
+/// `k3 serve --device cuda`'s media path with the text model on the CPU: the tower's stages are
+/// left pending by the blocking thread and run on the GPU on the engine thread; an image and a
+/// video chat give the CPU reference's first token and logprob.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn gpu_tower_chat_matches_the_reference_prefill() {
+    let l = load();
+    let Some(vision) = gpu_vision("gpu_tower_chat_matches_the_reference_prefill", &l) else { return };
+    let gl = Loaded { model: l.model.clone(), vision, tok: l.tok.clone() };
+    check_image_and_video(&l, &start(&gl, None));
+}
+
+/// The same with the text model on the GPU too (F32, decode steps from CUDA graphs, which are
+/// captured on the stream the tower also uses): what `k3 serve --device cuda --precision f32`
+/// runs.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn gpu_engine_and_tower_chat_matches_the_reference_prefill() {
+    let l = load();
+    let Some(vision) = gpu_vision("gpu_engine_and_tower_chat_matches_the_reference_prefill", &l) else { return };
+    let ck = Checkpoint::open(&fixture()).expect("fixture checkpoint");
+    let gpu = k3_engine::gpu::load_gpu(&ck, 0, 2, 4096, k3_model::capacity::KvDtype::Bf16, true, true, &Default::default()).expect("text model on the GPU");
+    let ecfg = EngineConfig { max_batch: 2, prefill_chunk: 512, max_step_tokens: 1024, ..Default::default() };
+    let engine = Engine::with_gpu(gpu, Some(l.tok.clone()), ecfg);
+    let cfg = ServerConfig { served_model_name: "vis".into(), ..Default::default() };
+    let srv = spawn_background_with_vision(Box::new(engine), l.tok.clone(), cfg, Some(vision)).expect("server starts");
+    check_image_and_video(&l, &srv);
+}

@@ -16,7 +16,13 @@
 //!   and with the `vp9` feature WebM/Matroska with VP8 or VP9 (`video_webm`, `video_vpx`).
 //! - [`VisionModel`]: load from a [`Checkpoint`], [`VisionModel::encode_image`],
 //!   [`VisionModel::encode_video`], and [`splice`].
+//! - With the `cuda` feature, [`cuda`]: the three stages on a GPU; a model given one
+//!   ([`VisionModel::attach_cuda`]) runs every encode there, several samples packed per call.
+//!   [`VisionModel::pending`] and [`VisionModel::complete`] split preprocessing from the stages
+//!   (the server preprocesses on a blocking thread and runs the GPU stages on its engine thread).
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod merger;
 pub mod preprocess;
@@ -36,6 +42,7 @@ use std::path::Path;
 use k3_model::config::VisionConfig;
 use k3_model::{Checkpoint, Model};
 
+use error::input;
 pub use error::{Result, VisionError};
 pub use preprocess::{ProcessorConfig, ResizePlan};
 pub use projector::Projector;
@@ -142,6 +149,9 @@ pub struct VisionModel {
     pub processor: ProcessorConfig,
     /// `<|media_pad|>` id (`media_placeholder_token_id`, else 163605).
     pub pad_id: u32,
+    /// The stages on a GPU, when attached: every encode runs there.
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<cuda::CudaVision>,
 }
 
 impl VisionModel {
@@ -170,7 +180,70 @@ impl VisionModel {
         let tower = VisionTower::load(spec.tower, get)?;
         let merged = spec.tower.hidden * spec.merge.0 * spec.merge.1;
         let projector = Projector::load(get, merged, spec.text_hidden, spec.projector_eps)?;
-        Ok(VisionModel { spec, tower, projector, processor, pad_id })
+        Ok(VisionModel {
+            spec,
+            tower,
+            projector,
+            processor,
+            pad_id,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        })
+    }
+
+    /// Uploads the tower and projector to `dev` in `precision`: from now on every encode runs
+    /// there (the CPU weights stay for the host tables and as the oracle).
+    #[cfg(feature = "cuda")]
+    pub fn attach_cuda(&mut self, dev: &k3_core::cuda::CudaDevice, precision: cuda::Precision) -> Result<()> {
+        self.gpu = Some(cuda::CudaVision::upload(self, dev, precision)?);
+        Ok(())
+    }
+
+    /// Whether the stages run on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return true;
+        }
+        false
+    }
+
+    /// One sample's features with the stages not yet run (`vit_out`, `merged`, `projected`
+    /// empty; `num_tokens` set): the grid is checked as the stages would check it.
+    pub fn pending(&self, pixel_values: Vec<f32>, grid_thw: [usize; 3]) -> Result<ImageFeatures> {
+        self.tower.check_input(&pixel_values, &[grid_thw])?;
+        let (kh, kw) = self.spec.merge;
+        if !grid_thw[1].is_multiple_of(kh) || !grid_thw[2].is_multiple_of(kw) {
+            return Err(input(format!("grid {}x{} is not a multiple of the {kh}x{kw} merge kernel", grid_thw[1], grid_thw[2])));
+        }
+        let num_tokens = prompt::num_image_tokens(grid_thw, kh, kw);
+        Ok(ImageFeatures { pixel_values, grid_thw, orig_size: None, vit_out: Vec::new(), merged: Vec::new(), projected: Vec::new(), num_tokens })
+    }
+
+    /// Runs the stages of every [`Self::pending`] entry of `feats` (entries with `projected`
+    /// already set are left alone): on the GPU all of them packed, on the CPU one by one.
+    pub fn complete(&self, feats: &mut [&mut ImageFeatures]) -> Result<()> {
+        let mut todo: Vec<&mut ImageFeatures> = feats.iter_mut().filter(|f| f.projected.is_empty()).map(|f| &mut **f).collect();
+        if todo.is_empty() {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            let samples: Vec<(&[f32], [usize; 3])> = todo.iter().map(|f| (f.pixel_values.as_slice(), f.grid_thw)).collect();
+            let stages = gpu.encode(&self.tower, &samples)?;
+            for (f, s) in todo.iter_mut().zip(stages) {
+                (f.vit_out, f.merged, f.projected) = (s.vit_out, s.merged, s.projected);
+            }
+            return Ok(());
+        }
+        for f in todo.iter_mut() {
+            let vit_out = self.tower.forward(&f.pixel_values, &[f.grid_thw], None)?;
+            let (kh, kw) = self.spec.merge;
+            let merged = merger::sd2_tpool(&vit_out, f.grid_thw, self.spec.tower.hidden, kh, kw)?;
+            f.projected = self.projector.forward(&merged)?;
+            (f.vit_out, f.merged) = (vit_out, merged);
+        }
+        Ok(())
     }
 
     /// Preprocesses the image file and runs every stage.
@@ -190,8 +263,14 @@ impl VisionModel {
         Ok(f)
     }
 
-    /// Runs tower, merger and projector on one sample's patches `[t·h·w, 3, ps, ps]`.
+    /// Runs tower, merger and projector on one sample's patches `[t·h·w, 3, ps, ps]` (on the
+    /// GPU when one is attached).
     pub fn encode_pixels(&self, pixel_values: Vec<f32>, grid_thw: [usize; 3]) -> Result<ImageFeatures> {
+        if self.on_gpu() {
+            let mut f = self.pending(pixel_values, grid_thw)?;
+            self.complete(&mut [&mut f])?;
+            return Ok(f);
+        }
         let vit_out = self.tower.forward(&pixel_values, &[grid_thw], None)?;
         let (kh, kw) = self.spec.merge;
         let merged = merger::sd2_tpool(&vit_out, grid_thw, self.spec.tower.hidden, kh, kw)?;
@@ -201,8 +280,24 @@ impl VisionModel {
     }
 
     /// Batched path: one tower call over packed samples (images never attend to each other), then
-    /// per-sample merge and one projector call. Returns the projected rows of each sample.
+    /// per-sample merge and one projector call. Returns the projected rows of each sample (on the
+    /// GPU when one is attached; `trace` then gets the GPU's intermediates).
     pub fn project_batch(&self, pixel_values: &[f32], grids: &[[usize; 3]], trace: tower::TowerTrace<'_>) -> Result<Vec<Vec<f32>>> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            let vit = gpu.tower(&self.tower, pixel_values, grids, trace)?;
+            let all = gpu.project(&gpu.merge(&vit, grids)?)?.to_f32_vec()?;
+            let th = self.spec.text_hidden;
+            let mut off = 0;
+            return Ok(grids
+                .iter()
+                .map(|&g| {
+                    let n = prompt::num_image_tokens(g, self.spec.merge.0, self.spec.merge.1);
+                    off += n;
+                    all[(off - n) * th..off * th].to_vec()
+                })
+                .collect());
+        }
         let vit = self.tower.forward(pixel_values, grids, trace)?;
         let (c, (kh, kw)) = (self.spec.tower.hidden, self.spec.merge);
         let mut off = 0;
@@ -316,16 +411,16 @@ impl VisionModel {
         Ok(())
     }
 
-    /// Runs every stage on each chunk of a preprocessed video.
+    /// Runs every stage on each chunk of a preprocessed video (on the GPU all chunks packed).
     pub fn encode_video_chunks(&self, v: video::PreprocessedVideo) -> Result<VideoFeatures> {
-        let chunks = v
-            .chunks
-            .into_iter()
-            .map(|c| {
-                let f = self.encode_pixels(c.pixel_values, c.grid_thw)?;
-                Ok((c.time_s, c.frames, f))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut f = self.pending_video(v)?;
+        self.complete(&mut f.chunks.iter_mut().map(|c| &mut c.2).collect::<Vec<_>>())?;
+        Ok(f)
+    }
+
+    /// A preprocessed video's chunks as [`Self::pending`] features (stages not run).
+    pub fn pending_video(&self, v: video::PreprocessedVideo) -> Result<VideoFeatures> {
+        let chunks = v.chunks.into_iter().map(|c| Ok((c.time_s, c.frames, self.pending(c.pixel_values, c.grid_thw)?))).collect::<Result<Vec<_>>>()?;
         Ok(VideoFeatures { info: v.info, chunks })
     }
 

@@ -224,6 +224,24 @@ impl VisionTower {
         Ok(l)
     }
 
+    /// What is added to the patch embeddings of a packed batch, `[L, C]`: each frame's resized
+    /// position table, plus for `t > 1` that frame's time row (the GPU tower uploads this).
+    pub fn position_rows(&self, grids: &[[usize; 3]]) -> Vec<f32> {
+        let c = self.dims.hidden;
+        let mut out = Vec::with_capacity(grids.iter().map(|g| g[0] * g[1] * g[2] * c).sum());
+        for &[t, h, w] in grids {
+            let pos = self.pos_embedding(h, w);
+            let time = (t > 1).then(|| time_embedding(t, c));
+            for tau in 0..t {
+                match &time {
+                    Some(te) => out.extend(pos.chunks_exact(c).flat_map(|r| r.iter().zip(&te[tau * c..(tau + 1) * c]).map(|(a, b)| a + b))),
+                    None => out.extend_from_slice(&pos),
+                }
+            }
+        }
+        out
+    }
+
     /// Runs the tower on packed patches; returns `[L, C]` after `final_layernorm`.
     pub fn forward(&self, pixels: &[f32], grids: &[[usize; 3]], mut trace: TowerTrace<'_>) -> Result<Vec<f32>> {
         let l = self.check_input(pixels, grids)?;
@@ -276,7 +294,43 @@ impl VisionTower {
     }
 }
 
-/// cos/sin per position and frequency: `f_k = 1/10000^(4k/hd)` in f32, angle `pos·f_k` in f32.
+/// The longest grid side of a packed batch: the RoPE table's rows.
+pub fn rope_side(grids: &[[usize; 3]]) -> usize {
+    grids.iter().map(|g| g[1].max(g[2])).max().unwrap_or(1)
+}
+
+/// The 2-D RoPE tables `(cos, sin)`, each `[side, hd/4]`: `f_k = 1/10000^(4k/hd)` in f32, angle
+/// `pos·f_k` in f32, cos/sin in f64 stored as f32 (the GPU tower uploads these).
+pub fn rope_table(hd: usize, side: usize) -> (Vec<f32>, Vec<f32>) {
+    let nf = hd / 4;
+    let freqs: Vec<f32> = (0..nf).map(|k| 1.0f32 / 10000f32.powf((4 * k) as f32 / hd as f32)).collect();
+    let (mut cos, mut sin) = (vec![0f32; side * nf], vec![0f32; side * nf]);
+    for p in 0..side {
+        for k in 0..nf {
+            let a = (p as f32 * freqs[k]) as f64;
+            cos[p * nf + k] = a.cos() as f32;
+            sin[p * nf + k] = a.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
+/// Each packed row's patch position `(row, column)` within its frame, samples and frames in order.
+pub fn patch_positions(grids: &[[usize; 3]]) -> Vec<(usize, usize)> {
+    let mut pos = Vec::new();
+    for &[t, h, w] in grids {
+        for _ in 0..t {
+            for r in 0..h {
+                for c in 0..w {
+                    pos.push((r, c));
+                }
+            }
+        }
+    }
+    pos
+}
+
+/// cos/sin per position and frequency (see [`rope_table`]).
 struct RopeTables {
     nf: usize,
     /// `[max_side, nf]` cos and sin.
@@ -286,32 +340,13 @@ struct RopeTables {
 
 impl RopeTables {
     fn new(hd: usize, grids: &[[usize; 3]]) -> RopeTables {
-        let nf = hd / 4;
-        let side = grids.iter().map(|g| g[1].max(g[2])).max().unwrap_or(1);
-        let freqs: Vec<f32> = (0..nf).map(|k| 1.0f32 / 10000f32.powf((4 * k) as f32 / hd as f32)).collect();
-        let (mut cos, mut sin) = (vec![0f32; side * nf], vec![0f32; side * nf]);
-        for p in 0..side {
-            for k in 0..nf {
-                let a = (p as f32 * freqs[k]) as f64;
-                cos[p * nf + k] = a.cos() as f32;
-                sin[p * nf + k] = a.sin() as f32;
-            }
-        }
-        RopeTables { nf, cos, sin }
+        let (cos, sin) = rope_table(hd, rope_side(grids));
+        RopeTables { nf: hd / 4, cos, sin }
     }
 
     /// Rotates Q and K of every token in place (pairs `(2j, 2j+1)`; even j → column, odd → row).
     fn apply(&self, qkv: &mut [f32], dq: usize, grids: &[[usize; 3]]) {
-        let mut pos = Vec::new();
-        for &[t, h, w] in grids {
-            for _ in 0..t {
-                for r in 0..h {
-                    for c in 0..w {
-                        pos.push((r, c));
-                    }
-                }
-            }
-        }
+        let pos = patch_positions(grids);
         let hd = 4 * self.nf;
         qkv.par_chunks_mut(3 * dq).zip(pos.par_iter()).for_each(|(row, &(r, c))| {
             for head in row[..2 * dq].chunks_exact_mut(hd) {

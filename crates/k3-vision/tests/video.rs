@@ -250,6 +250,36 @@ fn chunks_of_one_to_four_frames_match_a_float64_reference() {
     }
 }
 
+/// The server's split with the tower on the CPU: `pending` (grid checked, stages empty) then
+/// `complete` gives `encode_pixels`'s stages bit for bit, for images and t = 2..4 chunks alike;
+/// and `position_rows` (what the GPU tower adds to the patch embeddings) is what the CPU tower
+/// adds (zero pixels: the patch embedding is 0, so the traced rows are the additions alone).
+#[test]
+fn pending_then_complete_is_encode_pixels_and_position_rows_are_the_towers() {
+    let vm = model(&weights(), processor(2.0));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let grids = [[1, 4, 6], [2, 2, 4], [3, 4, 2], [4, 2, 2]];
+    let px: Vec<Vec<f32>> = grids.iter().map(|g| (0..g[0] * g[1] * g[2] * 588).map(|_| rng.random_range(-1.0f32..1.0)).collect()).collect();
+    let mut pend: Vec<_> = px.iter().zip(&grids).map(|(p, &g)| vm.pending(p.clone(), g).unwrap()).collect();
+    assert!(pend.iter().all(|f| f.vit_out.is_empty() && f.projected.is_empty()));
+    vm.complete(&mut pend.iter_mut().collect::<Vec<_>>()).unwrap();
+    for ((f, p), &g) in pend.iter().zip(&px).zip(&grids) {
+        let want = vm.encode_pixels(p.clone(), g).unwrap();
+        assert_eq!((&f.vit_out, &f.merged, &f.projected, f.num_tokens), (&want.vit_out, &want.merged, &want.projected, want.num_tokens), "{g:?}");
+    }
+    assert!(vm.pending(vec![0.0; 3 * 5 * 588], [1, 3, 5]).unwrap_err().to_string().contains("merge kernel"));
+    assert!(vm.pending(vec![0.0; 588], [1, 2, 2]).unwrap_err().to_string().contains("pixel_values hold 588"));
+    let l: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
+    let mut added = Vec::new();
+    let mut trace = |name: &str, x: &[f32]| {
+        if name == "vit_patch_embed" {
+            added = x.to_vec();
+        }
+    };
+    vm.tower.forward(&vec![0.0; l * 588], &grids, Some(&mut trace)).unwrap();
+    assert_eq!(vm.tower.position_rows(&grids), added);
+}
+
 #[test]
 fn corrupt_unsupported_and_oversize_videos_are_refused() {
     let cfg = processor(2.0);

@@ -100,7 +100,11 @@ pub fn run(a: Args) -> Result<()> {
         (prompt, None)
     } else {
         let limits = k3_vision::video::VideoLimits { max_frames: a.max_video_frames, ..Default::default() };
-        let media = Media { images: &a.image, videos: &a.video, limits };
+        // One process on one GPU: the tower runs there too (a parallel world's worker processes
+        // also get here, and must not put it on rank 0's GPU; they keep the CPU tower).
+        let single = a.parallel.parallel()?.is_none() && !a.launch.is_set();
+        let gpu = device.filter(|_| single).map(|n| (n, gpu_f32));
+        let media = Media { images: &a.image, videos: &a.video, limits, gpu };
         let (ids, emb) = with_images(&ck, &Model::load_embedding(&ck)?, tokenizer.as_deref(), prompt, a.ids.is_some(), &media)?;
         (ids, Some(Arc::new(emb)))
     };
@@ -251,6 +255,8 @@ struct Media<'a> {
     images: &'a [PathBuf],
     videos: &'a [PathBuf],
     limits: k3_vision::video::VideoLimits,
+    /// Run the vision stages on GPU `.0` (`.1`: in f32), else on the CPU.
+    gpu: Option<(usize, bool)>,
 }
 
 /// Encodes the images and videos, puts their blocks (`<|media_begin|>image WxH<|media_content|>`,
@@ -263,7 +269,15 @@ fn with_images(ck: &Checkpoint, model: &Model, tok: Option<&Tokenizer>, prompt: 
         let flag = if media.images.is_empty() { "--video" } else { "--image" };
         bail!("{flag}: {} has no vision_config (this model has no vision tower)", ck.dir.display());
     }
-    let vision = VisionModel::load(ck)?;
+    #[allow(unused_mut)]
+    let mut vision = VisionModel::load(ck)?;
+    #[cfg(not(feature = "cuda"))]
+    let _ = media.gpu; // a build without CUDA has no --device cuda
+    #[cfg(feature = "cuda")]
+    if let Some((n, f32)) = media.gpu {
+        let dev = k3_vision::cuda::CudaDevice::new(n).with_context(|| format!("--device cuda:{n}: the vision tower"))?;
+        vision.attach_cuda(&dev, k3_engine::gpu::precision(f32)).with_context(|| format!("--device cuda:{n}: uploading the vision tower"))?;
+    }
     let feats = media.images.iter().map(|p| vision.encode_image(p).with_context(|| format!("--image {}", p.display()))).collect::<Result<Vec<_>>>()?;
     let videos =
         media.videos.iter().map(|p| vision.encode_video(p, &media.limits).with_context(|| format!("--video {}", p.display()))).collect::<Result<Vec<_>>>()?;
@@ -299,5 +313,11 @@ fn with_images(ck: &Checkpoint, model: &Model, tok: Option<&Tokenizer>, prompt: 
     let mut views: Vec<&[f32]> = feats.iter().map(|f| f.projected.as_slice()).collect();
     views.extend(videos.iter().flat_map(|v| v.projected()));
     splice(&mut emb, &ids, vision.pad_id, &views)?;
+    // The tower's GPU memory goes back to the driver before the text model is uploaded.
+    #[cfg(feature = "cuda")]
+    if let Some(dev) = vision.gpu.as_ref().map(|g| g.dev.clone()) {
+        drop((feats, videos, vision));
+        dev.empty_cache()?;
+    }
     Ok((ids, emb))
 }

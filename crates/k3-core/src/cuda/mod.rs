@@ -30,6 +30,7 @@ pub mod ops;
 pub mod pinned;
 pub mod sample;
 mod tensor;
+pub mod vision;
 
 use std::collections::HashMap;
 use std::ffi::c_void;

@@ -1,4 +1,4 @@
-//! Helpers of the video tests (`video.rs`, `webm.rs`; included with `#[path]`): the tiny tower
+//! Helpers of the video tests (`video.rs`, `webm.rs`, `cuda_vision.rs`; included with `#[path]`): the tiny tower
 //! and processor config, the mean red byte of a chunk's frame, a watchdog, and seeded mutations
 //! of a clip.
 #![allow(dead_code)]
@@ -25,7 +25,12 @@ pub fn processor(sample_fps: f64) -> ProcessorConfig {
 
 /// Random weights N-ish(0, 1/fan_in), norm gains around 1.
 pub fn weights() -> HashMap<String, Tensor> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    weights_for(DIMS, 16, 7)
+}
+
+/// [`weights`] of a tower of sizes `d` (patch 14, merge 2 × 2) and a projector to `text_hidden`.
+pub fn weights_for(d: TowerDims, text_hidden: usize, seed: u64) -> HashMap<String, Tensor> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut w = HashMap::new();
     let mut add = |name: String, shape: Vec<usize>, fan_in: usize| {
         let n: usize = shape.iter().product();
@@ -33,10 +38,10 @@ pub fn weights() -> HashMap<String, Tensor> {
         let v: Vec<f32> = (0..n).map(|_| if fan_in == 0 { 1.0 + rng.random_range(-0.2..0.2) } else { rng.random_range(-s..s) }).collect();
         w.insert(name, Tensor::from_f32(shape, &v).unwrap());
     };
-    let (c, q, i) = (DIMS.hidden, DIMS.qkv, DIMS.intermediate);
+    let (c, q, i) = (d.hidden, d.qkv, d.intermediate);
     add("vision_tower.patch_embed.proj.weight".into(), vec![c, 3, 14, 14], 588);
-    add("vision_tower.patch_embed.pos_emb.weight".into(), vec![DIMS.pos_h, DIMS.pos_w, c], 4);
-    for b in 0..DIMS.layers {
+    add("vision_tower.patch_embed.pos_emb.weight".into(), vec![d.pos_h, d.pos_w, c], 4);
+    for b in 0..d.layers {
         let p = format!("vision_tower.encoder.blocks.{b}.");
         add(format!("{p}norm0.weight"), vec![c], 0);
         add(format!("{p}norm1.weight"), vec![c], 0);
@@ -47,13 +52,18 @@ pub fn weights() -> HashMap<String, Tensor> {
     }
     add("vision_tower.encoder.final_layernorm.weight".into(), vec![c], 0);
     add("mm_projector.proj.0.weight".into(), vec![4 * c, 4 * c], 4 * c);
-    add("mm_projector.proj.2.weight".into(), vec![16, 4 * c], 4 * c);
-    add("mm_projector.post_norm.weight".into(), vec![16], 0);
+    add("mm_projector.proj.2.weight".into(), vec![text_hidden, 4 * c], 4 * c);
+    add("mm_projector.post_norm.weight".into(), vec![text_hidden], 0);
     w
 }
 
 pub fn model(w: &HashMap<String, Tensor>, cfg: ProcessorConfig) -> VisionModel {
-    let spec = VisionSpec { tower: DIMS, merge: (2, 2), text_hidden: 16, projector_eps: 1e-5 };
+    model_for(DIMS, 16, w, cfg)
+}
+
+/// The model of [`weights_for`]`(d, text_hidden, _)`.
+pub fn model_for(d: TowerDims, text_hidden: usize, w: &HashMap<String, Tensor>, cfg: ProcessorConfig) -> VisionModel {
+    let spec = VisionSpec { tower: d, merge: (2, 2), text_hidden, projector_eps: 1e-5 };
     let get = |n: &str| w.get(n).cloned().ok_or_else(|| k3_vision::VisionError::Weight { name: n.into(), msg: "missing".into() });
     VisionModel::from_parts(spec, cfg, &get, 163605).unwrap()
 }

@@ -57,8 +57,12 @@ pub const DSA: Source = Source { name: "dsa", code: include_str!("dsa.cu") };
 /// Token sampling: mask, penalties, greedy / top-k / top-p / min-p draw, logprobs (`sample_*`).
 pub const SAMPLE: Source = Source { name: "sample", code: include_str!("sample.cu") };
 
+/// The MoonViT3d tower's own kernels: 2-D RoPE, scaled row softmax, GELUs, the `sd2_tpool` merge
+/// (`vit_*`; CPU oracle: k3-vision's tower, merger and projector).
+pub const VISION: Source = Source { name: "vision", code: include_str!("vision.cu") };
+
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 15] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, MLA_PREFILL, DSA, SAMPLE];
+pub const ALL: [Source; 16] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, MLA_PREFILL, DSA, SAMPLE, VISION];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.

@@ -1,0 +1,207 @@
+//! Launchers for the MoonViT3d vision tower's own kernels (around-backbone §3.2–§3.8; kernels in
+//! `kernels/cuda/vision.cu`, CPU oracle k3-vision's `tower.rs`, `merger.rs`, `projector.rs`):
+//! 2-D RoPE, bidirectional attention within each packed sample (block-diagonal over the batch),
+//! the two GELUs and the `sd2_tpool` merge. The tower itself (weights, GEMMs, norms) is
+//! k3-vision's `cuda.rs`.
+//!
+//! Shape legend: `L` packed patch rows over the samples of one call, `Dq` = `qkv_hidden_size`,
+//! `nh` heads of `hd = Dq/nh`, `qkv` `[L, 3·Dq]` (Q | K | V, head-major within each), attention
+//! out `[L, Dq]`; `C` the tower width; a sample of grid `(t, h, w)` has `t·h·w` rows.
+//!
+//! Attention runs as the CPU does, one sample and one slice of its query rows at a time: scores
+//! `S = Q·Kᵀ` for all heads in one strided-batched cuBLAS GEMM (F32 out), `P = softmax(S/√hd)`
+//! (`vit_softmax_*`, F32 or BF16 out), `O = P·V` in a second batched GEMM. Query rows are sliced
+//! so that the F32 scores of one slice stay under [`SCORE_BYTES`]. Samples never see each
+//! other's keys.
+
+use super::blas::{gemm_strided_batched, Layout, Strided};
+use super::{kargs, CudaTensor};
+use crate::kernels::cuda::VISION;
+use crate::{CoreError, DType, Result};
+
+/// Threads per block of the elementwise kernels.
+const EW_BLOCK: u32 = 256;
+/// Most bytes of F32 attention scores one query slice may hold (all heads).
+pub const SCORE_BYTES: usize = 256 << 20;
+
+fn out_suffix(op: &'static str, t: &CudaTensor) -> Result<&'static str> {
+    match t.dtype() {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => Err(CoreError::DType { op, dtype: format!("output {d} (F32 or BF16 needed)") }),
+    }
+}
+
+fn same_dev(op: &'static str, a: &CudaTensor, others: &[&CudaTensor]) -> Result<()> {
+    for o in others {
+        if !o.cuda_device().same(a.cuda_device()) {
+            return Err(CoreError::Shape { op, detail: format!("{o:?} is on another device than {a:?}") });
+        }
+    }
+    Ok(())
+}
+
+fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CoreError::Shape { op, detail: format!("{what} {v} exceeds i32") })
+}
+
+/// 2-D RoPE: `out` = `qkv` with every Q and K head rotated by its row's patch position, V copied.
+/// `qkv` F32 `[L, 3·Dq]`; `out` F32 or BF16 `[L, 3·Dq]` (`qkv` itself for F32: in place); `rc` I32
+/// `[L, 2]` each row's (patch row, patch column); `cos`, `sin` F32 `[side, hd/4]` with every
+/// position of `rc` below `side` (device values are not read back: the caller builds both).
+pub fn vit_rope(qkv: &CudaTensor, rc: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor, heads: usize, out: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda vit_rope";
+    same_dev(OP, qkv, &[rc, cos, sin, out])?;
+    let (l, w3) = match qkv.shape() {
+        [l, w] => (*l, *w),
+        _ => return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
+    };
+    let dq = w3 / 3;
+    if qkv.dtype() != DType::F32 || !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) || !(dq / heads).is_multiple_of(4) {
+        return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be F32 [L, 3·Dq] with Dq / {heads} heads a multiple of 4") });
+    }
+    let hd = dq / heads;
+    if out.shape() != qkv.shape() {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must have qkv's shape {:?}", qkv.shape()) });
+    }
+    let name = if out_suffix(OP, out)? == "f32" { "vit_rope_f32" } else { "vit_rope_bf16" };
+    if rc.dtype() != DType::I32 || rc.shape() != [l, 2] {
+        return Err(CoreError::Shape { op: OP, detail: format!("rc {rc:?} must be I32 [{l}, 2]") });
+    }
+    let nf = hd / 4;
+    if cos.dtype() != DType::F32 || sin.dtype() != DType::F32 || cos.shape().len() != 2 || cos.shape()[1] != nf || sin.shape() != cos.shape() {
+        return Err(CoreError::Shape { op: OP, detail: format!("cos {cos:?} and sin {sin:?} must be F32 [side, {nf}]") });
+    }
+    if l == 0 {
+        return Ok(());
+    }
+    let dev = qkv.cuda_device();
+    let grid = dev.elementwise_grid(l * w3 / 2, EW_BLOCK);
+    let (rows, dq32, hd32) = (l as i64, i32_of(OP, "Dq", dq)?, hd as i32);
+    let (xp, rp, cp, sp, op) = (qkv.ptr(), rc.ptr(), cos.ptr(), sin.ptr(), out.ptr());
+    dev.launch(VISION, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, rp, cp, sp, op, rows, dq32, hd32])
+}
+
+/// Full bidirectional attention within each sample of a packed batch: `qkv` `[L, 3·Dq]` (F32 or
+/// BF16, after RoPE) → `out` `[L, Dq]` (same dtype). `lens` are the samples' row counts in
+/// order (`Σ lens = L`); scale `hd^−½`. GEMMs accumulate in f32; the scores are F32, the
+/// probabilities `P` are rounded to the input dtype before `P·V`.
+pub fn vit_attention(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor) -> Result<()> {
+    vit_attention_sliced(qkv, heads, lens, out, SCORE_BYTES)
+}
+
+/// [`vit_attention`] with query slices of at most `score_bytes` of F32 scores (at least one row
+/// each): tests use a small budget to exercise the slicing.
+pub fn vit_attention_sliced(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor, score_bytes: usize) -> Result<()> {
+    const OP: &str = "cuda vit_attention";
+    same_dev(OP, qkv, &[out])?;
+    let (l, w3) = match qkv.shape() {
+        [l, w] => (*l, *w),
+        _ => return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
+    };
+    let dq = w3 / 3;
+    if !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) {
+        return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?}: width must be 3·Dq with Dq a multiple of {heads} heads") });
+    }
+    let dt = qkv.dtype();
+    let sfx = out_suffix(OP, qkv)?;
+    if out.dtype() != dt || out.shape() != [l, dq] {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be {dt} [{l}, {dq}]") });
+    }
+    if lens.iter().sum::<usize>() != l || lens.contains(&0) {
+        return Err(CoreError::Shape { op: OP, detail: format!("sample lengths {lens:?} must be positive and sum to L = {l}") });
+    }
+    let hd = dq / heads;
+    let es = dt.size_in_bytes() as u64;
+    let dev = qkv.cuda_device();
+    let n_max = lens.iter().copied().max().unwrap_or(0);
+    if n_max == 0 {
+        return Ok(());
+    }
+    let slice = |n: usize| (score_bytes / (heads * n * 4)).clamp(1, n);
+    let cap = lens.iter().map(|&n| heads * slice(n) * n).max().unwrap_or(0);
+    let s = CudaTensor::uninit(dev, DType::F32, vec![cap])?;
+    let p = CudaTensor::uninit(dev, dt, vec![cap])?;
+    let softmax = if sfx == "f32" { "vit_softmax_f32" } else { "vit_softmax_bf16" };
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (qp, op) = (qkv.ptr(), out.ptr());
+    let mut off = 0usize;
+    for &n in lens {
+        let m_step = slice(n);
+        let keys = qp + (off * w3 + dq) as u64 * es;
+        let values = qp + (off * w3 + 2 * dq) as u64 * es;
+        let n32 = i32_of(OP, "sample length", n)?;
+        for r0 in (0..n).step_by(m_step) {
+            let m = m_step.min(n - r0);
+            let q = Strided { ptr: qp + ((off + r0) * w3) as u64 * es, ld: w3, stride: hd };
+            let sv = Strided { ptr: s.ptr(), ld: n, stride: m * n };
+            gemm_strided_batched(dev, m, n, hd, heads, q, Strided { ptr: keys, ld: w3, stride: hd }, Layout::BT, sv, dt, DType::F32)?;
+            let rows = u32::try_from(heads * m).map_err(|_| CoreError::Shape { op: OP, detail: format!("{} score rows exceed u32", heads * m) })?;
+            let block = (n.div_ceil(32) * 32).clamp(32, 512) as u32;
+            let (sp, pp) = (s.ptr(), p.ptr());
+            dev.launch(VISION, softmax, (rows, 1, 1), (block, 1, 1), 0, &mut kargs![sp, pp, n32, scale])?;
+            let pv = Strided { ptr: p.ptr(), ld: n, stride: m * n };
+            let o = Strided { ptr: op + ((off + r0) * dq) as u64 * es, ld: dq, stride: hd };
+            gemm_strided_batched(dev, m, hd, n, heads, pv, Strided { ptr: values, ld: w3, stride: hd }, Layout::B, o, dt, dt)?;
+        }
+        off += n;
+    }
+    Ok(())
+}
+
+fn gelu(op: &'static str, names: [&'static str; 2], x: &CudaTensor, out: &CudaTensor) -> Result<()> {
+    same_dev(op, x, &[out])?;
+    if x.dtype() != DType::F32 || out.shape() != x.shape() {
+        return Err(CoreError::Shape { op, detail: format!("x {x:?} must be F32 and out {out:?} of its shape") });
+    }
+    let name = if out_suffix(op, out)? == "f32" { names[0] } else { names[1] };
+    let n = x.numel() as i64;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = x.cuda_device();
+    let grid = dev.elementwise_grid(n as usize, EW_BLOCK);
+    let (xp, yp) = (x.ptr(), out.ptr());
+    dev.launch(VISION, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, yp, n])
+}
+
+/// `out = gelu_tanh(x)` (PyTorch's `approximate="tanh"`, the ViT MLP): F32 in, F32 or BF16 out.
+pub fn vit_gelu_tanh(x: &CudaTensor, out: &CudaTensor) -> Result<()> {
+    gelu("cuda vit_gelu_tanh", ["vit_gelu_tanh_f32", "vit_gelu_tanh_bf16"], x, out)
+}
+
+/// `out = 0.5·x·(1 + erf(x/√2))` in f64 (the projector's exact GELU): F32 in, F32 or BF16 out.
+pub fn vit_gelu_erf(x: &CudaTensor, out: &CudaTensor) -> Result<()> {
+    gelu("cuda vit_gelu_erf", ["vit_gelu_erf_f32", "vit_gelu_erf_bf16"], x, out)
+}
+
+/// `sd2_tpool` of every sample: `x` F32 `[L, C]` (the tower's output, samples packed in order)
+/// → `out` F32 `[Σ (h/kh)(w/kw), kh·kw·C]`, each sample's tokens in order; entry `dy·kw + dx` of
+/// a token holds patch `(kh·R + dy, kw·Cc + dx)` averaged over the sample's `t` frames.
+pub fn vit_merge(x: &CudaTensor, grids: &[[usize; 3]], kh: usize, kw: usize, out: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda vit_merge";
+    same_dev(OP, x, &[out])?;
+    let c = x.last_dim();
+    let l: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
+    let tokens: usize = grids.iter().map(|g| (g[1] / kh.max(1)) * (g[2] / kw.max(1))).sum();
+    if x.dtype() != DType::F32 || out.dtype() != DType::F32 || x.numel() != l * c || out.shape() != [tokens, kh * kw * c] {
+        return Err(CoreError::Shape { op: OP, detail: format!("x {x:?} must be F32 [{l}, C] and out {out:?} F32 [{tokens}, {}]", kh * kw * c) });
+    }
+    if let Some(g) = grids.iter().find(|g| kh == 0 || kw == 0 || g[0] == 0 || g[1] % kh != 0 || g[2] % kw != 0) {
+        return Err(CoreError::Shape { op: OP, detail: format!("grid {g:?} is not a multiple of the {kh}x{kw} merge kernel") });
+    }
+    let dev = x.cuda_device();
+    let (mut row, mut tok) = (0usize, 0usize);
+    let (c32, kh32, kw32) = (i32_of(OP, "C", c)?, i32_of(OP, "kh", kh)?, i32_of(OP, "kw", kw)?);
+    for &[t, h, w] in grids {
+        let n_out = (h / kh) * (w / kw) * kh * kw * c;
+        let xp = x.ptr() + (row * c * 4) as u64;
+        let op = out.ptr() + (tok * kh * kw * c * 4) as u64;
+        let (t32, h32, w32) = (i32_of(OP, "t", t)?, i32_of(OP, "h", h)?, i32_of(OP, "w", w)?);
+        let grid = dev.elementwise_grid(n_out, EW_BLOCK);
+        dev.launch(VISION, "vit_merge", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, op, t32, h32, w32, kh32, kw32, c32])?;
+        row += t * h * w;
+        tok += (h / kh) * (w / kw);
+    }
+    Ok(())
+}
