@@ -212,14 +212,15 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
     finished.map_err(|e| if failed { ServerError::Engine(e) } else { ServerError::Config(format!("stopping the workers: {e}")) })
 }
 
-/// The vision tower; with `--device cuda:N` uploaded to GPU N in the text model's precision
-/// (its stages then run on the engine thread, between steps: `media::splice_prep`).
+/// The vision tower; with `--device cuda:N` and `K3_VISION_GPU=1` uploaded to GPU N in the text
+/// model's precision (its stages then run on the engine thread, between steps:
+/// `media::splice_prep`); else on the CPU.
 fn load_vision(ck: &k3_model::Checkpoint, device: Option<usize>, gpu_f32: bool) -> Result<VisionModel> {
     let err = |e: k3_vision::VisionError| ServerError::Config(format!("loading the vision tower: {e}"));
     #[allow(unused_mut)]
     let mut v = VisionModel::load(ck).map_err(err)?;
     #[cfg(feature = "cuda")]
-    if let Some(n) = device {
+    if let Some(n) = device.filter(|_| k3_vision::gpu_tower_enabled()) {
         let dev = k3_vision::cuda::CudaDevice::new(n).map_err(|e| ServerError::Config(format!("--device cuda:{n}: the vision tower: {e}")))?;
         v.attach_cuda(&dev, k3_engine::gpu::precision(gpu_f32))
             .map_err(|e| ServerError::Config(format!("--device cuda:{n}: uploading the vision tower: {e}")))?;

@@ -23,6 +23,13 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+
+/// Whether `--device cuda` also puts the vision tower on the GPU: opt-in with `K3_VISION_GPU=1`
+/// until the GPU tower (`cuda.rs`, written without a GPU) has passed its tests on one; without
+/// it the tower runs on the CPU and its features are spliced into the GPU text model's input.
+pub fn gpu_tower_enabled() -> bool {
+    std::env::var("K3_VISION_GPU").is_ok_and(|v| v == "1")
+}
 pub mod error;
 pub mod merger;
 pub mod preprocess;
