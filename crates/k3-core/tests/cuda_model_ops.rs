@@ -74,6 +74,14 @@ fn attn_res_norm_parity() {
             let want = attn_res_ref(&srcs, &c, 1e-6, &w, 1e-5, rows);
             let tol = if out_dtype == DType::F32 { 1e-5 } else { 5e-3 };
             check(&format!("attn_res_norm rows {rows} h {h} blocks {nblocks} {upd:?} -> {out_dtype}"), &out.to_f32_vec().unwrap(), &want, tol);
+            // Deterministic (the warps' partial sums are added in a fixed order, no float
+            // atomics): the same call again gives the same bits.
+            let first = out.to_bytes().unwrap();
+            for _ in 0..8 {
+                let p = up(&dev, DType::F32, vec![rows, h], &p0);
+                ops::attn_res_norm(&brefs, &p, upd, Some(&dt), None, &ct, 1e-6, &wt, 1e-5, &out).expect("attn_res_norm");
+                assert_eq!(out.to_bytes().unwrap(), first, "attn_res_norm rows {rows} h {h} blocks {nblocks} {upd:?}: not bit-reproducible");
+            }
         }
     }
     // Too many blocks and a missing d are errors, not launches.

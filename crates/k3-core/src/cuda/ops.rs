@@ -241,8 +241,9 @@ pub fn attn_res_norm(
         let scale = if name == "attn_res_norm_f32" { "attn_res_scale_f32" } else { "attn_res_scale_bf16" };
         return dev.launch(ATTN_RES, scale, grid, block, 0, &mut kargs![mix_p, msq_p, wp, eps, op, h]);
     }
-    // mix[h] | sums[2 (B + 2)] | pw[B + 2] | scratch[32] (attn_res.cu), B = ATTN_RES_MAX_BLOCKS.
-    let smem = ((h as usize + 3 * (ATTN_RES_MAX_BLOCKS + 2) + 32) * 4) as u32;
+    // mix[h] | sums[2 (B + 2)] | pw[B + 2] | scratch[32] | the 16 warps' partials [16][2n]
+    // (attn_res.cu), B = ATTN_RES_MAX_BLOCKS, n = blocks + 1.
+    let smem = ((h as usize + 3 * (ATTN_RES_MAX_BLOCKS + 2) + 32 + (512 / 32) * 2 * (blocks.len() + 1)) * 4) as u32;
     if smem > 48 * 1024 {
         return Err(CoreError::Shape { op: OP, detail: format!("hidden size {h} needs {smem} bytes of shared memory (48 KiB max)") });
     }

@@ -9,7 +9,9 @@
 // logit = (v·c) / sqrt(mean(v²) + eps_res), p = softmax(logits), m = Σ p·v (raw sources), and
 // out = m / sqrt(mean(m²) + eps) · w (w f32), stored as OUT (bf16 for the next GEMM, or f32).
 // Dynamic shared memory: h floats (the mix) + 3·(ARES_MAX+1) floats (per-source sums and
-// weights) + 32.
+// weights) + 32 + (blockDim/32)·2·(nsrc+1) (each warp's partial sums).
+// Deterministic: the per-source sums add the warps' partials in warp order (no float atomics),
+// so a forward gives the same bits run after run.
 
 #define ARES_MAX 64
 
@@ -42,11 +44,11 @@ __device__ void attn_res_norm_impl(AresSrcs srcs, int nsrc, float* __restrict__ 
     float* sums = sm + h;              // [ARES_MAX + 1][2]: dot, sum of squares
     float* pw = sums + 2 * (ARES_MAX + 1);       // [ARES_MAX + 1]: softmax weights
     float* scratch = pw + ARES_MAX + 1;          // 32
+    float* wpart = scratch + 32;                 // [nw][2n]: each warp's partial sums
     const long long base = (long long)blockIdx.x * h;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int n = nsrc + 1;
-    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) sums[i] = 0.0f;
-    __syncthreads();
+    float* mine = wpart + warp * 2 * n;
     // The partial sum P: update, snapshot, and its dot / square sums.
     float dp = 0.0f, sp = 0.0f;
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
@@ -60,7 +62,7 @@ __device__ void attn_res_norm_impl(AresSrcs srcs, int nsrc, float* __restrict__ 
     }
     dp = warp_sum(dp);
     sp = warp_sum(sp);
-    if (lane == 0) { atomicAdd(&sums[2 * nsrc], dp); atomicAdd(&sums[2 * nsrc + 1], sp); }
+    if (lane == 0) { mine[2 * nsrc] = dp; mine[2 * nsrc + 1] = sp; }
     for (int i = 0; i < nsrc; i++) {
         const float* v = srcs.p[i] + base;
         float a = 0.0f, s = 0.0f;
@@ -71,7 +73,13 @@ __device__ void attn_res_norm_impl(AresSrcs srcs, int nsrc, float* __restrict__ 
         }
         a = warp_sum(a);
         s = warp_sum(s);
-        if (lane == 0) { atomicAdd(&sums[2 * i], a); atomicAdd(&sums[2 * i + 1], s); }
+        if (lane == 0) { mine[2 * i] = a; mine[2 * i + 1] = s; }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) {
+        float t = 0.0f;
+        for (int k = 0; k < nw; k++) t += wpart[k * 2 * n + i];  // warp order
+        sums[i] = t;
     }
     __syncthreads();
     // Softmax over the n logits (n <= 65) in one warp, into pw.
@@ -104,7 +112,7 @@ extern "C" __global__ void attn_res_norm_f32(AresSrcs srcs, int nsrc, float* P, 
 // (S column slices of ARES_SL, rows) instead of one block per row, so a decode step's mix is
 // spread over S SMs instead of walking 7168-wide rows on one. Needs h % 4 == 0 (float4 access).
 //   attn_res_stats: P update + snapshot on the slice, per-source (v·c, v·v) slice partials
-//                   -> part [rows, S, 2(nsrc+1)].
+//                   -> part [rows, S, 2(nsrc+1)] (the 4 warps' partials added in warp order).
 //   attn_res_mix:   every block reduces its row's partials, softmax, mix of its slice
 //                   -> mix [rows, h] (f32) and its sum of squares -> msq [rows, S].
 //   attn_res_scale: out = mix / sqrt(mean(mix²) + eps) · w on the slice.
@@ -117,11 +125,9 @@ __device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a
 extern "C" __global__ void __launch_bounds__(ARES_ST) attn_res_stats(AresSrcs srcs, int nsrc, float* __restrict__ P,
         const float* __restrict__ d, int mode, float* __restrict__ snap, const float* __restrict__ c,
         float* __restrict__ part, int h) {
-    __shared__ float sums[2 * (ARES_MAX + 1)];
-    const int n = nsrc + 1, S = gridDim.x, s = blockIdx.x, row = blockIdx.y, lane = threadIdx.x & 31;
+    __shared__ float wpart[ARES_ST / 32][2 * (ARES_MAX + 1)];  // each warp's partial sums
+    const int n = nsrc + 1, S = gridDim.x, s = blockIdx.x, row = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long base = (long long)row * h;
-    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) sums[i] = 0.0f;
-    __syncthreads();
     const int j = s * ARES_SL + threadIdx.x * 4;
     const bool in = j < h;
     float4 cv = in ? ld4(c + j) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -134,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(ARES_ST) attn_res_stats(AresSrcs sr
     if (in && snap) *reinterpret_cast<float4*>(snap + base + j) = v;
     float a = in ? dot4(v, cv) : 0.0f, q = in ? dot4(v, v) : 0.0f;
     a = warp_sum(a); q = warp_sum(q);
-    if (lane == 0) { atomicAdd(&sums[2 * nsrc], a); atomicAdd(&sums[2 * nsrc + 1], q); }
+    if (lane == 0) { wpart[warp][2 * nsrc] = a; wpart[warp][2 * nsrc + 1] = q; }
     for (int i0 = 0; i0 < nsrc; i0 += 4) {
         float4 x[4];  // four sources' loads in flight before any reduction
 #pragma unroll
@@ -143,11 +149,15 @@ extern "C" __global__ void __launch_bounds__(ARES_ST) attn_res_stats(AresSrcs sr
         for (int u = 0; u < 4; u++) {
             if (i0 + u >= nsrc) break;
             float ai = warp_sum(dot4(x[u], cv)), qi = warp_sum(dot4(x[u], x[u]));
-            if (lane == 0) { atomicAdd(&sums[2 * (i0 + u)], ai); atomicAdd(&sums[2 * (i0 + u) + 1], qi); }
+            if (lane == 0) { wpart[warp][2 * (i0 + u)] = ai; wpart[warp][2 * (i0 + u) + 1] = qi; }
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) part[((long long)row * S + s) * 2 * n + i] = sums[i];
+    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) {
+        float t = 0.0f;
+        for (int k = 0; k < ARES_ST / 32; k++) t += wpart[k][i];  // warp order
+        part[((long long)row * S + s) * 2 * n + i] = t;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(ARES_ST) attn_res_mix(AresSrcs srcs, int nsrc, const float* __restrict__ P,
