@@ -7,7 +7,7 @@
 //! rank decides graph or eager, and captures, from the step alone (a decode step without own
 //! rows, its batch size seen before or not), so all ranks make the same collective calls.
 //! With the `cuda` feature off, [`GpuRunner`] and [`GpuSeq`] are uninhabited types, so the
-//! scheduler in `engine.rs` has one code path and no `cfg` branches.
+//! scheduler in `engine` has one code path and no `cfg` branches.
 //!
 //! Admission control: the GPU latent cache is a fixed number of pages. A sequence is admitted
 //! only when its worst case — prompt + `max_tokens`, capped at the context limit — can be

@@ -17,7 +17,8 @@
 
 use std::time::Instant;
 
-use super::{Engine, Event, Step};
+use super::{Engine, Event};
+use crate::dist::runner::Step;
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 

@@ -14,7 +14,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{push_token, sample_next, Engine, Event, Request, SeqId, Sequence};
+use super::forward::{push_token, sample_next};
+use super::{Engine, Event, Request, SeqId, Sequence};
 use crate::dist::runner::{Runner, Step};
 use crate::error::{EngineError, Result};
 use crate::spec::accept::decide;
