@@ -130,22 +130,29 @@ fn first_token(r: &Resp, tok: &Tokenizer) -> (u32, f32) {
     (id, lp["logprob"].as_f64().expect("logprob") as f32)
 }
 
-#[test]
-#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
-fn image_chat_matches_the_reference_prefill() {
-    let l = load();
+/// Sends the fixture's PNG as a `data:` URI to `srv` and checks the first greedy token, its
+/// logprob and the prompt's token count against the reference prefill of `l`; returns the
+/// request, the prompt's ids and the server's (token, logprob).
+fn check_image_chat(l: &Loaded, srv: &BackgroundServer) -> (Value, Vec<u32>, (u32, f32)) {
     let png = std::fs::read(fixture().join(IMAGE)).expect("png");
     let body = chat(&data_uri(&png, "image/png"));
-    let (ids, want, plain) = reference(&l, &body);
+    let (ids, want, plain) = reference(l, &body);
     let top = argmax(&want);
     assert!(want.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-2), "the image must change the logits for this test to mean anything");
-
-    let srv = start(&l, Some(fixture()));
     let r = post(srv.addr, "/v1/chat/completions", &body);
     let (id, lp) = first_token(&r, &l.tok);
     assert_eq!(id as usize, top, "first greedy token");
     assert!((lp - want[top]).abs() < 1e-3, "logprob {lp} vs reference {}", want[top]);
     assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64), "usage counts the pads");
+    (body, ids, (id, lp))
+}
+
+#[test]
+#[ignore = "full golden set: K3_GOLDEN_DIR=/path/to/shared/golden cargo test -- --ignored"]
+fn image_chat_matches_the_reference_prefill() {
+    let l = load();
+    let srv = start(&l, Some(fixture()));
+    let (body, ids, (id, lp)) = check_image_chat(&l, &srv);
 
     // The same image as an allowed local path (file:// URL and plain relative path).
     for url in [format!("file://{}", fixture().join(IMAGE).display()), IMAGE.to_owned()] {
@@ -319,14 +326,7 @@ fn gpu_vision(test: &str, l: &Loaded) -> Option<Arc<VisionModel>> {
 /// prefill of `l` (CPU tower and CPU text model).
 #[cfg(feature = "cuda")]
 fn check_image_and_video(l: &Loaded, srv: &BackgroundServer) {
-    let png = std::fs::read(fixture().join(IMAGE)).expect("png");
-    let body = chat(&data_uri(&png, "image/png"));
-    let (ids, want, _) = reference(l, &body);
-    let r = post(srv.addr, "/v1/chat/completions", &body);
-    let (id, lp) = first_token(&r, &l.tok);
-    assert_eq!(id as usize, argmax(&want), "first greedy token");
-    assert!((lp - want[argmax(&want)]).abs() < 1e-3, "logprob {lp} vs reference {}", want[argmax(&want)]);
-    assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(ids.len() as u64));
+    check_image_chat(l, srv);
     assert_eq!(check_video_chat(l, srv, &gif_clip(), "image/gif"), vec![4, 1]);
     bad_video(srv, &data_uri(&gif_clip()[..100], "image/gif"), "");
     assert_eq!(get(srv.addr, "/health").status, 200);
