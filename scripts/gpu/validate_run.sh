@@ -1,7 +1,7 @@
 #!/bin/bash
 # k3rs: one device call that runs the GPU checks and figures the CPU-only sessions left behind:
-# issue 23's offload suite and bench (scripts/gpu/offload_run.sh: `offload`), issue 22's cuda_spec
-# with its plain control (`spec`), any staged test executable (`cuda_NAME`), issue 20's T = 4096
+# issue 23's offload suite and bench (scripts/gpu/offload_run.sh: `offload`), any staged test
+# executable (`cuda_NAME`: e.g. issue 22's cuda_spec with its plain control), issue 20's T = 4096
 # prefill with its per-kind profile (`prefill`), and Moonshot's official code beside it (`hf`).
 # k3r2x896 (offload, 34.5 GB) and k3r4bf + k3r4mx (prefill) do not fit the 64 GB disk together:
 # give them separate calls.
@@ -12,7 +12,7 @@
 #   cuda_* suite a run names)
 #   copy k3 and the test executables (under their stems) to .dev/s42/, strip them, and pack them:
 #   tar -C .dev/s42 -cJf .dev/s42.tar.xz .
-# then `bash scripts/gpu/validate_run.sh [offload] [spec] [cuda_NAME...] [prefill] [hf]` on the
+# then `bash scripts/gpu/validate_run.sh [offload] [cuda_NAME...] [prefill] [hf]` on the
 # device with .dev/s42.tar.xz carried (and .whl for `hf`). Logs go to $OUT.
 set -o pipefail
 export K3_DIR=${K3_DIR:-.dev/s42}
@@ -25,14 +25,11 @@ if [ ! -d "$K3_DIR" ] && [ -f "$K3_DIR.tar.xz" ]; then mkdir -p "$K3_DIR" && tar
 # The test executables find models/k3-nano through the path they were built in.
 [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
 FAILS=0
-for what in "${@:-offload spec}"; do
+for what in "${@:-offload cuda_spec}"; do
   for w in $what; do
     case $w in
     offload)
       timeout 420 bash "$HERE/offload_run.sh" all 2>&1 | tee "$L/offload.log" | grep -v "^test .* ok$" || FAILS=$((FAILS + 1)) ;;
-    spec)
-      echo "=== cuda_spec ==="
-      timeout 200 /usr/bin/time -f "cuda_spec %e s" "$K3_DIR/cuda_spec" --test-threads=1 --nocapture 2>&1 | tee "$L/spec.log" | grep -v "^test .* ok$" || FAILS=$((FAILS + 1)) ;;
     cuda_*)
       # A staged test executable (cuda_moe, cuda_kda, cuda_offload, ...); TESTS_cuda_x=FILTER
       # runs only the tests whose names contain FILTER.
@@ -51,7 +48,7 @@ for what in "${@:-offload spec}"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || { FAILS=$((FAILS + 1)); continue; }
       echo "=== bench_hf.py (official code), prefill ==="
       (cd .whl/k3hf && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout 240 python3 bench_hf.py --k3-hf-dir . --spec k3-configs.json --out "$L" --skip decode,graph,moe896,profile 2>&1 | tee "$L/hf.log" | grep -v "^ *$" | tail -25) || FAILS=$((FAILS + 1)) ;;
-    *) echo "unknown part '$w' (offload, spec, cuda_NAME, prefill, hf)" >&2; FAILS=$((FAILS + 1)) ;;
+    *) echo "unknown part '$w' (offload, cuda_NAME, prefill, hf)" >&2; FAILS=$((FAILS + 1)) ;;
     esac
   done
 done

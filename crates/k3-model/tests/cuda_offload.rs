@@ -26,7 +26,7 @@ use k3_model::capacity::KvDtype;
 use k3_model::config::builtin_config;
 use k3_model::cuda::{CacheConfig, CudaModel, Precision};
 use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
-use k3_model::offload::{expert_bytes, gpu_offload, moe_layers, CacheOptions, DirectIo, OffloadOptions};
+use k3_model::offload::{gpu_offload, moe_layers, smallest_budget, CacheOptions, DirectIo, OffloadOptions};
 use k3_model::parallel::CudaGroups;
 use k3_model::placement::Tier;
 use k3_model::{Checkpoint, RankPlan};
@@ -86,7 +86,7 @@ fn offloaded_experts_match_the_gpu_experts() {
     // The disk tier's budget: one token's experts (every token routes to all four of a layer),
     // so each MoE layer's step evicts the previous layer's (on the H200 a 1 MiB budget held all
     // 16 experts of 19.6 KB and evicted nothing).
-    let budget = expert_bytes(&ck, moe_layers(&ck.config)[0], 0).unwrap() * ck.config.text.num_experts_per_token as u64;
+    let budget = smallest_budget(&ck, &moe_layers(&ck.config), 0..ck.config.text.num_experts).unwrap();
     let want = run(&mut load(&ck, &dev, None, toks.len(), budget), &toks);
     let mut host = load(&ck, &dev, Some(Tier::Host), toks.len(), budget);
     assert!(!host.capturable());

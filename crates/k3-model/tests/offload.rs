@@ -18,7 +18,7 @@ use k3_model::init::{init, ExpertFormat, FloatDType, InitOptions, Overrides};
 use k3_model::layers::experts::Kernel;
 use k3_model::layers::moe::ExpertSource;
 use k3_model::model::Ffn;
-use k3_model::offload::{expert_bytes, moe_layers, CacheOptions, DirectIo, ExpertCache};
+use k3_model::offload::{self, moe_layers, CacheOptions, DirectIo, ExpertCache};
 use k3_model::{Checkpoint, ForwardOpts, Model};
 use rand::{Rng, SeedableRng};
 
@@ -41,8 +41,7 @@ fn streamed(ck: &Checkpoint, budget: u64, direct: DirectIo, kernel: Kernel) -> (
 
 /// The smallest budget the cache takes: one token's experts (top-k of the largest).
 fn smallest_budget(ck: &Checkpoint) -> u64 {
-    let largest = moe_layers(&ck.config).iter().flat_map(|&l| (0..8).map(move |e| (l, e))).map(|(l, e)| expert_bytes(ck, l, e).unwrap()).max().unwrap();
-    largest * ck.config.text.num_experts_per_token as u64
+    offload::smallest_budget(ck, &moe_layers(&ck.config), 0..ck.config.text.num_experts).unwrap()
 }
 
 /// A prefill chunk, a second chunk, then decode steps: every logit row.

@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use k3_model::layers::experts::{Kernel, RoutedExperts};
 use k3_model::layers::moe::{ExpertSource, Route};
 use k3_model::model::Ffn;
-use k3_model::offload::{expert_bytes, moe_layers, CacheOptions, DirectIo, ExpertCache};
+use k3_model::offload::{expert_bytes, moe_layers, smallest_budget, CacheOptions, DirectIo, ExpertCache};
 use k3_model::{Checkpoint, Model};
 use rand::{Rng, SeedableRng};
 
@@ -48,11 +48,11 @@ pub fn bench_experts(a: &Args) -> Result<()> {
     // Page the layer's experts in once, so the host tier reads memory, not the disk.
     let all: Vec<Route> = vec![(0..e_all).map(|e| (e, 1.0)).collect()];
     h.forward(&vec![0.5f32; h.latent], 1, &all)?;
+    // The disk tier's cache holds one token's experts (its smallest budget): a step's other
+    // experts are read, used and evicted, so each step reads nearly all it routes to.
+    let budget = smallest_budget(&ck, &[layer], 0..e_all)?;
     let mut rows = Vec::new();
     for &b in &batches {
-        // The disk tier's cache holds one token's experts (its smallest budget): a step's other
-        // experts are read, used and evicted, so each step reads nearly all it routes to.
-        let budget = k as u64 * expert_bytes;
         let cache =
             std::sync::Arc::new(ExpertCache::open(&ck, &[layer], 0..e_all, &CacheOptions { budget_bytes: budget, readers, direct_io: DirectIo::Auto })?);
         let disk = Model::load_with(&ck, &ExpertSource { cache: Some(cache.clone()), kernel: Kernel::Q8 })?;

@@ -156,7 +156,7 @@ impl ExpertCache {
                 places.insert((l, e), place);
             }
         }
-        let need = largest * t.num_experts_per_token as u64;
+        let need = super::one_token(ck, largest);
         if !places.is_empty() && opts.budget_bytes < need {
             return Err(ModelError::Input(format!(
                 "the expert cache budget (--expert-cache-mem) of {} bytes is below one token's {} experts of a layer ({need} bytes): give at least that, better several layers' worth",

@@ -103,6 +103,23 @@ pub fn expert_bytes(ck: &Checkpoint, l: usize, e: usize) -> Result<u64> {
     Ok(read::Place::of(ck, l, e)?.bytes())
 }
 
+/// The smallest budget an expert cache over `experts` of `layers` takes: one token's experts
+/// (`num_experts_per_token` of the largest, as the cache itself requires).
+pub fn smallest_budget(ck: &Checkpoint, layers: &[usize], experts: Range<usize>) -> Result<u64> {
+    let mut largest = 0;
+    for &l in layers {
+        for e in experts.clone() {
+            largest = largest.max(expert_bytes(ck, l, e)?);
+        }
+    }
+    Ok(one_token(ck, largest))
+}
+
+/// One token's experts of a layer whose largest expert is `largest` bytes.
+fn one_token(ck: &Checkpoint, largest: u64) -> u64 {
+    largest * ck.config.text.num_experts_per_token as u64
+}
+
 /// The MoE layers of a config, in order.
 pub fn moe_layers(cfg: &Config) -> Vec<usize> {
     cfg.layers.iter().filter(|s| s.ffn == Ffn::Moe).map(|s| s.index).collect()
