@@ -12,7 +12,7 @@
 #   cuda_* suite a run names)
 #   copy k3 and the test executables (under their stems) to .dev/s42/, strip them, and pack them:
 #   tar -C .dev/s42 -cJf .dev/s42.tar.xz .
-# then `bash scripts/gpu/validate_run.sh [offload] [cuda_NAME...] [prefill] [hf]` on the
+# then `bash scripts/gpu/validate_run.sh [offload] [cuda_NAME...] [prefill] [vision] [hf]` on the
 # device with .dev/s42.tar.xz carried (and .whl for `hf`). Logs go to $OUT.
 set -o pipefail
 export K3_DIR=${K3_DIR:-.dev/s42}
@@ -37,10 +37,29 @@ for what in "${@:-offload cuda_spec}"; do
       echo "=== $w ${!f} ==="
       timeout 240 /usr/bin/time -f "$w %e s" "$K3_DIR/$w" ${!f} --test-threads=1 --nocapture 2>&1 | tee "$L/$w.log" | grep -v "^test .* ok$" | grep -v "^$" || FAILS=$((FAILS + 1)) ;;
     prefill)
-      # Issue 20's prefill T = 4096 on each recipe (k3r4bf, k3r4mx), with the per-kind profile.
+      # Issue 20's prefill T = 4096 on each recipe (k3r4bf, k3r4mx), with the per-kind profile,
+      # the MoE prefill path both ways (K3_MOE_PREFILL=loop, then grouped: A/B in one call), and
+      # with NCU=1 one prefill's kernels timed by Nsight Compute and summed by name.
       for R in ${RECIPES:-k3r4bf k3r4mx}; do
         k3_model $R "$K3_DIR/k3" || exit 1
-        timeout 120 "$K3_DIR/k3" bench --device cuda --model /tmp/$R --prompt-len 4096 --batches 1 --context 512 --profile 2>&1 | grep -v "^  blk\." | tee "$L/profile_$R.log" || FAILS=$((FAILS + 1))
+        for M in ${PREFILL_MODES:-loop grouped}; do
+          echo "=== prefill $R K3_MOE_PREFILL=$M ==="
+          K3_MOE_PREFILL=$M timeout 120 "$K3_DIR/k3" bench --device cuda --model /tmp/$R --prompt-len 4096 --batches 1 --context 512 --profile 2>&1 | grep -v "^  blk\." | tee "$L/profile_${R}_$M.log" || FAILS=$((FAILS + 1))
+        done
+        if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
+          # One prefill's kernels (the first NCU_COUNT launches), GPU time summed by kernel name.
+          timeout 240 ncu --metrics gpu__time_duration.sum --csv -c ${NCU_COUNT:-2600} "$K3_DIR/k3" bench --device cuda --model /tmp/$R --prompt-len 4096 --batches 1 --context 512 > /tmp/ncu_$R.csv 2> /dev/null
+          python3 "$HERE/ncu_sum.py" /tmp/ncu_$R.csv 2>&1 | tee "$L/ncu_$R.txt" | head -30
+        fi
+      done ;;
+    vision)
+      # Issue 24: the GPU tower's images/s at real widths (27 layers, 1024x1024, batch 1 and 8)
+      # beside its arithmetic floor, and a 32-frame 448x448 clip end to end (the bench_tower
+      # example, staged as $K3_DIR/bench_tower).
+      for B in 8 1; do
+        V=""; [ $B = 1 ] && V="--video-frames 32"
+        echo "=== bench_tower --cuda --layers 27 --batch $B $V ==="
+        timeout 200 "$K3_DIR/bench_tower" --cuda --layers 27 --batch $B --iters 5 $V 2>&1 | tee "$L/bench_tower_b$B.log" | tail -9 || FAILS=$((FAILS + 1))
       done ;;
     hf)
       # Moonshot's official code (../shared/tools/bench_hf.py, carried in .whl/k3hf with the two
@@ -48,7 +67,7 @@ for what in "${@:-offload cuda_spec}"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || { FAILS=$((FAILS + 1)); continue; }
       echo "=== bench_hf.py (official code), prefill ==="
       (cd .whl/k3hf && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout 240 python3 bench_hf.py --k3-hf-dir . --spec k3-configs.json --out "$L" --skip decode,graph,moe896,profile 2>&1 | tee "$L/hf.log" | grep -v "^ *$" | tail -25) || FAILS=$((FAILS + 1)) ;;
-    *) echo "unknown part '$w' (offload, cuda_NAME, prefill, hf)" >&2; FAILS=$((FAILS + 1)) ;;
+    *) echo "unknown part '$w' (offload, cuda_NAME, prefill, vision, hf)" >&2; FAILS=$((FAILS + 1)) ;;
     esac
   done
 done

@@ -10,8 +10,9 @@
 //! `expf`); experts device-grouped path (T ≤ `mma_max_tokens`) relative L2 5e-3: the tensor-core path (T ≥ 2)
 //! rounds the SiTU-GLU intermediate to bf16 (the W2 operand; measured 1.2e-3..2.1e-3), T = 1
 //! runs the CUDA-core GEMV (f32 intermediate; `K3_MOE_DECODE=gemv|mma` forces one path for
-//! every T); prefill path (above it, cuBLAS with the SiTU-GLU intermediate rounded to bf16)
-//! 5e-3; `experts_mid` runs T = 200 through both (the cut set below and above it). The decode path is
+//! every T); prefill path (above it, cuBLAS with the SiTU-GLU intermediate rounded to bf16;
+//! grouped: the GEMM outputs too) 5e-3; `experts_mid` runs T = 200 and 700 through both (the cut
+//! set below and above it), the prefill path grouped (MXFP4 in several chunks) and looped. The decode path is
 //! also captured into a CUDA graph and replayed (not under `K3_CUDA_SYNC=1`, whose per-launch
 //! sync cannot be captured). Without a GPU every test prints
 //! `skipped: no CUDA driver (...)` and passes; with `K3_REQUIRE_CUDA=1` that case fails.
@@ -21,7 +22,7 @@ mod cuda_common;
 use cuda_common::{check, device, poisoned, rng, say};
 
 use half::bf16;
-use k3_core::cuda::moe::{self, ExpertFormat, ExpertWeights};
+use k3_core::cuda::moe::{self, ExpertFormat, ExpertWeights, PrefillMode};
 use k3_core::cuda::{kda, CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::act::{sigmoid, situ_glu};
 use k3_core::kernels::cpu::matmul::dot;
@@ -269,14 +270,20 @@ fn experts_tiny_match_cpu() {
 fn experts_mid_match_cpu() {
     let Some(dev) = device("experts_mid_match_cpu") else { return };
     let mut r = rng("experts_mid_match_cpu");
-    // T = 200 through both paths: the tensor-core kernels in several passes, and the per-expert
-    // cuBLAS path.
-    for cut in [moe::DECODE_MAX_TOKENS, 4096] {
+    // T = 200 through both paths: the tensor-core kernels in several passes, and the prefill
+    // path both ways — grouped (a scratch of 20 experts: MXFP4 in several chunks, the last one
+    // partial) and one expert at a time.
+    moe::set_prefill_scratch(Some(20 * 3 * 512 * 256 * 2));
+    for (cut, mode) in [(4096, PrefillMode::Grouped), (moe::DECODE_MAX_TOKENS, PrefillMode::Grouped), (moe::DECODE_MAX_TOKENS, PrefillMode::Loop)] {
         moe::set_mma_max_tokens(Some(cut));
+        moe::set_prefill_mode(Some(mode));
         for format in [ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
-            run_experts(&dev, &mut r, format, 64, 8, 512, 256, &[1, 2, 3, 16, 64, 200]);
+            run_experts(&dev, &mut r, format, 64, 8, 512, 256, &[1, 2, 3, 16, 64, 200, 700]);
         }
+        assert_eq!(moe::prefill_mode(), mode, "the grouped prefill fell back to the loop (its reason is in the log)");
     }
+    moe::set_prefill_mode(None);
+    moe::set_prefill_scratch(None);
     moe::set_mma_max_tokens(None);
 }
 

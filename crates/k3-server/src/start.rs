@@ -212,7 +212,7 @@ pub fn run_serve(a: ServeOptions, par: Parallel, node: &NodeArgs) -> Result<()> 
     finished.map_err(|e| if failed { ServerError::Engine(e) } else { ServerError::Config(format!("stopping the workers: {e}")) })
 }
 
-/// The vision tower; with `--device cuda:N` and `K3_VISION_GPU=1` uploaded to GPU N in the text
+/// The vision tower; with `--device cuda:N` (unless `K3_VISION_GPU=0`) uploaded to GPU N in the text
 /// model's precision (its stages then run on the engine thread, between steps:
 /// `media::splice_prep`); else on the CPU.
 fn load_vision(ck: &k3_model::Checkpoint, device: Option<usize>, gpu_f32: bool) -> Result<VisionModel> {

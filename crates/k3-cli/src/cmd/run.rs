@@ -102,7 +102,7 @@ pub fn run(a: Args) -> Result<()> {
         let limits = k3_vision::video::VideoLimits { max_frames: a.max_video_frames, ..Default::default() };
         // One process on one GPU: the tower runs there too (a parallel world's worker processes
         // also get here, and must not put it on rank 0's GPU; they keep the CPU tower).
-        // Opt-in (`K3_VISION_GPU=1`) until the GPU tower has run on a GPU.
+        // `K3_VISION_GPU=0` keeps the tower on the CPU.
         let single = a.parallel.parallel()?.is_none() && !a.launch.is_set() && k3_vision::gpu_tower_enabled();
         let gpu = device.filter(|_| single).map(|n| (n, gpu_f32));
         let media = Media { images: &a.image, videos: &a.video, limits, gpu };

@@ -138,6 +138,91 @@ pub fn gemm_strided_batched(
     blas.strided_batched(dev, Problem { m, n, k, layout, input, output }, batch, a, b, c)
 }
 
+/// One problem of [`gemm_grouped`] at raw device addresses: row-major `C[m, N] = A[m, K] · B[N, K]ᵀ`,
+/// each operand contiguous (leading dims K, K and N).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupedProblem {
+    pub m: usize,
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+}
+
+/// Several GEMMs of the same `N`, `K` and different row counts in one cuBLAS call
+/// (`cublasGemmGroupedBatchedEx`, one group per problem): `C_i = A_i · B_iᵀ`, f32
+/// accumulation, `output` the same type as `input` (BF16, F16 or F32; cuBLAS 13.1 refuses a
+/// BF16 → F32 grouped GEMM with NOT_SUPPORTED, seen on the H200). One launch fills the GPU with
+/// all problems' tiles instead of each small GEMM's last partial wave (the MoE prefill's
+/// experts). The pointer arrays are uploaded per call (stream-ordered); the caller guarantees
+/// every view lies inside live allocations of `dev`. Problems with `m = 0` are skipped.
+pub fn gemm_grouped(dev: &CudaDevice, n: usize, k: usize, problems: &[GroupedProblem], input: DType, output: DType) -> Result<()> {
+    const OP: &str = "cuda gemm_grouped";
+    if !matches!((input, output), (DType::BF16, DType::BF16) | (DType::F16, DType::F16) | (DType::F32, DType::F32)) {
+        return Err(CoreError::DType { op: OP, dtype: format!("{input} -> {output}") });
+    }
+    let live: Vec<&GroupedProblem> = problems.iter().filter(|p| p.m > 0).collect();
+    if live.is_empty() || n == 0 {
+        return Ok(());
+    }
+    if k == 0 || [n, k].iter().chain(live.iter().map(|p| &p.m)).any(|&v| v > i32::MAX as usize) {
+        return Err(CoreError::Shape { op: OP, detail: format!("N={n} K={k}: need 0 < K and every dim within i32") });
+    }
+    let g = live.len();
+    // cuBLAS's A is our B (op T, [K, N] column-major, ld K), its B our A (ld K), C ld N.
+    let mut ptrs: Vec<u64> = Vec::with_capacity(3 * g);
+    ptrs.extend(live.iter().map(|p| p.b));
+    ptrs.extend(live.iter().map(|p| p.a));
+    ptrs.extend(live.iter().map(|p| p.c));
+    let ptrs_d = CudaTensor::from_pod(dev, DType::I64, vec![3 * g], &ptrs)?;
+    let base = ptrs_d.ptr();
+    let ta = vec![bsys::cublasOperation_t::CUBLAS_OP_T; g];
+    let tb = vec![bsys::cublasOperation_t::CUBLAS_OP_N; g];
+    let ms = vec![n as i32; g];
+    let ns: Vec<i32> = live.iter().map(|p| p.m as i32).collect();
+    let ks = vec![k as i32; g];
+    let (lda, ldc) = (vec![k as i32; g], vec![n as i32; g]);
+    let (alpha, beta) = (vec![1.0f32; g], vec![0.0f32; g]);
+    let sizes = vec![1i32; g];
+    dev.bind()?;
+    let mut guard = lock(&dev.inner().blas);
+    if guard.is_none() {
+        *guard = Some(Blas::new()?);
+    }
+    let blas = guard.as_mut().ok_or_else(|| CoreError::Device("cuBLAS state missing".into()))?;
+    let h = blas.cublas_handle()?;
+    // SAFETY: live handle; the host arrays hold g entries each and live through the call (cuBLAS
+    // reads them before returning); the device pointer array is stream-ordered before the GEMM.
+    unsafe {
+        bres::set_stream(h, dev.cu_stream() as bsys::cudaStream_t).map_err(derr("cublasSetStream"))?;
+        bsys::cublasGemmGroupedBatchedEx(
+            h,
+            ta.as_ptr(),
+            tb.as_ptr(),
+            ms.as_ptr(),
+            ns.as_ptr(),
+            ks.as_ptr(),
+            alpha.as_ptr() as *const c_void,
+            base as *const *const c_void,
+            data_type_b(input),
+            lda.as_ptr(),
+            (base + 8 * g as u64) as *const *const c_void,
+            data_type_b(input),
+            lda.as_ptr(),
+            beta.as_ptr() as *const c_void,
+            (base + 16 * g as u64) as *const *mut c_void,
+            data_type_b(output),
+            ldc.as_ptr(),
+            g as i32,
+            sizes.as_ptr(),
+            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )
+        .result()
+        .map_err(derr("cublasGemmGroupedBatchedEx"))?;
+    }
+    drop(ptrs_d);
+    Ok(())
+}
+
 /// The problem after validation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Problem {

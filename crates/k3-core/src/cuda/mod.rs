@@ -26,6 +26,7 @@ mod graph;
 pub mod kda;
 pub mod mla;
 pub mod moe;
+mod moe_prefill;
 pub mod ops;
 pub mod pinned;
 pub mod sample;

@@ -22,11 +22,11 @@
 //! of each token in slot order (no atomics: deterministic) and applies `routed_scaling_factor`.
 //!
 //! Prefill path (T > [`mma_max_tokens`], NOT capturable: it reads the routing on the host):
-//! per active expert, gather its tokens, dequantize its MXFP4 weights to a BF16 scratch (or
-//! copy its BF16 weights), two cuBLAS GEMMs with f32 output, SiTU-GLU rounded to BF16 between
-//! them (the GEMM operand), then scatter to the pair rows and the same combine.
+//! `moe_prefill.rs` — the experts' GEMMs grouped into one cuBLAS call per chunk of experts, or
+//! one expert at a time (`K3_MOE_PREFILL=loop`).
 
-use super::{blas, derr, kargs, CudaTensor};
+pub use super::moe_prefill::{prefill_mode, set_prefill_mode, set_prefill_scratch, PrefillMode, SCRATCH_BYTES};
+use super::{derr, kargs, CudaTensor};
 use crate::kernels::cuda::{MOE, MOE_MMA};
 use crate::{CoreError, DType, Result};
 
@@ -106,11 +106,11 @@ pub struct ExpertWeights {
 }
 
 /// F32 expert weights reached a BF16 path (`experts_forward` routes them to the reference one).
-fn f32_experts() -> CoreError {
+pub(super) fn f32_experts() -> CoreError {
     shape_err("cuda moe::experts_forward", "F32 expert weights run only with F32 inputs (the reference precision)".into())
 }
 
-fn shape_err(op: &'static str, detail: String) -> CoreError {
+pub(super) fn shape_err(op: &'static str, detail: String) -> CoreError {
     CoreError::Shape { op, detail }
 }
 
@@ -186,7 +186,7 @@ impl ExpertWeights {
         Ok(())
     }
 
-    fn scale_ptrs(&self) -> (u64, u64) {
+    pub(super) fn scale_ptrs(&self) -> (u64, u64) {
         (self.w13_scale.as_ref().map_or(0, |s| s.ptr()), self.w2_scale.as_ref().map_or(0, |s| s.ptr()))
     }
 }
@@ -235,7 +235,7 @@ pub fn experts_forward(
     let pairs = if reference {
         reference_pairs(z, ids, w, t, k, beta, linear_beta)?
     } else if t > DECODE_MAX_TOKENS && (t > mma_max_tokens(w.num_experts, k) || 4 * (3 * w.num_experts + t * k) > SMEM) {
-        prefill(z, ids, w, t, k, beta, linear_beta)?
+        super::moe_prefill::prefill(z, ids, w, t, k, beta, linear_beta)?
     } else if decode_kind(t) == DecodeKind::Gemv {
         decode(z, ids, w, t, k, beta, linear_beta)?
     } else {
@@ -271,21 +271,31 @@ fn reference_pairs(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize
         &mut kargs![zp, ip, np32, k32, e32, w13p, s13, fmt, f32_, l32, beta, lbeta, ap],
     )?;
     dev.launch(MOE, "moe_ref_w2", (l.div_ceil(WARPS) as u32, np, 1), block, 0, &mut kargs![ap, ip, np32, e32, w2p, s2, fmt, f32_, l32, yp])?;
-    Ok(Pairs { y })
+    Ok(Pairs { y, pos: None })
 }
 
-/// The per-pair expert outputs `y` F32 `[T·k, L]` (row p = t·k + j), ready for [`Pairs::combine`].
-struct Pairs {
-    y: CudaTensor,
+/// The per-pair expert outputs, ready for [`Pairs::combine`]: `y` F32 `[T·k, L]` with row
+/// p = t·k + j; or, with `pos` (the grouped prefill), `y` BF16 `[P, L]` in expert order, pair p's
+/// row at `pos[p]` (I32 `[T·k]`, −1 for a slot without a valid expert).
+pub(super) struct Pairs {
+    pub(super) y: CudaTensor,
+    pub(super) pos: Option<CudaTensor>,
 }
 
 impl Pairs {
+    /// `out[t] = scaling · Σ_j w[t, j] · y(t·k + j)`, j ascending (deterministic).
     fn combine(&self, ids: &CudaTensor, weights: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, scaling: f32, out: &CudaTensor) -> Result<()> {
         let dev = out.cuda_device();
         let grid = dev.elementwise_grid(t * w.latent, 256);
         let (yp, ip, wp, op) = (self.y.ptr(), ids.ptr(), weights.ptr(), out.ptr());
         let (t32, k32, e32, l32) = (t as i32, k as i32, w.num_experts as i32, w.latent as i32);
-        dev.launch(MOE, "moe_combine", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![yp, ip, wp, t32, k32, e32, l32, scaling, op])
+        match &self.pos {
+            None => dev.launch(MOE, "moe_combine", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![yp, ip, wp, t32, k32, e32, l32, scaling, op]),
+            Some(pos) => {
+                let pp = pos.ptr();
+                dev.launch(MOE, "moe_combine_sorted", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![yp, pp, wp, t32, k32, l32, scaling, op])
+            }
+        }
     }
 }
 
@@ -371,7 +381,7 @@ fn decode(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usiz
     dev.launch(MOE, k13, g13, block, sm13 as u32, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
     let g2 = (l.div_ceil(4 * WARPS) as u32, amax as u32, 1);
     dev.launch(MOE, k2, g2, block, sm2 as u32, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
-    Ok(Pairs { y })
+    Ok(Pairs { y, pos: None })
 }
 
 /// Which device-grouped kernels serve T ≤ [`mma_max_tokens`]: the CUDA-core grouped GEMV at T = 1
@@ -446,106 +456,5 @@ fn decode_mma(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: 
     dev.launch(MOE_MMA, k13, g13, block, 0, &mut kargs![zp, mp, am32, k32, w13p, s13, f2, l32, beta, lbeta, ap])?;
     let g2 = (l.div_ceil(32) as u32, amax as u32, 1);
     dev.launch(MOE_MMA, k2, g2, block, 0, &mut kargs![ap, mp, am32, k32, w2p, s2, l32, f32_, beta, lbeta, yp])?;
-    Ok(Pairs { y })
-}
-
-/// Groups the valid pairs by expert on the host: (expert, start, count) ascending by expert,
-/// and the pair list sorted by expert, stable by pair index.
-fn group_host(ids: &[i32], e: usize) -> (Vec<(usize, usize, usize)>, Vec<i32>) {
-    let mut count = vec![0usize; e];
-    for &id in ids {
-        if id >= 0 && (id as usize) < e {
-            count[id as usize] += 1;
-        }
-    }
-    let mut start = vec![0usize; e];
-    let mut acc = 0;
-    for x in 0..e {
-        start[x] = acc;
-        acc += count[x];
-    }
-    let mut fill = start.clone();
-    let mut pairs = vec![0i32; acc];
-    for (p, &id) in ids.iter().enumerate() {
-        if id >= 0 && (id as usize) < e {
-            pairs[fill[id as usize]] = p as i32;
-            fill[id as usize] += 1;
-        }
-    }
-    let groups = (0..e).filter(|&x| count[x] > 0).map(|x| (x, start[x], count[x])).collect();
-    (groups, pairs)
-}
-
-fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, beta: f32, lbeta: f32) -> Result<Pairs> {
-    let dev = z.cuda_device();
-    let (e, l, f) = (w.num_experts, w.latent, w.inter);
-    let host_ids: Vec<i32> = bytemuck::pod_collect_to_vec(&ids.to_bytes()?);
-    let (groups, pairs) = group_host(&host_ids, e);
-    let y = CudaTensor::uninit(dev, DType::F32, vec![t * k, l])?;
-    if pairs.is_empty() {
-        return Ok(Pairs { y });
-    }
-    let pairs_d = CudaTensor::from_pod(dev, DType::I32, vec![pairs.len()], &pairs)?;
-    // MXFP4: each expert's weights are dequantized to BF16 [2F, L] and [L, F] scratch; BF16
-    // experts are multiplied in place (their slices of the stacked weights).
-    let scratch = match w.format {
-        ExpertFormat::Mxfp4 => Some((CudaTensor::uninit(dev, DType::BF16, vec![2 * f, l])?, CudaTensor::uninit(dev, DType::BF16, vec![l, f])?)),
-        ExpertFormat::F32 => return Err(f32_experts()),
-        ExpertFormat::Bf16 => None,
-    };
-    let (s13, s2) = w.scale_ptrs();
-    let (k32, l32, f32_) = (k as i32, l as i32, f as i32);
-    let es = |rows: usize, cols: usize| (rows * cols) as u64; // elements of one expert's matrix
-    for &(ex, start, n) in &groups {
-        let pp = pairs_d.ptr() + 4 * start as u64;
-        let n32 = n as i32;
-        let (w13p, w2p) = match &scratch {
-            Some((w13e, w2e)) => {
-                for (dst, src, scale, elems) in [(w13e, w.w13.ptr(), s13, es(2 * f, l)), (w2e, w.w2.ptr(), s2, es(l, f))] {
-                    let (pk, sc, groups32, dp) = (src + ex as u64 * elems / 2, scale + ex as u64 * elems / 32, (elems / 32) as i64, dst.ptr());
-                    let grid = dev.elementwise_grid(groups32 as usize, 256);
-                    dev.launch(MOE, "moe_dequant", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![pk, sc, groups32, dp])?;
-                }
-                (w13e.ptr(), w2e.ptr())
-            }
-            None => (w.w13.ptr() + ex as u64 * es(2 * f, l) * 2, w.w2.ptr() + ex as u64 * es(l, f) * 2),
-        };
-        let zg = CudaTensor::uninit(dev, DType::BF16, vec![n, l])?;
-        let (zp, zgp) = (z.ptr(), zg.ptr());
-        dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
-        let h = CudaTensor::uninit(dev, DType::F32, vec![n, 2 * f])?;
-        let st = |ptr: u64, ld: usize| blas::Strided { ptr, ld, stride: 0 };
-        // Heuristic algorithm: the row count changes with every routing, and tuning each new
-        // shape would time several candidates per expert per call.
-        let heur = blas::GemmOptions { algo: blas::Algo::Heuristic, ..Default::default() };
-        // h [n, 2F] = zg [n, L] · W13ᵀ (W13 [2F, L]), f32 out for the activation.
-        match &scratch {
-            Some((w13e, _)) => blas::gemm(&zg, w13e, &h, blas::Layout::BT, heur)?,
-            None => blas::gemm_strided_batched(dev, n, 2 * f, l, 1, st(zgp, l), st(w13p, l), blas::Layout::BT, st(h.ptr(), 2 * f), DType::BF16, DType::F32)?,
-        }
-        let act = CudaTensor::uninit(dev, DType::BF16, vec![n, f])?;
-        let (hp, ap) = (h.ptr(), act.ptr());
-        let grid = dev.elementwise_grid(n * f, 256);
-        dev.launch(MOE, "moe_situ_split", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
-        let yg = CudaTensor::uninit(dev, DType::F32, vec![n, l])?;
-        // yg [n, L] = act [n, F] · W2ᵀ (W2 [L, F]).
-        match &scratch {
-            Some((_, w2e)) => blas::gemm(&act, w2e, &yg, blas::Layout::BT, heur)?,
-            None => blas::gemm_strided_batched(dev, n, l, f, 1, st(ap, f), st(w2p, f), blas::Layout::BT, st(yg.ptr(), l), DType::BF16, DType::F32)?,
-        }
-        let (ygp, yp) = (yg.ptr(), y.ptr());
-        dev.launch(MOE, "moe_scatter", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![ygp, pp, n32, l32, yp])?;
-    }
-    Ok(Pairs { y })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::group_host;
-    #[test]
-    fn host_grouping_is_stable_and_skips_invalid_ids() {
-        let (g, p) = group_host(&[2, 0, 2, -1, 0, 9], 3);
-        assert_eq!(g, vec![(0, 0, 2), (2, 2, 2)]);
-        assert_eq!(p, vec![1, 4, 0, 2]);
-    }
+    Ok(Pairs { y, pos: None })
 }

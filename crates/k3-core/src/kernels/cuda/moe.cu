@@ -333,6 +333,22 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     }
 }
 
+// The grouped prefill's combine: pair p = t·k + j reads its BF16 expert output at row pos[p] of y
+// (the pairs in expert order; -1: no valid expert), same summation order as moe_combine.
+extern "C" __global__ void moe_combine_sorted(const bf16_t* __restrict__ y, const int* __restrict__ pos, const float* __restrict__ wts,
+                                              int T, int k, int L, float scaling, float* __restrict__ out) {
+    long long n = (long long)T * L;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / L, l = i - t * L;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int r = pos[t * k + j];
+            if (r >= 0) acc = fmaf(wts[t * k + j], bf16_to_f32(y[(long long)r * L + l]), acc);
+        }
+        out[i] = acc * scaling;
+    }
+}
+
 // ---- prefill helpers ---------------------------------------------------------------------
 // MXFP4 [rows, cols] -> BF16 [rows, cols] (one thread per 32-column group).
 extern "C" __global__ void moe_dequant(const unsigned char* __restrict__ packed, const unsigned char* __restrict__ scale,
@@ -365,6 +381,15 @@ extern "C" __global__ void moe_situ_split(const float* __restrict__ h, int n, in
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
         long long r = i / F, f = i - r * F;
         act[i] = f32_to_bf16(situ(h[r * 2 * F + f], h[r * 2 * F + F + f], beta, lbeta));
+    }
+}
+
+// The same from a BF16 h (the grouped prefill's GEMM output).
+extern "C" __global__ void moe_situ_split_bf16(const bf16_t* __restrict__ h, int n, int F, float beta, float lbeta, bf16_t* __restrict__ act) {
+    long long total = (long long)n * F;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / F, f = i - r * F;
+        act[i] = f32_to_bf16(situ(bf16_to_f32(h[r * 2 * F + f]), bf16_to_f32(h[r * 2 * F + F + f]), beta, lbeta));
     }
 }
 
