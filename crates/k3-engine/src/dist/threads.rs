@@ -3,9 +3,9 @@
 //!
 //! Rank 0 is a [`Worker`] on the calling thread (it gets the logits: on a pipeline layout the
 //! last stage sends them to it); ranks 1.. are threads running [`serve`] over a channel of
-//! encoded steps ([`Sent`]; a restore goes as a value). A rank that fails or panics aborts the layout's groups, so no rank waits on
-//! it; the caller gets the failing rank's own error ([`EngineError::Rank`]), and every later
-//! step fails with it at once. Dropping the runner ends the threads.
+//! encoded steps ([`Sent`]; a restore goes as a value). A rank that fails or panics aborts the
+//! layout's groups, so no rank waits on it; the caller gets the failing rank's own error
+//! ([`EngineError::Rank`]), and every later step fails with it at once. Dropping the runner ends the threads.
 //!
 //! On a pipeline layout (`--pp P`, P > 1) the runner overlaps steps ([`Runner::depth`] = P):
 //! [`Runner::submit`] sends the step to every rank and runs rank 0's part of it — its stage's
@@ -25,8 +25,9 @@
 //! rank's own pages, and every rank of that stage restores those same pages by reference, so a
 //! prefix's rows exist once per stage whatever the number of ranks and sequences holding them
 //! (`k3_model::layers::pages`: appends and truncations never write a page held elsewhere; the
-//! stage's first rank charges the pages its stage shares). Rank 0 runs its part of a rollback, capture or restore first, so a
-//! refused one changes nothing anywhere; a peer that fails one stops the layout. A sequence
+//! stage's first rank charges the pages its stage shares). Rank 0 runs its part of a rollback,
+//! capture or restore first, so a refused one changes nothing anywhere; a peer that fails one
+//! stops the layout. A sequence
 //! released between steps is dropped on every rank at once ([`Command::Release`]); one released
 //! while steps are in flight, with the next step.
 
