@@ -4,25 +4,42 @@
 //!
 //! - `vit_rope`: random cos/sin tables and patch positions (the kernel only indexes them), F32
 //!   in place and BF16 out; V must come through unchanged.
-//! - `vit_attention`: samples of 1..70 rows packed, 3 heads of dim 8, block-diagonal, with the
-//!   default score budget and with one forcing slices of 1..n rows (and a remainder slice).
+//! - `vit_attention`: samples of 1..70 rows packed, 3 heads of dim 8, block-diagonal: F32 and
+//!   BF16 through the default dispatch (BF16 → the fused kernel) and the cuBLAS form with score
+//!   budgets forcing slices of 1..n rows (and a remainder slice).
+//! - `vit_flash_attention` (the fused kernel, `vit_attn.cu`): samples of 1, 63, 64, 65, 300 and
+//!   1000 rows packed out of order (around its 64-key tiles and 64/128-row query tiles) at head
+//!   dim 128 (K3) and 24 (the golden `vision_small_f32` tower: qkv 48 / 2 heads), BF16 and F32
+//!   out, every query-tile shape; scores rising along the keys (a rescale every tile, and one
+//!   every few tiles under the lazy threshold); a sample's rows bit-identical alone and packed;
+//!   unsupported head dims refused by name and taken by `vit_attention`'s cuBLAS form instead.
 //! - `vit_merge`: grids with t = 1..4 against the space-to-depth + temporal mean formula.
 //! - `vit_gelu_tanh`, `vit_gelu_erf`: the tanh formula and tabulated exact GELU values.
 //!
 //! Outputs are poisoned (NaN) first. Tolerances: F32 relative L2 1e-5 (1e-6 for elementwise);
-//! BF16 outputs 1e-2 (one bf16 rounding of outputs and, for attention, of P and the inputs).
+//! BF16 outputs 1e-2 (one bf16 rounding of outputs and, for attention, of P and the inputs). The
+//! fused kernel is held per (row, head) — a single wrong row cannot hide in a global norm — to
+//! [`TOL_FLASH_BF16`] (P and the output rounded to bf16, 2^-9 each) and [`TOL_FLASH_F32`] (P
+//! only); its inputs are bf16 values, so the f64 reference sees exactly what the kernel reads.
 //! Without a GPU every test prints `skipped` and passes (fails with `K3_REQUIRE_CUDA=1`).
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
-use cuda_common::{check, device, poisoned, rng, rvec, up, up_i32};
+use cuda_common::{check, device, max_rel_l2, poisoned, rng, rvec, say, up, up_i32};
 
-use k3_core::cuda::vision::{vit_attention, vit_attention_sliced, vit_gelu_erf, vit_gelu_tanh, vit_merge, vit_rope};
+use k3_core::cuda::vision::{
+    flash_supports, vit_attention, vit_attention_sliced, vit_flash_attention, vit_flash_attention_tiled, vit_gelu_erf, vit_gelu_tanh, vit_merge, vit_rope,
+    FlashTile,
+};
 use k3_core::DType;
 use rand::Rng;
 
 const TOL_F32: f64 = 1e-5;
 const TOL_BF16: f64 = 1e-2;
+/// Per (row, head) relative L2 of the fused kernel, BF16 out.
+const TOL_FLASH_BF16: f64 = 1e-2;
+/// Per (row, head) relative L2 of the fused kernel, F32 out.
+const TOL_FLASH_F32: f64 = 6e-3;
 
 /// The rotation of §3.4 with given tables: pairs (2j, 2j+1) of each Q and K head, even j by the
 /// column, odd j by the row, frequency j/2.
@@ -124,6 +141,141 @@ fn attention_is_block_diagonal_over_packed_samples() {
     // Wrong lengths are refused, naming them.
     let x = up(&dev, DType::F32, vec![l, 3 * dq], &qkv);
     let e = vit_attention(&x, heads, &[5, 37], &poisoned(&dev, DType::F32, vec![l, dq])).unwrap_err().to_string();
+    assert!(e.contains("sum to L"), "{e}");
+}
+
+/// Samples around the fused kernel's tiles (64 keys; 64 or 128 query rows), packed out of order.
+const FLASH_LENS: [usize; 6] = [300, 1, 65, 1000, 63, 64];
+
+/// The largest per-(row, head) relative L2 of `out` against `want`, asserting `tol`.
+fn check_rows(what: &str, out: &k3_core::cuda::CudaTensor, want: &[f32], hd: usize, tol: f64) {
+    let e = max_rel_l2(&out.to_f32_vec().unwrap(), want, hd);
+    say(&format!("  {what:<60} max per-(row, head) rel L2 {e:.2e} (tol {tol:.1e})"));
+    assert!(e <= tol, "{what}: max per-(row, head) relative L2 {e:.3e} > {tol:.1e}");
+}
+
+#[test]
+fn flash_attention_matches_f64_reference() {
+    let test = "flash_attention_matches_f64_reference";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    let l: usize = FLASH_LENS.iter().sum();
+    // K3's head dim, and the golden vision_small_f32 tower's (qkv_hidden_size 48 / 2 heads).
+    for (heads, hd) in [(2, 128), (2, 24)] {
+        let dq = heads * hd;
+        let qkv = rvec(&mut r, l * 3 * dq, 0.05, 1.5);
+        let want = attention_ref(&qkv, &FLASH_LENS, heads, hd);
+        let x = up(&dev, DType::BF16, vec![l, 3 * dq], &qkv);
+        for (dt, tol) in [(DType::BF16, TOL_FLASH_BF16), (DType::F32, TOL_FLASH_F32)] {
+            let out = poisoned(&dev, dt, vec![l, dq]);
+            vit_flash_attention(&x, heads, &FLASH_LENS, &out).unwrap();
+            check_rows(&format!("vit_flash_attention hd {hd}, {dt} out"), &out, &want, hd, tol);
+        }
+        if hd == 128 {
+            for tile in FlashTile::ALL {
+                let out = poisoned(&dev, DType::BF16, vec![l, dq]);
+                vit_flash_attention_tiled(&x, heads, &FLASH_LENS, &out, tile).unwrap();
+                check_rows(&format!("vit_flash_attention hd 128, {tile:?}"), &out, &want, hd, TOL_FLASH_BF16);
+            }
+        }
+        // The tower's entry point takes the fused kernel for BF16: the same bits.
+        let (a, b) = (poisoned(&dev, DType::BF16, vec![l, dq]), poisoned(&dev, DType::BF16, vec![l, dq]));
+        vit_attention(&x, heads, &FLASH_LENS, &a).unwrap();
+        vit_flash_attention(&x, heads, &FLASH_LENS, &b).unwrap();
+        assert_eq!(a.to_bytes().unwrap(), b.to_bytes().unwrap(), "vit_attention BF16 at hd {hd} must run the fused kernel");
+    }
+}
+
+/// Scores that rise along the keys, so a row's running max moves: head 0 by far more than the
+/// lazy threshold (2^8) every 64-key tile, head 1 by less, so it rescales only every few tiles
+/// and its unnormalised probabilities grow past 1 in between. Half the rows see the scores fall
+/// instead (their max is the first key; they never rescale), mixed within every warp.
+#[test]
+fn flash_attention_rescales_when_the_max_grows() {
+    let test = "flash_attention_rescales_when_the_max_grows";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    let (heads, hd) = (2, 128);
+    let dq = heads * hd;
+    let lens = [700, 130];
+    let l: usize = lens.iter().sum();
+    let mut qkv = rvec(&mut r, l * 3 * dq, 0.05, 0.5);
+    let mut off = 0;
+    for &n in &lens {
+        for i in 0..n {
+            let row = &mut qkv[(off + i) * 3 * dq..(off + i + 1) * 3 * dq];
+            let sign = if r.random::<bool>() { 4.0 } else { -4.0 };
+            // Score change per key: slope·100/n nats, for n = 700 head 0 0.17 (16 per tile in
+            // base 2: a rescale every tile), head 1 0.017 (1.6 per tile: one every ~5 tiles).
+            for (h, slope) in [(0, 1.2f32), (1, 0.12)] {
+                row[h * hd] = sign;
+                row[dq + h * hd] = half::bf16::from_f32(slope * i as f32 * (hd as f32).sqrt() / 4.0 / n as f32 * 100.0).to_f32();
+            }
+        }
+        off += n;
+    }
+    let want = attention_ref(&qkv, &lens, heads, hd);
+    let x = up(&dev, DType::BF16, vec![l, 3 * dq], &qkv);
+    for (dt, tol) in [(DType::BF16, TOL_FLASH_BF16), (DType::F32, TOL_FLASH_F32)] {
+        let out = poisoned(&dev, dt, vec![l, dq]);
+        vit_flash_attention(&x, heads, &lens, &out).unwrap();
+        check_rows(&format!("vit_flash_attention rising scores, {dt} out"), &out, &want, hd, tol);
+    }
+}
+
+/// A sample's rows are the same bits alone and packed between others (each query tile reads only
+/// its own sample's keys, whatever the tile order).
+#[test]
+fn flash_attention_of_a_sample_does_not_depend_on_its_neighbours() {
+    let test = "flash_attention_of_a_sample_does_not_depend_on_its_neighbours";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    let (heads, hd) = (3, 128);
+    let dq = heads * hd;
+    let l: usize = FLASH_LENS.iter().sum();
+    let qkv = rvec(&mut r, l * 3 * dq, 0.05, 1.5);
+    let packed = poisoned(&dev, DType::BF16, vec![l, dq]);
+    vit_flash_attention(&up(&dev, DType::BF16, vec![l, 3 * dq], &qkv), heads, &FLASH_LENS, &packed).unwrap();
+    let packed = packed.to_bytes().unwrap();
+    let mut off = 0;
+    for &n in &FLASH_LENS {
+        let alone = poisoned(&dev, DType::BF16, vec![n, dq]);
+        vit_flash_attention(&up(&dev, DType::BF16, vec![n, 3 * dq], &qkv[off * 3 * dq..(off + n) * 3 * dq]), heads, &[n], &alone).unwrap();
+        assert!(alone.to_bytes().unwrap() == packed[off * dq * 2..(off + n) * dq * 2], "sample of {n} rows at row {off} differs alone and packed");
+        off += n;
+    }
+}
+
+/// Head dims the fused kernel does not take are refused by name, and `vit_attention` runs them
+/// through cuBLAS instead; so are F32 inputs and tile shapes without a kernel.
+#[test]
+fn flash_attention_refuses_what_it_cannot_run() {
+    let test = "flash_attention_refuses_what_it_cannot_run";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    assert!(flash_supports(128) && flash_supports(24) && flash_supports(8));
+    assert!(!flash_supports(12) && !flash_supports(136) && !flash_supports(0));
+    let lens = [9, 70];
+    let l: usize = lens.iter().sum();
+    let (heads, hd) = (2, 12);
+    let dq = heads * hd;
+    let qkv = rvec(&mut r, l * 3 * dq, 0.05, 1.5);
+    let x = up(&dev, DType::BF16, vec![l, 3 * dq], &qkv);
+    let out = poisoned(&dev, DType::BF16, vec![l, dq]);
+    let e = vit_flash_attention(&x, heads, &lens, &out).unwrap_err().to_string();
+    assert!(e.contains("head dim 12") && e.contains("multiple of 8"), "{e}");
+    vit_attention(&x, heads, &lens, &out).unwrap();
+    check("vit_attention BF16 hd 12 (cuBLAS form)", &out.to_f32_vec().unwrap(), &attention_ref(&qkv, &lens, heads, hd), TOL_BF16);
+    let (heads, hd) = (2, 24);
+    let dq = heads * hd;
+    let qkv = rvec(&mut r, l * 3 * dq, 0.05, 1.5);
+    let out = poisoned(&dev, DType::BF16, vec![l, dq]);
+    let e = vit_flash_attention(&up(&dev, DType::F32, vec![l, 3 * dq], &qkv), heads, &lens, &out).unwrap_err().to_string();
+    assert!(e.contains("must be BF16"), "{e}");
+    let x = up(&dev, DType::BF16, vec![l, 3 * dq], &qkv);
+    let e = vit_flash_attention_tiled(&x, heads, &lens, &out, FlashTile::Rows64Warps4).unwrap_err().to_string();
+    assert!(e.contains("no fused kernel for head dim 24"), "{e}");
+    let e = vit_flash_attention(&x, heads, &[9, 60], &out).unwrap_err().to_string();
     assert!(e.contains("sum to L"), "{e}");
 }
 

@@ -12,6 +12,11 @@
 //! `--video-frames N` (with `--cuda`) also times a clip end to end: an animated GIF of N frames
 //! of 448×448 (`--video-size PX`) at the processor's 2 frames/s, decoded, sampled, chunked (4
 //! frames per tower sample) and run through tower + merger + projector on the GPU.
+//!
+//! `--attention` (with `--cuda`) also times one layer's attention alone at the same packed shape
+//! (`B` samples of the image's patches, 12 heads of 128, random BF16 `qkv`): the fused kernel
+//! (`vit_flash_attention`) in each of its tile shapes and the cuBLAS form
+//! (`vit_attention_sliced`), as TFLOP/s (4·L²·Dq per sample) and the share of 989.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -184,6 +189,43 @@ mod cuda {
             }
         }
         println!("best: {:.1} images/s ({:.0}% of the floor's rate)", batch as f64 / best, 100.0 * (batch as f64 / best) / (PEAK / flops));
+        if std::env::args().any(|a| a == "--attention") {
+            attention(&dev, l, batch, d.heads, d.qkv, iters.max(3))?;
+        }
+        Ok(())
+    }
+
+    /// One layer's attention over `batch` packed samples of `l` rows, timed with CUDA events.
+    fn attention(dev: &CudaDevice, l: usize, batch: usize, heads: usize, dq: usize, iters: usize) -> Result<(), Box<dyn std::error::Error>> {
+        use k3_core::cuda::vision::{vit_attention_sliced, vit_flash_attention_tiled, FlashTile, SCORE_BYTES};
+        use k3_core::cuda::CudaTensor;
+        use k3_core::DType;
+        use rand::{Rng, SeedableRng};
+
+        let rows = l * batch;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let qkv: Vec<half::bf16> = (0..rows * 3 * dq).map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let qkv = CudaTensor::from_bf16(dev, vec![rows, 3 * dq], &qkv)?;
+        let out = CudaTensor::uninit(dev, DType::BF16, vec![rows, dq])?;
+        let lens = vec![l; batch];
+        let flops = 4.0 * (l * l) as f64 * dq as f64 * batch as f64;
+        let time = |f: &dyn Fn() -> k3_core::Result<()>| -> Result<f64, Box<dyn std::error::Error>> {
+            f()?;
+            let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+            e0.record(&dev.stream())?;
+            for _ in 0..iters {
+                f()?;
+            }
+            e1.record(&dev.stream())?;
+            Ok(e0.elapsed_ms(&e1)? as f64 / iters as f64)
+        };
+        println!("attention alone: {batch} x {l} rows, {heads} heads of {}, {:.2} TFLOP per call", dq / heads, flops / 1e12);
+        for tile in FlashTile::ALL {
+            let ms = time(&|| vit_flash_attention_tiled(&qkv, heads, &lens, &out, tile))?;
+            println!("  fused {tile:?}: {ms:.3} ms, {:.0} TFLOP/s ({:.0}% of {:.0})", flops / ms / 1e9, 100.0 * flops / ms / 1e9 / (PEAK / 1e12), PEAK / 1e12);
+        }
+        let ms = time(&|| vit_attention_sliced(&qkv, heads, &lens, &out, SCORE_BYTES))?;
+        println!("  cuBLAS form: {ms:.3} ms, {:.0} TFLOP/s", flops / ms / 1e9);
         Ok(())
     }
 

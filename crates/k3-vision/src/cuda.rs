@@ -8,7 +8,10 @@
 //!
 //! Weights are uploaded once ([`CudaVision::upload`]) in the [`Precision`]'s dtype: BF16 for
 //! serving (every GEMM input BF16, f32 accumulation), F32 for the reference (f32 GEMMs, no TF32).
-//! The residual stream, norms, RoPE, softmax and merge are f32 in both. Small tables are
+//! The residual stream, norms, RoPE, softmax and merge are f32 in both. Attention: in BF16,
+//! `vit_rope` writes the rotated `qkv` as BF16 and `vit_attention` runs the fused flash kernel on
+//! it (`k3_core::cuda::vision::vit_flash_attention`, head dims a multiple of 8 up to 128); in F32
+//! it runs the cuBLAS form (score GEMM, softmax, `P·V` GEMM). Small tables are
 //! computed on the host exactly as the CPU path does and uploaded per call: each row's position
 //! embedding plus time row ([`VisionTower::position_rows`]; the CPU adds the two one after the
 //! other, here their sum is added), the RoPE cos/sin table and each row's patch position.

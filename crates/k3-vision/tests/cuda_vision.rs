@@ -17,7 +17,8 @@
 //! Samples: images of several sizes packed in one call, and video chunks of t = 2, 3, 4 frames
 //! (temporal sincos, joint attention over the frames, temporal mean), on three tower shapes:
 //! the video tests' tiny tower (hd 24), a wider one (hd 16, 3 layers), and one with the
-//! released head dim 128.
+//! released head dim 128. BF16 attention runs the fused flash kernel at all three head dims,
+//! F32 the cuBLAS form.
 //!
 //! Without a GPU every test prints `skipped` and passes; `K3_REQUIRE_CUDA=1` makes that a failure.
 #![cfg(feature = "cuda")]

@@ -8,15 +8,19 @@
 //! `nh` heads of `hd = Dq/nh`, `qkv` `[L, 3·Dq]` (Q | K | V, head-major within each), attention
 //! out `[L, Dq]`; `C` the tower width; a sample of grid `(t, h, w)` has `t·h·w` rows.
 //!
-//! Attention runs as the CPU does, one sample and one slice of its query rows at a time: scores
-//! `S = Q·Kᵀ` for all heads in one strided-batched cuBLAS GEMM (F32 out), `P = softmax(S/√hd)`
-//! (`vit_softmax_*`, F32 or BF16 out), `O = P·V` in a second batched GEMM. Query rows are sliced
-//! so that the F32 scores of one slice stay under [`SCORE_BYTES`]. Samples never see each
-//! other's keys.
+//! Attention ([`vit_attention`]) has two forms. BF16 `qkv` with a head dim the fused kernel takes
+//! ([`flash_supports`]: a multiple of 8 up to 128; K3's is 128) runs [`vit_flash_attention`],
+//! flash attention on tensor cores (`kernels/cuda/vit_attn.cu`): one launch for every sample,
+//! head and 64- or 128-row query tile, scores and probabilities never leave registers. Everything
+//! else (the F32 reference precision, other head dims) runs as the CPU does, one sample and one
+//! slice of its query rows at a time ([`vit_attention_sliced`]): scores `S = Q·Kᵀ` for all heads
+//! in one strided-batched cuBLAS GEMM (F32 out), `P = softmax(S/√hd)` (`vit_softmax_*`, F32 or
+//! BF16 out), `O = P·V` in a second batched GEMM, query rows sliced so that the F32 scores of one
+//! slice stay under [`SCORE_BYTES`]. Samples never see each other's keys in either form.
 
 use super::blas::{gemm_strided_batched, Layout, Strided};
-use super::{kargs, CudaTensor};
-use crate::kernels::cuda::VISION;
+use super::{derr, kargs, CudaTensor};
+use crate::kernels::cuda::{VISION, VIT_ATTN};
 use crate::{CoreError, DType, Result};
 
 /// Threads per block of the elementwise kernels.
@@ -84,14 +88,20 @@ pub fn vit_rope(qkv: &CudaTensor, rc: &CudaTensor, cos: &CudaTensor, sin: &CudaT
 
 /// Full bidirectional attention within each sample of a packed batch: `qkv` `[L, 3·Dq]` (F32 or
 /// BF16, after RoPE) → `out` `[L, Dq]` (same dtype). `lens` are the samples' row counts in
-/// order (`Σ lens = L`); scale `hd^−½`. GEMMs accumulate in f32; the scores are F32, the
-/// probabilities `P` are rounded to the input dtype before `P·V`.
+/// order (`Σ lens = L`); scale `hd^−½`. BF16 with a head dim [`flash_supports`] takes runs the
+/// fused kernel ([`vit_flash_attention`]); the rest the cuBLAS form ([`vit_attention_sliced`]).
+/// Both accumulate in f32 and round the probabilities `P` to the input dtype before `P·V`.
 pub fn vit_attention(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor) -> Result<()> {
+    let hd = (qkv.last_dim() / 3).checked_div(heads).unwrap_or(0);
+    if qkv.dtype() == DType::BF16 && out.dtype() == DType::BF16 && flash_supports(hd) && qkv.last_dim() == 3 * heads * hd {
+        return vit_flash_attention(qkv, heads, lens, out);
+    }
     vit_attention_sliced(qkv, heads, lens, out, SCORE_BYTES)
 }
 
-/// [`vit_attention`] with query slices of at most `score_bytes` of F32 scores (at least one row
-/// each): tests use a small budget to exercise the slicing.
+/// The cuBLAS form of [`vit_attention`] (any head dim, F32 or BF16), with query slices of at most
+/// `score_bytes` of F32 scores (at least one row each): tests use a small budget to exercise the
+/// slicing.
 pub fn vit_attention_sliced(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor, score_bytes: usize) -> Result<()> {
     const OP: &str = "cuda vit_attention";
     same_dev(OP, qkv, &[out])?;
@@ -147,6 +157,129 @@ pub fn vit_attention_sliced(qkv: &CudaTensor, heads: usize, lens: &[usize], out:
         off += n;
     }
     Ok(())
+}
+
+/// Query-tile shapes of the fused kernel at head dim 128 (narrower heads always use 64 rows of 4
+/// warps × 16). The default is FlashAttention-2's choice for head dim 128 on sm_80/sm_90; the
+/// others are there to be measured against it (`bench_tower --attention`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashTile {
+    /// 128 query rows per block, 4 warps of 32 rows, Q re-read from shared memory per key tile.
+    #[default]
+    Rows128Warps4,
+    /// 64 query rows per block, 4 warps of 16 rows, Q in registers.
+    Rows64Warps4,
+    /// 128 query rows per block, 8 warps of 16 rows, Q in registers.
+    Rows128Warps8,
+}
+
+impl FlashTile {
+    pub const ALL: [FlashTile; 3] = [FlashTile::Rows128Warps4, FlashTile::Rows64Warps4, FlashTile::Rows128Warps8];
+}
+
+/// Key rows per tile of the fused kernel (`VA_KEYS` in `vit_attn.cu`).
+const FLASH_KEYS: usize = 64;
+
+/// Whether the fused kernel takes head dim `hd`: a multiple of 8 (16-byte rows) up to 128.
+pub fn flash_supports(hd: usize) -> bool {
+    hd > 0 && hd.is_multiple_of(8) && hd <= 128
+}
+
+/// The kernel for head dim `hd` (padded to 16, 32, 64 or 128), `tile` and the output dtype, with
+/// its query rows per block and threads per block.
+fn flash_kernel(op: &'static str, hd: usize, tile: FlashTile, out: DType) -> Result<(&'static str, usize, u32)> {
+    let bf = out == DType::BF16;
+    let pad = [16, 32, 64, 128].into_iter().find(|&p| hd <= p).unwrap_or(0);
+    Ok(match (pad, tile, bf) {
+        (128, FlashTile::Rows128Warps4, true) => ("vit_flash_h128_r128w4_bf16", 128, 128),
+        (128, FlashTile::Rows128Warps4, false) => ("vit_flash_h128_r128w4_f32", 128, 128),
+        (128, FlashTile::Rows64Warps4, true) => ("vit_flash_h128_r64w4_bf16", 64, 128),
+        (128, FlashTile::Rows128Warps8, true) => ("vit_flash_h128_r128w8_bf16", 128, 256),
+        (64, FlashTile::Rows128Warps4, true) => ("vit_flash_h64_r64w4_bf16", 64, 128),
+        (64, FlashTile::Rows128Warps4, false) => ("vit_flash_h64_r64w4_f32", 64, 128),
+        (32, FlashTile::Rows128Warps4, true) => ("vit_flash_h32_r64w4_bf16", 64, 128),
+        (32, FlashTile::Rows128Warps4, false) => ("vit_flash_h32_r64w4_f32", 64, 128),
+        (16, FlashTile::Rows128Warps4, true) => ("vit_flash_h16_r64w4_bf16", 64, 128),
+        (16, FlashTile::Rows128Warps4, false) => ("vit_flash_h16_r64w4_f32", 64, 128),
+        _ => {
+            return Err(CoreError::Shape {
+                op,
+                detail: format!("no fused kernel for head dim {hd} with tile {tile:?} and {out} output (head dim 128 with BF16 output takes every tile, other head dims the default)"),
+            })
+        }
+    })
+}
+
+/// Fused flash attention on tensor cores (`vit_attn.cu`), the BF16 form of [`vit_attention`]:
+/// `qkv` BF16 `[L, 3·Dq]` after RoPE → `out` `[L, Dq]`, BF16 or F32, each sample of `lens`
+/// attending only to itself; `hd = Dq/heads` must satisfy [`flash_supports`]. Scores, the online
+/// softmax (f32, base 2) and the row sums stay in registers; `P` is rounded to BF16 for `P·V`.
+pub fn vit_flash_attention(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor) -> Result<()> {
+    vit_flash_attention_tiled(qkv, heads, lens, out, FlashTile::default())
+}
+
+/// [`vit_flash_attention`] with a chosen query-tile shape (head dim 128 and BF16 output for the
+/// non-default ones).
+pub fn vit_flash_attention_tiled(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor, tile: FlashTile) -> Result<()> {
+    const OP: &str = "cuda vit_flash_attention";
+    same_dev(OP, qkv, &[out])?;
+    let (l, w3) = match qkv.shape() {
+        [l, w] => (*l, *w),
+        _ => return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
+    };
+    let dq = w3 / 3;
+    if qkv.dtype() != DType::BF16 || !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) {
+        return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be BF16 [L, 3·Dq] with Dq a multiple of {heads} heads") });
+    }
+    let hd = dq / heads;
+    if !flash_supports(hd) {
+        return Err(CoreError::Shape {
+            op: OP,
+            detail: format!("head dim {hd} (Dq {dq} / {heads} heads) must be a multiple of 8 up to 128; use vit_attention_sliced"),
+        });
+    }
+    if out.shape() != [l, dq] {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be [{l}, {dq}]") });
+    }
+    let (name, rows, threads) = flash_kernel(OP, hd, tile, out.dtype())?;
+    if lens.iter().sum::<usize>() != l || lens.contains(&0) {
+        return Err(CoreError::Shape { op: OP, detail: format!("sample lengths {lens:?} must be positive and sum to L = {l}") });
+    }
+    if !qkv.ptr().is_multiple_of(16) || !out.ptr().is_multiple_of(8) {
+        return Err(CoreError::Shape { op: OP, detail: "qkv must start on a 16-byte boundary and out on an 8-byte one (pass whole tensors)".into() });
+    }
+    i32_of(OP, "L", l)?;
+    if l == 0 {
+        return Ok(());
+    }
+    // Query tiles (sample start, sample end, first row), the longest samples first.
+    let mut off = 0;
+    let mut samples: Vec<(usize, usize)> = lens
+        .iter()
+        .map(|&n| {
+            off += n;
+            (off - n, n)
+        })
+        .collect();
+    samples.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+    let tiles: Vec<i32> = samples.iter().flat_map(|&(off, n)| (0..n).step_by(rows).flat_map(move |q| [off, off + n, off + q].map(|v| v as i32))).collect();
+    let count = tiles.len() / 3;
+    let gx = u32::try_from(count)
+        .ok()
+        .filter(|&v| v < i32::MAX as u32)
+        .ok_or_else(|| CoreError::Shape { op: OP, detail: format!("{count} query tiles exceed the grid") })?;
+    let gy = u32::try_from(heads).ok().filter(|&v| v <= 65535).ok_or_else(|| CoreError::Shape { op: OP, detail: format!("{heads} heads exceed the grid") })?;
+    let dev = qkv.cuda_device();
+    let table = CudaTensor::from_pod(dev, DType::I32, vec![count, 3], &tiles)?;
+    let pad = [16, 32, 64, 128].into_iter().find(|&p| hd <= p).unwrap_or(128);
+    let smem = (rows + 4 * FLASH_KEYS) * (pad + 8) * 2;
+    let f = dev.function(VIT_ATTN, name)?;
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(derr("raising the shared-memory limit of vit_flash_attention"))?;
+    let (dq32, hd32) = (i32_of(OP, "Dq", dq)?, hd as i32);
+    let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+    let (qp, tp, op) = (qkv.ptr(), table.ptr(), out.ptr());
+    dev.launch(VIT_ATTN, name, (gx, gy, 1), (threads, 1, 1), smem as u32, &mut kargs![qp, tp, dq32, hd32, scale_log2, op])
 }
 
 fn gelu(op: &'static str, names: [&'static str; 2], x: &CudaTensor, out: &CudaTensor) -> Result<()> {

@@ -11,7 +11,7 @@ mod cuda;
 #[path = "../../../../tests/support/numeric.rs"]
 mod numeric;
 pub use cuda::*;
-pub use numeric::rel_l2;
+pub use numeric::*;
 
 use half::bf16;
 use k3_core::cuda::mla::{mla_attend, PagedBatch, PAGE};

@@ -15,7 +15,9 @@
 //!   every rank's heads in tensor-parallel order ([`SnapLayer::Ranks`]).
 //!
 //! A restore gives each rank its stage's layers (the rows, its own heads) and, for the other
-//! layers, the empty states a fresh state has. Each rank checks that its part has its shapes
+//! layers, the empty states a fresh state has. Between threads the parts are not encoded: the
+//! stored rows are the first rank's own pages, and every part of the stage holds those same
+//! pages (`StoredPage` handles), which each rank's restore takes by reference. Each rank checks that its part has its shapes
 //! (`prefix::state::restore`). The layout is in the cache's digest (`ThreadRunner::prefix_support`),
 //! so a state is never restored into another layout.
 //!

@@ -21,7 +21,8 @@
 //!   [`Command`]s (verify, rollback, capture, restore, release): the CPU [`Worker`], or the GPU runner of
 //!   a rank ≠ 0 (`crate::gpu`), which runs plain steps only and refuses the other commands.
 //! - [`serve`]: a non-leader rank's loop: the next command from a [`StepSource`] (a channel of
-//!   encoded commands between threads, [`ChannelSource`]; the control plane between processes,
+//!   commands between threads, [`ChannelSource`]: encoded, but a restore as a value so that
+//!   its cache pages arrive by reference; the control plane between processes,
 //!   `dist::process::ControlSource`), apply it, reply with the outcome ([`Answer`]: the state
 //!   bytes, a capture's part), until the source ends.
 //! - [`ThreadRunner`] (`dist::threads`): rank 0 on the calling thread, the other ranks as
@@ -257,6 +258,12 @@ pub trait RankWorker {
         let _ = ids;
         Err(not_on_this_rank(self.rank(), "release"))
     }
+    /// Sizes the cache pages of the states made from now on (see [`Runner::set_page_rows`]); a
+    /// rank whose caches have a layout of their own ignores it.
+    fn set_page_rows(&mut self, rows: usize) -> Result<()> {
+        let _ = rows;
+        Ok(())
+    }
     /// Makes sequence `id` anew from this rank's part of a stored state (`dist::layout_state::part`).
     fn restore(&mut self, id: SeqId, part: &Capture) -> Result<()> {
         let _ = (id, part);
@@ -292,6 +299,7 @@ pub fn run_command<W: RankWorker + ?Sized>(w: &mut W, cmd: &Command) -> std::res
         Command::Capture { id, from, grid, kda } => w.capture(*id, *from, *grid, *kda).map(Some),
         Command::Restore { id, part } => w.restore(*id, part).map(|()| None),
         Command::Release(ids) => w.drop_states(ids).map(|()| None),
+        Command::PageRows(rows) => w.set_page_rows(*rows).map(|()| None),
     })
 }
 
@@ -379,16 +387,29 @@ pub trait StepSource {
     fn reply(&mut self, r: Reply) -> Result<()>;
 }
 
-/// Commands as encoded bytes over a channel from the leader thread, replies back over another.
+/// A command as the leader thread sends it to a peer thread ([`ChannelSource`]).
+pub enum Sent {
+    /// Its byte form, as between processes (steps and most commands: one encoding for every
+    /// peer, and the codec the process layouts use is exercised by every thread layout).
+    Bytes(Arc<Vec<u8>>),
+    /// The command itself: a restore, whose part's latent / indexer-key pages then reach the
+    /// peer by reference (the pool's pages, shared in-process: `k3_model::layers::pages`)
+    /// rather than as copies decoded from bytes.
+    Command(Command),
+}
+
+/// Commands over a channel from the leader thread ([`Sent`]), replies back over another (as
+/// values: a capture's part keeps the peer's own pages).
 pub struct ChannelSource {
-    pub steps: Receiver<Arc<Vec<u8>>>,
+    pub steps: Receiver<Sent>,
     pub replies: Sender<Reply>,
 }
 
 impl StepSource for ChannelSource {
     fn next(&mut self) -> Result<Option<Command>> {
         match self.steps.recv() {
-            Ok(b) => Command::decode(&b).map(Some),
+            Ok(Sent::Bytes(b)) => Command::decode(&b).map(Some),
+            Ok(Sent::Command(c)) => Ok(Some(c)),
             Err(_) => Ok(None), // the leader dropped its end
         }
     }

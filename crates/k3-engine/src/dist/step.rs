@@ -12,13 +12,15 @@
 //! themselves, so a decode step of `B` sequences is `B · 16` bytes, not `B · hidden · 4`.
 //!
 //! A [`Command`] is a step run as a plain or a verify forward, a rollback, a capture (every rank
-//! answers with its part of the sequence's state), a restore (each rank gets its own part) or a
+//! answers with its part of the sequence's state), a restore (each rank gets its own part), a
 //! release (states dropped at once, between steps; a release while steps are in flight rides on
-//! the next step instead).
+//! the next step instead) or the page size of the CPU cache pages (the prefix cache's grid, so
+//! that every rank's captured cells are whole pages: `k3_model::layers::pages`).
 //! Every rank applies the commands in the order rank 0 sent them and answers each one.
 //!
 //! The byte form ([`Command::encode`] / [`Command::decode`]) is what goes over a channel between
-//! threads and over the control plane (`k3_core::comm::control`) between processes.
+//! threads (but a restore: `dist::runner::Sent`) and over the control plane
+//! (`k3_core::comm::control`) between processes.
 //! Little-endian throughout:
 //!
 //! ```text
@@ -30,6 +32,7 @@
 //! 3 capture:            u64:id  u64:from  u64:grid  u8:kda
 //! 4 restore:            u64:id  state (layout_state's byte form of a capture)
 //! 5 release:            u32:ids  ids × u64:id
+//! 6 page rows:          u64:rows
 //! ```
 //!
 //! Decoding checks every count against the bytes left before it allocates and rejects trailing
@@ -44,7 +47,7 @@ use crate::error::{EngineError, Result};
 use crate::prefix::Capture;
 
 const MAGIC: &[u8; 4] = b"K3ST";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// One planned sequence of a step.
 #[derive(Clone, Debug, PartialEq)]
@@ -85,6 +88,8 @@ pub enum Command {
     Restore { id: SeqId, part: Capture },
     /// Drop these sequences' states now.
     Release(Vec<SeqId>),
+    /// Make the MLA/DSA caches of new states in pages of this many rows (`Runner::set_page_rows`).
+    PageRows(usize),
 }
 
 impl Step {
@@ -199,6 +204,10 @@ impl Command {
                 b.extend_from_slice(&(ids.len() as u32).to_le_bytes());
                 ids.iter().for_each(|id| b.extend_from_slice(&id.to_le_bytes()));
             }
+            Command::PageRows(rows) => {
+                b = header(6);
+                b.extend_from_slice(&(*rows as u64).to_le_bytes());
+            }
         }
         b
     }
@@ -231,7 +240,8 @@ impl Command {
                 let n = r.count(8, "released ids")?;
                 Command::Release((0..n).map(|_| r.u64("a released id")).collect::<Result<_>>()?)
             }
-            c => return Err(bad(format!("unknown command {c} (0 forward, 1 verify, 2 rollback, 3 capture, 4 restore, 5 release)"))),
+            6 => Command::PageRows(r.usize("the page rows")?),
+            c => return Err(bad(format!("unknown command {c} (0 forward, 1 verify, 2 rollback, 3 capture, 4 restore, 5 release, 6 page rows)"))),
         };
         r.end()?;
         Ok(cmd)
@@ -246,6 +256,7 @@ impl Command {
             Command::Capture { .. } => "capture",
             Command::Restore { .. } => "restore",
             Command::Release(_) => "release",
+            Command::PageRows(_) => "page rows",
         }
     }
 }
@@ -387,10 +398,16 @@ mod tests {
         let d = Step { seqs: (0..8).map(|i| StepSeq { id: i, tokens: vec![i as u32], rows: None }).collect(), last_only: true, released: vec![] };
         assert_eq!(d.encode().len(), 15 + 8 * 17);
         assert_eq!(d.num_tokens(), 8);
-        for c in [Command::Rollback { id: 9, drop: 3 }, Command::Capture { id: 1 << 50, from: 256, grid: 128, kda: true }, Command::Release(vec![3, 1 << 60])] {
+        for c in [
+            Command::Rollback { id: 9, drop: 3 },
+            Command::Capture { id: 1 << 50, from: 256, grid: 128, kda: true },
+            Command::Release(vec![3, 1 << 60]),
+            Command::PageRows(64),
+        ] {
             assert_eq!(again(&c), c.encode(), "{c:?}");
         }
         assert!(matches!(Command::decode(&Command::Rollback { id: 9, drop: 3 }.encode()).unwrap(), Command::Rollback { id: 9, drop: 3 }));
+        assert!(matches!(Command::decode(&Command::PageRows(64).encode()).unwrap(), Command::PageRows(64)));
         let c = Command::decode(&Command::Capture { id: 4, from: 8, grid: 4, kda: false }.encode()).unwrap();
         assert!(matches!(c, Command::Capture { id: 4, from: 8, grid: 4, kda: false }), "{c:?}");
         let r = Command::Restore { id: 5, part: Capture { from: 0, to: 0, cells: Vec::new(), kda: None } };

@@ -3,9 +3,9 @@
 //!
 //! Rank 0 is a [`Worker`] on the calling thread (it gets the logits: on a pipeline layout the
 //! last stage sends them to it); ranks 1.. are threads running [`serve`] over a channel of
-//! encoded steps. A rank that fails or panics aborts the layout's groups, so no rank waits on
-//! it; the caller gets the failing rank's own error ([`EngineError::Rank`]), and every later
-//! step fails with it at once. Dropping the runner ends the threads.
+//! encoded steps ([`Sent`]; a restore goes as a value). A rank that fails or panics aborts the
+//! layout's groups, so no rank waits on it; the caller gets the failing rank's own error
+//! ([`EngineError::Rank`]), and every later step fails with it at once. Dropping the runner ends the threads.
 //!
 //! On a pipeline layout (`--pp P`, P > 1) the runner overlaps steps ([`Runner::depth`] = P):
 //! [`Runner::submit`] sends the step to every rank and runs rank 0's part of it — its stage's
@@ -19,8 +19,15 @@
 //! keeping its shard's per-token KDA states; [`Runner::rollback`] is a command every rank
 //! applies; [`Runner::capture`] gathers every rank's part of a sequence's state and joins them,
 //! [`Runner::restore`] cuts a stored state into the ranks' parts and sends each its own
-//! (`dist::layout_state`). Rank 0 runs its part of a rollback, capture or restore first, so a
-//! refused one changes nothing anywhere; a peer that fails one stops the layout. A sequence
+//! (`dist::layout_state`). Every rank's MLA latent / indexer-key caches are reference-counted
+//! pages of the grid ([`Runner::set_page_rows`] reaches every rank), and a capture's parts and a
+//! restore's part cross between threads as values, not bytes: the pool keeps each stage's first
+//! rank's own pages, and every rank of that stage restores those same pages by reference, so a
+//! prefix's rows exist once per stage whatever the number of ranks and sequences holding them
+//! (`k3_model::layers::pages`: appends and truncations never write a page held elsewhere; the
+//! stage's first rank charges the pages its stage shares). Rank 0 runs its part of a rollback,
+//! capture or restore first, so a refused one changes nothing anywhere; a peer that fails one
+//! stops the layout. A sequence
 //! released between steps is dropped on every rank at once ([`Command::Release`]); one released
 //! while steps are in flight, with the next step.
 
@@ -34,14 +41,14 @@ use k3_model::parallel::{Groups, Parallel};
 use k3_model::{Checkpoint, Config, Model, SeqState};
 
 use super::layout_state;
-use super::runner::{guarded, serve, Aborter, Answer, ChannelSource, Command, Failure, Fault, RankOptions, RankWorker, Reply, Runner, Step, Worker};
+use super::runner::{guarded, serve, Aborter, Answer, ChannelSource, Command, Failure, Fault, RankOptions, RankWorker, Reply, Runner, Sent, Step, Worker};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
 use crate::prefix::{Capture, KdaSnap, Segment};
 
 struct Peer {
     rank: usize,
-    steps: Option<Sender<Arc<Vec<u8>>>>,
+    steps: Option<Sender<Sent>>,
     replies: Receiver<Reply>,
     thread: Option<JoinHandle<Result<()>>>,
     state_bytes: usize,
@@ -142,12 +149,18 @@ impl ThreadRunner {
         }
     }
 
-    /// Sends every peer its command's bytes (`bytes(rank)`); a peer that cannot be reached stops
-    /// the layout.
-    fn send(&mut self, mut bytes: impl FnMut(usize) -> Arc<Vec<u8>>) -> Result<()> {
+    /// Sends every peer the same command's bytes; a peer that cannot be reached stops the layout.
+    fn send(&mut self, bytes: Vec<u8>) -> Result<()> {
+        let bytes = Arc::new(bytes);
+        self.send_each(|_| Sent::Bytes(bytes.clone()))
+    }
+
+    /// Sends every peer its own command (`sent(rank)`); a peer that cannot be reached stops the
+    /// layout.
+    fn send_each(&mut self, mut sent: impl FnMut(usize) -> Sent) -> Result<()> {
         for i in 0..self.peers.len() {
             let p = &self.peers[i];
-            let b = bytes(p.rank);
+            let b = sent(p.rank);
             if p.steps.as_ref().is_none_or(|tx| tx.send(b).is_err()) {
                 let f = Failure { rank: p.rank, msg: "its thread has stopped".into(), aborted: false };
                 return Err(self.stop(vec![f]));
@@ -185,8 +198,7 @@ impl ThreadRunner {
         if self.peers.is_empty() {
             return Ok(parts);
         }
-        let bytes = Arc::new(Command::Capture { id, from, grid, kda }.encode());
-        self.send(|_| bytes.clone())?;
+        self.send(Command::Capture { id, from, grid, kda }.encode())?;
         let ((), answers) = self.gather(Ok(()))?;
         for (p, a) in self.peers.iter().zip(answers) {
             parts.push(a.capture.ok_or_else(|| EngineError::Internal(format!("rank {} answered a capture without its part", p.rank)))?);
@@ -243,9 +255,9 @@ impl Runner for ThreadRunner {
         // Between steps the peers drop it now (their state bytes then count live sequences
         // only); while steps are in flight it rides on the next step.
         if self.flight.is_empty() && self.failed.is_none() {
-            let bytes = Arc::new(Command::Release(std::mem::take(&mut self.released)).encode());
+            let bytes = Command::Release(std::mem::take(&mut self.released)).encode();
             // A failure stops the layout; the next call reports it.
-            let _ = self.send(|_| bytes.clone()).and_then(|()| self.gather(Ok(())));
+            let _ = self.send(bytes).and_then(|()| self.gather(Ok(())));
         }
     }
     fn forward(&mut self, step: Step) -> Result<Vec<f32>> {
@@ -265,8 +277,7 @@ impl Runner for ThreadRunner {
         }
         if !self.peers.is_empty() {
             step.released.append(&mut self.released);
-            let bytes = Arc::new(step.encode());
-            self.send(|_| bytes.clone())?;
+            self.send(step.encode())?;
         }
         let defer = self.depth() > 1;
         match guarded(&mut self.leader, |w| if defer { w.submit(&step) } else { w.apply(&step) }) {
@@ -305,8 +316,7 @@ impl Runner for ThreadRunner {
             return self.leader.verify(&step);
         }
         step.released.append(&mut self.released);
-        let bytes = Arc::new(step.encode_verify());
-        self.send(|_| bytes.clone())?;
+        self.send(step.encode_verify())?;
         let mine = guarded(&mut self.leader, |w| w.verify(&step));
         Ok(self.gather(mine)?.0)
     }
@@ -314,8 +324,7 @@ impl Runner for ThreadRunner {
         self.idle("rollback")?;
         self.leader.rollback(id, drop)?;
         if !self.peers.is_empty() {
-            let bytes = Arc::new(Command::Rollback { id, drop }.encode());
-            self.send(|_| bytes.clone())?;
+            self.send(Command::Rollback { id, drop }.encode())?;
             self.gather(Ok(()))?;
         }
         Ok(())
@@ -341,10 +350,19 @@ impl Runner for ThreadRunner {
     fn prefix_support(&self) -> std::result::Result<String, String> {
         Ok(format!("cpu, {}, kda state {:?}", self.layout(), self.leader.kda()))
     }
-    /// Rank 0's states (the only ones that share pages: the peers' parts of a capture or a
-    /// restore travel as bytes, `layout_state`, so each peer holds its own copy).
+    /// Every rank's states (see the module doc). A failure stops the layout (the next call
+    /// reports it), and so does a change while steps are in flight (the engine sets it once,
+    /// before its first step).
     fn set_page_rows(&mut self, rows: usize) {
         self.leader.set_page_rows(rows);
+        if self.peers.is_empty() || self.failed.is_some() {
+            return;
+        }
+        if let Err(e) = self.idle("page size change") {
+            self.stop(vec![Failure { rank: 0, msg: e.to_string(), aborted: false }]);
+            return;
+        }
+        let _ = self.send(Command::PageRows(rows).encode()).and_then(|()| self.gather(Ok(())));
     }
     fn seq_state(&self, id: SeqId) -> Option<&SeqState> {
         self.leader.state(id)
@@ -371,7 +389,8 @@ impl Runner for ThreadRunner {
         let own = parts[0].take().expect("rank 0's part");
         RankWorker::restore(&mut self.leader, id, &own)?;
         self.released.retain(|&r| r != id);
-        self.send(|r| Arc::new(parts[r].take().map_or_else(Vec::new, |part| Command::Restore { id, part }.encode())))?;
+        // As values: the part's pages reach the peer by reference (see the module doc).
+        self.send_each(|r| parts[r].take().map_or_else(|| Sent::Bytes(Arc::default()), |part| Sent::Command(Command::Restore { id, part })))?;
         self.gather(Ok(()))?;
         Ok(())
     }

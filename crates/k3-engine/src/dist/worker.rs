@@ -84,9 +84,12 @@ impl Worker {
     }
     /// Bytes of the live sequence states (a draft model's included), each cache page once
     /// however many sequences share it, and none of the pages the prefix-cache pool holds (it
-    /// counts them: `k3_model::layers::pages`).
+    /// counts them: `k3_model::layers::pages`). On a rank that is not its pipeline stage's
+    /// first, no page held elsewhere: such a page came from the pool (a restore), which every
+    /// rank of the stage restored alike from its first rank's captured pages, so that rank
+    /// holds it too and charges it (the layout's ranks as threads charge it once).
     pub fn state_bytes(&self) -> usize {
-        let mut seen = PageSet::new();
+        let mut seen = if self.model.plan.local == 0 { PageSet::new() } else { PageSet::leaving_shared() };
         self.states.values().map(|s| s.bytes_once(&mut seen)).sum::<usize>() + self.draft.as_ref().map_or(0, |d| d.bytes_once(&mut seen))
     }
     /// Sequence `id`'s state, if it has one.
@@ -319,6 +322,10 @@ impl RankWorker for Worker {
     }
     fn drop_states(&mut self, ids: &[SeqId]) -> Result<()> {
         ids.iter().for_each(|id| Worker::release(self, *id));
+        Ok(())
+    }
+    fn set_page_rows(&mut self, rows: usize) -> Result<()> {
+        Worker::set_page_rows(self, rows);
         Ok(())
     }
     fn restore(&mut self, id: SeqId, part: &Capture) -> Result<()> {

@@ -13,7 +13,9 @@
 //! Accounting: the pool holds its pages through [`StoredPage`]s, and counts their bytes
 //! itself; while a page has one it is the pool's, and not charged to the sequences that share
 //! it. [`PagedRows::bytes_once`] charges the other pages once per [`PageSet`], however many
-//! sequences hold them.
+//! sequences hold them. Pages are `Send + Sync`: on a parallel layout of ranks as threads the
+//! ranks of one pipeline stage hold the same pages (`k3_engine::dist`), and a rank that leaves
+//! the pages held elsewhere to its stage's first rank counts with [`PageSet::leaving_shared`].
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -84,7 +86,29 @@ impl Drop for StoredPage {
 }
 
 /// The pages already charged (by address), so that shared pages count once.
-pub type PageSet = HashSet<usize>;
+#[derive(Debug, Default)]
+pub struct PageSet {
+    seen: HashSet<usize>,
+    /// Charge no page held elsewhere (another holder charges it).
+    leave_shared: bool,
+}
+
+impl PageSet {
+    pub fn new() -> PageSet {
+        PageSet::default()
+    }
+    /// A set that charges only the pages nothing else holds: for a rank of a parallel layout
+    /// whose shared pages are all held by another rank too, which charges them (the first rank
+    /// of its pipeline stage: `k3_engine::dist::worker`).
+    pub fn leaving_shared() -> PageSet {
+        PageSet { seen: HashSet::new(), leave_shared: true }
+    }
+    /// Whether `p` is charged here: no store holds it, and it is held alone or (not leaving
+    /// shared pages to another holder) seen for the first time.
+    fn charges(&mut self, p: &Arc<Page>) -> bool {
+        !p.is_stored() && (Arc::strong_count(p) == 1 || (!self.leave_shared && self.seen.insert(Arc::as_ptr(p) as usize)))
+    }
+}
 
 /// One sequence's rows of one cache, in pages (see the module doc).
 #[derive(Clone, Debug)]
@@ -210,9 +234,9 @@ impl PagedRows {
     }
 
     /// Bytes of the pages no [`StoredPage`] holds and `seen` has not counted yet (then
-    /// counted there).
+    /// counted there; see [`PageSet`]).
     pub fn bytes_once(&self, seen: &mut PageSet) -> usize {
-        self.pages.iter().filter(|p| !p.is_stored() && (Arc::strong_count(p) == 1 || seen.insert(Arc::as_ptr(p) as usize))).map(|p| 4 * p.values.len()).sum()
+        self.pages.iter().filter(|p| seen.charges(p)).map(|p| 4 * p.values.len()).sum()
     }
 }
 
@@ -295,5 +319,40 @@ mod tests {
         assert_eq!(a.bytes_once(&mut seen) + b.bytes_once(&mut seen), 4 * w * (2 + 2), "the stored pages are the pool's");
         drop(stored);
         assert_eq!(a.bytes_once(&mut PageSet::new()), a.bytes());
+        // A holder that leaves shared pages to another charges only its own: the two holders
+        // together charge every page once.
+        let (mut first, mut other) = (PageSet::new(), PageSet::leaving_shared());
+        assert_eq!(b.bytes_once(&mut other), 4 * w * 2, "b's own partial page only");
+        assert_eq!(a.bytes_once(&mut first) + b.bytes_once(&mut other), 4 * w * (10 + 2));
+    }
+
+    /// Threads holding one page (the ranks of a stage): each one's append copies it, and the
+    /// page's rows stay as they were for the others.
+    #[test]
+    fn holders_on_threads_copy_on_write() {
+        let w = 2;
+        let mut a = PagedRows::with_page_rows(4);
+        a.push_rows(&rows(4, w, 0.0), 4);
+        let stored = StoredPage::new(a.pages()[0].clone());
+        let copies: Vec<PagedRows> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|t| {
+                    let mut mine = PagedRows::with_page_rows(4);
+                    mine.push_page(stored.page(), 4);
+                    s.spawn(move || {
+                        mine.truncate_rows(3); // into the shared page: a private copy
+                        mine.push_rows(&rows(2, w, 10.0 * (t + 1) as f32), 2);
+                        mine
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(stored.values(), rows(4, w, 0.0), "the stored page is untouched");
+        for (t, c) in copies.iter().enumerate() {
+            assert!(!Arc::ptr_eq(&c.pages()[0], stored.page()));
+            assert_eq!(c.copy_rows(0, 3), rows(3, w, 0.0));
+            assert_eq!(c.copy_rows(3, 5), rows(2, w, 10.0 * (t + 1) as f32));
+        }
     }
 }

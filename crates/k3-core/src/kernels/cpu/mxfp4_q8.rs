@@ -31,9 +31,17 @@ use crate::{CoreError, Result};
 
 /// Software prefetch distance in bytes of packed weights (rows are contiguous, so it runs into
 /// the next row): one core streamed MXFP4 from DRAM ~1.9× faster with it here (a Xeon 8592-class
-/// VM: 6.5 → 12 GB/s on one thread, `vpdpbusd` kernel).
+/// VM: 6.5 → 12 GB/s on one thread, `vpdpbusd` kernel). `K3_Q8_PREFETCH=BYTES` overrides it
+/// (read once; for tuning on another machine — with every core streaming, memory latency grows).
 #[cfg(target_arch = "x86_64")]
 const PF: usize = 2048;
+
+/// The prefetch distance in force: [`PF`] or `K3_Q8_PREFETCH`.
+#[cfg(target_arch = "x86_64")]
+fn pf() -> usize {
+    static D: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *D.get_or_init(|| std::env::var("K3_Q8_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(PF))
+}
 
 /// `2·e2m1` of each nibble as a signed byte.
 const LUT2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
@@ -237,7 +245,7 @@ pub fn dot_scalar(packed: &[u8], scale: &[u8], x: &Q8) -> f32 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{block_isum, PF, Q8};
+    use super::{block_isum, Q8};
 
     /// `2·e2m1 + 12` of each nibble: unsigned, for `vpdpbusd`'s unsigned operand.
     const LUT_U: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
@@ -255,9 +263,10 @@ mod avx512 {
         let idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         let sub = _mm512_set1_epi32(0x0040_0000); // E8M0 0 = 2^-127, an f32 subnormal
         let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+        let pf = super::pf();
         for g in 0..groups {
             let p = _mm512_loadu_si512(packed.as_ptr().add(g * 64) as *const __m512i);
-            _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().wrapping_add(g * 64 + PF) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().wrapping_add(g * 64 + pf) as *const i8);
             let we = _mm512_shuffle_epi8(lut, _mm512_and_si512(p, m));
             let wo = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(p, 4), m));
             // 2^(s−127) of the group's four scales, each on its block's four lanes.
@@ -302,10 +311,11 @@ mod avx2 {
         let m = _mm_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        let pf = super::pf();
         for b in 0..nb {
             let p = _mm_loadu_si128(packed.as_ptr().add(b * 16) as *const __m128i);
             if b % 4 == 0 {
-                _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().wrapping_add(b * 16 + super::PF) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().wrapping_add(b * 16 + pf) as *const i8);
             }
             let lo = _mm_shuffle_epi8(lut, _mm_and_si128(p, m));
             let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(p, 4), m));

@@ -60,9 +60,13 @@ pub const SAMPLE: Source = Source { name: "sample", code: include_str!("sample.c
 /// The MoonViT3d tower's own kernels: 2-D RoPE, scaled row softmax, GELUs, the `sd2_tpool` merge
 /// (`vit_*`; CPU oracle: k3-vision's tower, merger and projector).
 pub const VISION: Source = Source { name: "vision", code: include_str!("vision.cu") };
+/// The tower's fused bidirectional attention on tensor cores, block-diagonal over packed samples
+/// (`vit_flash_h{16,32,64,128}_*`).
+pub const VIT_ATTN: Source = Source { name: "vit_attn", code: include_str!("vit_attn.cu") };
 
 /// Every source, for tools that want to compile them all up front.
-pub const ALL: [Source; 16] = [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, MLA_PREFILL, DSA, SAMPLE, VISION];
+pub const ALL: [Source; 17] =
+    [NORM, ACT, SOFTMAX, KDA, KDA_DECODE, KDA_GENERAL, ATTN_RES, COPY, MOE, MOE_MMA, GEMV, MLA, MLA_PREFILL, DSA, SAMPLE, VISION, VIT_ATTN];
 
 impl Source {
     /// The full text handed to NVRTC: [`COMMON`] followed by this file.
