@@ -32,10 +32,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   echo "=== k3 bench --op experts (CPU tiers) ==="
   $D/k3 bench --op experts 1 4 16 --model /tmp/k3r2x896 2>&1 || FAILS=$((FAILS + 1))
   # The host tier's thread scaling (2026-12-05: 2.9 GB/s per thread with 16 threads against
-  # 10.4 GB/s with 1 on the 2-core machine): batch 1 at 1, 2, 4, 8 threads, with the machine's
+  # 10.4 GB/s with 1 on the 2-core machine): batch 1 at 1, 2, 4, 8, 16 threads, with the machine's
   # core and thread layout.
   lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))"
-  for th in 1 2 4 8; do
+  for th in 1 2 4 8 16; do
     echo "--- --threads $th"
     $D/k3 bench --op experts 1 --threads $th --model /tmp/k3r2x896 2>&1 | grep -E "^ +1 " || FAILS=$((FAILS + 1))
   done
