@@ -10,9 +10,10 @@
 # then `bash scripts/gpu/spec_run.sh [test|bench|all]` on the device with .dev/spec.tar.xz carried
 # (the test executables find models/k3-nano through the path they were built in: link the
 # checkout there first, e.g. `mkdir -p /work && ln -s $PWD /work/cuda-src`).
-#   test:  cuda_verify (verify rows vs decode steps, rollback vs a cold prefill, mutant),
-#          cuda_spec (greedy speculative = plain greedy through the engine), cuda_moe and
-#          cuda_model (the MoE's path cut moved), cuda_dsa, cuda_kda,
+#   test:  cuda_verify (verify rows vs decode steps, rollback vs a cold prefill, mutant; a verify
+#          graph's replay = the same step run eagerly, bit for bit), cuda_spec (greedy
+#          speculative = plain greedy through the engine, verify graphs on and off), cuda_moe and
+#          cuda_model (the MoE's path cut moved), cuda_dsa, cuda_kda (incl. the capturable prefill),
 #          and cuda_prefix ${PREFIX_RUNS:-3} times (its DSA case failed 2 of 3 runs before the
 #          top-k fix).
 #   bench: `k3 bench --device cuda --speculative ngram,suffix` on the embedded k3-nano (workloads,

@@ -15,6 +15,7 @@
 //! bf16 tensor-core operands in the chunk form); head-dim-128 prefill state 5e-3 vs the f32
 //! recurrence; decode state and the general kernel's prefill state 1e-4 (f32 throughout); the
 //! conv state must match exactly.
+//! The capturable prefill (device tables) and its CUDA-graph replay equal `kda_prefill` bit for bit.
 //! Without a GPU every test prints `skipped: no CUDA driver (...)` and passes; with
 //! `K3_REQUIRE_CUDA=1` that case fails instead.
 #![cfg(feature = "cuda")]
@@ -463,6 +464,48 @@ fn decode_graph_follows_slots() {
         let (o_ref, conv_ref, s_ref, _) = cpu_reference(&p, false);
         check(&format!("graph decode hd={hd} out, slots [2, 0] then [1, 3]"), &got, &o_ref, TOL_OUT);
         check_pools(&format!("graph decode hd={hd}"), &p, &conv, &st, &conv_ref, &s_ref, TOL_F32_STATE);
+    }
+}
+
+/// The capturable prefill (`kda_prefill_tables`: the sequence tables on the device) equals
+/// `kda_prefill` bit for bit — output and both pools — eagerly, and replayed from a graph
+/// captured while its tables named other slots (rewritten before the replay).
+#[test]
+fn prefill_from_device_tables_and_graph_equal_host_tables() {
+    const T: &str = "kda prefill_from_device_tables_and_graph_equal_host_tables";
+    let Some(dev) = device(T) else { return };
+    let mut r = rng(T);
+    for hd in [128usize, 64] {
+        let (h, lens, slots) = (2usize, [5usize, 3], [3u32, 1]);
+        let p = Problem::new(&mut r, h, hd, &lens, &[3, 1], 5);
+        let (d, n) = (p.d(), 8);
+        let x = Gpu::new(&dev, &p, 0..n);
+        let tables = |sl: &[u32]| {
+            let t = kda::kda_tables(&lens, sl).expect("tables");
+            CudaTensor::from_pod(&dev, DType::I32, vec![t.len()], &t).expect("upload")
+        };
+        // (output, conv pool, state pool) bytes after `f` on fresh pools.
+        let run = |f: &dyn Fn(&CudaTensor, &CudaTensor, &CudaTensor)| -> Vec<Vec<u8>> {
+            let (conv, st) = p.pools(&dev);
+            let out = poisoned(&dev, DType::BF16, vec![n, d]);
+            f(&conv, &st, &out);
+            [out, conv, st].iter().map(|t| t.to_bytes().expect("download")).collect()
+        };
+        let host = run(&|c, s, o| kda::kda_prefill(&x.inputs(), &x.weights(), &lens, &slots, c, s, o, None).expect("kda_prefill"));
+        let device = run(&|c, s, o| kda::kda_prefill_tables(&x.inputs(), &x.weights(), &lens, &tables(&slots), c, s, o).expect("kda_prefill_tables"));
+        let graphed = run(&|c, s, o| {
+            let t = tables(&[0, 4]);
+            let graph = kda::capture(&dev, || kda::kda_prefill_tables(&x.inputs(), &x.weights(), &lens, &t, c, s, o)).expect("capture");
+            t.write_bytes(bytemuck::cast_slice(&kda::kda_tables(&lens, &slots).expect("tables"))).expect("rewrite");
+            graph.launch().expect("replay");
+            dev.synchronize().expect("sync");
+        });
+        for (what, got) in [("device tables", &device), ("graph replay", &graphed)] {
+            for (i, name) in ["output", "conv pool", "state pool"].iter().enumerate() {
+                assert!(got[i] == host[i], "hd={hd}, {what}: the {name} differs from kda_prefill's");
+            }
+        }
+        say(&format!("  hd={hd} lens={lens:?} slots {slots:?}: device tables and a graph captured with slots [0, 4] = kda_prefill, bit for bit"));
     }
 }
 

@@ -6,6 +6,7 @@
 //! is made on its first step, as the CPU worker does; rank 0 alone decides admission). Every
 //! rank decides graph or eager, and captures, from the step alone (a decode step without own
 //! rows, its batch size seen before or not), so all ranks make the same collective calls.
+//! Speculative verify steps (one rank) replay graphs per (batch, rows per sequence): `gpu/verify.rs`.
 //! With the `cuda` feature off, [`GpuRunner`] and [`GpuSeq`] are uninhabited types, so the
 //! scheduler in `engine` has one code path and no `cfg` branches.
 //!
@@ -15,45 +16,25 @@
 //! (which would fail every sequence of the batch), and a request that could never fit is refused
 //! when it is added.
 
-/// Pages of the GPU cache promised to admitted sequences (pure accounting, no device).
-#[derive(Clone, Debug)]
-pub struct CacheBudget {
-    page: usize,
-    total: usize,
-    reserved: usize,
+mod budget;
+pub use budget::CacheBudget;
+
+/// How a GPU runner's speculative verify steps ran (`gpu/verify.rs`); shared, so it can be read
+/// while an engine owns the runner.
+#[derive(Debug, Default)]
+pub struct VerifyStats {
+    /// Steps replayed from a verify graph.
+    pub replayed: std::sync::atomic::AtomicU64,
+    /// Steps run eagerly.
+    pub eager: std::sync::atomic::AtomicU64,
+    /// Verify graphs captured.
+    pub captured: std::sync::atomic::AtomicU64,
 }
 
-impl CacheBudget {
-    /// A cache of `tokens` tokens in pages of `page` tokens.
-    pub fn new(tokens: usize, page: usize) -> Self {
-        let page = page.max(1);
-        CacheBudget { page, total: tokens.div_ceil(page), reserved: 0 }
-    }
-    /// Pages a sequence of `tokens` tokens needs.
-    pub fn pages_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.page)
-    }
-    /// Whether a sequence of `tokens` tokens fits in the empty cache.
-    pub fn fits_ever(&self, tokens: usize) -> bool {
-        self.pages_for(tokens) <= self.total
-    }
-    /// Reserves room for `tokens` tokens; the pages reserved, or `None` when they are not free now.
-    pub fn try_reserve(&mut self, tokens: usize) -> Option<usize> {
-        let p = self.pages_for(tokens);
-        (self.reserved + p <= self.total).then(|| {
-            self.reserved += p;
-            p
-        })
-    }
-    /// Returns a finished sequence's reservation.
-    pub fn release(&mut self, pages: usize) {
-        self.reserved = self.reserved.saturating_sub(pages);
-    }
-    /// Capacity in tokens.
-    pub fn tokens(&self) -> usize {
-        self.total * self.page
-    }
-}
+#[cfg(feature = "cuda")]
+mod verify;
+#[cfg(feature = "cuda")]
+pub use verify::MAX_GRAPHS as MAX_VERIFY_GRAPHS;
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -77,8 +58,8 @@ mod imp {
 
     /// One sequence's place in the GPU pools and its cache reservation.
     pub struct GpuSeq {
-        state: CudaSeqState,
-        pages: usize,
+        pub(in crate::gpu) state: CudaSeqState,
+        pub(in crate::gpu) pages: usize,
     }
 
     pub struct GpuRunner {
@@ -89,13 +70,16 @@ mod imp {
         /// Rank 0 of a pipeline layout: the held decode graphs (its stage only, `pipe.rs` of the
         /// GPU model), by batch size. Dropped before `model` too.
         held_graphs: HashMap<usize, DecodeGraph>,
+        /// Verify steps' graphs, by (batch, rows per sequence) (`gpu/verify.rs`). Dropped before
+        /// `model` too.
+        pub(in crate::gpu) verify_graphs: super::verify::VerifyGraphs,
         pub model: CudaModel,
         /// Replay decode steps from CUDA graphs (one captured per batch size on first use).
         pub use_graphs: bool,
         budget: CacheBudget,
         /// The embedding table on the host (a view of the map), for steps with their own rows.
         embedder: Model,
-        seqs: HashMap<SeqId, GpuSeq>,
+        pub(in crate::gpu) seqs: HashMap<SeqId, GpuSeq>,
         /// A rank ≠ 0: sequences get their state on first sight (rank 0 admitted them).
         on_sight: bool,
         /// Pipelined steps (rank 0 of a pipeline layout): the last submitted step, computed and
@@ -104,9 +88,10 @@ mod imp {
         flight: VecDeque<Slot>,
         /// Samples on the device from the step's logits (`Runner::forward_sample`).
         sampler: DeviceSampler,
-        /// Rollbacks of the last verify step not applied yet (sequence, rows dropped): applied
-        /// together, one replay per KDA layer, before the next thing that touches the states.
-        rollbacks: Vec<(SeqId, usize)>,
+        /// Rollbacks of the last verify step not applied yet (sequence, rows dropped; 0 for a
+        /// sequence whose padding rows in a verify graph must be undone): applied together, one
+        /// replay per KDA layer, before the next thing that touches the states.
+        pub(in crate::gpu) rollbacks: Vec<(SeqId, usize)>,
     }
 
     /// A submitted step's logits: still to come from the last stage (its rows), or received
@@ -121,6 +106,7 @@ mod imp {
             k3_core::trace(|| format!("GPU runner: dropping {} decode graph(s), then the model and its communicators", self.graphs.len()));
             self.graphs.clear();
             self.held_graphs.clear();
+            self.verify_graphs.clear();
         }
     }
 
@@ -133,6 +119,7 @@ mod imp {
                 use_graphs,
                 graphs: HashMap::new(),
                 held_graphs: HashMap::new(),
+                verify_graphs: super::verify::VerifyGraphs::new(),
                 budget,
                 embedder,
                 seqs: HashMap::new(),
@@ -238,28 +225,10 @@ mod imp {
             Ok(())
         }
 
-        /// Applies the pending rollbacks (see `rollbacks`); the last verify step is then
-        /// forgotten, as the states move on.
-        fn settle(&mut self) -> Result<()> {
-            if self.rollbacks.is_empty() {
-                self.model.end_verify();
-                return Ok(());
-            }
-            let pending = std::mem::take(&mut self.rollbacks);
-            let mut taken: Vec<(SeqId, GpuSeq, usize)> = pending.iter().filter_map(|&(id, d)| self.seqs.remove(&id).map(|s| (id, s, d))).collect();
-            let out = {
-                let mut refs: Vec<(&mut CudaSeqState, usize)> = taken.iter_mut().map(|(_, s, d)| (&mut s.state, *d)).collect();
-                self.model.rollback(&mut refs)
-            };
-            self.seqs.extend(taken.into_iter().map(|(id, s, _)| (id, s)));
-            self.model.end_verify();
-            Ok(out?)
-        }
-
         /// A step's sequences taken out of the map (their states made on first sight on a
         /// rank ≠ 0), its token ids, lengths and own rows, after dropping the released states
         /// and applying the pending rollbacks. `all_rows`: a verify step (every row's logits).
-        fn take_step(&mut self, step: &Step, all_rows: bool) -> Result<Taken> {
+        pub(in crate::gpu) fn take_step(&mut self, step: &Step, all_rows: bool) -> Result<Taken> {
             for &id in &step.released {
                 self.release(id);
             }
@@ -317,11 +286,11 @@ mod imp {
     }
 
     /// [`GpuRunner::take_step`]'s parts of a step.
-    struct Taken {
-        tokens: Vec<u32>,
-        lens: Vec<usize>,
-        emb: Option<Vec<f32>>,
-        seqs: Vec<(SeqId, GpuSeq)>,
+    pub(in crate::gpu) struct Taken {
+        pub tokens: Vec<u32>,
+        pub lens: Vec<usize>,
+        pub emb: Option<Vec<f32>>,
+        pub seqs: Vec<(SeqId, GpuSeq)>,
     }
 
     impl Runner for GpuRunner {
@@ -448,23 +417,20 @@ mod imp {
                 return Err(EngineError::Internal(format!("a verify step while {} submitted step(s) are not collected", self.flight.len())));
             }
             let mut t = self.take_step(&step, true)?;
-            let out = {
-                let mut seqs: Vec<&mut CudaSeqState> = t.seqs.iter_mut().map(|(_, g)| &mut g.state).collect();
-                let input = match &t.emb {
-                    Some(e) => Input::Embeds(e),
-                    None => Input::Tokens(&t.tokens),
-                };
-                self.model.forward_verify(input, &t.lens, &mut seqs)
-            };
+            let out = self.verify_taken(&mut t);
             self.seqs.extend(t.seqs);
-            Ok(out?)
+            out
         }
         fn rollback(&mut self, id: SeqId, drop: usize) -> Result<()> {
             if !self.seqs.contains_key(&id) {
                 return Err(EngineError::UnknownSeq(id));
             }
             if drop > 0 {
-                self.rollbacks.push((id, drop));
+                // One entry per sequence: a verify graph's padding entry (drop 0) is replaced.
+                match self.rollbacks.iter_mut().find(|r| r.0 == id) {
+                    Some(r) => r.1 = drop,
+                    None => self.rollbacks.push((id, drop)),
+                }
             }
             Ok(())
         }
@@ -552,6 +518,15 @@ mod imp {
     /// Uninhabited without the `cuda` feature: no value exists, so no method ever runs.
     pub enum GpuRunner {}
 
+    impl GpuRunner {
+        pub fn set_verify_graphs(&mut self, _: bool) {
+            match *self {}
+        }
+        pub fn verify_stats(&self) -> std::sync::Arc<super::VerifyStats> {
+            match *self {}
+        }
+    }
+
     impl Runner for GpuRunner {
         fn config(&self) -> &Config {
             match *self {}
@@ -588,23 +563,3 @@ mod imp {
 #[cfg(feature = "cuda")]
 pub use imp::precision;
 pub use imp::{load_gpu, GpuRunner, GpuSeq};
-
-#[cfg(test)]
-mod tests {
-    use super::CacheBudget;
-
-    #[test]
-    fn cache_budget_reserves_whole_pages_and_releases() {
-        let mut b = CacheBudget::new(640, 64); // 10 pages
-        assert_eq!(b.pages_for(1), 1);
-        assert_eq!(b.pages_for(64), 1);
-        assert_eq!(b.pages_for(65), 2);
-        assert!(b.fits_ever(640) && !b.fits_ever(641));
-        assert_eq!(b.try_reserve(300), Some(5));
-        assert_eq!(b.try_reserve(300), Some(5));
-        assert_eq!(b.try_reserve(1), None, "the cache is fully promised");
-        b.release(5);
-        assert_eq!(b.try_reserve(320), Some(5));
-        assert_eq!(b.tokens(), 640);
-    }
-}

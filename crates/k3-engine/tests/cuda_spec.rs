@@ -1,9 +1,12 @@
 //! Speculative decoding through the engine on the GPU runner (issue 22): greedy with drafts emits
 //! plain greedy decoding's tokens.
 //!
-//! The GPU runner verifies drafts in one eager forward and rolls its KDA states back by
-//! checkpoint + replay (`k3_model::cuda` `verify.rs`; the row-level checks are k3-model's
-//! `tests/cuda_verify.rs`). A verify row agrees with a decode step to BF16 rounding, not bit for
+//! The GPU runner verifies drafts in one forward replayed from a CUDA graph per (batch, rows)
+//! (`gpu/verify.rs`; eager with the switch off) and rolls its KDA states back by checkpoint +
+//! replay (`k3_model::cuda` `verify.rs`, `graph.rs`; the row-level checks are k3-model's
+//! `tests/cuda_verify.rs`). Every speculative run asserts how its verify steps ran: replayed
+//! from graphs (the default), or all eager (the replay-proposer run repeated with
+//! `set_verify_graphs(false)`). A verify row agrees with a decode step to BF16 rounding, not bit for
 //! bit, so two greedy runs may part at a near-tie: each speculative run must emit the plain run's
 //! tokens up to the first difference, and there the plain run's token and runner-up (both runs on
 //! fresh server-style runners: CUDA graphs, sampling on the device, top-2 logprobs) must lie within
@@ -25,13 +28,14 @@ mod replay;
 use cuda::{device, say};
 use k3_engine::dist::runner::Runner;
 use k3_engine::engine::ProposerFactory;
-use k3_engine::gpu::load_gpu;
+use k3_engine::gpu::{load_gpu, GpuRunner};
 use k3_engine::spec::{SpecConfig, SpecMethod, SpecStats};
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
 use k3_model::capacity::KvDtype;
 use k3_model::Checkpoint;
 use random_model::random;
 use serde_json::json;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// The seed of the random checkpoints.
 const SEED: u64 = 22;
@@ -100,7 +104,8 @@ fn same_up_to_tie(got: &[u32], plain: &Out, tie: f32, what: &str) -> Result<(), 
 
 fn check(name: &str, ck: &Checkpoint) {
     // Every run on a fresh runner as the server makes it (CUDA graphs, sampling on the device).
-    let load = || -> Box<dyn Runner> { Box::new(load_gpu(ck, 0, 8, 8192, KvDtype::Bf16, true, false, &Default::default()).expect("load on the GPU")) };
+    let runner = || -> GpuRunner { load_gpu(ck, 0, 8, 8192, KvDtype::Bf16, true, false, &Default::default()).expect("load on the GPU") };
+    let load = || -> Box<dyn Runner> { Box::new(runner()) };
     let vocab = ck.config.text.vocab_size as u32;
     let ps = prompts(vocab);
     let (plain, _) = drive(load(), EngineConfig::default(), &ps, None);
@@ -121,18 +126,33 @@ fn check(name: &str, ck: &Checkpoint) {
     say(&format!("  {name}: plain run-to-run logprob noise {noise:.2e}, near-tie bound {tie:.3}"));
     let replay = replay::replay(ps.iter().cloned().zip(plain.iter().map(|o| o.tokens.clone())).collect(), vocab);
     let mut errors = Vec::new();
+    // (method, k, replay proposer, verify graphs)
     let runs = [
-        (SpecMethod::Ngram, 1, false),
-        (SpecMethod::Ngram, 3, false),
-        (SpecMethod::Ngram, 8, false),
-        (SpecMethod::Suffix, 4, false),
-        (SpecMethod::Ngram, 4, true),
+        (SpecMethod::Ngram, 1, false, true),
+        (SpecMethod::Ngram, 3, false, true),
+        (SpecMethod::Ngram, 8, false, true),
+        (SpecMethod::Suffix, 4, false, true),
+        (SpecMethod::Ngram, 4, true, true),
+        (SpecMethod::Ngram, 4, true, false),
     ];
-    for (method, k, rp) in runs {
+    for (method, k, rp, graphs) in runs {
         let cfg = EngineConfig { spec: SpecConfig { method, num_tokens: k, adaptive: true }, ..Default::default() };
-        let (got, st) = drive(load(), cfg, &ps, rp.then(|| replay.clone()));
-        let what = format!("{name}, {method:?} k={k}{}", if rp { " (replay proposer)" } else { "" });
-        say(&format!("  {what}: drafted {}, accepted {}, {:.2} tokens per sequence step", st.drafted, st.accepted, st.accepted_per_step()));
+        let mut r = runner();
+        r.set_verify_graphs(graphs);
+        let stats = r.verify_stats();
+        let (got, st) = drive(Box::new(r), cfg, &ps, rp.then(|| replay.clone()));
+        let what = format!("{name}, {method:?} k={k}{}{}", if rp { " (replay proposer)" } else { "" }, if graphs { "" } else { ", eager verify" });
+        let (replayed, eager, captured) = (stats.replayed.load(Relaxed), stats.eager.load(Relaxed), stats.captured.load(Relaxed));
+        say(&format!(
+            "  {what}: drafted {}, accepted {}, {:.2} tokens per sequence step; verify steps: {replayed} replayed from {captured} graphs, {eager} eager",
+            st.drafted,
+            st.accepted,
+            st.accepted_per_step()
+        ));
+        if st.drafted > 0 {
+            let ok = if graphs { replayed > 0 && captured > 0 } else { replayed == 0 && eager > 0 };
+            errors.extend((!ok).then(|| format!("{what}: {replayed} verify steps replayed, {eager} eager")));
+        }
         for (i, g) in got.iter().enumerate() {
             errors.extend(same_up_to_tie(&g.tokens, &plain[i], tie, &format!("{what}, request {i}")).err());
         }

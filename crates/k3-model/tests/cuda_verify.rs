@@ -11,6 +11,15 @@
 //!   truncated the latent caches would do) must land far outside the bound, so the check can fail;
 //! - the errors: a rollback without a verify, twice, or of every row.
 //!
+//! Captured verify steps (`graph.rs`, a graph of 2 sequences × 5 rows) in three rounds — rows
+//! [5, 5], [5, 2] and [1, 3], so sequences are padded, rolled back by [2, 0], [1, 0], [0, 2] —
+//! against three twins primed alike: the same step run eagerly (`VerifyRun::Eager`: every
+//! logits row, every position and the next token after the rounds bit for bit), the plain eager
+//! verify (`forward_verify`, rows within the bound: padding and table width change the GEMM
+//! shapes and the attention splits), and a cold prefill of each sequence's kept tokens (the next
+//! token within the bound: the padding rows were undone). A step above the MoE's capturable cut
+//! is refused with the reason.
+//!
 //! Models: random K3-layout checkpoints with every expert routed (KDA head dim 32; BF16 and FP8
 //! caches; K3.1 with DSA, indexer top-64 of ~300 keys) and k3-nano (trained; its GPU forward differs from run
 //! to run by up to ~7e-3 per row). Bounds: 2e-2 (BF16 caches), 4e-2 (FP8): a verify row comes
@@ -29,7 +38,7 @@ mod random_model;
 
 use cuda::{device, say};
 use k3_model::capacity::KvDtype;
-use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input};
+use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input, VerifyRun};
 use k3_model::Checkpoint;
 use random_model::random;
 use serde_json::json;
@@ -134,4 +143,92 @@ fn verify_rows_and_rollback_equal_plain_paths() {
     check("tiny, fp8 caches", &random(dir.path(), "tiny", SEED, &[]), KvDtype::Fp8, 4e-2);
     check("tiny_dsa, indexer top-64", &random(dir.path(), "tiny_dsa", SEED, &[("dsa_config.index_topk", json!(64))]), KvDtype::Bf16, 2e-2);
     check("k3-nano, bf16 caches", &nano, KvDtype::Bf16, 2e-2);
+}
+
+/// The bits of logits rows.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn check_graph(name: &str, ck: &Checkpoint, bound: f64) {
+    const B: usize = 2;
+    const T: usize = 5;
+    let dev = device("cuda_verify graph").unwrap();
+    let mut m = CudaModel::load(ck, &dev, CacheConfig { max_seqs: 8, max_tokens: 8192, kv_cache_dtype: KvDtype::Bf16 }).unwrap();
+    let vocab = m.config.text.vocab_size;
+    let v = vocab as u32;
+    let prompts: Vec<Vec<u32>> =
+        [PROMPT, PROMPT - 37].iter().enumerate().map(|(i, &n)| (0..n as u32).map(|j| (j * 7919 + 13 + i as u32) % v).collect()).collect();
+    let g = m.capture_verify(B, T, 2048).unwrap();
+    assert_eq!((g.batch(), g.rows()), (B, T));
+    // Replayed, the graph's step run eagerly, the plain eager verify: three twins.
+    let mut sets: Vec<Vec<CudaSeqState>> = (0..3).map(|_| prompts.iter().map(|p| primed(&mut m, p)).collect()).collect();
+    let mut kept: Vec<Vec<u32>> = vec![Vec::new(); B];
+    let rounds: [([usize; B], [usize; B]); 3] = [([5, 5], [2, 0]), ([5, 2], [1, 0]), ([1, 3], [0, 2])];
+    for (r, (lens, drops)) in rounds.iter().enumerate() {
+        let toks: Vec<u32> = (0..lens.iter().sum::<usize>() as u32).map(|i| (i * 104_729 + 5 + 977 * r as u32) % v).collect();
+        let mut out = Vec::new();
+        for (i, set) in sets.iter_mut().enumerate() {
+            let mut refs: Vec<&mut CudaSeqState> = set.iter_mut().collect();
+            out.push(match i {
+                0 => m.verify_step(&g, &toks, lens, &mut refs, VerifyRun::Replay).unwrap(),
+                1 => m.verify_step(&g, &toks, lens, &mut refs, VerifyRun::Eager).unwrap(),
+                _ => m.forward_verify(Input::Tokens(&toks), lens, &mut refs).unwrap(),
+            });
+            let mut back: Vec<(&mut CudaSeqState, usize)> = set.iter_mut().zip(drops).map(|(s, &d)| (s, d)).collect();
+            m.rollback(&mut back).unwrap();
+        }
+        assert_eq!(out[0].len(), lens.iter().sum::<usize>() * vocab, "{name}, round {r}: the sequences' own rows only");
+        let same = bits(&out[0]) == bits(&out[1]);
+        let d = max_rel(&out[0], &out[2], vocab);
+        say(&format!(
+            "  {name}, round {r}, rows {lens:?}, drops {drops:?}: replay = eager graph step bit for bit: {same}; vs forward_verify {d:.2e} (bound {bound:.0e})"
+        ));
+        assert!(same, "{name}, round {r}: the replayed verify step differs from the same step run eagerly");
+        assert!(d <= bound, "{name}, round {r}: the graph's rows stand {d:.2e} from forward_verify's");
+        let pos: Vec<Vec<usize>> = sets.iter().map(|set| set.iter().map(|s| s.pos).collect()).collect();
+        assert!(pos[0] == pos[1] && pos[0] == pos[2], "{name}, round {r}: positions differ: {pos:?}");
+        let mut at = 0;
+        for (i, (&n, &d)) in lens.iter().zip(drops).enumerate() {
+            kept[i].extend_from_slice(&toks[at..at + n - d]);
+            at += n;
+        }
+    }
+    // The next token: replayed vs eager graph step bit for bit, vs a cold prefill of the kept tokens within the bound.
+    let next = [(v / 3) | 1];
+    for i in 0..B {
+        assert_eq!(sets[0][i].pos, prompts[i].len() + kept[i].len(), "{name}, sequence {i}: position after the rounds");
+        let after: Vec<Vec<f32>> = sets.iter_mut().map(|set| m.forward(&next, &mut set[i], true).unwrap()).collect();
+        let mut c = primed(&mut m, &prompts[i]);
+        m.forward(&kept[i], &mut c, false).unwrap();
+        let cold = m.forward(&next, &mut c, true).unwrap();
+        let (a, p) = (rel(&after[0], &cold), rel(&after[2], &cold));
+        say(&format!(
+            "  {name}, sequence {i} ({} kept tokens): next token after the rounds vs a cold prefill {a:.2e} (forward_verify's {p:.2e})",
+            kept[i].len()
+        ));
+        assert_eq!(bits(&after[0]), bits(&after[1]), "{name}, sequence {i}: the next token after replayed and eager graph steps differs");
+        assert!(a <= bound, "{name}, sequence {i}: the state after the graph's steps is not the kept tokens' ({a:.2e} > {bound:.0e})");
+        m.release(c);
+    }
+    for s in sets.into_iter().flatten() {
+        m.release(s);
+    }
+    // Above the MoE's capturable cut: refused, naming the reason.
+    let t = &m.config.text;
+    let cut = k3_core::cuda::moe::mma_max_tokens(t.num_experts, t.num_experts_per_token);
+    let (rows, batch) = (k3_core::cuda::mla::PAGE, cut / k3_core::cuda::mla::PAGE + 1);
+    let why = m.verify_capturable(batch, rows).unwrap_err();
+    assert!(why.contains("MoE"), "{batch} × {rows} rows, cut {cut}: {why}");
+    assert!(m.capture_verify(batch, rows, 2048).is_err());
+}
+
+#[test]
+fn verify_graph_replays_equal_the_eager_step() {
+    let Some(_) = device("verify_graph_replays_equal_the_eager_step") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let nano = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
+    check_graph("tiny", &random(dir.path(), "tiny", SEED, &[]), 2e-2);
+    check_graph("tiny_dsa, indexer top-64", &random(dir.path(), "tiny_dsa", SEED, &[("dsa_config.index_topk", json!(64))]), 2e-2);
+    check_graph("k3-nano", &Checkpoint::open(&nano).unwrap(), 2e-2);
 }

@@ -12,13 +12,17 @@
 //! after the first token, drafting and rollback included), tokens per decode step, draft
 //! acceptance, acceptance at each draft position, and whether the tokens equal plain greedy
 //! decoding's (they must on the CPU; on the GPU, whose rows are not bit-reproducible, they may
-//! part at a near-tie). With `--device cuda` the engines run on the GPU runner (CUDA graphs,
-//! verify steps eager), and the step costs are `bench_spec_cuda.rs`'s, at `--batches`.
+//! part at a near-tie). With `--device cuda` the engines run on the GPU runner (CUDA graphs),
+//! each method twice: verify steps replayed from CUDA graphs (the default; how many were
+//! replayed and how many ran eagerly is printed) and eagerly (`METHOD/eager`, the A/B in one
+//! process); the step costs are `bench_spec_cuda.rs`'s, at `--batches`.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use k3_engine::gpu::VerifyStats;
 use k3_engine::spec::draft::DraftSpec;
 use k3_engine::{Engine, EngineConfig, Request, SamplingParams, SpecConfig, SpecStats};
 use k3_model::{Checkpoint, Model};
@@ -78,19 +82,27 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
         }
         Err(e) => return Err(e),
     };
-    let engine = |spec: SpecConfig| -> Result<Engine> {
+    // An engine, and on the GPU its runner's verify counters (`graphs`: verify steps captured).
+    let engine = |spec: SpecConfig, graphs: bool| -> Result<(Engine, Option<Arc<VerifyStats>>)> {
         let cfg = EngineConfig { max_batch: 1, spec, draft: draft.clone(), ..Default::default() };
         Ok(match &model {
-            Some(m) => Engine::new(m.clone(), tok.clone(), cfg),
+            Some(m) => (Engine::new(m.clone(), tok.clone(), cfg), None),
             None => {
-                let r = k3_engine::gpu::load_gpu(&ck, 0, 4, 16384, k3_model::capacity::KvDtype::Bf16, true, false, &Default::default())?;
-                Engine::with_runner(Box::new(r), tok.clone(), cfg)
+                let mut r = k3_engine::gpu::load_gpu(&ck, 0, 4, 16384, k3_model::capacity::KvDtype::Bf16, true, false, &Default::default())?;
+                r.set_verify_graphs(graphs);
+                let stats = r.verify_stats();
+                (Engine::with_runner(Box::new(r), tok.clone(), cfg), Some(stats))
             }
         })
     };
-    let mut list = vec![SpecConfig::default()];
+    // (method, verify graphs): on the GPU each method also with eager verify steps.
+    let mut list = vec![(SpecConfig::default(), true)];
     for m in methods.split(',').filter(|m| !m.is_empty()) {
-        list.push(SpecConfig::from_flags(m, a.run.num_speculative_tokens)?);
+        let sc = SpecConfig::from_flags(m, a.run.num_speculative_tokens)?;
+        list.push((sc, true));
+        if cuda && sc.enabled() {
+            list.push((sc, false));
+        }
     }
     if list.len() < 2 {
         bail!("--speculative: give the methods to compare, e.g. ngram,suffix");
@@ -101,11 +113,11 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
     for &w in workloads {
         let tok = tok.as_deref().context("a workload without a tokenizer")?;
         let mut plain: Option<Vec<Vec<u32>>> = None;
-        // (tokens/s per round, stats, identical to plain)
-        let mut acc: Vec<(Vec<f64>, SpecStats, bool)> = vec![(Vec::new(), SpecStats::default(), true); list.len()];
+        // (tokens/s per round, stats, identical to plain, verify steps replayed and eager)
+        let mut acc: Vec<(Vec<f64>, SpecStats, bool, [u64; 2])> = vec![(Vec::new(), SpecStats::default(), true, [0; 2]); list.len()];
         for _round in 0..2 {
-            for (i, sc) in list.iter().enumerate() {
-                let mut e = engine(*sc)?;
+            for (i, &(sc, graphs)) in list.iter().enumerate() {
+                let (mut e, vs) = engine(sc, graphs)?;
                 if let Err(why) = e.speculating() {
                     bail!("--speculative {}: {why}", format!("{:?}", sc.method).to_lowercase());
                 }
@@ -116,21 +128,33 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
                 }
                 acc[i].0.push(n as f64 / secs.max(1e-9));
                 acc[i].1.add(&st);
+                if let Some(v) = vs {
+                    acc[i].3[0] += v.replayed.load(Relaxed);
+                    acc[i].3[1] += v.eager.load(Relaxed);
+                }
             }
         }
-        for (sc, (tps, st, same)) in list.iter().zip(acc) {
-            let m = if sc.enabled() { format!("{:?}", sc.method).to_lowercase() } else { "off".into() };
+        for (&(sc, graphs), (tps, st, same, [replayed, eager])) in list.iter().zip(acc) {
+            let mut m = if sc.enabled() { format!("{:?}", sc.method).to_lowercase() } else { "off".into() };
+            if !graphs {
+                m.push_str("/eager");
+            }
+            let verify = match cuda && sc.enabled() {
+                true => format!(" | verify steps: {replayed} from graphs, {eager} eager"),
+                false => String::new(),
+            };
             let per_pos: Vec<f64> = st.per_position.iter().map(|p| if p[0] == 0 { 0.0 } else { p[1] as f64 / p[0] as f64 }).collect();
             let mean = tps.iter().sum::<f64>() / tps.len() as f64;
             report.push(serde_json::json!({
                 "workload": w, "method": m, "decode_tokens_per_s": mean, "rounds_tokens_per_s": tps,
                 "accepted_per_step": if sc.enabled() { st.accepted_per_step() } else { 1.0 },
                 "draft_acceptance": st.draft_acceptance(), "acceptance_per_position": per_pos, "identical_to_plain": same,
+                "verify_steps_replayed": replayed, "verify_steps_eager": eager,
             }));
             if !a.json {
                 let rounds: Vec<String> = tps.iter().map(|x| format!("{x:.1}")).collect();
                 println!(
-                    "{w:6} {m:7} decode {mean:7.1} tok/s (rounds {}) | {:.2} tokens/step | acceptance {:.1}% | per position {:?} | identical to plain: {same}",
+                    "{w:6} {m:7} decode {mean:7.1} tok/s (rounds {}) | {:.2} tokens/step | acceptance {:.1}% | per position {:?} | identical to plain: {same}{verify}",
                     rounds.join(", "),
                     if sc.enabled() { st.accepted_per_step() } else { 1.0 },
                     100.0 * st.draft_acceptance(),

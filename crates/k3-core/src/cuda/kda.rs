@@ -1,6 +1,8 @@
 //! Launchers for the CUDA KDA kernels (text-backbone §3.2–3.8): [`kda_prefill`] (variable-length
-//! packed sequences, fused from the raw projections to the gated, normed output) and
-//! [`kda_decode`] (one token per sequence, state updated in place). Any number of heads; head
+//! packed sequences, fused from the raw projections to the gated, normed output; its CUDA-graph
+//! capturable form [`kda_prefill_tables`] reads the sequence tables from a device tensor the
+//! caller fills from [`kda_tables`]) and [`kda_decode`] (one token per sequence, state updated
+//! in place). Any number of heads; head
 //! dim `hd = D / H` from 1 to 128, taken from the shapes. Head dim 128 (K3's) runs the
 //! fast kernels (`kernels/cuda/kda.cu`: chunked prefill, chunk 64; `kda_decode.cu`); the other
 //! head dims run `kda_general.cu`, the recurrent form token by token, one block per
@@ -160,21 +162,39 @@ fn check_slots(slots: &[u32], b: usize, nslots: usize) -> Result<()> {
     Ok(())
 }
 
-/// Uploads `[i32; 4]` records as raw bytes.
-fn upload_table(dev: &CudaDevice, rows: &[[i32; 4]]) -> Result<CudaTensor> {
-    let flat: Vec<i32> = rows.iter().flatten().copied().collect();
-    CudaTensor::from_pod(dev, DType::U8, vec![flat.len() * 4], &flat)
-}
-
 fn i32_of(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| bad(format!("{what} = {x} exceeds i32")))
+}
+
+/// The sequence and chunk tables of a prefill over `lens` with pool slots `slots`, as I32
+/// records of 4: per sequence `{tok0, len, first chunk, slot}`, then per 64-token chunk
+/// `{tok, n, slot, pos}` (sequence by sequence). The host contents of the `tables` tensor of
+/// [`kda_prefill_tables`]; [`kda_prefill`] uploads the same records itself.
+pub fn kda_tables(lens: &[usize], slots: &[u32]) -> Result<Vec<i32>> {
+    if slots.len() != lens.len() {
+        return Err(bad(format!("slots: {} entries for {} sequences", slots.len(), lens.len())));
+    }
+    let mut seqs = Vec::with_capacity(4 * lens.len());
+    let mut chunks = Vec::with_capacity(4 * num_chunks(lens));
+    let (mut tok, mut chunk0) = (0usize, 0usize);
+    for (&l, &slot) in lens.iter().zip(slots) {
+        let slot = i32_of(slot as usize, "slot")?;
+        seqs.extend([i32_of(tok, "token offset")?, i32_of(l, "length")?, i32_of(chunk0, "chunk")?, slot]);
+        for c in 0..l.div_ceil(CHUNK) {
+            chunks.extend([i32_of(tok + c * CHUNK, "token")?, i32_of((l - c * CHUNK).min(CHUNK), "n")?, slot, i32_of(c * CHUNK, "pos")?]);
+        }
+        chunk0 += l.div_ceil(CHUNK);
+        tok += l;
+    }
+    seqs.extend(chunks);
+    Ok(seqs)
 }
 
 /// Prefill over the packed sequences of lengths `lens` (Σ lens = N rows of every input);
 /// sequence `b` uses pool slot `slots[b]` (host values: checked to be below `S` and distinct).
 /// Updates those slots of `conv_state` and `state` in place, writes `out`, and, when given, the
 /// state after every 64-token chunk into `chunk_states`. Not capturable (uploads the sequence
-/// tables from the host).
+/// tables from the host; [`kda_prefill_tables`] is the capturable form).
 pub fn kda_prefill(
     inp: &KdaInputs,
     w: &KdaWeights,
@@ -185,7 +205,33 @@ pub fn kda_prefill(
     out: &CudaTensor,
     chunk_states: Option<&CudaTensor>,
 ) -> Result<()> {
-    prefill(inp, w, lens, slots, conv_state, state, out, chunk_states, None)
+    prefill(inp, w, lens, Tables::Host(slots), conv_state, state, out, chunk_states, None)
+}
+
+/// [`kda_prefill`] reading its sequence tables from `tables`, I32 `[4 · (B + num_chunks(lens))]`
+/// holding [`kda_tables`]`(lens, slots)`, which the caller writes before the call (or before a
+/// graph replay): CUDA-graph capturable. `lens` (host) fixes the grids and the workspace, so a
+/// graph serves one `lens`; the slots in the tables may change from replay to replay. They are
+/// not checked here: the caller passes distinct slots below `S` (as for [`kda_decode`]).
+pub fn kda_prefill_tables(
+    inp: &KdaInputs,
+    w: &KdaWeights,
+    lens: &[usize],
+    tables: &CudaTensor,
+    conv_state: &CudaTensor,
+    state: &CudaTensor,
+    out: &CudaTensor,
+) -> Result<()> {
+    prefill(inp, w, lens, Tables::Device(tables), conv_state, state, out, None, None)
+}
+
+/// Where a prefill's sequence tables come from.
+#[derive(Clone, Copy)]
+enum Tables<'a> {
+    /// Host slots: checked, the tables built and uploaded per call.
+    Host(&'a [u32]),
+    /// A device tensor of [`kda_tables`] records.
+    Device(&'a CudaTensor),
 }
 
 /// [`kda_prefill`] with events around its kernels; returns (prep ms, scan ms) at head dim 128,
@@ -202,7 +248,7 @@ pub fn kda_prefill_profiled(
 ) -> Result<(f32, f32)> {
     let dev = inp.q.cuda_device();
     let ev = [dev.new_event(true)?, dev.new_event(true)?, dev.new_event(true)?];
-    prefill(inp, w, lens, slots, conv_state, state, out, chunk_states, Some(&ev))?;
+    prefill(inp, w, lens, Tables::Host(slots), conv_state, state, out, chunk_states, Some(&ev))?;
     ev[2].synchronize()?;
     Ok((ev[0].elapsed_ms(&ev[1])?, ev[1].elapsed_ms(&ev[2])?))
 }
@@ -211,7 +257,7 @@ fn prefill(
     inp: &KdaInputs,
     w: &KdaWeights,
     lens: &[usize],
-    slots: &[u32],
+    tables: Tables<'_>,
     conv_state: &CudaTensor,
     state: &CudaTensor,
     out: &CudaTensor,
@@ -221,53 +267,54 @@ fn prefill(
     let n: usize = lens.iter().sum();
     let nb = lens.len();
     let dm = check(inp, w, n, nb, conv_state, state, out)?;
-    check_slots(slots, nb, dm.nslots)?;
     let (h, hd) = (dm.h, dm.hd);
     let dev = inp.q.cuda_device().clone();
     let nc = num_chunks(lens);
     if let Some(cs) = chunk_states {
         expect(cs, &dev, DType::F32, &[nc, h, hd, hd], "chunk_states")?;
     }
+    // The tables: uploaded here from checked host slots, or the caller's device tensor.
+    let uploaded = match tables {
+        Tables::Host(slots) => {
+            check_slots(slots, nb, dm.nslots)?;
+            Some(CudaTensor::from_pod(&dev, DType::I32, vec![4 * (nb + nc)], &kda_tables(lens, slots)?)?)
+        }
+        Tables::Device(t) => {
+            if t.dtype() != DType::I32 || t.shape() != [4 * (nb + nc)] || !t.cuda_device().same(&dev) {
+                return Err(bad(format!("tables: expected a device I32 [{}] tensor (kda_tables of {nb} sequences, {nc} chunks), got {t:?}", 4 * (nb + nc))));
+            }
+            None
+        }
+    };
+    let table = match (&uploaded, tables) {
+        (Some(t), _) | (None, Tables::Device(t)) => t,
+        (None, Tables::Host(_)) => return Err(CoreError::Device("kda tables missing".into())),
+    };
     if nb == 0 {
         return Ok(());
     }
     if nc > i32::MAX as usize || nb > 65_535 * 1024 {
         return Err(bad(format!("{nc} chunks / {nb} sequences exceed the grid")));
     }
-    let mut chunks = Vec::with_capacity(if dm.fast() { nc } else { 0 });
-    let mut seqs = Vec::with_capacity(nb);
-    let (mut tok, mut chunk0) = (0usize, 0usize);
-    for (&l, &slot) in lens.iter().zip(slots) {
-        let slot = slot as i32; // < S ≤ i32::MAX (checked)
-                                // {tok0, len, first chunk, slot}; the fast kernels' chunk table only at head dim 128.
-        seqs.push([i32_of(tok, "token offset")?, i32_of(l, "length")?, i32_of(chunk0, "chunk")?, slot]);
-        if dm.fast() {
-            for c in 0..l.div_ceil(CHUNK) {
-                chunks.push([i32_of(tok + c * CHUNK, "token")?, i32_of((l - c * CHUNK).min(CHUNK), "n")?, slot, i32_of(c * CHUNK, "pos")?]);
-            }
-        }
-        chunk0 += l.div_ceil(CHUNK);
-        tok += l;
-    }
-    let seq_t = upload_table(&dev, &seqs)?;
+    // Sequence records first, then the chunk records (read by the fast kernels only).
+    let (sqt, ct) = (table.ptr(), table.ptr() + 16 * nb as u64);
     let (lb, eps) = (w.lower_bound, w.eps);
     let cs_ptr: u64 = chunk_states.map_or(0, |t| t.ptr());
     let mark = |i: usize| marks.map_or(Ok(()), |m| m[i].record(&dev.stream()));
     if !dm.fast() {
         mark(0)?;
-        general(&dev, inp, w, dm, conv_state, state, cs_ptr, seq_t.ptr(), 0, out, nb)?;
+        general(&dev, inp, w, dm, conv_state, state, cs_ptr, sqt, 0, out, nb)?;
         mark(1)?;
         mark(2)?;
-        drop(seq_t);
+        drop(uploaded);
         return Ok(());
     }
-    let chunk_t = upload_table(&dev, &chunks)?;
     let h32 = h as i32;
     if nc > 0 {
         let work = dev.alloc(nc * h * REC_BYTES)?;
         let (q, k, v, g, b, gate) = (inp.q.ptr(), inp.k.ptr(), inp.v.ptr(), inp.g.ptr(), inp.beta.ptr(), inp.gate.ptr());
         let (cw, al, dtb, onw) = (w.conv.ptr(), w.a_log.ptr(), w.dt_bias.ptr(), w.o_norm.ptr());
-        let (cst, st, o, ct, sqt, wk) = (conv_state.ptr(), state.ptr(), out.ptr(), chunk_t.ptr(), seq_t.ptr(), work.ptr());
+        let (cst, st, o, wk) = (conv_state.ptr(), state.ptr(), out.ptr(), work.ptr());
         big_smem(&dev, KDA, "kda_chunk_prep", PREP_SMEM)?;
         big_smem(&dev, KDA, "kda_chunk_scan", SCAN_SMEM)?;
         mark(0)?;
@@ -286,7 +333,7 @@ fn prefill(
         // after these kernels on the same stream.
         drop(work);
     }
-    drop((chunk_t, seq_t));
+    drop(uploaded);
     Ok(())
 }
 

@@ -66,6 +66,14 @@ pub fn mma_max_tokens(e: usize, k: usize) -> usize {
     .max(DECODE_MAX_TOKENS)
 }
 
+/// Whether [`experts_forward`] of `t` tokens over `e` experts, top-`k`, takes a CUDA-graph
+/// capturable path: the device-grouped one (T ≤ [`DECODE_MAX_TOKENS`], or up to
+/// [`mma_max_tokens`] while the grouping kernel's shared memory holds the pairs), or the
+/// reference precision (`reference`: `z` F32), which always is.
+pub fn capturable(t: usize, e: usize, k: usize, reference: bool) -> bool {
+    reference || t <= DECODE_MAX_TOKENS || (t <= mma_max_tokens(e, k) && 4 * (3 * e + t * k) <= SMEM)
+}
+
 /// Sets the cut of [`mma_max_tokens`] to `t` tokens for the process (A/B timing and tests;
 /// `None`: back to the default rule).
 pub fn set_mma_max_tokens(t: Option<usize>) {
@@ -234,7 +242,7 @@ pub fn experts_forward(
     }
     let pairs = if reference {
         reference_pairs(z, ids, w, t, k, beta, linear_beta)?
-    } else if t > DECODE_MAX_TOKENS && (t > mma_max_tokens(w.num_experts, k) || 4 * (3 * w.num_experts + t * k) > SMEM) {
+    } else if !capturable(t, w.num_experts, k, false) {
         super::moe_prefill::prefill(z, ids, w, t, k, beta, linear_beta)?
     } else if decode_kind(t) == DecodeKind::Gemv {
         decode(z, ids, w, t, k, beta, linear_beta)?

@@ -1,7 +1,8 @@
 //! The KDA token mixer on the GPU (text-backbone §3): the projections as cuBLAS GEMMs (BF16 out),
 //! then one fused kernel from the raw projections to the gated, normed output
-//! (`k3_core::cuda::kda`: chunked prefill, or the one-token decode step that CUDA graphs
-//! capture), then `o_proj`. Same weights, same names as `layers/kda.rs`.
+//! (`k3_core::cuda::kda`: chunked prefill — from device tables in a captured verify step — or
+//! the one-token decode step that CUDA graphs capture), then `o_proj`. Same weights, same
+//! names as `layers/kda.rs`.
 //!
 //! On a tensor-parallel rank the layer holds its heads only (`nh` = its share; the kernels take
 //! the head count from the shapes) and its output is a partial `o_proj` sum.
@@ -9,7 +10,7 @@
 //! Shapes: `x` BF16 `[N, H]`; `D = nh · head_dim`; q/k/v/g/gate BF16 `[N, D]`, beta `[N, nh]`;
 //! state in this layer's pools (see `state.rs`); output F32 `[N, H]`.
 
-use k3_core::cuda::kda::{kda_decode, kda_prefill, KdaInputs, KdaWeights};
+use k3_core::cuda::kda::{kda_decode, kda_prefill, kda_prefill_tables, KdaInputs, KdaWeights};
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -105,10 +106,11 @@ impl Kda {
         }
         let inp = KdaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, gate: &gate };
         let w = self.weights();
-        if step.decode {
-            kda_decode(&inp, &w, &step.slots, &self.conv_pool, &self.state_pool, &o)?;
-        } else {
-            kda_prefill(&inp, &w, &step.lens, &step.slots_host, &self.conv_pool, &self.state_pool, &o, None)?;
+        match (step.decode, &step.kda_tables) {
+            (true, _) => kda_decode(&inp, &w, &step.slots, &self.conv_pool, &self.state_pool, &o)?,
+            // A verify graph's step: the tables on the device, so that the step is capturable.
+            (false, Some(t)) => kda_prefill_tables(&inp, &w, &step.lens, t, &self.conv_pool, &self.state_pool, &o)?,
+            (false, None) => kda_prefill(&inp, &w, &step.lens, &step.slots_host, &self.conv_pool, &self.state_pool, &o, None)?,
         }
         lin(&o, &self.o_proj, DType::F32)
     }

@@ -4,7 +4,8 @@
 //! GEMMs for the projections, k3rs's kernels for the rest (`k3_core::cuda`). The residual stream
 //! (AttnRes partial sum and completed blocks) is F32; GEMM inputs are BF16; per-sequence state
 //! lives in pools (`state.rs`). One forward serves prefill chunks and decode steps of many
-//! sequences packed row-wise; decode steps can be replayed from a CUDA graph (`graph.rs`).
+//! sequences packed row-wise; decode steps and speculative verify steps can be replayed from
+//! CUDA graphs (`graph.rs`).
 //!
 //! Shapes: tokens `[N]` packed over `B` sequences; stream F32 `[N, H]`; logits F32 `[N or B, vocab]`.
 
@@ -27,7 +28,7 @@ use k3_core::cuda::ops::{attn_res_norm, gather_rows, gather_rows_from, ResUpdate
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
-pub use graph::DecodeGraph;
+pub use graph::{DecodeGraph, VerifyGraph, VerifyRun};
 pub use pipe::HeldStep;
 pub use prefix::{LayerBytes, LayerRef};
 pub use state::{CacheConfig, CudaSeqState};

@@ -264,6 +264,16 @@ impl Moe {
         matches!(self.routed, Routed::Cpu { .. })
     }
 
+    /// Whether a step of `n` rows through this layer can be captured in a CUDA graph: its routed
+    /// experts on the GPU and their kernels' path for `n` rows capturable (k3-core
+    /// `moe::capturable`; `reference`: the F32 reference precision).
+    pub fn capturable_rows(&self, n: usize, reference: bool) -> bool {
+        match &self.routed {
+            Routed::Gpu(w) => k3_core::cuda::moe::capturable(n, w.num_experts, self.top_k, reference),
+            Routed::Cpu { .. } => false,
+        }
+    }
+
     /// Enqueues the copies of `z` `[N, lat]`, `ids` and `wts` `[N, k]` into the landing area
     /// (grown as needed) and records an event after them: `(event, z offset, ids offset, wts
     /// offset)`.

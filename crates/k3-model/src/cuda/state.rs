@@ -11,7 +11,7 @@
 //!   copying.
 //! - [`Step`]: what one packed forward needs on the device — token ids, each row's sequence and
 //!   absolute position, the block table `[B, max_pages]`, the KDA slots, the rows whose logits
-//!   are wanted.
+//!   are wanted (and, in a verify graph, the KDA prefill's sequence tables).
 
 use k3_core::cuda::mla::PAGE;
 use k3_core::cuda::{CudaDevice, CudaTensor};
@@ -131,6 +131,9 @@ pub(crate) struct Step {
     pub fresh: bool,
     /// A verify step: each KDA layer pushes its raw inputs here (`verify.rs`).
     pub keep: Option<std::sync::Mutex<Vec<super::verify::KdaKept>>>,
+    /// A verify graph's step: the KDA prefill's sequence tables on the device (k3-core
+    /// `kda_tables`), rewritten before each replay (`graph.rs`); `None`: uploaded per layer.
+    pub kda_tables: Option<CudaTensor>,
 }
 
 fn i32s(dev: &CudaDevice, v: &[i32], shape: Vec<usize>) -> Result<CudaTensor> {
@@ -197,6 +200,7 @@ impl StepHost {
             last_rows: i32s(dev, &self.last_rows, vec![b])?,
             fresh: self.fresh,
             keep: None,
+            kda_tables: None,
         })
     }
 }

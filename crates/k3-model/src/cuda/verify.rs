@@ -13,6 +13,10 @@
 //!   `j` rows leaves, tails included, with no second pass of the network; MLA / DSA caches are
 //!   truncated by moving `pos` back (their pages are append-only; later rows overwrite).
 //!
+//! The same work captured in a CUDA graph per (batch, rows per sequence) — checkpoints
+//! included; rows padded to the graph's count are undone by the rollback — is `graph.rs`'s
+//! [`VerifyGraph`](super::VerifyGraph); `CudaModel::verify_body` is what both run.
+//!
 //! Every row's logits equal a decode step's within the GPU's rounding (the KDA rows come from the
 //! chunked form; the CPU verify is the bit-exact one). One rank only: a parallel layout's state
 //! is spread over ranks. Shapes: `B` step sequences, `N` rows; checkpoints `[B, 3·3·D]` and
@@ -23,11 +27,12 @@ use k3_core::cuda::ops::gather_rows;
 use k3_core::cuda::CudaTensor;
 use k3_core::DType;
 
-use super::state::CudaSeqState;
+use super::state::{CudaSeqState, Step};
 use super::{CudaModel, Input, Mixer};
 use crate::error::{ModelError, Result};
 
 /// One KDA layer's raw inputs of a verify step, as the fused kernel reads them.
+#[derive(Clone)]
 pub(crate) struct KdaKept {
     pub q: CudaTensor,
     pub k: CudaTensor,
@@ -37,15 +42,20 @@ pub(crate) struct KdaKept {
     pub gate: CudaTensor,
 }
 
+/// Per KDA layer (in layer order) of a verify step: the checkpoint (conv tails, state) of the
+/// step's slots and the kept inputs.
+pub(crate) type VerifyLayers = Vec<(CudaTensor, CudaTensor, KdaKept)>;
+
 /// What [`CudaModel::rollback`] needs of the last verify step.
 pub(crate) struct Verified {
-    /// Per step sequence: its KDA slot, first row, row count, whether it was rolled back.
+    /// Per step sequence: its KDA slot, first row, rows computed, rows that were its own (the
+    /// rest pad a graph's step and are always rolled back), whether it was rolled back.
     slots: Vec<usize>,
     row0: Vec<usize>,
     lens: Vec<usize>,
+    real: Vec<usize>,
     rolled: Vec<bool>,
-    /// Per KDA layer (in layer order): the checkpoint (conv tails, state) and the kept inputs.
-    layers: Vec<(CudaTensor, CudaTensor, KdaKept)>,
+    layers: VerifyLayers,
 }
 
 impl CudaModel {
@@ -61,12 +71,32 @@ impl CudaModel {
 
     /// The verify forward (see the module doc): sequence i consumes `lens[i]` rows of `input`;
     /// returns logits `[N, vocab]` for every row, and remembers what [`CudaModel::rollback`]
-    /// needs (until the next verify).
+    /// needs (until the next verify). Eager; `graph.rs` has the captured form.
     pub fn forward_verify(&mut self, input: Input<'_>, lens: &[usize], seqs: &mut [&mut CudaSeqState]) -> Result<Vec<f32>> {
         self.verify_support().map_err(ModelError::Input)?;
         self.verified = None;
         let mut step = self.prepare(&input, lens, seqs)?;
-        let b = lens.len();
+        step.keep = Some(std::sync::Mutex::new(Vec::new()));
+        let (logits, layers) = self.verify_body(&step, &input)?;
+        for (s, &n) in seqs.iter_mut().zip(lens) {
+            s.pos += n;
+        }
+        self.record_verify(seqs, lens, lens, layers);
+        Ok(match logits {
+            Some(l) => l.to_f32_vec()?,
+            None => Vec::new(),
+        })
+    }
+
+    /// The verify step's device work on `step` (made with `keep`), enqueued only — so it is
+    /// captured as it is when the step's tables are on the device (`graph.rs`): each KDA layer's
+    /// checkpoint of the step's slots, then the forward with every row's logits, the KDA layers'
+    /// inputs kept.
+    pub(crate) fn verify_body(&self, step: &Step, input: &Input<'_>) -> Result<(Option<CudaTensor>, VerifyLayers)> {
+        let Some(keep) = &step.keep else {
+            return Err(ModelError::Internal("a verify step made without keeping the KDA inputs".into()));
+        };
+        let b = step.lens.len();
         let mut ckpts = Vec::new();
         for layer in &self.layers {
             if let Mixer::Kda(m) = &layer.mixer {
@@ -80,54 +110,53 @@ impl CudaModel {
                 ckpts.push((take(&m.conv_pool)?, take(&m.state_pool)?));
             }
         }
-        step.keep = Some(std::sync::Mutex::new(Vec::new()));
-        let logits = self.run(&step, &input, false)?;
-        let kept = step.keep.take().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner())).unwrap_or_default();
+        let logits = self.run(step, input, false);
+        let kept = std::mem::take(&mut *keep.lock().unwrap_or_else(|e| e.into_inner()));
+        let logits = logits?;
         if kept.len() != ckpts.len() {
             return Err(ModelError::Internal(format!("the verify step kept the inputs of {} KDA layers of {}", kept.len(), ckpts.len())));
         }
-        for (s, &n) in seqs.iter_mut().zip(lens) {
-            s.pos += n;
-        }
+        Ok((logits, ckpts.into_iter().zip(kept).map(|((c, s), k)| (c, s, k)).collect()))
+    }
+
+    /// Remembers a verify step for [`CudaModel::rollback`]: sequence i computed `lens[i]` rows
+    /// (packed in order), of which the first `real[i]` were its own and counted in its `pos`.
+    pub(crate) fn record_verify(&mut self, seqs: &[&mut CudaSeqState], lens: &[usize], real: &[usize], layers: VerifyLayers) {
         let row0 = lens.iter().scan(0, |r, &n| Some(std::mem::replace(r, *r + n))).collect();
         self.verified = Some(Verified {
             slots: seqs.iter().map(|s| s.slot).collect(),
             row0,
             lens: lens.to_vec(),
-            rolled: vec![false; b],
-            layers: ckpts.into_iter().zip(kept).map(|((c, s), k)| (c, s, k)).collect(),
+            real: real.to_vec(),
+            rolled: vec![false; lens.len()],
+            layers,
         });
-        Ok(match logits {
-            Some(l) => l.to_f32_vec()?,
-            None => Vec::new(),
-        })
     }
 
     /// Drops the last `drop` rows of the last verify step from each `(sequence, drop)` (see the
-    /// module doc); `drop = 0` keeps them all. Errors, changing nothing, for a sequence that was
-    /// not in that step, was rolled back already, or would keep no row.
+    /// module doc); `drop = 0` keeps them all — and undoes the padding rows a verify graph added
+    /// to the sequence (`graph.rs`), which every such sequence needs before its next step.
+    /// Errors, changing nothing, for a sequence that was not in that step, was rolled back
+    /// already, or would keep no row.
     pub fn rollback(&mut self, seqs: &mut [(&mut CudaSeqState, usize)]) -> Result<()> {
         let Some(rec) = self.verified.as_mut() else {
             return Err(ModelError::Input("rollback without a verify step before it".into()));
         };
         let mut todo: Vec<(usize, usize)> = Vec::new(); // (step sequence, rows kept)
         for (s, drop) in seqs.iter() {
-            if *drop == 0 {
+            let b = rec.slots.iter().position(|&x| x == s.slot);
+            if *drop == 0 && b.is_none_or(|b| rec.real[b] == rec.lens[b]) {
                 continue;
             }
-            let b = rec
-                .slots
-                .iter()
-                .position(|&x| x == s.slot)
-                .ok_or_else(|| ModelError::Input(format!("rollback of a sequence (KDA slot {}) that was not in the last verify step", s.slot)))?;
-            if rec.rolled[b] || *drop >= rec.lens[b] || todo.iter().any(|t| t.0 == b) {
+            let b = b.ok_or_else(|| ModelError::Input(format!("rollback of a sequence (KDA slot {}) that was not in the last verify step", s.slot)))?;
+            if rec.rolled[b] || *drop >= rec.real[b] || todo.iter().any(|t| t.0 == b) {
                 return Err(ModelError::Input(format!(
                     "rollback of {drop} rows of a verified sequence of {} rows{}: at least its first row stays, and a step is rolled back once",
-                    rec.lens[b],
+                    rec.real[b],
                     if rec.rolled[b] { " rolled back already" } else { "" }
                 )));
             }
-            todo.push((b, rec.lens[b] - drop));
+            todo.push((b, rec.real[b] - drop));
         }
         if todo.is_empty() {
             return Ok(());
