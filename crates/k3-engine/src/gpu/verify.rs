@@ -4,7 +4,7 @@
 //! [`MAX_GRAPHS`], the least recently used dropped first); sequences with fewer rows are padded
 //! to `T`, and their padding is undone with the step's rollbacks (a drop-0 entry in
 //! `rollbacks`, replaced by the engine's own rollback of the sequence). A step runs eagerly
-//! (`CudaModel::forward_verify`) when graphs are off (`--no-cuda-graphs`, `K3_VERIFY_GRAPHS=0`,
+//! (`CudaModel::forward_verify`) when graphs are off (the default: opt in with `K3_VERIFY_GRAPHS=1`; `--no-cuda-graphs`,
 //! [`GpuRunner::set_verify_graphs`]), or — said once per reason on stderr — when it has its own
 //! input rows (images), when the MoE cannot capture `B·T` rows, or when a padded sequence
 //! would pass its cache reservation or the graphs' context. [`VerifyStats`] counts both kinds.
@@ -34,9 +34,12 @@ pub struct VerifyGraphs {
 }
 
 impl VerifyGraphs {
-    /// On unless `K3_VERIFY_GRAPHS=0`.
+    /// Off unless `K3_VERIFY_GRAPHS=1`: on the H100 (2026-12-05) captured verify steps equal the
+    /// same step run eagerly bit for bit and pass `cuda_spec`'s near-tie rule, but `k3 bench
+    /// --speculative` on k3-nano's quote workload parted from plain greedy output with graphs
+    /// (not eagerly), which is not traced yet.
     pub fn new() -> Self {
-        let on = std::env::var("K3_VERIFY_GRAPHS").map_or(true, |v| v.trim() != "0");
+        let on = std::env::var("K3_VERIFY_GRAPHS").is_ok_and(|v| v.trim() == "1");
         VerifyGraphs { on, graphs: HashMap::new(), clock: 0, noted: HashSet::new(), stats: Arc::default() }
     }
 
