@@ -224,6 +224,8 @@ fn load_vision(ck: &k3_model::Checkpoint, device: Option<usize>, gpu_f32: bool) 
         let dev = k3_vision::cuda::CudaDevice::new(n).map_err(|e| ServerError::Config(format!("--device cuda:{n}: the vision tower: {e}")))?;
         v.attach_cuda(&dev, k3_engine::gpu::precision(gpu_f32))
             .map_err(|e| ServerError::Config(format!("--device cuda:{n}: uploading the vision tower: {e}")))?;
+        // The server splices only the projected features.
+        v.set_gpu_stages(false);
     }
     #[cfg(not(feature = "cuda"))]
     let _ = (device, gpu_f32);

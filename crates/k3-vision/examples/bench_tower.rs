@@ -156,6 +156,8 @@ mod cuda {
         let precision = if std::env::args().any(|a| a == "--f32") { Precision::F32 } else { Precision::Bf16 };
         let dev = CudaDevice::new(0)?;
         vm.attach_cuda(&dev, precision)?;
+        // As the server: only the projected features come back (`--stages`: the tower's and merger's too).
+        vm.set_gpu_stages(std::env::args().any(|a| a == "--stages"));
         let d = vm.spec.tower;
         let p = preprocess_file(path, &vm.processor)?;
         let g = p.grid_thw;

@@ -58,6 +58,10 @@ pub struct CudaVision {
     w2: CudaTensor,
     post_norm: CudaTensor,
     eps: f32,
+    /// Whether [`CudaVision::encode`] copies the tower's and merger's outputs to the host too
+    /// (tests and traces; default) or only the projected features a prompt needs (serving: the
+    /// two extra F32 downloads and their per-sample copies were most of a call's host time).
+    pub keep_stages: bool,
 }
 
 /// One sample's stages on the host: `vit_out` `[t·h·w, C]`, `merged` `[n, kh·kw·C]`,
@@ -142,6 +146,7 @@ impl CudaVision {
             w2: matrix(dev, &pj.w2, pj.out_width(), k, dt, "mm_projector.proj.2.weight")?,
             post_norm: vector(dev, &pj.post_norm, "mm_projector.post_norm.weight")?,
             eps: pj.eps,
+            keep_stages: true,
         })
     }
 
@@ -253,14 +258,15 @@ impl CudaVision {
             let vit = self.tower(cpu, &pixels, g, None)?;
             let merged = self.merge(&vit, g)?;
             let projected = self.project(&merged)?;
-            let (vit, merged, projected) = (vit.to_f32_vec()?, merged.to_f32_vec()?, projected.to_f32_vec()?);
+            let (vit, merged) = if self.keep_stages { (vit.to_f32_vec()?, merged.to_f32_vec()?) } else { (Vec::new(), Vec::new()) };
+            let projected = projected.to_f32_vec()?;
             let (c, k, th) = (self.dims.hidden, kh * kw * self.dims.hidden, self.post_norm.numel());
             let (mut r, mut tok) = (0, 0);
             for &grid in g {
                 let (n, nt) = (rows_of(grid), (grid[1] / kh) * (grid[2] / kw));
                 out.push(Stages {
-                    vit_out: vit[r * c..(r + n) * c].to_vec(),
-                    merged: merged[tok * k..(tok + nt) * k].to_vec(),
+                    vit_out: if self.keep_stages { vit[r * c..(r + n) * c].to_vec() } else { Vec::new() },
+                    merged: if self.keep_stages { merged[tok * k..(tok + nt) * k].to_vec() } else { Vec::new() },
                     projected: projected[tok * th..(tok + nt) * th].to_vec(),
                 });
                 r += n;

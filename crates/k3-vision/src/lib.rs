@@ -206,6 +206,17 @@ impl VisionModel {
         Ok(())
     }
 
+    /// With the stages on a GPU: whether `complete` also returns `vit_out` and `merged` (the
+    /// default) or only `projected` (`false`: what serving needs, less host work per call).
+    pub fn set_gpu_stages(&mut self, keep: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &mut self.gpu {
+            g.keep_stages = keep;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = keep;
+    }
+
     /// Whether the stages run on a GPU.
     pub fn on_gpu(&self) -> bool {
         #[cfg(feature = "cuda")]

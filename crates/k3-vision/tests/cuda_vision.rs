@@ -153,6 +153,15 @@ fn attached_model_encodes_images_and_videos_on_the_gpu() {
     for (i, f) in pend.iter().enumerate() {
         compare(&format!("complete {i}"), (&f.vit_out, &f.merged, &f.projected), &want[i], d.hidden, th, TOL_F32);
     }
+    // Serving's setting: only the projected features come back, the same bits.
+    m.set_gpu_stages(false);
+    let mut lean: Vec<ImageFeatures> = s.iter().map(|(p, g)| m.pending(p.clone(), *g).unwrap()).collect();
+    m.complete(&mut lean.iter_mut().collect::<Vec<_>>()).unwrap();
+    for (f, g) in lean.iter().zip(&pend) {
+        assert!(f.vit_out.is_empty() && f.merged.is_empty(), "set_gpu_stages(false) still returned the stages");
+        assert_eq!(f.projected, g.projected, "projected features differ without the stages");
+    }
+    m.set_gpu_stages(true);
     // One packed tower call through project_batch.
     let all: Vec<f32> = s.iter().flat_map(|x| x.0.iter().copied()).collect();
     let proj = m.project_batch(&all, &GRIDS, None).unwrap();
