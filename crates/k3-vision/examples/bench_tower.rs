@@ -162,10 +162,7 @@ mod cuda {
         let p = preprocess_file(path, &vm.processor)?;
         let g = p.grid_thw;
         let (l, n) = (g[0] * g[1] * g[2], (g[1] / 2) * (g[2] / 2));
-        let (c, q, i, k, th) = (d.hidden as f64, d.qkv as f64, d.intermediate as f64, 4.0 * d.hidden as f64, vm.spec.text_hidden as f64);
-        let lf = l as f64;
-        let gemm = 2.0 * lf * (588.0 * c + d.layers as f64 * (3.0 * c * q + q * c + 2.0 * c * i)) + 2.0 * n as f64 * (k * k + k * th);
-        let attn = 4.0 * lf * lf * q * d.layers as f64;
+        let (gemm, attn) = sample_flops(vm, l, n);
         let flops = gemm + attn;
         println!("{dev:?}; {precision:?}; grid {g:?} ({l} patches, {n} tokens), {} layers, batch {batch}", d.layers);
         println!(
@@ -231,11 +228,13 @@ mod cuda {
         Ok(())
     }
 
-    /// Tower FLOPs of one sample of `l` patches giving `n` merged tokens.
-    fn sample_flops(vm: &VisionModel, l: usize, n: usize) -> f64 {
+    /// FLOPs of one sample of `l` patches giving `n` merged tokens through tower, merger and
+    /// projector: (GEMMs, attention).
+    fn sample_flops(vm: &VisionModel, l: usize, n: usize) -> (f64, f64) {
         let d = vm.spec.tower;
         let (c, q, i, k, th, lf) = (d.hidden as f64, d.qkv as f64, d.intermediate as f64, 4.0 * d.hidden as f64, vm.spec.text_hidden as f64, l as f64);
-        2.0 * lf * (588.0 * c + d.layers as f64 * (3.0 * c * q + q * c + 2.0 * c * i)) + 2.0 * n as f64 * (k * k + k * th) + 4.0 * lf * lf * q * d.layers as f64
+        let gemm = 2.0 * lf * (588.0 * c + d.layers as f64 * (3.0 * c * q + q * c + 2.0 * c * i)) + 2.0 * n as f64 * (k * k + k * th);
+        (gemm, 4.0 * lf * lf * q * d.layers as f64)
     }
 
     /// A clip of `frames` frames of `size`² end to end (decode, sample, chunk, tower, merger,
@@ -262,7 +261,8 @@ mod cuda {
             for (_, fr, p) in &v.chunks {
                 let g = p.grid_thw;
                 let n = p.projected.len() / vm.spec.text_hidden;
-                flops += sample_flops(vm, g[0] * g[1] * g[2], n);
+                let (gemm, attn) = sample_flops(vm, g[0] * g[1] * g[2], n);
+                flops += gemm + attn;
                 tokens += n;
                 sampled += fr.len();
             }

@@ -99,29 +99,40 @@ pub fn vit_attention(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaT
     vit_attention_sliced(qkv, heads, lens, out, SCORE_BYTES)
 }
 
+/// The checks both forms of [`vit_attention`] share: `qkv` `[L, 3·Dq]` with `Dq` a multiple of
+/// `heads`, `out` `[L, Dq]` on the same device, `lens` positive and summing to `L`. Returns
+/// `(L, Dq, hd)`.
+fn attention_shapes(op: &'static str, qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor) -> Result<(usize, usize, usize)> {
+    same_dev(op, qkv, &[out])?;
+    let (l, w3) = match qkv.shape() {
+        [l, w] => (*l, *w),
+        _ => return Err(CoreError::Shape { op, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
+    };
+    let dq = w3 / 3;
+    if !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) {
+        return Err(CoreError::Shape { op, detail: format!("qkv {qkv:?}: width must be 3·Dq with Dq a multiple of {heads} heads") });
+    }
+    if out.shape() != [l, dq] {
+        return Err(CoreError::Shape { op, detail: format!("out {out:?} must be [{l}, {dq}]") });
+    }
+    if lens.iter().sum::<usize>() != l || lens.contains(&0) {
+        return Err(CoreError::Shape { op, detail: format!("sample lengths {lens:?} must be positive and sum to L = {l}") });
+    }
+    Ok((l, dq, dq / heads))
+}
+
 /// The cuBLAS form of [`vit_attention`] (any head dim, F32 or BF16), with query slices of at most
 /// `score_bytes` of F32 scores (at least one row each): tests use a small budget to exercise the
 /// slicing.
 pub fn vit_attention_sliced(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor, score_bytes: usize) -> Result<()> {
     const OP: &str = "cuda vit_attention";
-    same_dev(OP, qkv, &[out])?;
-    let (l, w3) = match qkv.shape() {
-        [l, w] => (*l, *w),
-        _ => return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
-    };
-    let dq = w3 / 3;
-    if !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) {
-        return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?}: width must be 3·Dq with Dq a multiple of {heads} heads") });
-    }
     let dt = qkv.dtype();
     let sfx = out_suffix(OP, qkv)?;
-    if out.dtype() != dt || out.shape() != [l, dq] {
-        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be {dt} [{l}, {dq}]") });
+    if out.dtype() != dt {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be {dt} like qkv") });
     }
-    if lens.iter().sum::<usize>() != l || lens.contains(&0) {
-        return Err(CoreError::Shape { op: OP, detail: format!("sample lengths {lens:?} must be positive and sum to L = {l}") });
-    }
-    let hd = dq / heads;
+    let (_, dq, hd) = attention_shapes(OP, qkv, heads, lens, out)?;
+    let w3 = 3 * dq;
     let es = dt.size_in_bytes() as u64;
     let dev = qkv.cuda_device();
     let n_max = lens.iter().copied().max().unwrap_or(0);
@@ -222,29 +233,17 @@ pub fn vit_flash_attention(qkv: &CudaTensor, heads: usize, lens: &[usize], out: 
 /// non-default ones).
 pub fn vit_flash_attention_tiled(qkv: &CudaTensor, heads: usize, lens: &[usize], out: &CudaTensor, tile: FlashTile) -> Result<()> {
     const OP: &str = "cuda vit_flash_attention";
-    same_dev(OP, qkv, &[out])?;
-    let (l, w3) = match qkv.shape() {
-        [l, w] => (*l, *w),
-        _ => return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
-    };
-    let dq = w3 / 3;
-    if qkv.dtype() != DType::BF16 || !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) {
-        return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be BF16 [L, 3·Dq] with Dq a multiple of {heads} heads") });
+    if qkv.dtype() != DType::BF16 {
+        return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be BF16 [L, 3·Dq]") });
     }
-    let hd = dq / heads;
+    let (l, dq, hd) = attention_shapes(OP, qkv, heads, lens, out)?;
     if !flash_supports(hd) {
         return Err(CoreError::Shape {
             op: OP,
             detail: format!("head dim {hd} (Dq {dq} / {heads} heads) must be a multiple of 8 up to 128; use vit_attention_sliced"),
         });
     }
-    if out.shape() != [l, dq] {
-        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must be [{l}, {dq}]") });
-    }
     let (name, rows, threads) = flash_kernel(OP, hd, tile, out.dtype())?;
-    if lens.iter().sum::<usize>() != l || lens.contains(&0) {
-        return Err(CoreError::Shape { op: OP, detail: format!("sample lengths {lens:?} must be positive and sum to L = {l}") });
-    }
     if !qkv.ptr().is_multiple_of(16) || !out.ptr().is_multiple_of(8) {
         return Err(CoreError::Shape { op: OP, detail: "qkv must start on a 16-byte boundary and out on an 8-byte one (pass whole tensors)".into() });
     }
