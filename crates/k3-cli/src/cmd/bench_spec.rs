@@ -63,6 +63,21 @@ fn run_workload(e: &mut Engine, tok: &Tokenizer, name: &str, gen: usize) -> Resu
     Ok((outs, secs, toks, st))
 }
 
+/// One method's figures over the rounds: tokens/s per round, stats, the first difference from
+/// plain greedy (turn, token), verify steps replayed and eager.
+type Acc = (Vec<f64>, SpecStats, Option<(usize, usize)>, [u64; 2]);
+
+/// Where `outs` first parts from `plain`: (turn, token index), `None` when they are equal.
+fn first_difference(plain: &[Vec<u32>], outs: &[Vec<u32>]) -> Option<(usize, usize)> {
+    if plain.len() != outs.len() {
+        return Some((plain.len().min(outs.len()), 0));
+    }
+    plain.iter().zip(outs).enumerate().find_map(|(t, (p, o))| {
+        let i = p.iter().zip(o).position(|(a, b)| a != b).or((p.len() != o.len()).then(|| p.len().min(o.len())))?;
+        Some((t, i))
+    })
+}
+
 /// `cuda`: on the GPU runner (`--device cuda`), else the CPU model.
 pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
     let dir = a.model.dir()?;
@@ -113,8 +128,7 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
     for &w in workloads {
         let tok = tok.as_deref().context("a workload without a tokenizer")?;
         let mut plain: Option<Vec<Vec<u32>>> = None;
-        // (tokens/s per round, stats, identical to plain, verify steps replayed and eager)
-        let mut acc: Vec<(Vec<f64>, SpecStats, bool, [u64; 2])> = vec![(Vec::new(), SpecStats::default(), true, [0; 2]); list.len()];
+        let mut acc: Vec<Acc> = vec![(Vec::new(), SpecStats::default(), None, [0; 2]); list.len()];
         for _round in 0..2 {
             for (i, &(sc, graphs)) in list.iter().enumerate() {
                 let (mut e, vs) = engine(sc, graphs)?;
@@ -124,7 +138,7 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
                 let (outs, secs, n, st) = run_workload(&mut e, tok, w, gen)?;
                 match &plain {
                     None => plain = Some(outs),
-                    Some(p) => acc[i].2 &= *p == outs,
+                    Some(p) => acc[i].2 = acc[i].2.or(first_difference(p, &outs)),
                 }
                 acc[i].0.push(n as f64 / secs.max(1e-9));
                 acc[i].1.add(&st);
@@ -134,7 +148,9 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
                 }
             }
         }
-        for (&(sc, graphs), (tps, st, same, [replayed, eager])) in list.iter().zip(acc) {
+        for (&(sc, graphs), (tps, st, diff, [replayed, eager])) in list.iter().zip(acc) {
+            let same = diff.is_none();
+            let at = diff.map_or(String::new(), |(t, i)| format!(" (first at turn {t}, token {i})"));
             let mut m = if sc.enabled() { format!("{:?}", sc.method).to_lowercase() } else { "off".into() };
             if !graphs {
                 m.push_str("/eager");
@@ -148,13 +164,13 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
             report.push(serde_json::json!({
                 "workload": w, "method": m, "decode_tokens_per_s": mean, "rounds_tokens_per_s": tps,
                 "accepted_per_step": if sc.enabled() { st.accepted_per_step() } else { 1.0 },
-                "draft_acceptance": st.draft_acceptance(), "acceptance_per_position": per_pos, "identical_to_plain": same,
+                "draft_acceptance": st.draft_acceptance(), "acceptance_per_position": per_pos, "identical_to_plain": same, "first_difference": diff,
                 "verify_steps_replayed": replayed, "verify_steps_eager": eager,
             }));
             if !a.json {
                 let rounds: Vec<String> = tps.iter().map(|x| format!("{x:.1}")).collect();
                 println!(
-                    "{w:6} {m:7} decode {mean:7.1} tok/s (rounds {}) | {:.2} tokens/step | acceptance {:.1}% | per position {:?} | identical to plain: {same}{verify}",
+                    "{w:6} {m:7} decode {mean:7.1} tok/s (rounds {}) | {:.2} tokens/step | acceptance {:.1}% | per position {:?} | identical to plain: {same}{at}{verify}",
                     rounds.join(", "),
                     if sc.enabled() { st.accepted_per_step() } else { 1.0 },
                     100.0 * st.draft_acceptance(),
@@ -222,4 +238,19 @@ fn step_costs(model: &Model, k: usize) -> Result<Vec<(usize, f64)>> {
         out.push((rows, times[times.len() / 2]));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_difference;
+
+    #[test]
+    fn first_difference_names_the_turn_and_token() {
+        let p = vec![vec![1, 2, 3], vec![4, 5]];
+        assert_eq!(first_difference(&p, &p.clone()), None);
+        assert_eq!(first_difference(&p, &[vec![1, 2, 3], vec![4, 6]]), Some((1, 1)));
+        assert_eq!(first_difference(&p, &[vec![9, 2, 3], vec![4, 6]]), Some((0, 0)));
+        assert_eq!(first_difference(&p, &[vec![1, 2], vec![4, 5]]), Some((0, 2)), "a shorter turn parts where it ends");
+        assert_eq!(first_difference(&p, &[vec![1, 2, 3]]), Some((1, 0)), "a missing turn");
+    }
 }

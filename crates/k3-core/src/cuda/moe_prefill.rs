@@ -143,7 +143,7 @@ fn dequant(dev: &CudaDevice, w: &ExpertWeights, ex: usize, w13d: u64, w2d: u64) 
     let (l, f) = (w.latent, w.inter);
     for (dst, src, scale, elems) in [(w13d, w.w13.ptr(), s13, (2 * f * l) as u64), (w2d, w.w2.ptr(), s2, (l * f) as u64)] {
         let (pk, sc, groups32) = (src + ex as u64 * elems / 2, scale + ex as u64 * elems / 32, (elems / 32) as i64);
-        let grid = dev.elementwise_grid(groups32 as usize, 256);
+        let grid = dev.elementwise_grid(4 * groups32 as usize, 256); // a thread per packed word
         dev.launch(MOE, "moe_dequant", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![pk, sc, groups32, dst])?;
     }
     Ok(())
@@ -261,8 +261,9 @@ fn per_expert(z: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, groups: &[(
         }
         let act = CudaTensor::uninit(dev, DType::BF16, vec![n, f])?;
         let (hp, ap) = (h.ptr(), act.ptr());
-        let grid = dev.elementwise_grid(n * f, 256);
-        dev.launch(MOE, "moe_situ_split", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
+        // Rows on the y grid, a row's columns (4 per thread) on x.
+        let grid = ((if f % 4 == 0 { f / 4 } else { f }).div_ceil(256) as u32, n.min(65_535) as u32, 1);
+        dev.launch(MOE, "moe_situ_split", grid, (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
         let yg = CudaTensor::uninit(dev, DType::F32, vec![n, l])?;
         // yg [n, L] = act [n, F] · W2ᵀ (W2 [L, F]).
         match &scratch {

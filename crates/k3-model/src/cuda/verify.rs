@@ -197,4 +197,42 @@ impl CudaModel {
     pub fn end_verify(&mut self) {
         self.verified = None;
     }
+
+    /// Copies of every KDA layer's pools (conv tails, then recurrent states), so that one step
+    /// can be run several ways from the same state (`K3_VERIFY_CHECK`, the runner's check of
+    /// verify graphs against the eager step): [`CudaModel::restore_kda_pools`] puts them back.
+    pub fn copy_kda_pools(&self) -> Result<Vec<CudaTensor>> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            if let Mixer::Kda(m) = &l.mixer {
+                for pool in [&m.conv_pool, &m.state_pool] {
+                    let c = CudaTensor::uninit(&self.dev, pool.dtype(), pool.shape().to_vec())?;
+                    c.copy_from(pool)?;
+                    out.push(c);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes back pools taken by [`CudaModel::copy_kda_pools`] (and forgets the last verify step).
+    pub fn restore_kda_pools(&mut self, saved: &[CudaTensor]) -> Result<()> {
+        self.verified = None;
+        let pools: Vec<&CudaTensor> = self
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Kda(m) => Some([&m.conv_pool, &m.state_pool]),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        if pools.len() != saved.len() {
+            return Err(ModelError::Input(format!("{} saved KDA pools for {} pools", saved.len(), pools.len())));
+        }
+        for (p, s) in pools.into_iter().zip(saved) {
+            p.copy_from(s)?;
+        }
+        Ok(())
+    }
 }

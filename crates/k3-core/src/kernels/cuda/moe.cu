@@ -350,37 +350,58 @@ extern "C" __global__ void moe_combine_sorted(const bf16_t* __restrict__ y, cons
 }
 
 // ---- prefill helpers ---------------------------------------------------------------------
-// MXFP4 [rows, cols] -> BF16 [rows, cols] (one thread per 32-column group).
+// MXFP4 [rows, cols] -> BF16 [rows, cols] of `groups` 32-value groups: one thread per packed
+// 32-bit word (8 values), so a warp reads 128 contiguous bytes and writes 512 (coalesced).
 extern "C" __global__ void moe_dequant(const unsigned char* __restrict__ packed, const unsigned char* __restrict__ scale,
                                        long long groups, bf16_t* __restrict__ out) {
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
-        uint4 p = *reinterpret_cast<const uint4*>(packed + 16 * g);
-        float f = e8m0(scale[g]) * 85070591730234615865843651857942052864.0f;  // 2^126
-        unsigned int w4[4] = {p.x, p.y, p.z, p.w};
+    const unsigned int* __restrict__ words = reinterpret_cast<const unsigned int*>(packed);
+    for (long long w = blockIdx.x * (long long)blockDim.x + threadIdx.x; w < 4 * groups; w += (long long)gridDim.x * blockDim.x) {
+        const unsigned int p = words[w];
+        const float f = e8m0(scale[w >> 2]) * 85070591730234615865843651857942052864.0f;  // 2^126
+        float v[8];
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            float v[8];
-#pragma unroll
-            for (int i = 0; i < 8; i++) v[i] = e2m1_scaled(w4[q], i) * f;
-            st_vec(out + 32 * g + 8 * q, v);
-        }
+        for (int i = 0; i < 8; i++) v[i] = e2m1_scaled(p, i) * f;
+        st_vec(out + 8 * w, v);
     }
 }
 
-// zg[i, :] = z[pairs[i] / k, :] (BF16 rows of width L).
+// Whether both pointers are 16-byte aligned (the vector paths below).
+__device__ __forceinline__ bool aligned16(const void* a, const void* b) {
+    return ((reinterpret_cast<unsigned long long>(a) | reinterpret_cast<unsigned long long>(b)) & 15ull) == 0;
+}
+
+// zg[i, :] = z[pairs[i] / k, :] (BF16 rows of width L; one block per row, 16-byte copies when
+// L is a multiple of 8).
 extern "C" __global__ void moe_gather(const bf16_t* __restrict__ z, const int* __restrict__ pairs, int n, int k, int L, bf16_t* __restrict__ zg) {
     int i = blockIdx.x;
     if (i >= n) return;
-    long long src = (long long)(pairs[i] / k) * L;
-    for (int c = threadIdx.x; c < L; c += blockDim.x) zg[(long long)i * L + c] = z[src + c];
+    const bf16_t* src = z + (long long)(pairs[i] / k) * L;
+    bf16_t* dst = zg + (long long)i * L;
+    if ((L & 7) == 0 && aligned16(src, dst)) {
+        for (int c = threadIdx.x; c < L / 8; c += blockDim.x) reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
+        return;
+    }
+    for (int c = threadIdx.x; c < L; c += blockDim.x) dst[c] = src[c];
 }
 
-// act[i, f] = SiTU-GLU(h[i, f], h[i, F + f]) rounded to BF16 (the GEMM operand).
+// act[r, f] = SiTU-GLU(h[r, f], h[r, F + f]) rounded to BF16 (the GEMM operand). Rows r step
+// by gridDim.y, columns by the x grid (no division per element); 4 columns per thread when F
+// is a multiple of 4.
 extern "C" __global__ void moe_situ_split(const float* __restrict__ h, int n, int F, float beta, float lbeta, bf16_t* __restrict__ act) {
-    long long total = (long long)n * F;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-        long long r = i / F, f = i - r * F;
-        act[i] = f32_to_bf16(situ(h[r * 2 * F + f], h[r * 2 * F + F + f], beta, lbeta));
+    const int c0 = blockIdx.x * blockDim.x + threadIdx.x, cs = gridDim.x * blockDim.x;
+    for (int r = blockIdx.y; r < n; r += gridDim.y) {
+        const float* g = h + (long long)r * 2 * F;
+        bf16_t* o = act + (long long)r * F;
+        if ((F & 3) == 0 && aligned16(g, g + F)) {
+            for (int c = c0; c < F / 4; c += cs) {
+                const float4 a = reinterpret_cast<const float4*>(g)[c], u = reinterpret_cast<const float4*>(g + F)[c];
+                const unsigned int lo = (unsigned int)f32_to_bf16(situ(a.x, u.x, beta, lbeta)) | ((unsigned int)f32_to_bf16(situ(a.y, u.y, beta, lbeta)) << 16);
+                const unsigned int hi = (unsigned int)f32_to_bf16(situ(a.z, u.z, beta, lbeta)) | ((unsigned int)f32_to_bf16(situ(a.w, u.w, beta, lbeta)) << 16);
+                reinterpret_cast<uint2*>(o)[c] = make_uint2(lo, hi);
+            }
+        } else {
+            for (int c = c0; c < F; c += cs) o[c] = f32_to_bf16(situ(g[c], g[F + c], beta, lbeta));
+        }
     }
 }
 
@@ -393,12 +414,17 @@ extern "C" __global__ void moe_situ_split_bf16(const bf16_t* __restrict__ h, int
     }
 }
 
-// y[pairs[i], :] = yg[i, :].
+// y[pairs[i], :] = yg[i, :] (one block per row, 16-byte copies when L is a multiple of 4).
 extern "C" __global__ void moe_scatter(const float* __restrict__ yg, const int* __restrict__ pairs, int n, int L, float* __restrict__ y) {
     int i = blockIdx.x;
     if (i >= n) return;
-    long long dst = (long long)pairs[i] * L;
-    for (int c = threadIdx.x; c < L; c += blockDim.x) y[dst + c] = yg[(long long)i * L + c];
+    const float* src = yg + (long long)i * L;
+    float* dst = y + (long long)pairs[i] * L;
+    if ((L & 3) == 0 && aligned16(src, dst)) {
+        for (int c = threadIdx.x; c < L / 4; c += blockDim.x) reinterpret_cast<float4*>(dst)[c] = reinterpret_cast<const float4*>(src)[c];
+        return;
+    }
+    for (int c = threadIdx.x; c < L; c += blockDim.x) dst[c] = src[c];
 }
 
 // ---- reference precision (F32 inputs; any T; capturable) -----------------------------------
