@@ -13,6 +13,10 @@
 //! of 448×448 (`--video-size PX`) at the processor's 2 frames/s, decoded, sampled, chunked (4
 //! frames per tower sample) and run through tower + merger + projector on the GPU.
 //!
+//! `--host-only` (no GPU needed): times the host side of one GPU call (`complete`) for
+//! `--batch B` (default 8) copies of the image, piece by piece (see `mod host`); `--stages`
+//! adds the downloads of the tower's and merger's outputs.
+//!
 //! `--attention` (with `--cuda`) also times one layer's attention alone at the same packed shape
 //! (`B` samples of the image's patches, 12 heads of 128, random BF16 `qkv`): the fused kernel
 //! (`vit_flash_attention`) in each of its tile shapes and the cuBLAS form
@@ -89,6 +93,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         |n: &str| -> k3_vision::Result<Tensor> { w.get(n).cloned().ok_or_else(|| k3_vision::VisionError::Weight { name: n.into(), msg: "missing".into() }) };
     #[allow(unused_mut)]
     let mut vm = VisionModel::from_parts(spec, proc_cfg.clone(), &get, 163605)?;
+    if std::env::args().any(|a| a == "--host-only") {
+        return host::run(&vm, &path, arg("--batch", 8), iters.max(1));
+    }
     #[cfg(feature = "cuda")]
     if std::env::args().any(|a| a == "--cuda") {
         cuda::run(&mut vm, &path, arg("--batch", 1), iters)?;
@@ -138,6 +145,82 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         n / tp
     );
     Ok(())
+}
+
+/// `--host-only`: the host side of one GPU call (`VisionModel::complete` → `CudaVision::encode`
+/// → `tower`) for `--batch B` copies of the image, piece by piece, without a GPU.
+mod host {
+    use std::path::Path;
+    use std::time::Instant;
+
+    use k3_vision::preprocess::preprocess_file;
+    use k3_vision::tower::{patch_positions, rope_side, rope_table};
+    use k3_vision::VisionModel;
+
+    /// Best of `iters` runs of `f` in ms (after one warm-up run).
+    fn time<T>(iters: usize, mut f: impl FnMut() -> T) -> f64 {
+        std::hint::black_box(f());
+        (0..iters)
+            .map(|_| {
+                let t0 = Instant::now();
+                std::hint::black_box(f());
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    pub fn run(vm: &VisionModel, path: &Path, batch: usize, iters: usize) -> Result<(), Box<dyn std::error::Error>> {
+        let p = preprocess_file(path, &vm.processor)?;
+        let g = p.grid_thw;
+        let d = vm.spec.tower;
+        let (c, th) = (d.hidden, vm.spec.text_hidden);
+        let (l, n) = (g[0] * g[1] * g[2], (g[1] / vm.spec.merge.0) * (g[2] / vm.spec.merge.1));
+        let grids = vec![g; batch];
+        let px: Vec<Vec<f32>> = (0..batch).map(|_| p.pixel_values.clone()).collect();
+        let samples: Vec<(&[f32], [usize; 3])> = px.iter().map(|v| (v.as_slice(), g)).collect();
+        let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l[l.find(':').map_or(0, |i| i + 1)..].trim().to_string()));
+        println!(
+            "host side of one GPU call: {batch} x grid {g:?} ({} rows, {} tokens), C {c}, text width {th}; {} rayon threads on {}; best of {iters} (ms)",
+            batch * l,
+            batch * n,
+            rayon::current_num_threads(),
+            cpu.unwrap_or_else(|| "?".into())
+        );
+        let mb = |floats: usize| floats as f64 * 4.0 / 1e6;
+        let row = |name: &str, ms: f64| println!("  {name:<58} {ms:>9.2}");
+        row("check_input, packed call", time(iters, || vm.tower.check_input(&p.pixel_values, &[g]).map(|_| ())));
+        let packed = time(iters, || samples.iter().flat_map(|s| s.0.iter().copied()).collect::<Vec<f32>>());
+        row(&format!("pixels packed into one Vec ({:.0} MB)", mb(batch * px[0].len())), packed);
+        let pos = time(iters, || vm.tower.position_rows(&grids));
+        row(&format!("position_rows ({:.0} MB)", mb(batch * l * c)), pos);
+        let rope = time(iters, || {
+            let (cos, sin) = rope_table(d.head_dim(), rope_side(&grids));
+            let rc: Vec<i32> = patch_positions(&grids).into_iter().flat_map(|(r, c)| [r as i32, c as i32]).collect();
+            (cos, sin, rc)
+        });
+        row("rope_table + patch_positions as i32", rope);
+        // Stand-in for `to_f32_vec` of a stage (the driver's copy into a fresh pageable Vec<u8>,
+        // `pod_collect_to_vec` into a Vec<f32>) and the per-sample copies; `--stages` adds the
+        // tower's and merger's outputs to the projected features.
+        let stages = std::env::args().any(|a| a == "--stages");
+        let k = c * vm.spec.merge.0 * vm.spec.merge.1;
+        for (name, per) in [("vit_out", l * c), ("merged", n * k), ("projected", n * th)] {
+            if name != "projected" && !stages {
+                continue;
+            }
+            let dev = vec![1f32; batch * per];
+            let down = time(iters, || {
+                let mut b = vec![0u8; dev.len() * 4];
+                b.copy_from_slice(bytemuck::cast_slice(&dev));
+                let all: Vec<f32> = bytemuck::pod_collect_to_vec(&b);
+                drop(b);
+                (0..batch).map(|i| all[i * per..(i + 1) * per].to_vec()).collect::<Vec<_>>()
+            });
+            row(&format!("{name} download stand-in + per-sample copies ({:.0} MB)", mb(dev.len())), down);
+        }
+        println!("  host→device from pageable memory (not timed here): pixels {:.0} MB, position rows {:.0} MB", mb(batch * px[0].len()), mb(batch * l * c));
+        Ok(())
+    }
 }
 
 #[cfg(feature = "cuda")]
