@@ -7,6 +7,8 @@
 //!   per op family; the model crate calls them by the same names as its layers.
 //! - [`comm`]: the communicators the parallel model runs on (world-1, in-process threads,
 //!   and NCCL with the `cuda` feature) and the TCP control plane that starts a world.
+//! - [`staging`]: the host side of large staged host↔device copies (windows of a bounce
+//!   buffer, copied in and out by rayon tasks).
 //! - [`fp8`]: the FP8 (E4M3, tile-scaled) cache formats, defined on the CPU for the GPU kernels.
 //! - [`kernels::cuda`] (feature `cuda`): the CUDA path, loaded at run time (cudarc).
 //!
@@ -21,6 +23,7 @@ pub mod error;
 pub mod fp8;
 pub mod kernels;
 pub mod npy;
+pub mod staging;
 pub mod tensor;
 
 pub use device::Device;

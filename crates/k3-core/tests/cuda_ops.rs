@@ -14,6 +14,7 @@ use cuda_common::{check, device, poisoned, rng, say, up};
 
 use half::bf16;
 use k3_core::cuda::blas::{self, Algo, Backend, GemmOptions, Layout};
+use k3_core::cuda::pinned::Staging;
 use k3_core::cuda::{self, bench, ops, CudaDevice, CudaTensor};
 use k3_core::kernels::cpu::{act, matmul, norm};
 use k3_core::{CoreError, DType, Tensor};
@@ -132,6 +133,29 @@ fn device_info_copies_and_allocator() {
     ev.record(&dev.stream()).unwrap();
     side.wait(&ev).unwrap();
     side.synchronize().unwrap();
+}
+
+/// `Staging` (page-locked bounce buffer) moves uneven host slices into a tensor and back
+/// through several buffer-fulls each way, bit for bit; `read_f32` reads a range; a size
+/// mismatch is an error.
+#[test]
+fn staged_copies_and_ranges_round_trip() {
+    let test = "staged_copies_and_ranges_round_trip";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    let lens = [0usize, 3, 262_144, 700_001, 1];
+    let parts: Vec<Vec<f32>> = lens.iter().map(|&n| rand_vec(&mut r, n, -1.0, 1.0)).collect();
+    let all = parts.concat();
+    let t = poisoned(&dev, DType::F32, vec![all.len()]);
+    let mut st = Staging::new(&dev, 1).unwrap();
+    st.upload(&t, &parts.iter().map(|p| bytemuck::cast_slice::<f32, u8>(p)).collect::<Vec<_>>()).unwrap();
+    assert_eq!(t.to_f32_vec().unwrap(), all, "upload through a 1 MiB buffer");
+    let mut back: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+    st.download(&t, &mut back.iter_mut().map(|v| bytemuck::cast_slice_mut::<f32, u8>(v)).collect::<Vec<_>>()).unwrap();
+    assert_eq!(back, parts, "download through a 1 MiB buffer");
+    assert_eq!(t.read_f32(3, 5).unwrap(), all[3..8]);
+    assert!(t.read_f32(all.len() - 1, 2).is_err());
+    assert!(st.upload(&t, &[&[0u8; 4]]).is_err());
 }
 
 #[test]

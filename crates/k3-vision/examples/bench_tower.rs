@@ -13,6 +13,10 @@
 //! of 448×448 (`--video-size PX`) at the processor's 2 frames/s, decoded, sampled, chunked (4
 //! frames per tower sample) and run through tower + merger + projector on the GPU.
 //!
+//! `--host-only` (no GPU needed): times the host side of one GPU call (`complete`) for
+//! `--batch B` (default 8) copies of the image, piece by piece (see `mod host`); `--stages`
+//! adds the downloads of the tower's and merger's outputs.
+//!
 //! `--attention` (with `--cuda`) also times one layer's attention alone at the same packed shape
 //! (`B` samples of the image's patches, 12 heads of 128, random BF16 `qkv`): the fused kernel
 //! (`vit_flash_attention`) in each of its tile shapes and the cuBLAS form
@@ -89,6 +93,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         |n: &str| -> k3_vision::Result<Tensor> { w.get(n).cloned().ok_or_else(|| k3_vision::VisionError::Weight { name: n.into(), msg: "missing".into() }) };
     #[allow(unused_mut)]
     let mut vm = VisionModel::from_parts(spec, proc_cfg.clone(), &get, 163605)?;
+    if std::env::args().any(|a| a == "--host-only") {
+        return host::run(&vm, &path, arg("--batch", 8), iters.max(1));
+    }
     #[cfg(feature = "cuda")]
     if std::env::args().any(|a| a == "--cuda") {
         cuda::run(&mut vm, &path, arg("--batch", 1), iters)?;
@@ -138,6 +145,150 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         n / tp
     );
     Ok(())
+}
+
+/// `--host-only`: the host side of one GPU call (`VisionModel::complete` → `CudaVision::encode`
+/// → `tower_parts`) for `--batch B` copies of the image, piece by piece, without a GPU: as the
+/// code runs it now, and the pieces as they were before (issue 24's profile) for comparison.
+/// Device copies are not timed (no GPU); their host side is: the staging buffer's copies in
+/// and out (`k3_core::staging`; a plain `Vec` stands in for the page-locked buffer).
+mod host {
+    use std::path::Path;
+    use std::time::Instant;
+
+    use k3_core::staging::{fresh_f32, gather, pieces, pieces_mut, scatter, windows, BUFFER_BYTES};
+    use k3_vision::preprocess::preprocess_file;
+    use k3_vision::tower::{patch_positions, rope_side, rope_table};
+    use k3_vision::VisionModel;
+
+    /// Best of `iters` runs of `f` in ms (after one warm-up run).
+    fn time<T>(iters: usize, mut f: impl FnMut() -> T) -> f64 {
+        std::hint::black_box(f());
+        (0..iters)
+            .map(|_| {
+                let t0 = Instant::now();
+                std::hint::black_box(f());
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// The host side of `Staging::upload` of `parts` (the DMA itself not included).
+    fn staged_in(buf: &mut [u8], parts: &[&[u8]]) {
+        let ins = pieces(parts);
+        let lens: Vec<usize> = ins.iter().map(|p| p.len()).collect();
+        for (i, j, _) in windows(&lens, buf.len()) {
+            gather(buf, &ins[i..j]);
+        }
+    }
+
+    /// The host side of `CudaVision::download_rows` into `blocks` fresh `Vec`s of `per` floats
+    /// (`huge`: as it runs, with `fresh_f32`'s huge-page advice; else plain `vec!`).
+    fn staged_out(buf: &[u8], blocks: usize, per: usize, huge: bool) -> Vec<Vec<f32>> {
+        let mut out: Vec<Vec<f32>> = (0..blocks).map(|_| if huge { fresh_f32(per) } else { vec![0f32; per] }).collect();
+        let mut bytes: Vec<&mut [u8]> = out.iter_mut().map(|v| bytemuck::cast_slice_mut::<f32, u8>(v)).collect();
+        let mut outs = pieces_mut(&mut bytes);
+        let lens: Vec<usize> = outs.iter().map(|p| p.len()).collect();
+        for (i, j, _) in windows(&lens, buf.len()) {
+            scatter(buf, &mut outs[i..j]);
+        }
+        drop(outs);
+        out
+    }
+
+    pub fn run(vm: &VisionModel, path: &Path, batch: usize, iters: usize) -> Result<(), Box<dyn std::error::Error>> {
+        let p = preprocess_file(path, &vm.processor)?;
+        let g = p.grid_thw;
+        let d = vm.spec.tower;
+        let (c, th, k) = (d.hidden, vm.spec.text_hidden, d.hidden * vm.spec.merge.0 * vm.spec.merge.1);
+        let (l, n) = (g[0] * g[1] * g[2], (g[1] / vm.spec.merge.0) * (g[2] / vm.spec.merge.1));
+        let grids = vec![g; batch];
+        let px: Vec<Vec<f32>> = (0..batch).map(|_| p.pixel_values.clone()).collect();
+        let parts: Vec<&[f32]> = px.iter().map(|v| v.as_slice()).collect();
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l[l.find(':').map_or(0, |i| i + 1)..].trim().to_string()));
+        println!(
+            "host side of one GPU call: {batch} x grid {g:?} ({} rows, {} tokens), C {c}, text width {th}; {} rayon threads on {}; best of {iters} (ms)",
+            batch * l,
+            batch * n,
+            rayon::current_num_threads(),
+            cpu.unwrap_or_else(|| "?".into())
+        );
+        let mb = |floats: usize| floats as f64 * 4.0 / 1e6;
+        let row = |name: &str, ms: f64| println!("  {name:<66} {ms:>9.2}");
+        // `--stages` adds the tower's and merger's outputs to the projected features.
+        let stages = std::env::args().any(|a| a == "--stages");
+        let downloads: Vec<(&str, usize)> =
+            [("vit_out", l * c), ("merged", n * k), ("projected", n * th)].into_iter().filter(|s| stages || s.0 == "projected").collect();
+        let mut total = 0.0;
+        let mut add = |name: &str, ms: f64| {
+            row(name, ms);
+            total += ms;
+        };
+
+        println!(" now:");
+        add("check_parts", time(iters, || vm.tower.check_parts(&parts, &grids).map(|_| ())));
+        add(
+            "sample_rows per sample (cached per grid; GPU copy cached too)",
+            time(iters, || grids.iter().map(|&g| vm.tower.sample_rows(g)).collect::<Vec<_>>()),
+        );
+        add("rope_table + patch_positions as i32", time(iters, || rope(d.head_dim(), &grids)));
+        let mut buf = vec![1u8; BUFFER_BYTES];
+        let bytes: Vec<&[u8]> = parts.iter().map(|p| bytemuck::cast_slice::<f32, u8>(p)).collect();
+        add(&format!("pixels into the staging buffer ({:.0} MB)", mb(batch * px[0].len())), time(iters, || staged_in(&mut buf, &bytes)));
+        for &(name, per) in &downloads {
+            add(
+                &format!("{name} out of the staging buffer into {batch} fresh Vecs ({:.0} MB)", mb(batch * per)),
+                time(iters, || staged_out(&buf, batch, per, true)),
+            );
+        }
+        row("total", total);
+        let (name, per) = downloads[downloads.len() - 1];
+        row(&format!("(the {name} without the huge-page advice: 4 KiB page faults)"), time(iters, || staged_out(&buf, batch, per, false)));
+        row(&format!("first call of a new size only: pos_embedding {}x{}", g[1], g[2]), time(iters, || vm.tower.pos_embedding(g[1], g[2])));
+
+        println!(" before (issue 24's profile):");
+        total = 0.0;
+        let mut add = |name: &str, ms: f64| {
+            row(name, ms);
+            total += ms;
+        };
+        add("check_input", time(iters, || vm.tower.check_input(&p.pixel_values, &[g]).map(|_| ())));
+        add(
+            &format!("pixels packed into one Vec ({:.0} MB)", mb(batch * px[0].len())),
+            time(iters, || parts.iter().flat_map(|s| s.iter().copied()).collect::<Vec<f32>>()),
+        );
+        let old_pos = time(iters, || {
+            let mut out = Vec::with_capacity(batch * l * c);
+            for &[_, h, w] in &grids {
+                out.extend_from_slice(&vm.tower.pos_embedding(h, w));
+            }
+            out
+        });
+        add(&format!("position_rows recomputed per call ({:.0} MB)", mb(batch * l * c)), old_pos);
+        add("rope_table + patch_positions as i32", time(iters, || rope(d.head_dim(), &grids)));
+        // `to_f32_vec` (the driver's copy into a fresh pageable Vec<u8> (a memcpy stands in),
+        // `pod_collect_to_vec` into a Vec<f32>) and the per-sample copies.
+        for &(name, per) in &downloads {
+            let dev = vec![1f32; batch * per];
+            let down = time(iters, || {
+                let mut b = vec![0u8; dev.len() * 4];
+                b.copy_from_slice(bytemuck::cast_slice(&dev));
+                let all: Vec<f32> = bytemuck::pod_collect_to_vec(&b);
+                drop(b);
+                (0..batch).map(|i| all[i * per..(i + 1) * per].to_vec()).collect::<Vec<_>>()
+            });
+            add(&format!("{name}: to_f32_vec stand-in + per-sample copies ({:.0} MB)", mb(dev.len())), down);
+        }
+        row("total (plus uploading pixels and position rows from pageable memory)", total);
+        Ok(())
+    }
+
+    fn rope(hd: usize, grids: &[[usize; 3]]) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
+        let (cos, sin) = rope_table(hd, rope_side(grids));
+        (cos, sin, patch_positions(grids).into_iter().flat_map(|(r, c)| [r as i32, c as i32]).collect())
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -11,28 +11,42 @@
 //! The residual stream, norms, RoPE, softmax and merge are f32 in both. Attention: in BF16,
 //! `vit_rope` writes the rotated `qkv` as BF16 and `vit_attention` runs the fused flash kernel on
 //! it (`k3_core::cuda::vision::vit_flash_attention`, head dims a multiple of 8 up to 128); in F32
-//! it runs the cuBLAS form (score GEMM, softmax, `P·V` GEMM). Small tables are
-//! computed on the host exactly as the CPU path does and uploaded per call: each row's position
-//! embedding plus time row ([`VisionTower::position_rows`]; the CPU adds the two one after the
-//! other, here their sum is added), the RoPE cos/sin table and each row's patch position.
+//! it runs the cuBLAS form (score GEMM, softmax, `P·V` GEMM). Tables are computed on the host
+//! exactly as the CPU path does: each sample's position embedding plus time rows
+//! ([`VisionTower::sample_rows`]; the CPU adds the two one after the other, here their sum is
+//! added) is uploaded once per grid and kept on the device (`row_cache.rs`: images of one size
+//! share it); the RoPE cos/sin table and each row's patch position are uploaded per call.
 //! GEMMs run through cuBLAS (`Backend::Cublas`: any leading dimension, e.g. `P = 588`).
+//!
+//! Host side (issue 24: it was ~85% of a call): the samples' pixels go up part by part and the
+//! features come back straight into each sample's `Vec`, both through one page-locked staging
+//! buffer ([`Staging`], [`STAGING_BYTES`]) whose host copies are spread over rayon threads — no
+//! packed pixel `Vec`, no whole-batch feature `Vec` and per-sample copies of it.
+
+use std::sync::Mutex;
 
 use half::bf16;
 use k3_core::cuda::blas::{gemm, Backend, GemmOptions, Layout};
 use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols};
+use k3_core::cuda::pinned::Staging;
 use k3_core::cuda::vision::{vit_attention, vit_gelu_erf, vit_gelu_tanh, vit_merge, vit_rope};
 pub use k3_core::cuda::CudaDevice;
 use k3_core::cuda::CudaTensor;
 use k3_core::kernels::cpu::matmul::Matrix;
+use k3_core::staging::fresh_f32;
 use k3_core::DType;
 pub use k3_model::cuda::Precision;
 
 use crate::error::{input, Result, VisionError};
+use crate::row_cache::{lock, RowCache, ROW_CACHE_BYTES};
 use crate::tower::{patch_positions, rope_side, rope_table, TowerDims, TowerTrace, VisionTower, VIT_NORM_EPS};
 use crate::{Projector, VisionModel};
 
 /// Packed rows per tower call at most: longer lists of samples are cut into several calls.
 pub const PACK_ROWS: usize = 1 << 16;
+
+/// Bytes of the page-locked staging buffer of each [`CudaVision`].
+pub const STAGING_BYTES: usize = k3_core::staging::BUFFER_BYTES;
 
 struct Block {
     norm0: CudaTensor,
@@ -62,6 +76,9 @@ pub struct CudaVision {
     /// (tests and traces; default) or only the projected features a prompt needs (serving: the
     /// two extra F32 downloads and their per-sample copies were most of a call's host time).
     pub keep_stages: bool,
+    /// Every grid's position rows `[t·h·w, C]` on the device, made from the tower of the id.
+    pos_rows: Mutex<(u64, RowCache<CudaTensor>)>,
+    staging: Mutex<Staging>,
 }
 
 /// One sample's stages on the host: `vit_out` `[t·h·w, C]`, `merged` `[n, kh·kw·C]`,
@@ -147,6 +164,8 @@ impl CudaVision {
             post_norm: vector(dev, &pj.post_norm, "mm_projector.post_norm.weight")?,
             eps: pj.eps,
             keep_stages: true,
+            pos_rows: Mutex::new((tw.id(), RowCache::new(ROW_CACHE_BYTES))),
+            staging: Mutex::new(Staging::new(dev, STAGING_BYTES)?),
         })
     }
 
@@ -164,21 +183,84 @@ impl CudaVision {
         Ok(out)
     }
 
+    /// The host slices `parts`, in order, into all of `dst` through the staging buffer.
+    fn upload_f32(&self, dst: &CudaTensor, parts: &[&[f32]]) -> Result<()> {
+        let bytes: Vec<&[u8]> = parts.iter().map(|p| bytemuck::cast_slice::<f32, u8>(p)).collect();
+        Ok(lock(&self.staging).upload(dst, &bytes)?)
+    }
+
+    /// `src` F32 `[R, W]` on the host, cut into consecutive blocks of `rows[i]` rows (straight
+    /// into each block's fresh `Vec` through the staging buffer; waits for the stream).
+    pub fn download_rows(&self, src: &CudaTensor, rows: &[usize]) -> Result<Vec<Vec<f32>>> {
+        if src.dtype() != DType::F32 {
+            return Err(input(format!("download_rows takes F32 tensors, not {src:?}")));
+        }
+        let w = src.last_dim();
+        let mut out: Vec<Vec<f32>> = rows.iter().map(|&r| fresh_f32(r * w)).collect();
+        let mut bytes: Vec<&mut [u8]> = out.iter_mut().map(|v| bytemuck::cast_slice_mut::<f32, u8>(v)).collect();
+        lock(&self.staging).download(src, &mut bytes)?;
+        drop(bytes);
+        Ok(out)
+    }
+
+    /// One sample's position rows on the device, `[t·h·w, C]` ([`VisionTower::sample_rows`],
+    /// uploaded on the grid's first use and kept).
+    fn sample_rows(&self, cpu: &VisionTower, grid: [usize; 3]) -> Result<CudaTensor> {
+        let mut cache = lock(&self.pos_rows);
+        if cache.0 != cpu.id() {
+            *cache = (cpu.id(), RowCache::new(ROW_CACHE_BYTES));
+        }
+        if let Some(t) = cache.1.get(grid) {
+            return Ok(t);
+        }
+        let (host, c) = (cpu.sample_rows(grid), self.dims.hidden);
+        let t = CudaTensor::uninit(&self.dev, DType::F32, vec![host.len() / c, c])?;
+        self.upload_f32(&t, &[&host])?;
+        cache.1.insert(grid, t.clone(), t.byte_len());
+        Ok(t)
+    }
+
+    /// What is added to the patch embeddings of the packed batch, F32 `[L, C]`: the samples'
+    /// cached rows (one sample: its entry itself; several: copied side by side on the device).
+    fn position_rows(&self, cpu: &VisionTower, grids: &[[usize; 3]], l: usize) -> Result<CudaTensor> {
+        let rows = grids.iter().map(|&g| self.sample_rows(cpu, g)).collect::<Result<Vec<_>>>()?;
+        if let [one] = rows.as_slice() {
+            return Ok(one.clone());
+        }
+        let all = CudaTensor::uninit(&self.dev, DType::F32, vec![l, self.dims.hidden])?;
+        let mut at = 0;
+        for r in &rows {
+            all.copy_range(at, r, 0, r.byte_len())?;
+            at += r.byte_len();
+        }
+        Ok(all)
+    }
+
     /// The tower on packed patches `pixels` `[L, 3, ps, ps]` of samples `grids` (checked as the
     /// CPU tower checks them, against `cpu`, whose host tables are used): F32 `[L, C]` after
     /// `final_layernorm`. `trace` receives `vit_patch_embed` and `vit_block{j}_out` (copied to
     /// the host; only when given).
-    pub fn tower(&self, cpu: &VisionTower, pixels: &[f32], grids: &[[usize; 3]], mut trace: TowerTrace<'_>) -> Result<CudaTensor> {
-        let l = cpu.check_input(pixels, grids)?;
+    pub fn tower(&self, cpu: &VisionTower, pixels: &[f32], grids: &[[usize; 3]], trace: TowerTrace<'_>) -> Result<CudaTensor> {
+        self.tower_parts(cpu, &[pixels], grids, trace)
+    }
+
+    /// [`Self::tower`] on the batch packed from the slices `parts` in order (uploaded one after
+    /// the other, never concatenated on the host).
+    pub fn tower_parts(&self, cpu: &VisionTower, parts: &[&[f32]], grids: &[[usize; 3]], mut trace: TowerTrace<'_>) -> Result<CudaTensor> {
+        let l = cpu.check_parts(parts, grids)?;
         if cpu.dims != self.dims {
             return Err(input(format!("the GPU tower was uploaded for {:?}, the host tower is {:?}", self.dims, cpu.dims)));
         }
         let (d, dev, dt) = (self.dims, &self.dev, self.dtype());
         let (c, p, hd) = (d.hidden, 3 * d.patch * d.patch, d.head_dim());
-        let px = self.gemm_input(&CudaTensor::from_f32(dev, vec![l, p], pixels)?)?;
+        let px = {
+            let px = CudaTensor::uninit(dev, DType::F32, vec![l, p])?;
+            self.upload_f32(&px, parts)?;
+            self.gemm_input(&px)?
+        };
         let x = lin(&px, &self.patch_embed, DType::F32)?;
         drop(px);
-        add_assign(&x, &CudaTensor::from_f32(dev, vec![l, c], &cpu.position_rows(grids))?)?;
+        add_assign(&x, &self.position_rows(cpu, grids, l)?)?;
         if let Some(f) = trace.as_mut() {
             f("vit_patch_embed", &x.to_f32_vec()?);
         }
@@ -253,24 +335,20 @@ impl CudaVision {
                 rows += rows_of(grids[end]);
                 end += 1;
             }
-            let pixels: Vec<f32> = samples[start..end].iter().flat_map(|s| s.0.iter().copied()).collect();
+            let parts: Vec<&[f32]> = samples[start..end].iter().map(|s| s.0).collect();
             let g = &grids[start..end];
-            let vit = self.tower(cpu, &pixels, g, None)?;
+            let vit = self.tower_parts(cpu, &parts, g, None)?;
             let merged = self.merge(&vit, g)?;
             let projected = self.project(&merged)?;
-            let (vit, merged) = if self.keep_stages { (vit.to_f32_vec()?, merged.to_f32_vec()?) } else { (Vec::new(), Vec::new()) };
-            let projected = projected.to_f32_vec()?;
-            let (c, k, th) = (self.dims.hidden, kh * kw * self.dims.hidden, self.post_norm.numel());
-            let (mut r, mut tok) = (0, 0);
-            for &grid in g {
-                let (n, nt) = (rows_of(grid), (grid[1] / kh) * (grid[2] / kw));
-                out.push(Stages {
-                    vit_out: if self.keep_stages { vit[r * c..(r + n) * c].to_vec() } else { Vec::new() },
-                    merged: if self.keep_stages { merged[tok * k..(tok + nt) * k].to_vec() } else { Vec::new() },
-                    projected: projected[tok * th..(tok + nt) * th].to_vec(),
-                });
-                r += n;
-                tok += nt;
+            let rows: Vec<usize> = g.iter().map(|&grid| rows_of(grid)).collect();
+            let tokens: Vec<usize> = g.iter().map(|grid| (grid[1] / kh) * (grid[2] / kw)).collect();
+            let (vit, merged) = match self.keep_stages {
+                true => (self.download_rows(&vit, &rows)?, self.download_rows(&merged, &tokens)?),
+                false => (vec![Vec::new(); g.len()], vec![Vec::new(); g.len()]),
+            };
+            let projected = self.download_rows(&projected, &tokens)?;
+            for ((vit_out, merged), projected) in vit.into_iter().zip(merged).zip(projected) {
+                out.push(Stages { vit_out, merged, projected });
             }
             start = end;
         }

@@ -9,7 +9,8 @@
 //!
 //! - [`preprocess`]: decode, resize plan, Pillow-exact resize ([`resample`]), chessboard fill,
 //!   pad, normalise, patchify; limits from `preprocessor_config.json`.
-//! - [`tower`], [`merger`], [`projector`]: the three model stages.
+//! - [`tower`], [`merger`], [`projector`]: the three model stages; [`row_cache`] keeps each
+//!   image size's position rows (host and GPU).
 //! - [`prompt`]: the media block, pad runs and the one-pad-per-image expansion.
 //! - [`video`], [`video_decode`]: video sampling, per-frame resize, chunks of up to 4 frames (one
 //!   sample of grid `(t, h, w)` each) and their prompt blocks; MP4/H.264, GIF, WebP decoding,
@@ -36,6 +37,7 @@ pub mod preprocess;
 pub mod projector;
 pub mod prompt;
 pub mod resample;
+pub mod row_cache;
 pub mod tower;
 pub mod video;
 pub mod video_decode;
@@ -304,17 +306,8 @@ impl VisionModel {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &self.gpu {
             let vit = gpu.tower(&self.tower, pixel_values, grids, trace)?;
-            let all = gpu.project(&gpu.merge(&vit, grids)?)?.to_f32_vec()?;
-            let th = self.spec.text_hidden;
-            let mut off = 0;
-            return Ok(grids
-                .iter()
-                .map(|&g| {
-                    let n = prompt::num_image_tokens(g, self.spec.merge.0, self.spec.merge.1);
-                    off += n;
-                    all[(off - n) * th..off * th].to_vec()
-                })
-                .collect());
+            let tokens: Vec<usize> = grids.iter().map(|&g| prompt::num_image_tokens(g, self.spec.merge.0, self.spec.merge.1)).collect();
+            return gpu.download_rows(&gpu.project(&gpu.merge(&vit, grids)?)?, &tokens);
         }
         let vit = self.tower.forward(pixel_values, grids, trace)?;
         let (c, (kh, kw)) = (self.spec.tower.hidden, self.spec.merge);

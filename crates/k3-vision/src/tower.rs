@@ -14,6 +14,12 @@
 //! - Attention: 2-D RoPE on adjacent channel pairs (even pair k/2 → column, odd → row,
 //!   `f_k = 10000^(−4k/hd)`), scale `hd^−½`, bidirectional within a sample only.
 //! - `final_layernorm` (an RMSNorm) closes the tower.
+//!
+//! Each grid's position rows (`[t·h·w, C]`) are computed once and cached, bounded in bytes
+//! ([`VisionTower::sample_rows`], `row_cache.rs`): images of one size share them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use k3_core::kernels::cpu::act::softmax_inplace;
 use k3_core::kernels::cpu::matmul::{linear, Matrix};
@@ -21,6 +27,7 @@ use k3_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{input, Result, VisionError};
+use crate::row_cache::{lock, RowCache, ROW_CACHE_BYTES};
 
 /// The RoPE table of the reference covers grids up to 512 × 512 patches.
 pub const ROPE_MAX_SIDE: usize = 512;
@@ -68,7 +75,14 @@ pub struct VisionTower {
     pub pos_emb_bf16: bool,
     pub blocks: Vec<Block>,
     pub final_norm: Vec<f32>,
+    /// [`VisionTower::sample_rows`] per grid `[t, h, w]`.
+    rows: Mutex<RowCache<Arc<Vec<f32>>>>,
+    /// Unique per loaded tower (what the GPU's copy of the rows was made from).
+    id: u64,
 }
+
+/// The next [`VisionTower::id`].
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 /// Callback for named intermediates `[rows, width]`: `vit_patch_embed`, `vit_block{j}_out`.
 pub type TowerTrace<'a> = Option<&'a mut dyn FnMut(&str, &[f32])>;
@@ -177,7 +191,13 @@ impl VisionTower {
             })
             .collect::<Result<Vec<_>>>()?;
         let final_norm = vec_f32(get, "vision_tower.encoder.final_layernorm.weight", &[c])?;
-        Ok(VisionTower { dims, patch_embed, pos_emb, pos_emb_bf16, blocks, final_norm })
+        let (rows, id) = (Mutex::new(RowCache::new(ROW_CACHE_BYTES)), NEXT_ID.fetch_add(1, Ordering::Relaxed));
+        Ok(VisionTower { dims, patch_embed, pos_emb, pos_emb_bf16, blocks, final_norm, rows, id })
+    }
+
+    /// Unique per loaded tower: what keys a copy of its [`Self::sample_rows`] elsewhere (the GPU's).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The position table resized to `(h, w)`, flattened row-major: `[h·w, C]`.
@@ -204,7 +224,13 @@ impl VisionTower {
 
     /// Checks a packed batch: returns `L`.
     pub fn check_input(&self, pixels: &[f32], grids: &[[usize; 3]]) -> Result<usize> {
+        self.check_parts(&[pixels], grids)
+    }
+
+    /// [`Self::check_input`] of the batch packed from `parts` in order (not concatenated).
+    pub fn check_parts(&self, parts: &[&[f32]], grids: &[[usize; 3]]) -> Result<usize> {
         let p = 3 * self.dims.patch * self.dims.patch;
+        let values: usize = parts.iter().map(|x| x.len()).sum();
         let mut l = 0;
         for (i, &[t, h, w]) in grids.iter().enumerate() {
             if t == 0 || h == 0 || w == 0 {
@@ -218,26 +244,41 @@ impl VisionTower {
             }
             l += t * h * w;
         }
-        if l == 0 || pixels.len() != l * p {
-            return Err(input(format!("pixel_values hold {} values; the grids ask for {l} patches × {p}", pixels.len())));
+        if l == 0 || values != l * p {
+            return Err(input(format!("pixel_values hold {values} values; the grids ask for {l} patches × {p}")));
         }
         Ok(l)
     }
 
-    /// What is added to the patch embeddings of a packed batch, `[L, C]`: each frame's resized
-    /// position table, plus for `t > 1` that frame's time row (the GPU tower uploads this).
+    /// What is added to the patch embeddings of one sample of grid `[t, h, w]`, `[t·h·w, C]`:
+    /// each frame's resized position table ([`Self::pos_embedding`]), plus for `t > 1` that frame's
+    /// time row (summed, for the GPU tower; the CPU tower adds the two one after the other); cached per grid.
+    pub fn sample_rows(&self, grid: [usize; 3]) -> Arc<Vec<f32>> {
+        if let Some(r) = lock(&self.rows).get(grid) {
+            return r;
+        }
+        let ([t, h, w], c) = (grid, self.dims.hidden);
+        let rows = if t == 1 {
+            self.pos_embedding(h, w)
+        } else {
+            let (pos, te) = (self.sample_rows([1, h, w]), time_embedding(t, c));
+            let mut out = vec![0f32; t * h * w * c];
+            out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
+                let (tau, r) = (i / (h * w), i % (h * w));
+                o.iter_mut().zip(&pos[r * c..(r + 1) * c]).zip(&te[tau * c..(tau + 1) * c]).for_each(|((o, a), b)| *o = a + b);
+            });
+            out
+        };
+        let rows = Arc::new(rows);
+        lock(&self.rows).insert(grid, rows.clone(), rows.len() * 4);
+        rows
+    }
+
+    /// [`Self::sample_rows`] of every sample of a packed batch, in order: `[L, C]`.
     pub fn position_rows(&self, grids: &[[usize; 3]]) -> Vec<f32> {
-        let c = self.dims.hidden;
-        let mut out = Vec::with_capacity(grids.iter().map(|g| g[0] * g[1] * g[2] * c).sum());
-        for &[t, h, w] in grids {
-            let pos = self.pos_embedding(h, w);
-            let time = (t > 1).then(|| time_embedding(t, c));
-            for tau in 0..t {
-                match &time {
-                    Some(te) => out.extend(pos.chunks_exact(c).flat_map(|r| r.iter().zip(&te[tau * c..(tau + 1) * c]).map(|(a, b)| a + b))),
-                    None => out.extend_from_slice(&pos),
-                }
-            }
+        let mut out = Vec::with_capacity(grids.iter().map(|g| g[0] * g[1] * g[2] * self.dims.hidden).sum());
+        for &g in grids {
+            out.extend_from_slice(&self.sample_rows(g));
         }
         out
     }
@@ -250,11 +291,11 @@ impl VisionTower {
         linear(pixels, l, &self.patch_embed, &mut x)?;
         let mut off = 0;
         for &[t, h, w] in grids {
-            let pos = self.pos_embedding(h, w);
+            let pos = self.sample_rows([1, h, w]);
             let time = (t > 1).then(|| time_embedding(t, c));
             for tau in 0..t {
                 let rows = &mut x[(off + tau * h * w) * c..(off + (tau + 1) * h * w) * c];
-                rows.iter_mut().zip(&pos).for_each(|(a, b)| *a += b);
+                rows.iter_mut().zip(pos.iter()).for_each(|(a, b)| *a += b);
                 if let Some(te) = &time {
                     rows.par_chunks_mut(c).for_each(|r| r.iter_mut().zip(&te[tau * c..(tau + 1) * c]).for_each(|(a, b)| *a += b));
                 }
@@ -455,6 +496,83 @@ mod tests {
         let b = naive_attention(&qkv[90 * 3 * dq..], dq, heads, 6);
         for (g, w) in got.iter().zip(a.iter().chain(&b)) {
             assert!((g - w).abs() < 1e-5, "{g} vs {w}");
+        }
+    }
+
+    /// A tower with only the patch embedding and position table (C 8, table 6×5), random values.
+    fn tiny_tower(bf16: bool) -> VisionTower {
+        let dims = TowerDims { hidden: 8, heads: 2, qkv: 8, intermediate: 8, layers: 0, patch: 2, pos_h: 6, pos_w: 5, pos_t: 4 };
+        let get = |name: &str| -> Result<Tensor> {
+            let shape = if name.ends_with("proj.weight") {
+                vec![8, 3, 2, 2]
+            } else if name.ends_with("pos_emb.weight") {
+                vec![6, 5, 8]
+            } else {
+                vec![8]
+            };
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n).map(|i| ((i * 7919 + name.len()) % 1000) as f32 / 333.0 - 1.5).collect();
+            Ok(if bf16 { Tensor::from_bf16(shape, &v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>())? } else { Tensor::from_f32(shape, &v)? })
+        };
+        VisionTower::load(dims, &get).unwrap()
+    }
+
+    /// The position rows as computed before the cache (serial, per call): the oracle.
+    fn serial_position_rows(tw: &VisionTower, grids: &[[usize; 3]]) -> Vec<f32> {
+        let (c, ih, iw) = (tw.dims.hidden, tw.dims.pos_h, tw.dims.pos_w);
+        let mut out = Vec::new();
+        for &[t, h, w] in grids {
+            let mut pos = vec![0f32; h * w * c];
+            for y in 0..h {
+                let (h0, h1, lh0, lh1) = bilinear_src(y, ih, h);
+                for x in 0..w {
+                    let (w0, w1, lw0, lw1) = bilinear_src(x, iw, w);
+                    for ch in 0..c {
+                        let at = |r: usize, q: usize| tw.pos_emb[(r * iw + q) * c + ch];
+                        let v = at(h0, w0) * (lh0 * lw0) + at(h0, w1) * (lh0 * lw1) + at(h1, w0) * (lh1 * lw0) + at(h1, w1) * (lh1 * lw1);
+                        pos[(y * w + x) * c + ch] = if tw.pos_emb_bf16 { round_bf16(v) } else { v };
+                    }
+                }
+            }
+            let te = time_embedding(t, c);
+            for tau in 0..t {
+                for r in pos.chunks_exact(c) {
+                    out.extend(r.iter().zip(&te[tau * c..(tau + 1) * c]).map(|(a, b)| if t > 1 { a + b } else { *a }));
+                }
+            }
+        }
+        out
+    }
+
+    /// `None` when `got` has `want`'s length and bits, else where they part.
+    fn first_diff(got: &[f32], want: &[f32]) -> Option<String> {
+        match got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits()) {
+            Some(i) => Some(format!("element {i}: {} vs {}", got[i], want[i])),
+            None => (got.len() != want.len()).then(|| format!("{} values vs {}", got.len(), want.len())),
+        }
+    }
+
+    /// The cached, parallel position rows are the serial computation's bits: cold and warm, for
+    /// images and t = 2..3 chunks, transposed grids (4×6 vs 6×4), down- and upscaled tables, bf16
+    /// and f32 tables, and with a cache so small that entries are evicted between calls.
+    #[test]
+    fn cached_position_rows_are_the_serial_computation() {
+        let grids = [[1, 4, 6], [1, 6, 4], [2, 4, 6], [3, 2, 2], [1, 4, 6], [1, 6, 5], [1, 9, 11], [2, 9, 11]];
+        for bf16 in [true, false] {
+            let tw = tiny_tower(bf16);
+            let want = serial_position_rows(&tw, &grids);
+            assert_eq!(first_diff(&tw.position_rows(&grids), &want), None, "cold cache, bf16 {bf16}");
+            assert_eq!(first_diff(&tw.position_rows(&grids), &want), None, "warm cache, bf16 {bf16}");
+            assert_eq!(lock(&tw.rows).keys().len(), 8, "one entry per distinct grid, and [1, 2, 2] under [3, 2, 2]");
+            for &g in &grids {
+                assert_eq!(first_diff(&tw.sample_rows(g), &serial_position_rows(&tw, &[g])), None, "{g:?}");
+            }
+            // Room for one 9×11 grid's rows (and nothing beside them): evictions on every call.
+            *lock(&tw.rows) = RowCache::new(9 * 11 * 8 * 4);
+            for _ in 0..2 {
+                assert_eq!(first_diff(&tw.position_rows(&grids), &want), None, "evicting cache, bf16 {bf16}");
+                assert!(lock(&tw.rows).bytes() <= 9 * 11 * 8 * 4);
+            }
         }
     }
 

@@ -125,6 +125,30 @@ fn packed_samples_do_not_see_each_other() {
     assert!(max_rel_l2(&rb[3].projected, &ra[3].projected, th) > 1e-2, "different pixels must give different features");
 }
 
+/// The second call over the same grids (position rows from the device cache, pixels and
+/// features through the staging buffer again) gives the first call's bits, and a second CPU
+/// tower of the same dims (another position table) is not served the first one's cached rows.
+#[test]
+fn warm_position_rows_give_the_cold_bits() {
+    let test = "warm_position_rows_give_the_cold_bits";
+    let Some(dev) = device(test) else { return };
+    let mut rng = cuda_support::rng(test);
+    let (d, th) = CONFIGS[1];
+    let (m, other) = (model(d, th, 21), model(d, th, 22));
+    let gpu = CudaVision::upload(&m, &dev, Precision::Bf16).unwrap();
+    let s = samples(&mut rng, &GRIDS);
+    let views: Vec<(&[f32], [usize; 3])> = s.iter().map(|(p, g)| (p.as_slice(), *g)).collect();
+    let (cold, warm) = (gpu.encode(&m.tower, &views).unwrap(), gpu.encode(&m.tower, &views).unwrap());
+    for (i, (a, b)) in cold.iter().zip(&warm).enumerate() {
+        assert!(a.vit_out == b.vit_out && a.merged == b.merged && a.projected == b.projected, "sample {i}: the warm call differs");
+    }
+    let fresh = CudaVision::upload(&m, &dev, Precision::Bf16).unwrap();
+    let want = fresh.encode(&other.tower, &views).unwrap();
+    let got = gpu.encode(&other.tower, &views).unwrap();
+    assert!(got.iter().zip(&want).all(|(a, b)| a.vit_out == b.vit_out), "rows cached from another tower were used");
+    assert!(got[0].vit_out != cold[0].vit_out, "the two towers' position tables must differ");
+}
+
 /// A model with the GPU attached runs every encode there: `encode_pixels`, `pending` +
 /// `complete` (the server's split), `project_batch` and a decoded video clip give what the
 /// uploaded stages give, within the F32 tolerance of the CPU model's results.

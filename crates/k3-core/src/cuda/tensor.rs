@@ -176,11 +176,35 @@ impl CudaTensor {
         Tensor::from_bytes(self.dtype, self.shape.clone(), &self.to_bytes()?)
     }
 
+    /// Elements `[start, start + len)` of an F32 tensor, copied straight into a new host `Vec`
+    /// (no staging `Vec<u8>`; waits for all earlier work on the stream).
+    pub fn read_f32(&self, start: usize, len: usize) -> Result<Vec<f32>> {
+        if self.dtype != DType::F32 {
+            return Err(CoreError::DType { op: "CudaTensor::read_f32", dtype: self.dtype.to_string() });
+        }
+        if start.checked_add(len).is_none_or(|end| end > self.numel()) {
+            return Err(CoreError::Shape { op: "CudaTensor::read_f32", detail: format!("elements {start}..+{len} of {self:?}") });
+        }
+        let mut out = vec![0f32; len];
+        if len == 0 {
+            return Ok(out);
+        }
+        let dev = self.buf.device();
+        dev.bind()?;
+        // SAFETY: the source range was checked to lie inside the block and `out` holds `len`
+        // f32; the stream is synchronised before `out` is read.
+        unsafe { dres::memcpy_dtoh_async(&mut out, self.ptr() + (start * 4) as u64, dev.cu_stream()) }.map_err(derr("device-to-host copy"))?;
+        dev.synchronize()?;
+        Ok(out)
+    }
+
     /// The elements as f32 on the host (F32 as is; BF16/F16 widened exactly).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        if self.dtype == DType::F32 {
+            return self.read_f32(0, self.numel());
+        }
         let b = self.to_bytes()?;
         match self.dtype {
-            DType::F32 => Ok(bytemuck::pod_collect_to_vec::<u8, f32>(&b)),
             DType::BF16 => Ok(bytemuck::pod_collect_to_vec::<u8, bf16>(&b).iter().map(|v| v.to_f32()).collect()),
             DType::F16 => Ok(bytemuck::pod_collect_to_vec::<u8, f16>(&b).iter().map(|v| v.to_f32()).collect()),
             d => Err(CoreError::DType { op: "CudaTensor::to_f32_vec", dtype: d.to_string() }),
