@@ -299,17 +299,24 @@ fn gpu_concurrent_and_served_equal_cold() {
     let st = warm.prefix_status().unwrap().unwrap();
     say(&format!("  {}: 8 together: {st:?}", m.name));
     assert!(st.hits >= 7 && st.deferred >= 1, "the seven later requests wait for the first prefill and resume from it: {st:?}");
+    // The same eight served together by a server without the cache: decoding in a batch of
+    // eight rounds differently from decoding alone (other GEMM shapes), so batching's own noise
+    // is measured here and counted in the bound (request 0, never a hit, differs from a lone
+    // cold run by 4.7e-3 on an H100 for that reason alone).
+    let batched = served(&mut Engine::with_gpu(gpu(&m, true), None, EngineConfig { prefix: None, ..cfg() }), &prompts);
     let dist = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    for (k, (p, g)) in prompts.iter().zip(&got).enumerate() {
+    for (k, ((p, g), b)) in prompts.iter().zip(&got).zip(&batched).enumerate() {
+        assert_eq!(b.3, 0, "request {k}: a server without the cache reports cached tokens");
         let cold = || served(&mut Engine::with_gpu(gpu(&m, true), None, cfg()), std::slice::from_ref(p)).pop().unwrap();
         let (c, c2) = (cold(), cold());
         // Greedy decoding parts at a near-tie under any rounding noise (two cold runs of
         // request 6 did, once, at its 4th token): tokens are compared up to the first position
-        // where warm, cold and the second cold run do not all agree, and there the cold run's
-        // two best tokens must be a near-tie that the other run took the other side of.
+        // where warm, cold, the second cold run and the batched cold run do not all agree, and
+        // there the cold run's two best tokens must be a near-tie that the other run took the
+        // other side of.
         let parts = |a: &Served| a.0.iter().zip(&c.0).position(|(x, y)| x != y);
-        let n = [parts(g), parts(&c2)].into_iter().flatten().min().unwrap_or(c.0.len());
-        for (who, o) in [("warm", g), ("a second cold run", &c2)] {
+        let n = [parts(g), parts(&c2), parts(b)].into_iter().flatten().min().unwrap_or(c.0.len());
+        for (who, o) in [("warm", g), ("a second cold run", &c2), ("the batched cold run", b)] {
             if let Some(i) = parts(o).filter(|&i| i == n) {
                 let (second, lp2) = c.2[i];
                 assert!(
@@ -322,9 +329,10 @@ fn gpu_concurrent_and_served_equal_cold() {
             }
         }
         assert!(g.3 >= 2 * GRID || k == 0, "request {k} cached {}", g.3);
-        let bound = (NOISE_X as f32 * dist(&c.1[..n], &c2.1[..n])).max(1e-3);
+        let noise = dist(&c.1[..n], &c2.1[..n]).max(dist(&b.1[..n], &c.1[..n]));
+        let bound = (NOISE_X as f32 * noise).max(1e-3);
         let dl = dist(&g.1[..n], &c.1[..n]);
-        say(&format!("  request {k}: cached {}, {n} tokens as cold, logprobs {dl:.2e} from a cold run (bound {bound:.2e})", g.3));
+        say(&format!("  request {k}: cached {}, {n} tokens as cold, logprobs {dl:.2e} from a cold run (bound {bound:.2e}: batched cold {:.2e}, cold again {:.2e})", g.3, dist(&b.1[..n], &c.1[..n]), dist(&c.1[..n], &c2.1[..n])));
         assert!(dl <= bound, "request {k}: logprobs differ by {dl} from a cold run, beyond the run-to-run bound {bound}");
     }
 }
