@@ -11,10 +11,16 @@
 //! scheduler in `engine` has one code path and no `cfg` branches.
 //!
 //! Admission control: the GPU latent cache is a fixed number of pages. A sequence is admitted
-//! only when its worst case — prompt + `max_tokens`, capped at the context limit — can be
-//! reserved in [`CacheBudget`]; otherwise it waits. So a step never runs out of pages half-way
-//! (which would fail every sequence of the batch), and a request that could never fit is refused
-//! when it is added.
+//! only when its worst case — prompt + `max_tokens`, capped at the context limit, less the whole
+//! pages of a prefix it resumes past — can be promised beside the pages in use in
+//! [`CacheBudget`]; otherwise it waits (and the engine has the prefix cache give pages back). So
+//! a step never runs out of pages half-way (which would fail every sequence of the batch), and a
+//! request that could never fit is refused when it is added.
+//!
+//! Prefix caching: a captured cell holds the sequence's device pages by reference, a restore
+//! maps the stored pages into the new sequence's block table (`k3_model::device_pages`; the KDA
+//! slots are copied through the host), so a prefix's latent and indexer-key rows exist once on
+//! the device whoever holds them.
 
 mod budget;
 pub use budget::CacheBudget;
@@ -59,7 +65,10 @@ mod imp {
     /// One sequence's place in the GPU pools and its cache reservation.
     pub struct GpuSeq {
         pub(in crate::gpu) state: CudaSeqState,
-        pub(in crate::gpu) pages: usize,
+        /// Tokens it may reach within its reservation (whole pages).
+        pub(in crate::gpu) room: usize,
+        /// Tokens it was admitted to resume past from the prefix cache.
+        shared: usize,
     }
 
     pub struct GpuRunner {
@@ -240,7 +249,7 @@ mod imp {
                 for s in &step.seqs {
                     if !self.seqs.contains_key(&s.id) {
                         let state = self.model.new_sequence()?;
-                        self.seqs.insert(s.id, GpuSeq { state, pages: 0 });
+                        self.seqs.insert(s.id, GpuSeq { state, room: 0, shared: 0 });
                     }
                 }
             }
@@ -313,23 +322,35 @@ mod imp {
                 Err(self.budget.tokens())
             }
         }
-        fn admit(&mut self, id: SeqId, tokens: usize) -> Result<bool> {
-            let Some(pages) = self.budget.try_reserve(tokens) else { return Ok(false) };
+        fn admit(&mut self, id: SeqId, tokens: usize, shared: usize) -> Result<bool> {
+            let seqs = &self.seqs;
+            let taken = |s: SeqId| seqs.get(&s).map_or(0, |g| g.state.pages.taken());
+            if self.seqs.contains_key(&id) || !self.budget.try_admit(id, tokens, shared, self.model.pages_in_use(), taken) {
+                return Ok(false);
+            }
             match self.model.new_sequence() {
                 Ok(state) => {
-                    self.seqs.insert(id, GpuSeq { state, pages });
+                    let room = self.budget.pages_for(tokens) * k3_core::cuda::mla::PAGE;
+                    self.seqs.insert(id, GpuSeq { state, room, shared });
                     Ok(true)
                 }
                 Err(e) => {
-                    self.budget.release(pages);
+                    self.budget.release(id);
                     Err(e.into())
                 }
             }
         }
+        fn admits_after_eviction(&self, tokens: usize, shared: usize) -> bool {
+            let live = self.model.pages_in_use() - self.model.page_pool().reclaimable();
+            self.budget.fits(tokens, shared, live, |s| self.seqs.get(&s).map_or(0, |g| g.state.pages.taken()))
+        }
+        fn cache_pages(&self, id: SeqId) -> Option<Vec<u32>> {
+            self.seqs.get(&id).map(|s| s.state.pages.ids().collect())
+        }
         fn release(&mut self, id: SeqId) {
             self.rollbacks.retain(|r| r.0 != id);
             if let Some(s) = self.seqs.remove(&id) {
-                self.budget.release(s.pages);
+                self.budget.release(id);
                 self.model.release(s.state);
             }
         }
@@ -444,14 +465,21 @@ mod imp {
             self.settle()?;
             let seq = self.seqs.get(&id).ok_or(EngineError::UnknownSeq(id))?;
             let to = seq.state.pos;
-            let layers = self.model.read_prefix(&seq.state, from, to, kda)?;
+            // The KDA slots only (no rows: the cells take the pages themselves).
+            let slots = match kda {
+                true => self.model.read_prefix(&seq.state, to, to, true)?,
+                false => Vec::new(),
+            };
             let is_kda: Vec<bool> = self.model.layers.iter().map(|l| matches!(l.mixer, Mixer::Kda(_))).collect();
-            prefix_state::capture_raw(layers, &is_kda, from, to, grid, kda)
+            prefix_state::capture_device(&seq.state.pages, self.model.page_pool().rows(), slots, &is_kda, from, to, grid, kda)
         }
         fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
-            let (rows, kda) = prefix_state::restore_raw(cells, snap)?;
+            let (spans, kda) = prefix_state::restore_device(cells, snap)?;
             let seq = self.seqs.get_mut(&id).ok_or(EngineError::UnknownSeq(id))?;
-            Ok(self.model.write_prefix(&mut seq.state, snap.at, &rows, &kda)?)
+            if snap.at != seq.shared {
+                return Err(EngineError::Internal(format!("sequence {id} was admitted to resume at {} but restores at {}", seq.shared, snap.at)));
+            }
+            Ok(self.model.map_prefix(&mut seq.state, snap.at, &spans, &kda)?)
         }
     }
 

@@ -1,14 +1,17 @@
 //! Prefix caching on the GPU runner (issue 21): a warm engine's outputs equal a cold engine's.
 //!
-//! The GPU runner stores and restores its pools' own bytes (BF16 or FP8 latent rows, F32
-//! indexer keys, BF16 conv tails, F32 KDA state; `k3_model::cuda` `read_prefix` /
-//! `write_prefix`), so a restored sequence is byte-equal to the prefill that wrote it. The GPU
+//! The GPU runner's cells hold the device pages of the prefill that wrote them and a restore maps
+//! them into the new sequence's block table (`k3_model::device_pages`); the KDA slots' bytes
+//! (BF16 conv tails, F32 state) are copied through the host (`k3_model::cuda` `read_prefix` /
+//! `map_prefix`), so a restored sequence is byte-equal to the prefill that wrote it. The GPU
 //! forward itself is not always bit-reproducible from run to run (measured on k3-nano; not on
 //! the random models below), so "equal to a cold start" is measured against that noise: every logits row
 //! of a warm run lies within `NOISE_X` × (the largest difference between two cold runs of the
 //! same request, floored at `FLOOR`, the rounding of a different prefill cut) of a cold run,
-//! relative L2 per row, and the greedy tokens are the same. The mutants (a recurrent state value, the conv tails, a latent byte, the
-//! indexer keys of the restored state corrupted) must break that bound, so the test can fail.
+//! relative L2 per row, and the greedy tokens are the same. The mutants (a recurrent state value,
+//! the conv tails, a latent byte, the indexer keys of the restored state corrupted — the last
+//! two on the device, in the shared pages —, or the first and last cells' pages swapped) must
+//! break that bound, so the test can fail. `cuda_prefix_pages.rs` checks the sharing itself.
 //!
 //! Models: random K3-layout models with every token routed to every expert (KDA head dim 32;
 //! BF16 and FP8 caches; K3.1 with DSA, indexer top-8), on which the GPU forward turns out
@@ -28,13 +31,17 @@ mod random_model;
 mod recorder;
 
 use cuda::{device, say};
+use k3_core::cuda::mla::PAGE;
+use k3_engine::dist::runner::Runner;
 use k3_engine::gpu::{load_gpu, GpuRunner};
-use k3_engine::prefix::{KdaSnap, SegLayer, Segment, SnapLayer};
+use k3_engine::prefix::{KdaSnap, Segment, SnapLayer};
 use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
 use k3_model::capacity::KvDtype;
+use k3_model::cuda::Mixer;
+use k3_model::device_pages::PagePool;
 use k3_model::Checkpoint;
 use random_model::random;
-use recorder::{Log, Mutate, Rec};
+use recorder::{AfterRestore, Log, Mutate, Rec};
 use serde_json::json;
 
 /// The seed of the random checkpoints.
@@ -60,9 +67,14 @@ enum Mutant {
     Conv,
     Latent,
     IndexKey,
+    Pages,
 }
 
-/// What `mutant` does to the GPU runner's restore (`None`: nothing): corrupts the raw bytes.
+/// The tokens the mutants' requests resume past.
+const MUTANT_AT: usize = 2 * GRID;
+
+/// What `mutant` does to the GPU runner's restore (`None`: nothing): corrupts the snapshot's
+/// bytes, or swaps the first and last cells' pages.
 fn mutation(mutant: Mutant) -> Option<Mutate> {
     let f = move |cells: &mut Vec<Segment>, snap: &mut KdaSnap| {
         let kda = snap.layers.iter_mut().rev().find_map(|l| match l {
@@ -72,27 +84,49 @@ fn mutation(mutant: Mutant) -> Option<Mutate> {
         match (mutant, kda) {
             (Mutant::State, Some((_, state))) => state[7 * 4 + 3] ^= 0x40, // an F32 state value's exponent
             (Mutant::Conv, Some((conv, _))) => conv.iter_mut().for_each(|b| *b = 0),
-            (Mutant::Latent, _) => {
-                let last = cells.last_mut().unwrap();
-                if let Some(SegLayer::Raw { latent, .. }) = last.layers.iter_mut().rev().find(|l| matches!(l, SegLayer::Raw { .. })) {
-                    let n = latent.len();
-                    latent[n - 1] ^= 0x40; // the last row's last value (a k_pe high byte)
-                }
-            }
-            (Mutant::IndexKey, _) => {
-                // Every F32 indexer key negated (its sign bytes).
-                for c in cells.iter_mut() {
-                    for l in &mut c.layers {
-                        if let SegLayer::Raw { index_keys, .. } = l {
-                            index_keys.iter_mut().skip(3).step_by(4).for_each(|b| *b ^= 0x80);
-                        }
-                    }
-                }
+            (Mutant::Pages, _) => {
+                let n = cells.len();
+                let first = std::mem::take(&mut cells[0].pages.as_mut().unwrap().pages);
+                let last = std::mem::replace(&mut cells[n - 1].pages.as_mut().unwrap().pages, first);
+                cells[0].pages.as_mut().unwrap().pages = last;
             }
             _ => {}
         }
     };
-    (mutant != Mutant::None).then(|| Box::new(f) as Mutate)
+    matches!(mutant, Mutant::State | Mutant::Conv | Mutant::Pages).then(|| Box::new(f) as Mutate)
+}
+
+/// What `mutant` does to the restored device pages (they are the cache's too): the last restored
+/// row's last latent byte (a `k_pe` high byte) of the last MLA layer flipped, or every restored
+/// F32 indexer key negated (its sign bytes).
+fn device_mutation(mutant: Mutant) -> Option<AfterRestore<GpuRunner>> {
+    let f = move |r: &mut GpuRunner, id: u64| {
+        let pages = r.cache_pages(id).expect("a restored sequence");
+        let at = MUTANT_AT;
+        for l in r.model.layers.iter().rev() {
+            let Mixer::Mla(m) = &l.mixer else { continue };
+            let pool = match (mutant, &m.indexer) {
+                (Mutant::IndexKey, Some(ix)) => &ix.key_cache,
+                (Mutant::IndexKey, None) => continue,
+                _ => &m.cache,
+            };
+            let w = pool.byte_len() / (pool.shape()[0] * PAGE);
+            let mut bytes = pool.to_bytes().unwrap();
+            let at_row = |t: usize| (pages[t / PAGE] as usize * PAGE + t % PAGE) * w;
+            if mutant == Mutant::IndexKey {
+                for t in 0..at {
+                    (at_row(t) + 3..at_row(t) + w).step_by(4).for_each(|b| bytes[b] ^= 0x80);
+                }
+            } else {
+                bytes[at_row(at - 1) + w - 1] ^= 0x40;
+            }
+            pool.write_at(0, &bytes).unwrap();
+            if mutant == Mutant::Latent {
+                break;
+            }
+        }
+    };
+    matches!(mutant, Mutant::Latent | Mutant::IndexKey).then(|| Box::new(f) as AfterRestore<GpuRunner>)
 }
 
 struct Model {
@@ -126,6 +160,7 @@ fn engine(m: &Model, mutant: Mutant) -> (Engine, Log) {
     let log: Log = Default::default();
     let mut r = Rec::new(gpu(m, false), &log);
     r.mutate = mutation(mutant);
+    r.after_restore = device_mutation(mutant);
     (Engine::with_runner(Box::new(r), None, cfg()), log)
 }
 
@@ -248,14 +283,14 @@ fn gpu_mutants_are_caught() {
     let Some(_dev) = device("gpu_mutants_are_caught") else { return };
     let dir = tempfile::tempdir().unwrap();
     let all = models(dir.path());
-    for (m, mutants) in [(&all[0], &[Mutant::State, Mutant::Conv, Mutant::Latent][..]), (&all[2], &[Mutant::IndexKey][..])] {
+    for (m, mutants) in [(&all[0], &[Mutant::State, Mutant::Conv, Mutant::Latent, Mutant::Pages][..]), (&all[2], &[Mutant::IndexKey][..])] {
         for &mu in mutants {
             let (mut e, log) = engine(m, mu);
             let a = ids(m, 1, 2 * GRID + 80);
             run(&mut e, &log, std::slice::from_ref(&a), 3);
             let mut b = a[..2 * GRID + 1].to_vec();
             b.extend(ids(m, 101, 9));
-            let (d, bound, _) = warm_vs_cold(m, &mut e, &log, &b, 2 * GRID, &format!("mutant {mu:?}"));
+            let (d, bound, _) = warm_vs_cold(m, &mut e, &log, &b, MUTANT_AT, &format!("mutant {mu:?}"));
             say(&format!("  {} mutant {mu:?}: warm vs cold {d:.2e} (bound {bound:.2e})", m.name));
             assert!(d > bound, "{} mutant {mu:?}: corrupting the restored state went unnoticed ({d:.3e} <= {bound:.3e})", m.name);
         }
@@ -335,4 +370,160 @@ fn gpu_concurrent_and_served_equal_cold() {
         say(&format!("  request {k}: cached {}, {n} tokens as cold, logprobs {dl:.2e} from a cold run (bound {bound:.2e}: batched cold {:.2e}, cold again {:.2e})", g.3, dist(&b.1[..n], &c.1[..n]), dist(&c.1[..n], &c2.1[..n])));
         assert!(dl <= bound, "request {k}: logprobs differ by {dl} from a cold run, beyond the run-to-run bound {bound}");
     }
+}
+
+/// The tiny random model with BF16 caches (its GPU forward is run-to-run deterministic), an
+/// engine with the prefix cache on a grid of `grid` tokens over a cache of `max_tokens` tokens,
+/// its log, and its page pool (to count the pages in use).
+fn paged(dir: &std::path::Path, grid: usize, max_tokens: usize) -> (Model, Engine, Log, PagePool) {
+    let m = Model { name: "tiny, bf16 caches", ck: random(dir, "tiny", SEED, &[]), kv: KvDtype::Bf16 };
+    let g = load_gpu(&m.ck, 0, 8, max_tokens, m.kv, false, false, &Default::default()).expect("load on the GPU");
+    let pool = g.model.page_pool().clone();
+    let log: Log = Default::default();
+    let cfg = EngineConfig { prefix: Some(PrefixConfig::new(grid, 1 << 30)), ..cfg() };
+    (m, Engine::with_runner(Box::new(Rec::new(g, &log)), None, cfg), log, pool)
+}
+
+/// A cold run of `prompt` on a fresh engine of the same grid: its rows, checked bit-equal to a
+/// second cold run's (the premise of the bit-for-bit comparisons below).
+fn cold_bits(dir: &std::path::Path, grid: usize, prompt: &[u32], n: usize) -> Out {
+    let mut outs = (0..2).map(|_| {
+        let (_, mut e, log, _) = paged(dir, grid, 8192);
+        run(&mut e, &log, &[prompt.to_vec()], n).pop().unwrap()
+    });
+    let (a, b) = (outs.next().unwrap(), outs.next().unwrap());
+    assert!(a.rows == b.rows, "two cold runs of the tiny model differ: the GPU forward is not deterministic here, so no bit-for-bit claim can be checked");
+    a
+}
+
+/// Steps `e` until each of `ids` has its first token.
+fn until_first_tokens(e: &mut Engine, ids: &[u64]) {
+    let mut seen = vec![false; ids.len()];
+    while !seen.iter().all(|&s| s) {
+        for ev in e.step().unwrap() {
+            if let Some(i) = ids.iter().position(|&x| x == ev.seq) {
+                seen[i] = true;
+            }
+        }
+    }
+}
+
+/// Live sequences resumed from one prefix map the cache's own device pages (the same page ids,
+/// held by the cache and both, no copy: the pages in use are the prefix's once plus each one's
+/// tail), compute the cell they diverge in into pages of their own, give back only those when
+/// they finish, and a warm run alone equals a cold one bit for bit.
+#[test]
+fn gpu_live_sequences_share_device_pages() {
+    let Some(_dev) = device("gpu_live_sequences_share_device_pages") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (m, mut e, log, pool) = paged(dir.path(), GRID, 8192);
+    let sys = ids(&m, 12, 2 * GRID + 40);
+    let user = |k: u32| [sys.clone(), ids(&m, 60 + k, 20)].concat();
+    run(&mut e, &log, &[user(0)], 2); // publishes the cells [0, 256): 4 pages
+    let prefix_pages = 2 * GRID / PAGE;
+    assert_eq!(
+        (pool.live() - 1, e.prefix_status().unwrap().unwrap().pool_pages as usize),
+        (prefix_pages, prefix_pages),
+        "the cache holds the prefix's pages, the scratch page aside"
+    );
+    let (pb, pc) = (user(1), user(2));
+    let (b, c) = (e.add(Request::new(pb.clone(), SamplingParams::greedy(), 4)).unwrap(), e.add(Request::new(pc.clone(), SamplingParams::greedy(), 4)).unwrap());
+    until_first_tokens(&mut e, &[b, c]);
+    let (bp, cp) = (e.runner().cache_pages(b).unwrap(), e.runner().cache_pages(c).unwrap());
+    say(&format!("  B's pages {bp:?}, C's {cp:?}"));
+    assert_eq!(bp[..prefix_pages], cp[..prefix_pages], "B and C map the same prefix pages");
+    for &p in &bp[..prefix_pages] {
+        assert_eq!(pool.holders(p), 3, "page {p}: held by the cache, B and C only");
+    }
+    assert!(bp[prefix_pages] != cp[prefix_pages] && pool.holders(bp[prefix_pages]) == 1, "each computes its own tail page");
+    assert_eq!(pool.live() - 1, prefix_pages + 2, "the prefix's pages exist once");
+    let mut toks: Vec<(u64, u32)> = Vec::new();
+    while e.has_work() {
+        toks.extend(e.step().unwrap().iter().map(|ev| (ev.seq, ev.token)));
+    }
+    assert_eq!(pool.live() - 1, prefix_pages, "B's and C's own pages went back; the cache's stayed");
+    for (id, p) in [(b, &pb), (c, &pc)] {
+        let got: Vec<u32> = toks.iter().filter(|t| t.0 == id).map(|t| t.1).collect();
+        assert_eq!(got[..], cold_bits(dir.path(), GRID, p, 4).tokens[1..], "sequence {id}: the cold tokens");
+    }
+    let warm = run(&mut e, &log, std::slice::from_ref(&pb), 4).pop().unwrap();
+    assert_eq!(warm.cached, 2 * GRID);
+    assert!(warm.rows == cold_bits(dir.path(), GRID, &pb, 4).rows, "B alone on the shared pages: warm = cold bit for bit");
+}
+
+/// A grid of 96 tokens: the cell [0, 96) ends inside page 1. The prefill that wrote it appends
+/// to page 1 in place (it owns it; the cell relies on its first 32 rows only); B and C, resumed
+/// at 96 and diverging at 120, run together and each copies page 1 before writing (a write into
+/// the shared page would clobber the other's rows); the cache's page 1 stays as it was, so D,
+/// resumed there afterwards, equals a cold run bit for bit, as does B.
+#[test]
+fn gpu_divergence_inside_a_page_copies_it() {
+    let Some(_dev) = device("gpu_divergence_inside_a_page_copies_it") else { return };
+    const G: usize = 96;
+    let dir = tempfile::tempdir().unwrap();
+    let (m, mut e, log, pool) = paged(dir.path(), G, 8192);
+    let a = ids(&m, 5, 150); // snapshots at 96; chunks [0, 96) and [96, 150)
+    let ia = e.add(Request::new(a.clone(), SamplingParams::greedy(), 2)).unwrap();
+    e.step().unwrap();
+    let a1 = e.runner().cache_pages(ia).unwrap();
+    assert_eq!((a1.len(), pool.holders(a1[1])), (2, 2), "A and the cell [0, 96) hold page 1");
+    until_first_tokens(&mut e, &[ia]);
+    let a2 = e.runner().cache_pages(ia).unwrap();
+    assert_eq!(a2[..2], a1[..], "A appended to page 1 in place, no copy");
+    while e.has_work() {
+        e.step().unwrap();
+    }
+    let tail = |seed: u32| [a[..120].to_vec(), ids(&m, seed, 10)].concat();
+    let (pb, pc, pd) = (tail(200), tail(201), tail(202));
+    let (b, c) = (e.add(Request::new(pb.clone(), SamplingParams::greedy(), 3)).unwrap(), e.add(Request::new(pc.clone(), SamplingParams::greedy(), 3)).unwrap());
+    until_first_tokens(&mut e, &[b, c]);
+    let (bp, cp) = (e.runner().cache_pages(b).unwrap(), e.runner().cache_pages(c).unwrap());
+    say(&format!("  A's pages {a2:?}, B's {bp:?}, C's {cp:?}"));
+    assert!(bp[0] == a1[0] && cp[0] == a1[0], "the whole page 0 is shared");
+    assert!(bp[1] != a1[1] && cp[1] != a1[1] && bp[1] != cp[1], "page 1, cut at 96, was copied by each");
+    assert_eq!((pool.holders(a1[0]), pool.holders(a1[1])), (3, 1), "page 0: the cache, B, C; page 1: the cache");
+    let mut toks: Vec<(u64, u32)> = Vec::new();
+    while e.has_work() {
+        toks.extend(e.step().unwrap().iter().map(|ev| (ev.seq, ev.token)));
+    }
+    for (id, p) in [(b, &pb), (c, &pc)] {
+        let got: Vec<u32> = toks.iter().filter(|t| t.0 == id).map(|t| t.1).collect();
+        assert_eq!(got[..], cold_bits(dir.path(), G, p, 3).tokens[1..], "sequence {id}: the cold tokens");
+    }
+    for (p, what) in [(&pd, "D after B and C"), (&pb, "B alone")] {
+        let warm = run(&mut e, &log, std::slice::from_ref(p), 3).pop().unwrap();
+        assert_eq!(warm.cached, G, "{what}");
+        assert!(warm.rows == cold_bits(dir.path(), G, p, 3).rows, "{what}: warm = cold bit for bit");
+    }
+}
+
+/// Pages go back to the free list when their last holder lets go: a finished sequence's own
+/// pages at once, the cache's when it evicts them. A request that needs the whole cache waits
+/// while a running sequence holds the cache's pages (nothing is evicted for nothing), then is
+/// admitted by evicting the cache's cells; cancelled, every page is free again.
+#[test]
+fn gpu_pages_go_back_when_the_last_holder_lets_go() {
+    let Some(_dev) = device("gpu_pages_go_back_when_the_last_holder_lets_go") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (m, mut e, log, pool) = paged(dir.path(), GRID, 16 * PAGE);
+    let free0 = pool.free();
+    let a = ids(&m, 7, 2 * GRID + 40);
+    run(&mut e, &log, std::slice::from_ref(&a), 2);
+    assert_eq!(pool.free(), free0 - 4, "the cache keeps the 4 pages of [0, 256)");
+    let warm = run(&mut e, &log, &[[a[..260].to_vec(), vec![3, 4]].concat()], 3).pop().unwrap();
+    assert_eq!((warm.cached, pool.free()), (2 * GRID, free0 - 4), "the warm run's own page went back");
+    // B (warm, running) and X (the whole cache: 16 pages) arrive together.
+    let b = e.add(Request::new([a[..270].to_vec(), vec![5]].concat(), SamplingParams::greedy(), 3)).unwrap();
+    let x = e.add(Request::new(ids(&m, 9, 10), SamplingParams::greedy(), 16 * PAGE - 10)).unwrap();
+    e.step().unwrap();
+    let st = e.prefix_status().unwrap().unwrap();
+    assert!(e.runner().cache_pages(b).is_some() && e.runner().cache_pages(x).is_none(), "X waits");
+    assert_eq!((st.evictions, st.pool_pages), (0, 4), "B holds the cache's pages: nothing was evicted");
+    while e.runner().cache_pages(x).is_none() {
+        e.step().unwrap();
+    }
+    let st = e.prefix_status().unwrap().unwrap();
+    assert!(st.evictions >= 2 && st.pool_pages == 0, "X was admitted by evicting the cache's cells: {st:?}");
+    assert!(e.cancel(x));
+    assert_eq!(pool.free(), free0, "every page is free again");
 }

@@ -16,9 +16,12 @@
 //!   steps, the rollback to the accepted prefix); [`draft`]: the MTP draft layer beside the
 //!   target (around-backbone §5.1; `layers::mtp` is the layer); [`draft_model`]: a separate
 //!   draft model following the target's forwards, chained drafts.
+//! - [`device_pages`]: the GPU cache's pages, reference-counted between sequences and the
+//!   prefix cache (host-side bookkeeping: who holds a page, when a write copies it).
 pub mod capacity;
 pub mod checkpoint;
 pub mod config;
+pub mod device_pages;
 pub mod error;
 pub mod init;
 mod init_data;

@@ -123,7 +123,8 @@ impl Metrics {
             put("k3_prefix_cache_snapshots_total", "counter", "KDA snapshots published.", p.snapshots);
             put("k3_prefix_cache_evictions_total", "counter", "Snapshots and cells evicted from the pool.", p.evictions);
             put("k3_prefix_cache_deferred_total", "counter", "Admission steps put off because a running prefill was writing the same prefix.", p.deferred);
-            put("k3_prefix_cache_pool_bytes", "gauge", "Bytes held by the prefix-cache pool (latent cells + KDA snapshots).", p.pool_bytes);
+            put("k3_prefix_cache_pool_bytes", "gauge", "Bytes of host memory held by the prefix-cache pool (CPU latent cells + KDA snapshots).", p.pool_bytes);
+            put("k3_prefix_cache_pool_pages", "gauge", "GPU cache pages held by the prefix-cache pool's cells, each counted once.", p.pool_pages);
             put("k3_prefix_cache_pool_snapshots", "gauge", "KDA snapshots held by the pool.", p.pool_snapshots);
         }
         if let Some(c) = self.experts.lock().ok().and_then(|c| c.clone()) {

@@ -12,8 +12,9 @@ pub struct PrefixArgs {
     /// turns it off itself and says why).
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// Bytes the prefix-cache pool may hold (latent cells + KDA snapshots, in host memory also
-    /// with --device cuda), e.g. 2GiB, 512MiB, 1073741824 [default: an eighth of the machine's
+    /// Bytes of host memory the prefix-cache pool may hold (latent cells + KDA snapshots; with
+    /// --device cuda the cells are GPU cache pages, counted in --max-cache-tokens and evicted when
+    /// a request needs them), e.g. 2GiB, 512MiB, 1073741824 [default: an eighth of the machine's
     /// memory].
     #[arg(long, value_name = "SIZE", value_parser = parse_mem)]
     pub prefix_cache_mem: Option<usize>,

@@ -25,14 +25,15 @@
 //!
 //! ```text
 //! capture  u64:from u64:to  u32:cells  cells × { u32:layers  layers × seg }  u8:has_snap  [snap]
-//! seg      u8:0 (KDA) | u8:1 f32s:latent f32s:index_keys | u8:2 bytes:latent bytes:index_keys
+//! seg      u8:0 (KDA) | u8:1 f32s:latent f32s:index_keys
 //! snap     u64:at  u32:layers  layers × { u8:0 (MLA) | u8:1 kda | u8:2 bytes:conv bytes:state
 //!                                       | u8:3 u32:n  n × kda }
 //! kda      f32s:conv[0] f32s:conv[1] f32s:conv[2]  u8:0 f32s:state | u8:1 u16s:state (bf16)
 //! ```
 //!
 //! A KDA state travels without its verify snapshots (a capture follows a plain forward, which
-//! keeps none).
+//! keeps none). A device runner's cell (device pages, `Segment::pages`) never travels: the
+//! prefix cache is off on multi-process GPU layouts.
 //!
 //! [`Command::Capture`]: super::step::Command::Capture
 //! [`Command::Restore`]: super::step::Command::Restore
@@ -67,7 +68,7 @@ pub fn join(par: Parallel, cfg: &Config, mut parts: Vec<Capture>) -> Result<Capt
             )));
         }
     }
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers), mtp: None, draft: None }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers), pages: None, mtp: None, draft: None }).collect();
     let mut snap = Vec::with_capacity(layers);
     for l in 0..layers {
         // The ranks of the stage that runs layer `l`, in the order of their index in it.
@@ -123,6 +124,7 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
                     x => x.clone(),
                 })
                 .collect(),
+            pages: None,
             mtp: None,
             draft: None,
         })
@@ -186,11 +188,6 @@ pub fn put_capture(b: &mut Vec<u8>, c: &Capture) {
                     b.push(1);
                     put_f32s(b, latent.values());
                     put_f32s(b, index_keys.values());
-                }
-                SegLayer::Raw { latent, index_keys } => {
-                    b.push(2);
-                    put_bytes(b, latent);
-                    put_bytes(b, index_keys);
                 }
             }
         }
@@ -263,11 +260,10 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
                     latent: StoredPage::from_values(take_f32s(r, "latent rows")?),
                     index_keys: StoredPage::from_values(take_f32s(r, "indexer keys")?),
                 }),
-                2 => Ok(SegLayer::Raw { latent: r.array(1, "latent rows")?.to_vec(), index_keys: r.array(1, "indexer keys")?.to_vec() }),
-                t => Err(bad(format!("cell layer tag {t} (0 KDA, 1 MLA, 2 raw)"))),
+                t => Err(bad(format!("cell layer tag {t} (0 KDA, 1 MLA)"))),
             })
             .collect::<Result<Vec<_>>>()?;
-        cells.push(Segment { layers, mtp: None, draft: None });
+        cells.push(Segment { layers, pages: None, mtp: None, draft: None });
     }
     let kda = match r.u8("the snapshot flag")? {
         0 => None,
@@ -322,6 +318,7 @@ mod tests {
                         (false, false) => SegLayer::Mla { latent: StoredPage::from_values(Vec::new()), index_keys: StoredPage::from_values(Vec::new()) },
                     })
                     .collect(),
+                pages: None,
                 mtp: None,
                 draft: None,
             })
@@ -388,7 +385,7 @@ mod tests {
         let par = Parallel::new(2, None, 1).unwrap();
         let cfg = cfg();
         let mut c = join(par, &cfg, (0..2).map(|r| rank_capture(par, &cfg, r)).collect()).unwrap();
-        c.cells[0].layers[0] = SegLayer::Raw { latent: vec![1, 2, 3], index_keys: vec![] };
+        c.cells[0].layers[0] = SegLayer::Mla { latent: StoredPage::from_values(vec![1.0, 2.0, 3.0]), index_keys: StoredPage::from_values(vec![]) };
         if let Some(SnapLayer::Ranks(v)) = c.kda.as_mut().unwrap().layers.first_mut() {
             v[1].s = StateBuf::Bf16(vec![7, 8]);
         }

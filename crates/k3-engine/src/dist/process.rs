@@ -345,8 +345,8 @@ impl Runner for ProcessRunner {
     fn fits(&self, tokens: usize) -> std::result::Result<(), usize> {
         self.local.fits(tokens)
     }
-    fn admit(&mut self, id: SeqId, tokens: usize) -> Result<bool> {
-        self.local.admit(id, tokens)
+    fn admit(&mut self, id: SeqId, tokens: usize, shared: usize) -> Result<bool> {
+        self.local.admit(id, tokens, shared)
     }
     fn release(&mut self, id: SeqId) {
         self.local.release(id);

@@ -61,11 +61,27 @@ pub trait Runner: Send {
         let _ = tokens;
         Ok(())
     }
-    /// Reserves room for sequence `id` of up to `tokens` tokens before its first step;
-    /// `false` while the room is promised to running sequences (it waits).
-    fn admit(&mut self, id: SeqId, tokens: usize) -> Result<bool> {
-        let _ = (id, tokens);
+    /// Reserves room for sequence `id` of up to `tokens` tokens before its first step, of which
+    /// its first `shared` will be restored from the prefix cache (held by reference, no room of
+    /// their own); `false` while the room is promised to running sequences or held by the
+    /// prefix cache's device pages (it waits, or the engine has the cache give some back).
+    fn admit(&mut self, id: SeqId, tokens: usize, shared: usize) -> Result<bool> {
+        let _ = (id, tokens, shared);
         Ok(true)
+    }
+    /// Whether [`Runner::admit`] would take a sequence of `tokens` tokens resuming past
+    /// `shared` if the prefix cache let go of every device page only its cells hold (so that
+    /// evicting cells can make room); `false` where the cells hold no device pages (the CPU).
+    fn admits_after_eviction(&self, tokens: usize, shared: usize) -> bool {
+        let _ = (tokens, shared);
+        false
+    }
+    /// The device cache pages sequence `id`'s block table maps, in token order (inspection: the
+    /// tests check which pages sequences and the prefix cache share); `None` where the runner
+    /// has no paged device cache or the sequence no state.
+    fn cache_pages(&self, id: SeqId) -> Option<Vec<u32>> {
+        let _ = id;
+        None
     }
     /// Frees sequence `id`'s state (finished or cancelled).
     fn release(&mut self, id: SeqId);

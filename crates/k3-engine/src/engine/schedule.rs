@@ -111,13 +111,19 @@ impl Engine {
                             continue;
                         }
                     }
-                    if !self.runner.admit(s.id, Self::worst_case(&s, limit))? {
+                    let Some(hit) = self.reserve(&s, limit)? else {
                         // The runner's room is promised to running sequences: wait, in order.
                         self.waiting.push_front(s);
                         break;
-                    }
+                    };
                     if let Some(pc) = self.prefix.as_mut() {
                         s.prefix = pc.admit(&mut *self.runner, s.id, s.req.prompt.len(), std::mem::take(&mut s.prefix.keys))?;
+                        if s.prefix.resume != hit {
+                            return Err(EngineError::Internal(format!(
+                                "sequence {} was reserved room to resume at {hit} but resumed at {}",
+                                s.id, s.prefix.resume
+                            )));
+                        }
                         (s.pos, s.done, s.stats.cached_tokens) = (s.prefix.resume, s.prefix.resume, s.prefix.resume);
                     }
                     self.running.push(s)
@@ -129,6 +135,26 @@ impl Engine {
             self.waiting.push_front(s);
         }
         Ok(())
+    }
+
+    /// Reserves the runner's room for `s`, its worst case less the tokens it will resume past
+    /// (the prefix cache's, held by reference): the resume point, or `None` while there is no
+    /// room. Where the prefix cache's device pages (GPU) take room that evicting them would
+    /// give, the cache gives cells back one at a time: first those `s` does not resume from, then
+    /// those too (its resume point then moves back). Room that running sequences hold is waited
+    /// for, without evicting anything.
+    fn reserve(&mut self, s: &Sequence, limit: usize) -> Result<Option<usize>> {
+        let tokens = Self::worst_case(s, limit);
+        loop {
+            let hit = self.prefix.as_ref().map_or(0, |pc| pc.hit(&s.prefix.keys, s.req.prompt.len()));
+            if self.runner.admit(s.id, tokens, hit)? {
+                return Ok(Some(hit));
+            }
+            let Some(pc) = self.prefix.as_mut() else { return Ok(None) };
+            if !self.runner.admits_after_eviction(tokens, hit) || !(pc.evict_for_room(&s.prefix.keys, hit) || pc.evict_for_room(&s.prefix.keys, 0)) {
+                return Ok(None);
+            }
+        }
     }
 
     /// The next step's plan (running index, new tokens) over the sequences no step in flight

@@ -15,7 +15,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use k3_core::cuda::mla::PAGE;
 use k3_model::cuda::{CudaSeqState, Input, VerifyGraph, VerifyRun};
 
 use super::imp::{GpuRunner, GpuSeq, Taken};
@@ -107,7 +106,7 @@ impl GpuRunner {
         if let Err(why) = self.model.verify_capturable(b, rows) {
             return Some(Some(("shape", format!("a verify step of {b} sequences × {rows} rows runs eagerly, not from a CUDA graph: {why}"))));
         }
-        let fits = t.seqs.iter().all(|(_, s)| s.state.pos + rows <= (s.pages * PAGE).min(ctx));
+        let fits = t.seqs.iter().all(|(_, s)| s.state.pos + rows <= s.room.min(ctx));
         if !fits {
             return Some(Some((
                 "context",

@@ -28,9 +28,11 @@
 //!
 //! **Resume rule**: the deepest snapshot at a position ≤ P − 1 (the last prompt token is always
 //! computed, it gives the first logits); the request's state is rebuilt from the pool's cells
-//! and snapshot — on the CPU its latent and indexer-key pages are the pool's own, shared by
-//! reference (`state`'s "Shared pages"), its KDA state a copy — and its cache grows from there
-//! in pages of its own.
+//! and snapshot — its latent and indexer-key pages are the pool's own, shared by reference (on
+//! the CPU and the GPU: `state`'s "Shared pages"), its KDA state a copy — and its cache grows
+//! from there in pages of its own. On the GPU the cells' pages are device pages: when a request
+//! cannot be admitted for want of them, the engine has the cache give back cells
+//! ([`PrefixCache::evict_for_room`]), sparing the ones the request resumes from.
 //!
 //! **Concurrent prefills of one prefix**: a request whose cells a running sequence is still
 //! prefilling, deeper than anything it could resume from now, waits before admission until that
@@ -90,8 +92,10 @@ pub struct PrefixStats {
     pub evictions: u64,
     /// Admissions put off by a step because a running prefill was writing the same prefix.
     pub deferred: u64,
-    /// Bytes held by the pool now.
+    /// Bytes held by the pool now (host memory: the CPU's cells, KDA snapshots).
     pub pool_bytes: u64,
+    /// Device cache pages held by the pool's cells now, each counted once (GPU).
+    pub pool_pages: u64,
     /// Snapshots held now.
     pub pool_snapshots: u64,
 }
@@ -158,7 +162,12 @@ impl PrefixCache {
     pub const SPARSE_INTERVAL: usize = 16;
 
     pub fn stats(&self) -> PrefixStats {
-        PrefixStats { pool_bytes: self.tree.bytes() as u64, pool_snapshots: self.tree.snapshots() as u64, ..self.stats.clone() }
+        PrefixStats {
+            pool_bytes: self.tree.bytes() as u64,
+            pool_pages: self.tree.device_pages() as u64,
+            pool_snapshots: self.tree.snapshots() as u64,
+            ..self.stats.clone()
+        }
     }
 
     /// The next prefill chunk of a sequence at `done` of its `prompt_len` prompt tokens
@@ -179,8 +188,6 @@ impl PrefixCache {
         Some(snap.map_or(limit, |p| p - done))
     }
 
-    /// Looks `prompt` up at admission; when it resumes, rebuilds sequence `id`'s state in
-    /// `runner` at the resume point.
     /// The keys of a prompt's whole grid cells (`rows`: the request's own input rows, if any).
     pub fn keys(&self, prompt: &[u32], rows: Option<&[f32]>, h: usize) -> Vec<CellKey> {
         let g = self.cfg.grid;
@@ -209,15 +216,39 @@ impl PrefixCache {
         Some((j, at))
     }
 
+    /// The path of a request's usable cells (those it may resume past: ≤ P − 1 tokens) and the
+    /// index in it of the deepest snapshot, if any.
+    fn resume_path(&self, keys: &[CellKey], prompt_len: usize) -> (Vec<NodeId>, Option<usize>) {
+        let last = (prompt_len - 1) / self.cfg.grid;
+        let mut path = self.tree.walk(self.digest, keys);
+        path.truncate(last);
+        let at = path.iter().rposition(|&n| self.tree.kda(n).is_some());
+        (path, at)
+    }
+
+    /// The tokens a request (its cell `keys`, `prompt_len` tokens) would resume past if admitted
+    /// now (0: a cold start); [`PrefixCache::admit`] restores exactly there if nothing changes
+    /// in between.
+    pub fn hit(&self, keys: &[CellKey], prompt_len: usize) -> usize {
+        self.resume_path(keys, prompt_len).1.map_or(0, |i| (i + 1) * self.cfg.grid)
+    }
+
+    /// Gives back one cell whose device pages only the cache holds (the GPU: a request waits
+    /// for pages), sparing the cells a request with `keys` resumes past at `hit`; whether one
+    /// went.
+    pub fn evict_for_room(&mut self, keys: &[CellKey], hit: usize) -> bool {
+        let keep = self.tree.walk(self.digest, &keys[..(hit / self.cfg.grid).min(keys.len())]);
+        let gone = self.tree.evict_cell(&keep);
+        self.stats.evictions += gone as u64;
+        gone
+    }
+
     /// Looks a request up at admission (its cell `keys` from [`PrefixCache::keys`]); when it
     /// resumes, rebuilds sequence `id`'s state in `runner` at the resume point.
     pub fn admit(&mut self, runner: &mut dyn Runner, id: SeqId, prompt_len: usize, keys: Vec<CellKey>) -> Result<Admission> {
         let g = self.cfg.grid;
         self.stats.lookups += 1;
-        let last = (prompt_len - 1) / g; // cells that may be resumed past: ≤ P − 1 tokens
-        let path = self.tree.walk(self.digest, &keys);
-        let usable = &path[..path.len().min(last)];
-        let at = usable.iter().rposition(|&n| self.tree.kda(n).is_some());
+        let (usable, at) = self.resume_path(&keys, prompt_len);
         let resume = at.map_or(0, |i| (i + 1) * g);
         let matched = usable.len() * g;
         let snap_at: Vec<usize> = (matched > resume).then_some(matched).into_iter().collect();

@@ -28,11 +28,15 @@
 //! count: it is cut into the same cells and snapshot ([`Segment::draft`], [`KdaSnap::draft`]) by
 //! the same functions, and restored likewise, or not at all when an entry lacks it.
 //!
-//! The CPU runner stores its f32 rows and [`KdaState`]s ([`SegLayer::Mla`], [`SnapLayer::Cpu`]);
-//! the GPU runner the bytes its pools hold, in their format (BF16 or FP8 latents, F32 or FP8
-//! indexer keys, BF16 conv tails, F32 state: [`SegLayer::Raw`], [`SnapLayer::Raw`]), copied to
-//! host memory, so the pool costs no device memory. The digest keeps the two apart.
+//! The CPU runner stores its f32 rows and [`KdaState`]s ([`SegLayer::Mla`], [`SnapLayer::Cpu`]).
+//! The GPU runner shares its device pages the same way: a cell holds the pages of the sequence
+//! that wrote it by reference ([`Segment::pages`], a `k3_model::device_pages` span; the same
+//! page ids in every MLA/DSA layer), a restore maps them into the new sequence's block table,
+//! and a write into a page someone else reads copies it first (on the device); its KDA snapshot
+//! is the bytes of its slots, copied to host memory ([`SnapLayer::Raw`]). The digest keeps the
+//! two runners apart.
 
+use k3_model::device_pages::{PageSpan, PageTable};
 use k3_model::layers::kda::{KdaState, StateBuf};
 use k3_model::layers::pages::{PagedRows, StoredPage};
 use k3_model::model::LayerState;
@@ -49,15 +53,17 @@ pub enum SegLayer {
     /// both empty for a layer of another pipeline stage): one page each, shared with the
     /// sequences that hold it (see the module doc).
     Mla { latent: StoredPage, index_keys: StoredPage },
-    /// A device runner's rows of an MLA/DSA layer as its pools store them: `[to − from, w]`
-    /// bytes each (`index_keys` empty without DSA).
-    Raw { latent: Vec<u8>, index_keys: Vec<u8> },
 }
 
 /// The MLA/DSA rows of one token span, every layer.
 #[derive(Clone, Debug)]
 pub struct Segment {
+    /// Per layer (the CPU runners; empty for a device runner's cell).
     pub layers: Vec<SegLayer>,
+    /// A device runner's cell: the device pages holding every MLA/DSA layer's rows of the span,
+    /// by reference (see the module doc). They count in the device cache's pages, not in the
+    /// pool's bytes.
+    pub pages: Option<PageSpan>,
     /// The MTP draft layer's latent rows of the span, shifted by one (see the module doc).
     pub mtp: Option<Vec<f32>>,
     /// The separate draft model's rows of the span (see the module doc).
@@ -72,7 +78,6 @@ impl Segment {
             .map(|l| match l {
                 SegLayer::Kda => 0,
                 SegLayer::Mla { latent, index_keys } => 4 * (latent.values().len() + index_keys.values().len()),
-                SegLayer::Raw { latent, index_keys } => latent.len() + index_keys.len(),
             })
             .sum();
         rows + self.mtp.as_ref().map_or(0, |m| 4 * m.len()) + self.draft.as_ref().map_or(0, |d| d.bytes())
@@ -143,13 +148,6 @@ fn cell_page(rows: &PagedRows, a: usize, b: usize) -> StoredPage {
     }
 }
 
-fn rows_per_token(len: usize, pos: usize, l: usize, what: &str) -> Result<usize> {
-    if pos == 0 || !len.is_multiple_of(pos) {
-        return Err(EngineError::Internal(format!("layer {l}: {len} {what} values for {pos} cached tokens")));
-    }
-    Ok(len / pos)
-}
-
 /// Cuts `st` (which has consumed exactly `st.pos` tokens) into the cells `[from, st.pos)` of
 /// `grid` tokens, and snapshots its KDA layers when `kda`.
 pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Capture> {
@@ -158,7 +156,7 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
         return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
     }
     let n = (to - from) / grid;
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()), mtp: None, draft: None }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()), pages: None, mtp: None, draft: None }).collect();
     for (l, layer) in st.layers.iter().enumerate() {
         match layer {
             LayerState::Kda(_) => cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda)),
@@ -270,52 +268,46 @@ pub fn restore(mut fresh: SeqState, cells: &[&Segment], snap: &KdaSnap) -> Resul
     Ok(fresh)
 }
 
-/// One layer's bytes as a device runner reads and writes them: an MLA/DSA layer's (latent,
-/// indexer-key) rows, a KDA layer's (conv tails, recurrent state); see `k3_model::cuda`'s
-/// `read_prefix` / `write_prefix`.
+/// A KDA layer's slot as a device runner reads and writes it: (conv tails, recurrent state)
+/// bytes; see `k3_model::cuda`'s `read_prefix` / `map_prefix`.
 pub type RawLayer = (Vec<u8>, Vec<u8>);
 
 /// [`RawLayer`] borrowed.
 pub type RawRef<'a> = (&'a [u8], &'a [u8]);
 
-/// A device runner's read of tokens `[from, to)` (`layers[l]`: the MLA/DSA rows of the span, or
-/// the KDA slot, `None` for a KDA layer read without its slot; `is_kda[l]` says which) cut into
-/// the cells of `grid` tokens, with the KDA snapshot at `to` when `kda`.
-pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, to: usize, grid: usize, kda: bool) -> Result<Capture> {
-    if grid == 0 || from > to || !from.is_multiple_of(grid) || !to.is_multiple_of(grid) || layers.len() != is_kda.len() {
+/// A device runner's capture of tokens `[from, to)` of a sequence whose block table is `table`
+/// (pages of `rows` tokens): one cell per grid cell, each holding its pages by reference; and
+/// with `kda` the snapshot at `to` from `slots` (`slots[l]`: KDA layer `l`'s slot; what an
+/// MLA/DSA layer's entry holds is not used; `is_kda[l]` says which).
+pub fn capture_device(
+    table: &PageTable,
+    rows: usize,
+    slots: Vec<Option<RawLayer>>,
+    is_kda: &[bool],
+    from: usize,
+    to: usize,
+    grid: usize,
+    kda: bool,
+) -> Result<Capture> {
+    if grid == 0 || from > to || !from.is_multiple_of(grid) || !to.is_multiple_of(grid) || (kda && slots.len() != is_kda.len()) {
         return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
     }
-    let n = (to - from) / grid;
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers.len()), mtp: None, draft: None }).collect();
-    let mut snap = Vec::with_capacity(layers.len());
-    for (l, (layer, &k)) in layers.into_iter().zip(is_kda).enumerate() {
-        match (k, layer) {
-            (true, slot) => {
-                cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda));
-                snap.push(slot.map(|(conv, state)| SnapLayer::Raw { conv, state }));
-            }
-            (false, Some(_)) if n == 0 => snap.push(Some(SnapLayer::Mla)), // a snapshot alone: no rows
-            (false, Some((latent, keys))) => {
-                let (w, iw) = (
-                    rows_per_token(latent.len(), to - from, l, "latent")?,
-                    if keys.is_empty() { 0 } else { rows_per_token(keys.len(), to - from, l, "indexer-key")? },
-                );
-                for (c, cell) in cells.iter_mut().enumerate() {
-                    let (a, b) = (c * grid, (c + 1) * grid);
-                    cell.layers.push(SegLayer::Raw { latent: latent[a * w..b * w].to_vec(), index_keys: keys[a * iw..b * iw].to_vec() });
-                }
-                snap.push(Some(SnapLayer::Mla));
-            }
-            (false, None) => return Err(EngineError::Internal(format!("layer {l}: the runner read no rows of an MLA layer"))),
-        }
-    }
+    let cells = (from..to)
+        .step_by(grid)
+        .map(|a| Ok(Segment { layers: Vec::new(), pages: Some(table.span(rows, a, a + grid)?), mtp: None, draft: None }))
+        .collect::<Result<Vec<_>>>()?;
     let kda = match kda {
         true => Some(KdaSnap {
             at: to,
-            layers: snap
+            layers: slots
                 .into_iter()
+                .zip(is_kda)
                 .enumerate()
-                .map(|(l, s)| s.ok_or_else(|| EngineError::Internal(format!("layer {l}: no KDA slot read"))))
+                .map(|(l, (s, &k))| match (k, s) {
+                    (true, Some((conv, state))) => Ok(SnapLayer::Raw { conv, state }),
+                    (true, None) => Err(EngineError::Internal(format!("layer {l}: no KDA slot read"))),
+                    (false, _) => Ok(SnapLayer::Mla), // its rows are in the cells' pages
+                })
                 .collect::<Result<_>>()?,
             mtp_hidden: None,
             draft: None,
@@ -325,24 +317,12 @@ pub fn capture_raw(layers: Vec<Option<RawLayer>>, is_kda: &[bool], from: usize, 
     Ok(Capture { from, to, cells, kda })
 }
 
-/// What a device runner writes to restore `snap`: per cell before it, each layer's rows (`None`
-/// for KDA layers), and each layer's KDA slot (`None` for MLA layers), borrowed from the pool.
+/// What a device runner restores `snap` from: the cells' page spans before it, in order, and
+/// each layer's KDA slot (`None` for MLA layers), borrowed from the pool.
 #[allow(clippy::type_complexity)]
-pub fn restore_raw<'a>(cells: &[&'a Segment], snap: &'a KdaSnap) -> Result<(Vec<Vec<Option<RawRef<'a>>>>, Vec<Option<RawRef<'a>>>)> {
+pub fn restore_device<'a>(cells: &[&'a Segment], snap: &'a KdaSnap) -> Result<(Vec<&'a PageSpan>, Vec<Option<RawRef<'a>>>)> {
     let bad = || EngineError::Internal("prefix restore: the stored state was made for another model or runner".into());
-    let rows = cells
-        .iter()
-        .map(|c| {
-            c.layers
-                .iter()
-                .map(|l| match l {
-                    SegLayer::Kda => Ok(None),
-                    SegLayer::Raw { latent, index_keys } => Ok(Some((latent.as_slice(), index_keys.as_slice()))),
-                    SegLayer::Mla { .. } => Err(bad()),
-                })
-                .collect::<Result<Vec<_>>>()
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let spans = cells.iter().map(|c| c.pages.as_ref().filter(|_| c.layers.is_empty()).ok_or_else(bad)).collect::<Result<Vec<_>>>()?;
     let kda = snap
         .layers
         .iter()
@@ -352,40 +332,49 @@ pub fn restore_raw<'a>(cells: &[&'a Segment], snap: &'a KdaSnap) -> Result<(Vec<
             SnapLayer::Cpu(_) | SnapLayer::Ranks(_) => Err(bad()),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok((rows, kda))
+    Ok((spans, kda))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k3_model::device_pages::PagePool;
 
-    /// A device read of 3 cells of 4 tokens cut into cells and handed back: every byte lands in
-    /// its cell, in order, and the snapshot keeps the KDA slot.
+    /// A device capture of 3 cells of 4 tokens (pages of 8): each cell holds the pages of its
+    /// tokens by reference (nothing copied, no page taken), the snapshot keeps the KDA slot,
+    /// and a restore hands back the same spans and slot, in order.
     #[test]
-    fn raw_captures_cut_into_cells_and_restore_in_order() {
-        let (grid, from, to) = (4, 8, 20);
-        let latent: Vec<u8> = (0..(to - from) * 3).map(|i| i as u8).collect(); // 3 bytes per token
-        let keys: Vec<u8> = (0..(to - from) * 2).map(|i| 200 - i as u8).collect();
-        let layers = vec![Some((vec![1, 2], vec![3, 4, 5])), Some((latent.clone(), keys.clone()))];
-        let cap = capture_raw(layers, &[true, false], from, to, grid, true).unwrap();
-        assert_eq!((cap.from, cap.to, cap.cells.len()), (8, 20, 3));
+    fn device_captures_hold_pages_and_restore_in_order() {
+        let (grid, from, to, rows) = (4, 8, 20, 8);
+        let pool = PagePool::new(4, rows);
+        let mut table = PageTable::default();
+        table.write(&pool, 0, to).unwrap();
+        let slots = vec![Some((vec![1, 2], vec![3, 4, 5])), None];
+        let cap = capture_device(&table, rows, slots, &[true, false], from, to, grid, true).unwrap();
+        assert_eq!((cap.from, cap.to, cap.cells.len(), pool.live()), (8, 20, 3, 3));
+        let ids: Vec<Vec<u32>> = cap.cells.iter().map(|c| c.pages.as_ref().unwrap().pages.iter().map(|p| p.id()).collect()).collect();
+        assert_eq!(ids, vec![vec![1], vec![1], vec![2]], "tokens [8, 12) and [12, 16) lie in page 1, [16, 20) in page 2");
+        assert_eq!((pool.holders(0), pool.holders(1), pool.holders(2)), (1, 3, 2));
         let snap = cap.kda.as_ref().unwrap();
-        assert_eq!(snap.at, 20);
-        assert_eq!(snap.bytes(), 5);
-        assert_eq!(cap.cells.iter().map(Segment::bytes).sum::<usize>(), latent.len() + keys.len());
+        assert_eq!((snap.at, snap.bytes()), (20, 5));
+        assert_eq!(cap.cells.iter().map(Segment::bytes).sum::<usize>(), 0, "device pages are not pool bytes");
         let refs: Vec<&Segment> = cap.cells.iter().collect();
-        let (rows, kda) = restore_raw(&refs, snap).unwrap();
+        let (spans, kda) = restore_device(&refs, snap).unwrap();
         assert_eq!(kda, vec![Some((&[1u8, 2][..], &[3u8, 4, 5][..])), None]);
-        let back: Vec<u8> = rows.iter().flat_map(|c| c[1].unwrap().0.to_vec()).collect();
-        let back_keys: Vec<u8> = rows.iter().flat_map(|c| c[1].unwrap().1.to_vec()).collect();
-        assert_eq!((back, back_keys), (latent, keys));
-        assert!(rows.iter().all(|c| c[0].is_none()));
-        // Without the snapshot: the cells only; a span off the grid is refused.
-        let cap = capture_raw(vec![None, Some((vec![0; 12], vec![]))], &[true, false], 0, 4, 4, false).unwrap();
+        assert_eq!(spans.iter().map(|s| (s.from, s.to)).collect::<Vec<_>>(), vec![(8, 12), (12, 16), (16, 20)]);
+        drop(cap);
+        assert_eq!((pool.holders(1), pool.holders(2)), (1, 1), "the cells let go of their pages");
+        // Without the snapshot: the cells only; a span off the grid is refused, and so is a
+        // snapshot without a KDA layer's slot.
+        let cap = capture_device(&table, rows, vec![], &[true, false], 0, 4, 4, false).unwrap();
         assert!(cap.kda.is_none() && cap.cells.len() == 1);
-        assert!(capture_raw(vec![None, Some((vec![0; 12], vec![]))], &[true, false], 0, 6, 4, false).is_err());
-        // A snapshot alone (every cell already stored, the snapshot missing): no rows read.
-        let cap = capture_raw(vec![Some((vec![9], vec![8])), Some((vec![], vec![]))], &[true, false], 8, 8, 4, true).unwrap();
-        assert!(cap.cells.is_empty() && cap.kda.unwrap().bytes() == 2);
+        assert!(capture_device(&table, rows, vec![], &[true, false], 0, 6, 4, false).is_err());
+        assert!(capture_device(&table, rows, vec![None, Some((vec![], vec![]))], &[true, false], 0, 4, 4, true).is_err());
+        // A snapshot alone (every cell already stored, the snapshot missing): no cells.
+        let cap = capture_device(&table, rows, vec![Some((vec![9], vec![8])), None], &[true, false], 8, 8, 4, true).unwrap();
+        assert!(cap.cells.is_empty() && cap.kda.as_ref().unwrap().bytes() == 2);
+        // A CPU cell or snapshot is not a device runner's.
+        let cpu = Segment { layers: vec![SegLayer::Kda], pages: None, mtp: None, draft: None };
+        assert!(restore_device(&[&cpu], cap.kda.as_ref().unwrap()).is_err());
     }
 }

@@ -14,8 +14,14 @@
 //! the depth of the nearest snapshot above it, per snapshot byte; dropping it keeps the node)
 //! or a leaf without a snapshot (saved = 0: it only serves to spot branch points; dropping it
 //! frees its segment). Recency is `1 / (1 + ticks since last use)` on a logical clock.
+//!
+//! A device runner's cells hold pages of its device cache (`k3_model::device_pages`), which
+//! count against the GPU's page budget, not against the pool's bytes: when a request cannot be
+//! admitted for want of pages, [`Tree::evict_cell`] drops the least recently used leaf (with its
+//! snapshot) among those whose pages nothing but the cache holds, one at a time, sparing the
+//! path the request resumes on.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::state::{KdaSnap, Segment};
 
@@ -66,6 +72,11 @@ impl Tree {
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// Device cache pages the cells hold, each counted once.
+    pub fn device_pages(&self) -> usize {
+        let ids: HashSet<u32> = self.nodes.iter().flatten().filter_map(|n| n.seg.pages.as_ref()).flat_map(|s| s.pages.iter().map(|p| p.id())).collect();
+        ids.len()
     }
 
     fn node(&self, id: NodeId) -> &Node {
@@ -174,6 +185,27 @@ impl Tree {
         n
     }
 
+    /// Drops the least recently used leaf not in `keep` whose device pages only the cache holds
+    /// (its snapshot with it), so that its pages go back to the device's free list. Returns
+    /// whether one went.
+    pub fn evict_cell(&mut self, keep: &[NodeId]) -> bool {
+        let leaf = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(id, n)| Some((id, n.as_ref()?)))
+            .filter(|(id, n)| n.children.is_empty() && !keep.contains(id) && n.seg.pages.as_ref().is_some_and(|s| s.frees_pages()))
+            .min_by_key(|(_, n)| n.last_used)
+            .map(|(id, _)| id);
+        let Some(id) = leaf else { return false };
+        if let Some(s) = self.node_mut(id).kda.take() {
+            self.bytes -= s.bytes();
+            self.snapshots -= 1;
+        }
+        self.remove_leaf(id);
+        true
+    }
+
     /// The candidate of least score: `(node, true)` for a snapshot, `(leaf, false)` for a leaf
     /// without one.
     fn victim(&self) -> Option<(NodeId, bool)> {
@@ -225,5 +257,71 @@ impl Tree {
             }
         }
         self.free.push(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix::state::SnapLayer;
+    use k3_model::device_pages::{PagePool, PageTable};
+
+    fn key(k: u32) -> CellKey {
+        CellKey { tokens: vec![k].into(), rows: 0 }
+    }
+
+    fn snap(at: usize) -> KdaSnap {
+        KdaSnap { at, layers: vec![SnapLayer::Raw { conv: vec![0; 10], state: vec![] }], mtp_hidden: None, draft: None }
+    }
+
+    /// Device cells: pages counted once across cells; eviction for room takes the least
+    /// recently used leaf whose pages only the cache holds (with its snapshot), never one a live
+    /// sequence still holds nor one the caller keeps, and its pages go back to the free list.
+    #[test]
+    fn device_cells_are_evicted_for_room_where_that_frees_pages() {
+        let (rows, grid) = (4, 6); // cells end inside pages: neighbours share one
+        let pool = PagePool::new(16, rows);
+        let mut tree = Tree::default();
+        // Two prompts of 3 cells, sharing the first: cells [0, 6), then [6, 12), [12, 18) each.
+        let mut tables = Vec::new();
+        let mut leaves = Vec::new();
+        for branch in 0..2u32 {
+            let mut t = PageTable::default();
+            t.write(&pool, 0, 3 * grid).unwrap();
+            let mut parent = None;
+            for c in 0..3 {
+                let seg = Segment { layers: vec![], pages: Some(t.span(rows, c * grid, (c + 1) * grid).unwrap()), mtp: None, draft: None };
+                let k = if c == 0 { key(0) } else { key(10 * branch + c as u32) };
+                parent = Some(tree.insert(7, parent, k, grid, seg));
+            }
+            leaves.push(parent.unwrap());
+            tables.push(t);
+        }
+        assert!(tree.set_kda(leaves[0], snap(18)));
+        // The shared first cell is branch 0's pages [0, 2); branch 1's own first cell went (it
+        // was there already), so its pages 5 and 6 are held by its table and later cells only.
+        assert_eq!((tree.len(), tree.device_pages(), pool.live()), (5, 9, 10));
+        assert_eq!(tree.bytes(), 10, "device cells are not pool bytes; the snapshot is");
+        // Both prompts' sequences still run: nothing can be freed.
+        assert!(!tree.evict_cell(&[]));
+        drop(tables.remove(0));
+        tree.touch(&[leaves[0]]); // branch 0 used last
+                                  // Branch 1's sequence still runs: only branch 0's leaf frees pages (kept: none go).
+        assert!(!tree.evict_cell(&[leaves[0]]));
+        let free = pool.free();
+        assert!(tree.evict_cell(&[]));
+        assert_eq!((tree.len(), tree.snapshots(), tree.bytes()), (4, 0, 0), "the leaf and its snapshot went");
+        assert_eq!(pool.free(), free + 2, "its pages went back");
+        drop(tables);
+        // Now everything is the cache's alone: least recently used first — branch 0's second
+        // cell, whose first page its parent holds too — down to nothing.
+        let free = pool.free();
+        assert!(tree.evict_cell(&[]));
+        assert_eq!((tree.len(), pool.free()), (3, free + 1), "page 2 went back, not page 1");
+        let mut n = 0;
+        while tree.evict_cell(&[]) {
+            n += 1;
+        }
+        assert_eq!((n, tree.len(), pool.live()), (3, 0, 0));
     }
 }

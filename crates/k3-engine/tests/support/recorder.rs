@@ -3,7 +3,8 @@
 //! real runner, records every plain forward's logits rows per sequence (so warm and cold runs
 //! can be compared row by row) and, when given a [`Timeline`], every draft call's chained
 //! logits and every verify step's rows per sequence, in order; and it hands what it restores to
-//! a mutation first (the tests' mutants corrupt it there, to show that the comparison can fail).
+//! a mutation first, and the runner to a hook after a restore (the tests' mutants corrupt the
+//! restored state there, to show that the comparison can fail).
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -19,6 +20,10 @@ pub type Log = Arc<Mutex<HashMap<u64, Vec<Vec<f32>>>>>;
 /// What a restore goes through before it reaches the inner runner (the cells, the snapshot).
 pub type Mutate = Box<dyn Fn(&mut Vec<Segment>, &mut KdaSnap) + Send>;
 
+/// What runs on the inner runner right after it restored a sequence (its id): the GPU tests'
+/// mutants corrupt the restored device pages there.
+pub type AfterRestore<R> = Box<dyn Fn(&mut R, u64) + Send>;
+
 /// One call that concerned a sequence: its draft call's logits, one row per chained position,
 /// or its rows of a verify step's logits (`1 + drafts`).
 #[derive(Clone, Debug)]
@@ -30,19 +35,20 @@ pub enum Entry {
 /// Every sequence's [`Entry`]s, in call order.
 pub type Timeline = Arc<Mutex<HashMap<u64, Vec<Entry>>>>;
 
-/// `inner` recording into `log`; its restores pass `mutate`; `exact_cuts` overrides the inner
-/// runner's answer when set.
+/// `inner` recording into `log`; its restores pass `mutate`, then `after_restore`;
+/// `exact_cuts` overrides the inner runner's answer when set.
 pub struct Rec<R> {
     pub inner: R,
     pub log: Log,
     pub mutate: Option<Mutate>,
+    pub after_restore: Option<AfterRestore<R>>,
     pub exact_cuts: Option<bool>,
     pub timeline: Option<Timeline>,
 }
 
 impl<R: Runner> Rec<R> {
     pub fn new(inner: R, log: &Log) -> Self {
-        Rec { inner, log: log.clone(), mutate: None, exact_cuts: None, timeline: None }
+        Rec { inner, log: log.clone(), mutate: None, after_restore: None, exact_cuts: None, timeline: None }
     }
 }
 
@@ -56,8 +62,14 @@ impl<R: Runner> Runner for Rec<R> {
     fn fits(&self, tokens: usize) -> Result<(), usize> {
         self.inner.fits(tokens)
     }
-    fn admit(&mut self, id: u64, tokens: usize) -> k3_engine::Result<bool> {
-        self.inner.admit(id, tokens)
+    fn admit(&mut self, id: u64, tokens: usize, shared: usize) -> k3_engine::Result<bool> {
+        self.inner.admit(id, tokens, shared)
+    }
+    fn admits_after_eviction(&self, tokens: usize, shared: usize) -> bool {
+        self.inner.admits_after_eviction(tokens, shared)
+    }
+    fn cache_pages(&self, id: u64) -> Option<Vec<u32>> {
+        self.inner.cache_pages(id)
     }
     fn release(&mut self, id: u64) {
         self.inner.release(id)
@@ -126,11 +138,19 @@ impl<R: Runner> Runner for Rec<R> {
         Ok(n)
     }
     fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
-        let Some(mutate) = &self.mutate else { return self.inner.restore(id, cells, snap) };
-        let mut snap = snap.clone();
-        let mut cells: Vec<Segment> = cells.iter().map(|c| (*c).clone()).collect();
-        mutate(&mut cells, &mut snap);
-        let refs: Vec<&Segment> = cells.iter().collect();
-        self.inner.restore(id, &refs, &snap)
+        match &self.mutate {
+            None => self.inner.restore(id, cells, snap)?,
+            Some(mutate) => {
+                let mut snap = snap.clone();
+                let mut cells: Vec<Segment> = cells.iter().map(|c| (*c).clone()).collect();
+                mutate(&mut cells, &mut snap);
+                let refs: Vec<&Segment> = cells.iter().collect();
+                self.inner.restore(id, &refs, &snap)?
+            }
+        }
+        if let Some(after) = &self.after_restore {
+            after(&mut self.inner, id);
+        }
+        Ok(())
     }
 }

@@ -17,7 +17,8 @@ impl CudaModel {
     /// Makes `seq` (a fresh sequence) hold `n` tokens of random cached latents and indexer keys in
     /// every MLA/DSA layer; KDA states stay zero. For benchmarks only.
     pub fn fill_context(&mut self, seq: &mut CudaSeqState, n: usize, seed: u64) -> Result<()> {
-        self.free.cover(seq, n)?;
+        let copies = self.free.write(seq, seq.pos, n)?;
+        self.copy_pages(&copies)?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for l in &self.layers {
             let Mixer::Mla(m) = &l.mixer else { continue };
@@ -34,7 +35,7 @@ impl CudaModel {
                 }
                 _ => bytemuck::cast_slice(&vals.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).to_vec(),
             };
-            for &p in &seq.pages {
+            for p in seq.pages.ids() {
                 m.cache.write_at(p as usize * bytes.len(), &bytes)?;
             }
             if let Some(ix) = &m.indexer {
@@ -51,7 +52,7 @@ impl CudaModel {
                     }
                     _ => bytemuck::cast_slice(&keys).to_vec(),
                 };
-                for &p in &seq.pages {
+                for p in seq.pages.ids() {
                     ix.key_cache.write_at(p as usize * kb.len(), &kb)?;
                 }
             }

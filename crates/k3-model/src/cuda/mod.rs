@@ -35,6 +35,7 @@ pub use state::{CacheConfig, CudaSeqState};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{Config, Ffn as FfnKind, LayerSpec, Mixer as MixerKind};
+use crate::device_pages;
 use crate::error::{ModelError, Result};
 use crate::parallel::{CudaGroups, RankPlan};
 use crate::source::{Source, Tensors};
@@ -310,7 +311,7 @@ impl CudaModel {
                 k.reset_slot(slot)?;
             }
         }
-        Ok(CudaSeqState { slot, pages: Vec::new(), pos: 0 })
+        Ok(CudaSeqState { slot, pages: Default::default(), pos: 0 })
     }
 
     /// Returns a finished sequence's slot and pages to the pools.
@@ -375,15 +376,46 @@ impl CudaModel {
     }
 
     /// Checks that sequence i stays within `limit` tokens after `lens[i]` more (`what` names the
-    /// limit in the error), then grows its pages to cover them.
+    /// limit in the error), then makes its rows `[pos, pos + lens[i])` writable: grows its pages
+    /// to cover them, and copies (on the stream, before the step) each page it would write that
+    /// others read (`device_pages`: a prefix shared inside a page, a rollback into one).
     pub(crate) fn grow(&mut self, seqs: &mut [&mut CudaSeqState], lens: &[usize], limit: usize, what: &str) -> Result<()> {
         for (i, (s, &l)) in seqs.iter_mut().zip(lens).enumerate() {
             if s.pos + l > limit {
                 return Err(ModelError::Input(format!("sequence {i}: {} tokens exceed {what}", s.pos + l)));
             }
-            self.free.cover(s, s.pos + l)?;
+        }
+        for (s, &l) in seqs.iter_mut().zip(lens) {
+            let copies = self.free.write(s, s.pos, s.pos + l)?;
+            self.copy_pages(&copies)?;
         }
         Ok(())
+    }
+
+    /// Copies page `.0` into page `.1` of every MLA/DSA layer's latent and indexer-key pools (on
+    /// the compute stream).
+    pub(crate) fn copy_pages(&self, copies: &[device_pages::PageCopy]) -> Result<()> {
+        for l in &self.layers {
+            let Mixer::Mla(m) = &l.mixer else { continue };
+            for pool in std::iter::once(&m.cache).chain(m.indexer.as_ref().map(|ix| &ix.key_cache)) {
+                let per = pool.byte_len() / pool.shape()[0];
+                for &(src, dst) in copies {
+                    pool.copy_range(dst as usize * per, pool, src as usize * per, per)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The page pool of this model's MLA/DSA caches (its counts: the GPU runner's admission
+    /// budget, the tests).
+    pub fn page_pool(&self) -> &device_pages::PagePool {
+        &self.free.pages
+    }
+
+    /// Pages held by sequences or prefix-cache cells, each counted once.
+    pub fn pages_in_use(&self) -> usize {
+        self.free.pages_in_use()
     }
 
     /// Validates the inputs, grows the sequences' pages, and uploads the step tables (the block

@@ -1,12 +1,16 @@
-//! Copies of a GPU sequence's state for the engine's prefix cache (issue 21; the engine's
-//! `prefix` module decides what is stored and when; text-backbone §3.8 KDA state, §4/§5 MLA
-//! latent and DSA indexer-key caches).
+//! A GPU sequence's state for the engine's prefix cache (issue 21; the engine's `prefix`
+//! module decides what is stored and when; text-backbone §3.8 KDA state, §4/§5 MLA latent and
+//! DSA indexer-key caches).
 //!
-//! Bytes leave and enter the device exactly as the pools store them — BF16 latent rows and F32
-//! indexer keys, or the FP8 rows of `--kv-cache-dtype fp8`; BF16 conv tails and F32 recurrent
-//! state — so a restored sequence is equal, byte for byte, to the one whose prefill wrote them.
-//! Each read or write is one device↔host transfer through a staging buffer, the gather/scatter
-//! between the staging buffer and the pages being device-to-device copies on the compute stream.
+//! The MLA latent and DSA indexer-key rows stay where they are: a stored cell holds the pages
+//! of the sequence that wrote it by reference (`device_pages`: [`PageTable::span`]), and a
+//! restore maps the stored pages into the new sequence's block table ([`PageTable::join`]), so
+//! nothing is copied; the page a resume point cuts is copied on the sequence's first write
+//! (`CudaModel::grow`). A KDA layer's state is rewritten every token, so it is copied: its slot's
+//! bytes leave and enter the device exactly as the pools store them (BF16 conv tails, F32
+//! recurrent state) in one device↔host transfer through a staging buffer, the gather/scatter
+//! between the staging buffer and the slots being device-to-device copies on the compute
+//! stream. [`CudaModel::read_prefix`] also reads rows (for the tests: what a page holds).
 //!
 //! Shapes: a layer's rows of a token span `[n, w]` bytes (`w` the pool's bytes per token); a KDA
 //! layer's slot `[3, 3, D]` conv tails and `[nh, hd, hd]` state, as bytes.
@@ -16,6 +20,7 @@ use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
 use super::{CudaModel, CudaSeqState, Mixer};
+use crate::device_pages::{PageSpan, PageTable};
 use crate::error::{ModelError, Result};
 
 /// One layer's stored bytes, a pair: an MLA/DSA layer's (latent, indexer-key) rows of a token
@@ -39,7 +44,7 @@ fn token_ranges<'a>(pool: &'a CudaTensor, seq: &CudaSeqState, from: usize, to: u
     let mut t = from;
     while t < to {
         let n = (PAGE - t % PAGE).min(to - t);
-        let page = seq.pages[t / PAGE] as usize;
+        let page = seq.pages.pages()[t / PAGE].id() as usize;
         out.push((pool, (page * PAGE + t % PAGE) * w, n * w));
         t += n;
     }
@@ -141,44 +146,27 @@ impl CudaModel {
         Ok(out)
     }
 
-    /// Gives the new sequence `seq` (no token consumed yet) the state at token `at`: `cells`,
-    /// each the MLA/DSA rows of consecutive equal token spans covering `[0, at)` (one entry per
-    /// layer, `None` for a KDA layer), and `kda`, every KDA layer's slot at `at` (`None` for an
-    /// MLA layer), all as [`CudaModel::read_prefix`] returned them.
-    pub fn write_prefix(&mut self, seq: &mut CudaSeqState, at: usize, cells: &[Vec<Option<LayerRef<'_>>>], kda: &[Option<LayerRef<'_>>]) -> Result<()> {
+    /// Gives the new sequence `seq` (no token consumed yet) the state at token `at`: `spans`,
+    /// stored cells covering `[0, at)` in order, mapped into its block table by reference, and
+    /// `kda`, every KDA layer's slot at `at` (`None` for an MLA layer) as
+    /// [`CudaModel::read_prefix`] returned it, written into its slot.
+    pub fn map_prefix(&mut self, seq: &mut CudaSeqState, at: usize, spans: &[&PageSpan], kda: &[Option<LayerRef<'_>>]) -> Result<()> {
         let bad = |why: String| ModelError::Input(format!("prefix restore: {why}"));
         if seq.pos != 0 || !seq.pages.is_empty() {
             return Err(bad(format!("the sequence already holds {} tokens", seq.pos)));
         }
-        let n = self.layers.len();
-        if kda.len() != n || cells.iter().any(|c| c.len() != n) || (at > 0 && (cells.is_empty() || !at.is_multiple_of(cells.len()))) {
-            return Err(bad(format!("{} cells for {at} tokens, made for another model", cells.len())));
+        if kda.len() != self.layers.len() {
+            return Err(bad(format!("a snapshot of {} layers for a model of {}", kda.len(), self.layers.len())));
         }
-        self.free.cover(seq, at)?;
-        let grid = if cells.is_empty() { 0 } else { at / cells.len() };
+        let pages = PageTable::join(spans, PAGE, at)?;
+        if !pages.pages().iter().all(|p| self.free.pages.holds(p)) {
+            return Err(bad("a stored page is of another model's cache (another runner's prefix cache)".into()));
+        }
         let mut ranges = Vec::new();
         let mut bytes = Vec::new();
         for (li, l) in self.layers.iter().enumerate() {
             match (&l.mixer, &kda[li]) {
-                (Mixer::Mla(m), None) => {
-                    let keys = m.indexer.as_ref().map(|ix| &ix.key_cache);
-                    for (c, cell) in cells.iter().enumerate() {
-                        let Some((latent, index_keys)) = cell[li] else {
-                            return Err(bad(format!("layer {li} is MLA but a stored cell is not")));
-                        };
-                        let (a, b) = (c * grid, (c + 1) * grid);
-                        let want_keys = keys.map_or(0, |k| grid * row_bytes(k));
-                        if latent.len() != grid * row_bytes(&m.cache) || index_keys.len() != want_keys {
-                            return Err(bad(format!("layer {li}: a cell of {} + {} bytes for {grid} tokens", latent.len(), index_keys.len())));
-                        }
-                        token_ranges(&m.cache, seq, a, b, &mut ranges);
-                        bytes.extend_from_slice(latent);
-                        if let Some(k) = keys {
-                            token_ranges(k, seq, a, b, &mut ranges);
-                            bytes.extend_from_slice(index_keys);
-                        }
-                    }
-                }
+                (Mixer::Mla(_), None) => {}
                 (Mixer::Kda(k), Some((conv, state))) => {
                     let (c, s) = (slot_range(&k.conv_pool, seq.slot), slot_range(&k.state_pool, seq.slot));
                     if conv.len() != c.2 || state.len() != s.2 {
@@ -192,6 +180,7 @@ impl CudaModel {
             }
         }
         scatter(&self.dev, &bytes, &ranges)?;
+        seq.pages = pages;
         seq.pos = at;
         Ok(())
     }

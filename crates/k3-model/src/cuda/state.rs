@@ -7,8 +7,9 @@
 //! - MLA / DSA layers: a **paged** latent cache BF16 `[P, PAGE, r + dr]` per layer (normed latent
 //!   then raw `k_pe`, §4) and for DSA the indexer-key cache F32 `[P, PAGE, id]` (§5); with
 //!   `--kv-cache-dtype fp8` both are U8 rows in the FP8 layouts of k3-core `fp8`. A sequence
-//!   owns a list of page ids (the same ids in every layer) and grows by whole pages, never by
-//!   copying.
+//!   holds a block table of page ids (the same ids in every layer), reference-counted with the
+//!   prefix cache's cells ([`crate::device_pages`]): it grows by whole pages, shares the pages
+//!   of a restored prefix, and copies a page only where it writes rows someone else reads.
 //! - [`Step`]: what one packed forward needs on the device — token ids, each row's sequence and
 //!   absolute position, the block table `[B, max_pages]`, the KDA slots, the rows whose logits
 //!   are wanted (and, in a verify graph, the KDA prefill's sequence tables).
@@ -18,6 +19,7 @@ use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
 use crate::capacity::KvDtype;
+use crate::device_pages::{PageCopy, PagePool, PageRef, PageTable};
 use crate::error::{ModelError, Result};
 
 /// How much state the pools hold.
@@ -44,18 +46,20 @@ impl Default for CacheConfig {
 pub struct CudaSeqState {
     /// KDA slot (same in every KDA layer).
     pub slot: usize,
-    /// Latent-cache pages, in order (same ids in every MLA/DSA layer).
-    pub pages: Vec<u32>,
+    /// Latent-cache pages, in order (same ids in every MLA/DSA layer), some perhaps shared.
+    pub pages: PageTable,
     /// Tokens consumed so far.
     pub pos: usize,
 }
 
-/// The free lists of slots and pages. The pools hold one extra slot and one extra page, never
-/// handed out: the scratch a warm-up or capture pass of a CUDA graph writes to.
+/// The free KDA slots and the page pool. The pools hold one extra slot and one extra page,
+/// never handed out: the scratch a warm-up or capture pass of a CUDA graph writes to.
 #[derive(Debug)]
 pub(crate) struct Free {
     pub slots: Vec<usize>,
-    pub pages: Vec<u32>,
+    pub pages: PagePool,
+    /// The scratch page, held here for good.
+    scratch: PageRef,
     pub max_seqs: usize,
     pub max_pages: usize,
 }
@@ -63,20 +67,26 @@ pub(crate) struct Free {
 impl Free {
     pub fn new(c: &CacheConfig) -> Self {
         let max_pages = c.max_tokens.div_ceil(PAGE).max(1);
-        Free { slots: (0..c.max_seqs).rev().collect(), pages: (0..max_pages as u32).rev().collect(), max_seqs: c.max_seqs, max_pages }
+        let pages = PagePool::new(max_pages + 1, PAGE);
+        let scratch = pages.take().expect("a new pool has free pages");
+        Free { slots: (0..c.max_seqs).rev().collect(), pages, scratch, max_seqs: c.max_seqs, max_pages }
     }
 
     /// Slots in each KDA pool (the last one is scratch).
     pub fn pool_slots(&self) -> usize {
         self.max_seqs + 1
     }
-    /// Pages in each latent pool (the last one is scratch).
+    /// Pages in each latent pool (one is scratch).
     pub fn pool_pages(&self) -> usize {
         self.max_pages + 1
     }
+    /// Pages held by sequences or prefix-cache cells (each counted once; not the scratch page).
+    pub fn pages_in_use(&self) -> usize {
+        self.pages.live() - 1
+    }
     /// A sequence living only in the scratch slot and page (for graph warm-up and capture).
     pub fn scratch(&self) -> CudaSeqState {
-        CudaSeqState { slot: self.max_seqs, pages: vec![self.max_pages as u32], pos: 0 }
+        CudaSeqState { slot: self.max_seqs, pages: PageTable::single(self.scratch.clone()), pos: 0 }
     }
 
     pub fn take_slot(&mut self) -> Result<usize> {
@@ -85,24 +95,16 @@ impl Free {
         })
     }
 
-    /// Grows `seq.pages` to cover `upto` tokens.
-    pub fn cover(&mut self, seq: &mut CudaSeqState, upto: usize) -> Result<()> {
-        let need = upto.div_ceil(PAGE);
-        while seq.pages.len() < need {
-            let p = self.pages.pop().ok_or_else(|| {
-                ModelError::Capacity(format!(
-                    "the GPU cache is full ({} pages of {PAGE} tokens): finish sequences or raise CacheConfig.max_tokens (--max-cache-tokens)",
-                    self.max_pages
-                ))
-            })?;
-            seq.pages.push(p);
-        }
-        Ok(())
+    /// Makes tokens `[from, to)` of `seq` writable: grows its pages to cover them and gives it a
+    /// copy of each page it would write that others read (`device_pages`). Returns the device
+    /// copies to make first.
+    pub fn write(&mut self, seq: &mut CudaSeqState, from: usize, to: usize) -> Result<Vec<PageCopy>> {
+        seq.pages.write(&self.pages, from, to)
     }
 
+    /// Returns the slot; the pages go back as their last holder lets go.
     pub fn release(&mut self, seq: CudaSeqState) {
         self.slots.push(seq.slot);
-        self.pages.extend(seq.pages);
     }
 }
 
@@ -175,7 +177,7 @@ impl StepHost {
             r += n;
             h.last_rows.push(r as i32 - 1);
             h.max_len = h.max_len.max(s.pos + n);
-            for (k, &p) in s.pages.iter().enumerate().take(width) {
+            for (k, p) in s.pages.ids().enumerate().take(width) {
                 h.block_table[b * width + k] = p as i32;
             }
             h.slots.push(s.slot as i32);
@@ -209,39 +211,49 @@ impl StepHost {
 mod tests {
     use super::*;
 
+    fn seq(f: &mut Free) -> CudaSeqState {
+        CudaSeqState { slot: f.take_slot().unwrap(), pages: PageTable::default(), pos: 0 }
+    }
+
     #[test]
     fn pages_are_taken_by_whole_pages_and_returned() {
         let mut f = Free::new(&CacheConfig { max_seqs: 2, max_tokens: 3 * PAGE, ..Default::default() });
-        assert_eq!((f.pool_slots(), f.pool_pages()), (3, 4), "one scratch slot and page beyond the configured ones");
-        let mut a = CudaSeqState { slot: f.take_slot().unwrap(), pages: vec![], pos: 0 };
-        f.cover(&mut a, 1).unwrap();
-        f.cover(&mut a, PAGE).unwrap();
+        assert_eq!((f.pool_slots(), f.pool_pages(), f.pages_in_use()), (3, 4, 0), "one scratch slot and page beyond the configured ones");
+        let mut a = seq(&mut f);
+        f.write(&mut a, 0, 1).unwrap();
+        f.write(&mut a, 1, PAGE).unwrap();
         assert_eq!(a.pages.len(), 1);
-        f.cover(&mut a, PAGE + 1).unwrap();
-        assert_eq!(a.pages.len(), 2);
-        let mut b = CudaSeqState { slot: f.take_slot().unwrap(), pages: vec![], pos: 0 };
+        f.write(&mut a, PAGE, PAGE + 1).unwrap();
+        assert_eq!((a.pages.len(), f.pages_in_use()), (2, 2));
+        let mut b = seq(&mut f);
         assert_ne!(a.slot, b.slot);
-        f.cover(&mut b, PAGE).unwrap();
-        let err = f.cover(&mut b, PAGE + 1).unwrap_err().to_string();
+        f.write(&mut b, 0, PAGE).unwrap();
+        let err = f.write(&mut b, PAGE, PAGE + 1).unwrap_err().to_string();
         assert!(err.contains("cache is full") && err.contains("max_tokens"), "{err}");
         assert!(f.take_slot().unwrap_err().to_string().contains("max_seqs"));
         let scratch = f.scratch();
-        assert_eq!((scratch.slot, scratch.pages[0]), (2, 3), "scratch is the extra slot and page");
-        assert!(!a.pages.contains(&3) && !b.pages.contains(&3));
+        let s = scratch.pages.ids().next().unwrap();
+        assert_eq!(scratch.slot, 2, "scratch is the extra slot");
+        assert!(!a.pages.ids().any(|p| p == s) && !b.pages.ids().any(|p| p == s), "no sequence gets the scratch page");
         f.release(a);
-        let mut c = CudaSeqState { slot: f.take_slot().unwrap(), pages: vec![], pos: 0 };
-        f.cover(&mut c, 2 * PAGE).unwrap();
+        assert_eq!(f.pages_in_use(), 1, "a's pages went back with it");
+        let mut c = seq(&mut f);
+        f.write(&mut c, 0, 2 * PAGE).unwrap();
         assert_eq!(c.pages.len(), 2);
     }
 
     #[test]
     fn step_tables_place_every_row() {
-        let a = CudaSeqState { slot: 4, pages: vec![7, 2], pos: 63 };
-        let b = CudaSeqState { slot: 1, pages: vec![5], pos: 0 };
+        let pool = PagePool::new(8, PAGE);
+        let (mut pa, mut pb) = (PageTable::default(), PageTable::default());
+        pa.write(&pool, 0, PAGE + 1).unwrap();
+        pb.write(&pool, 0, 3).unwrap();
+        let a = CudaSeqState { slot: 4, pages: pa, pos: 63 };
+        let b = CudaSeqState { slot: 1, pages: pb, pos: 0 };
         let h = StepHost::build(&[&a, &b], &[2, 3], 3);
         assert_eq!(h.row_seq, vec![0, 0, 1, 1, 1]);
         assert_eq!(h.row_pos, vec![63, 64, 0, 1, 2]);
-        assert_eq!(h.block_table, vec![7, 2, 0, 5, 0, 0]);
+        assert_eq!(h.block_table, vec![0, 1, 0, 2, 0, 0]);
         assert_eq!(h.slots, vec![4, 1]);
         assert_eq!(h.last_rows, vec![1, 4]);
         assert_eq!(h.max_len, 65);
