@@ -38,7 +38,8 @@ for what in "${@:-offload cuda_spec}"; do
       timeout 240 /usr/bin/time -f "$w %e s" "$K3_DIR/$w" ${!f} --test-threads=1 --nocapture 2>&1 | tee "$L/$w.log" | grep -v "^test .* ok$" | grep -v "^$" || FAILS=$((FAILS + 1)) ;;
     prefill)
       # Issue 20's prefill T = 4096 on each recipe (k3r4bf, k3r4mx), with the per-kind profile,
-      # the MoE prefill path both ways (K3_MOE_PREFILL=loop, then grouped: A/B in one call), and
+      # the MoE prefill path in each of PREFILL_MODES (K3_MOE_PREFILL: loop = MXFP4 dequant
+      # overlapped on a side stream, loop-serial, grouped; A/B in one call), and
       # with NCU=1 one prefill's kernels timed by Nsight Compute and summed by name.
       for R in ${RECIPES:-k3r4bf k3r4mx}; do
         k3_model $R "$K3_DIR/k3" || exit 1

@@ -12,7 +12,9 @@
 //! runs the CUDA-core GEMV (f32 intermediate; `K3_MOE_DECODE=gemv|mma` forces one path for
 //! every T); prefill path (above it, cuBLAS with the SiTU-GLU intermediate rounded to bf16;
 //! grouped: the GEMM outputs too) 5e-3; `experts_mid` runs T = 200 and 700 through both (the cut
-//! set below and above it), the prefill path grouped (MXFP4 in several chunks) and looped. The decode path is
+//! set below and above it), the prefill path grouped (MXFP4 in several chunks) and looped, and the
+//! overlapped loop (MXFP4 dequantized on a side stream) gives the serial loop's bits, also with
+//! either stream delayed so that a missing event wait would show. The decode path is
 //! also captured into a CUDA graph and replayed (not under `K3_CUDA_SYNC=1`, whose per-launch
 //! sync cannot be captured). Without a GPU every test prints
 //! `skipped: no CUDA driver (...)` and passes; with `K3_REQUIRE_CUDA=1` that case fails.
@@ -282,9 +284,56 @@ fn experts_mid_match_cpu() {
         }
         assert_eq!(moe::prefill_mode(), mode, "the grouped prefill fell back to the loop (its reason is in the log)");
     }
+    moe::set_mma_max_tokens(Some(moe::DECODE_MAX_TOKENS));
+    for format in [ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
+        overlap_matches_serial(&dev, &mut r, format, 64, 8, 512, 256, &[200, 700]);
+    }
     moe::set_prefill_mode(None);
     moe::set_prefill_scratch(None);
     moe::set_mma_max_tokens(None);
+}
+
+/// The prefill loop overlapped (MXFP4 experts dequantized one ahead on the side stream, the
+/// default) against the serial loop, bit for bit; for MXFP4 also with the side stream delayed
+/// before each dequantization (a GEMM not waiting for its slot's dequant would read the slot's
+/// previous expert, or nothing) and with the compute stream delayed before each expert's GEMMs
+/// (a dequant not waiting for the GEMMs of its slot's previous expert would overwrite them).
+/// BF16 experts go through the loop without dequantization: the same code both ways. The delays
+/// expose a missing wait only without per-launch synchronisation (release builds without
+/// `K3_CUDA_SYNC=1`, as `scripts/gpu/validate_run.sh` stages them); with it the test still passes.
+#[allow(clippy::too_many_arguments)]
+fn overlap_matches_serial(dev: &CudaDevice, r: &mut impl Rng, format: ExpertFormat, e: usize, k: usize, l: usize, f: usize, ts: &[usize]) {
+    const STALL_NS: u64 = 500_000;
+    let ly = layer(dev, r, format, e, l, f);
+    for &t in ts {
+        assert!(t > moe::mma_max_tokens(e, k), "T={t} must take the prefill path");
+        let z: Vec<bf16> = (0..t * l).map(|_| bf16::from_f32(r.random_range(-2.0f32..2.0))).collect();
+        let (ids, wts) = routing(r, t, e, k);
+        let zd = CudaTensor::from_bf16(dev, vec![t, l], &z).unwrap();
+        let idd = CudaTensor::from_pod(dev, DType::I32, vec![t, k], &ids).unwrap();
+        let wd = CudaTensor::from_f32(dev, vec![t, k], &wts).unwrap();
+        let run = |mode: PrefillMode, side_ns: u64, main_ns: u64| {
+            moe::set_prefill_mode(Some(mode));
+            moe::set_prefill_stall(side_ns, main_ns);
+            let out = poisoned(dev, DType::F32, vec![t, l]);
+            moe::experts_forward(&zd, &idd, &wd, &ly.w, BETA, LBETA, 2.5, &out).unwrap();
+            moe::set_prefill_stall(0, 0);
+            out.to_bytes().unwrap()
+        };
+        let serial = run(PrefillMode::LoopSerial, 0, 0);
+        let stalls: &[(u64, u64)] = if format == ExpertFormat::Mxfp4 { &[(0, 0), (STALL_NS, 0), (0, STALL_NS)] } else { &[(0, 0)] };
+        for &(side_ns, main_ns) in stalls {
+            let overlapped = run(PrefillMode::Loop, side_ns, main_ns);
+            let differ = serial.chunks_exact(4).zip(overlapped.chunks_exact(4)).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                differ,
+                0,
+                "{format:?} T={t}: overlapped loop (side stall {side_ns} ns, compute stall {main_ns} ns) differs from the serial loop in {differ} of {} values",
+                t * l
+            );
+        }
+        say(&format!("prefill loop {format:?} T={t}: overlapped = serial, bit for bit"));
+    }
 }
 
 #[test]

@@ -182,6 +182,8 @@ pub(crate) struct Inner {
     funcs: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     pub(crate) blas: Mutex<Option<blas::Blas>>,
+    /// [`CudaDevice::side_stream`], once created.
+    side: Mutex<Option<Stream>>,
     sync_each_launch: bool,
     /// Set while a graph capture is under way: launches are recorded, not run, so the debug
     /// per-launch synchronisation must be skipped (it is illegal during capture).
@@ -193,6 +195,9 @@ impl Drop for Inner {
         // Best effort: no error can be reported from drop.
         let _ = self.ctx.bind_to_thread();
         let _ = self.stream.synchronize();
+        if let Some(side) = lock(&self.side).as_ref() {
+            let _ = side.synchronize();
+        }
         lock(&self.blas).take();
         lock(&self.pool).release_all();
     }
@@ -266,6 +271,7 @@ impl CudaDevice {
                 funcs: Mutex::new(HashMap::new()),
                 modules: Mutex::new(HashMap::new()),
                 blas: Mutex::new(None),
+                side: Mutex::new(None),
                 sync_each_launch,
                 capturing: std::sync::atomic::AtomicBool::new(false),
             }),
@@ -308,6 +314,19 @@ impl CudaDevice {
     /// The compute stream every op of this device runs on.
     pub fn stream(&self) -> Stream {
         Stream { s: self.inner.stream.clone() }
+    }
+
+    /// This device's side stream (created on first use, then reused): the one extra stream the
+    /// ops themselves use, e.g. the MoE prefill's weight dequantization beside its GEMMs. Work
+    /// put on it is joined back to the compute stream by the op that put it there.
+    pub(crate) fn side_stream(&self) -> Result<Stream> {
+        let mut side = lock(&self.inner.side);
+        if let Some(s) = &*side {
+            return Ok(s.clone());
+        }
+        let s = self.new_stream()?;
+        *side = Some(s.clone());
+        Ok(s)
     }
 
     /// A new non-blocking stream on this device (for overlapping copies with compute).
@@ -381,13 +400,30 @@ impl CudaDevice {
         smem: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.launch_on(&self.inner.stream, src, func, grid, block, smem, params)
+    }
+
+    /// [`CudaDevice::launch`] on `stream`: the compute stream, or an extra stream of this
+    /// device, which the caller joins back before the buffers the kernel touches are dropped
+    /// (see the module docs).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_on(
+        &self,
+        stream: &CudaStream,
+        src: Source,
+        func: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         let f = self.function(src, func)?;
         self.bind()?;
         // SAFETY: the caller passes parameters matching the kernel's signature and device
         // pointers that stay allocated until the stream reaches this launch.
-        unsafe { dres::launch_kernel(f.cu_function(), grid, block, smem, self.cu_stream(), params) }.map_err(derr(&format!("launching {func}")))?;
+        unsafe { dres::launch_kernel(f.cu_function(), grid, block, smem, stream.cu_stream(), params) }.map_err(derr(&format!("launching {func}")))?;
         if self.inner.sync_each_launch && !self.inner.capturing.load(std::sync::atomic::Ordering::Relaxed) {
-            self.inner.stream.synchronize().map_err(derr(&format!("kernel {func} failed")))?;
+            stream.synchronize().map_err(derr(&format!("kernel {func} failed")))?;
         }
         Ok(())
     }

@@ -22,10 +22,11 @@
 //! of each token in slot order (no atomics: deterministic) and applies `routed_scaling_factor`.
 //!
 //! Prefill path (T > [`mma_max_tokens`], NOT capturable: it reads the routing on the host):
-//! `moe_prefill.rs` — the experts' GEMMs grouped into one cuBLAS call per chunk of experts, or
-//! one expert at a time (`K3_MOE_PREFILL=loop`).
+//! `moe_prefill.rs` — the experts' GEMMs one expert at a time (`K3_MOE_PREFILL=loop`, the
+//! default, MXFP4 dequantization overlapped on a side stream; `loop-serial` without), or grouped
+//! into one cuBLAS call per chunk of experts (`grouped`).
 
-pub use super::moe_prefill::{prefill_mode, set_prefill_mode, set_prefill_scratch, PrefillMode, SCRATCH_BYTES};
+pub use super::moe_prefill::{prefill_mode, set_prefill_mode, set_prefill_scratch, set_prefill_stall, PrefillMode, SCRATCH_BYTES};
 use super::{derr, kargs, CudaTensor};
 use crate::kernels::cuda::{MOE, MOE_MMA};
 use crate::{CoreError, DType, Result};

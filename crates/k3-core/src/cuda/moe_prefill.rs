@@ -1,9 +1,16 @@
 //! The routed experts' prefill path of [`super::moe`] (text-backbone §7.3–7.5; MXFP4 per
 //! around-backbone §2), taken for T > `mma_max_tokens`: the routing is read on the host (NOT
 //! capturable) and the valid (token, slot) pairs are sorted by expert, stable by pair index.
-//! Two ways to run the experts' GEMMs, chosen by [`PrefillMode`] (`K3_MOE_PREFILL=loop|grouped`):
+//! Two ways to run the experts' GEMMs, chosen by [`PrefillMode`]
+//! (`K3_MOE_PREFILL=loop|loop-serial|grouped`):
 //! - **loop** (default): one expert at a time — gather its rows, two cuBLASLt GEMMs with f32
-//!   output, SiTU-GLU rounded to BF16 between them, scatter to the pair rows.
+//!   output, SiTU-GLU rounded to BF16 between them, scatter to the pair rows. MXFP4 experts are
+//!   dequantized to BF16 scratch one expert ahead on the device's side stream, into two slots
+//!   taken in turn, so the memory-bound dequantization runs under the compute-bound GEMMs
+//!   ([`Scratch`]: events order each slot's dequant before its GEMMs and its GEMMs before its
+//!   next dequant). `loop-serial` dequantizes each expert in line on the compute stream (the
+//!   form before the overlap, for A/B timing); both run the same kernels on the same data, so
+//!   their outputs are the same bits.
 //! - **grouped** (opt-in; it lost on the H200, 2026-12-05: a T = 4096 prefill of `k3r4mx`, 4
 //!   real-width layers × 64 MXFP4 experts, spent 87.7 ms in the MoE FFN against the loop's 63.2
 //!   ms — cuBLAS 13.1's grouped kernels are slower than its per-shape GEMMs here): every
@@ -18,10 +25,10 @@
 //! Shapes: T tokens, k slots, P valid pairs, `n_e` pairs of expert e, L latent width, F expert
 //! width; `zs` `[P, L]`, `h` `[rows, 2F]`, `act` `[rows, F]`, `y` `[P, L]` (rows: a chunk's pairs).
 
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
 
 use super::moe::{f32_experts, ExpertFormat, ExpertWeights, Pairs};
-use super::{blas, kargs, CudaDevice, CudaTensor};
+use super::{blas, kargs, CudaDevice, CudaTensor, Event, Stream};
 use crate::kernels::cuda::MOE;
 use crate::{DType, Result};
 
@@ -41,11 +48,15 @@ pub fn set_prefill_scratch(bytes: Option<usize>) {
 pub enum PrefillMode {
     /// One grouped cuBLAS GEMM per chunk of experts, BF16 output.
     Grouped,
-    /// One expert at a time, f32 output.
+    /// One expert at a time, f32 output; MXFP4 experts dequantized one ahead on the side
+    /// stream (the default).
     Loop,
+    /// [`PrefillMode::Loop`] with each expert dequantized in line on the compute stream.
+    LoopSerial,
 }
 
-/// 0: not read yet; 1 grouped; 2 loop; 3 grouped refused by cuBLAS (loop from then on).
+/// 0: not read yet; 1 grouped; 2 loop; 3 grouped refused by cuBLAS (loop from then on); 4
+/// loop-serial.
 static MODE: AtomicU8 = AtomicU8::new(0);
 
 /// Forces the prefill path's mode for the process (`None`: back to `K3_MOE_PREFILL`, default
@@ -56,6 +67,7 @@ pub fn set_prefill_mode(mode: Option<PrefillMode>) {
             None => 0,
             Some(PrefillMode::Grouped) => 1,
             Some(PrefillMode::Loop) => 2,
+            Some(PrefillMode::LoopSerial) => 4,
         },
         Relaxed,
     );
@@ -68,8 +80,9 @@ pub fn prefill_mode() -> PrefillMode {
             let v = match std::env::var("K3_MOE_PREFILL").as_deref() {
                 Ok("grouped") => 1,
                 Ok("loop") | Err(_) => 2,
+                Ok("loop-serial") => 4,
                 Ok(other) => {
-                    eprintln!("k3: K3_MOE_PREFILL={other:?} is neither \"loop\" nor \"grouped\"; using loop");
+                    eprintln!("k3: K3_MOE_PREFILL={other:?} is none of \"loop\", \"loop-serial\", \"grouped\"; using loop");
                     2
                 }
             };
@@ -78,11 +91,23 @@ pub fn prefill_mode() -> PrefillMode {
         }
         v => v,
     };
-    if m == 1 {
-        PrefillMode::Grouped
-    } else {
-        PrefillMode::Loop
+    match m {
+        1 => PrefillMode::Grouped,
+        4 => PrefillMode::LoopSerial,
+        _ => PrefillMode::Loop,
     }
+}
+
+/// Test hook of the overlapped loop: nanoseconds each expert's dequantization waits on the side
+/// stream, and each expert's GEMMs on the compute stream (0: none).
+static STALL: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Delays the overlapped loop's side stream before each dequantization by `side_ns` and its
+/// compute stream before each expert's GEMMs by `main_ns` (both 0: off, the default). For
+/// tests: a missing event wait then shows as wrong bits instead of a rare race.
+pub fn set_prefill_stall(side_ns: u64, main_ns: u64) {
+    STALL[0].store(side_ns, Relaxed);
+    STALL[1].store(main_ns, Relaxed);
 }
 
 /// The prefill path: the pairs' expert outputs, by the mode in force.
@@ -92,12 +117,16 @@ pub(super) fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: us
     }
     let host_ids: Vec<i32> = bytemuck::pod_collect_to_vec(&ids.to_bytes()?);
     let (groups, pairs) = group_host(&host_ids, w.num_experts);
-    if prefill_mode() == PrefillMode::Grouped {
+    let mode = prefill_mode();
+    if mode == PrefillMode::Grouped {
         if let Some(p) = grouped(z, w, t, k, &groups, &pairs, beta, lbeta)? {
             return Ok(p);
         }
     }
-    per_expert(z, w, t, k, &groups, &pairs, beta, lbeta)
+    // Never under a graph capture (the host read above already forbids one), but a side stream
+    // there would need its own fork/join into the capture: stay on the compute stream.
+    let overlap = mode != PrefillMode::LoopSerial && !z.cuda_device().inner().capturing.load(Relaxed);
+    per_expert(z, w, t, k, &groups, &pairs, beta, lbeta, overlap)
 }
 
 /// Groups the valid pairs by expert on the host: (expert, start, count) ascending by expert,
@@ -137,14 +166,15 @@ fn positions(pairs: &[i32], n_pairs: usize) -> Vec<i32> {
     pos
 }
 
-/// Dequantizes expert `ex`'s MXFP4 W13 and W2 into the BF16 scratch slots at `w13d` / `w2d`.
-fn dequant(dev: &CudaDevice, w: &ExpertWeights, ex: usize, w13d: u64, w2d: u64) -> Result<()> {
+/// Dequantizes expert `ex`'s MXFP4 W13 and W2 into the BF16 scratch slots at `w13d` / `w2d`,
+/// on `stream`.
+fn dequant(dev: &CudaDevice, stream: &Stream, w: &ExpertWeights, ex: usize, w13d: u64, w2d: u64) -> Result<()> {
     let (s13, s2) = w.scale_ptrs();
     let (l, f) = (w.latent, w.inter);
     for (dst, src, scale, elems) in [(w13d, w.w13.ptr(), s13, (2 * f * l) as u64), (w2d, w.w2.ptr(), s2, (l * f) as u64)] {
         let (pk, sc, groups32) = (src + ex as u64 * elems / 2, scale + ex as u64 * elems / 32, (elems / 32) as i64);
         let grid = dev.elementwise_grid(4 * groups32 as usize, 256); // a thread per packed word
-        dev.launch(MOE, "moe_dequant", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![pk, sc, groups32, dst])?;
+        dev.launch_on(stream.raw(), MOE, "moe_dequant", (grid, 1, 1), (256, 1, 1), 0, &mut kargs![pk, sc, groups32, dst])?;
     }
     Ok(())
 }
@@ -194,7 +224,7 @@ fn grouped(
             let (w13p, w2p) = match &scratch {
                 Some((w13s, w2s)) => {
                     let (a, b) = (w13s.ptr() + (i * 2 * f * l) as u64 * bf, w2s.ptr() + (i * l * f) as u64 * bf);
-                    dequant(dev, w, ex, a, b)?;
+                    dequant(dev, &dev.stream(), w, ex, a, b)?;
                     (a, b)
                 }
                 None => (w.w13.ptr() + (ex * 2 * f * l) as u64 * bf, w.w2.ptr() + (ex * l * f) as u64 * bf),
@@ -220,9 +250,145 @@ fn grouped(
     Ok(Some(Pairs { y, pos: Some(pos) }))
 }
 
-/// The loop: one expert at a time, f32 GEMM outputs scattered to the pair rows `[T·k, L]`.
+/// The loop's BF16 scratch for MXFP4 experts. Serial: one slot, each expert dequantized in line
+/// on the compute stream. Overlapped: two slots; expert i+1 is dequantized into slot (i+1) % 2
+/// on the device's side stream while expert i's GEMMs read slot i % 2 on the compute stream.
+/// `ready[s]` (side, after a dequant into s) gates the GEMMs reading s; `free[s]` (compute,
+/// after the last GEMM reading s) gates the next dequant into s. The slots are allocated on the
+/// compute stream and both `free` recorded at once, so the side stream's first writes also wait
+/// for the compute work that last used those blocks (and for the weights' uploads); the side
+/// stream allocates nothing, and is joined back to the compute stream ([`Scratch::finish`], or
+/// on drop after an error) before the slots return to the pool.
+struct Scratch<'a> {
+    dev: &'a CudaDevice,
+    w: &'a ExpertWeights,
+    /// (W13 `[2F, L]`, W2 `[L, F]`) BF16, one slot or two.
+    slots: Vec<(CudaTensor, CudaTensor)>,
+    side: Option<Side>,
+}
+
+/// The overlapped scratch's streams and events.
+struct Side {
+    stream: Stream,
+    main: Stream,
+    ready: [Event; 2],
+    free: [Event; 2],
+    join: Event,
+}
+
+impl Side {
+    /// Makes the compute stream wait for all work queued on the side stream; when that cannot
+    /// be enqueued, waits for the side stream on the host (the slots are about to be freed).
+    fn join(&self) -> Result<()> {
+        let r = self.join.record(&self.stream).and_then(|()| self.main.wait(&self.join));
+        if r.is_err() {
+            let _ = self.stream.synchronize();
+        }
+        r
+    }
+}
+
+impl<'a> Scratch<'a> {
+    /// The scratch for `w`; overlapped, it starts dequantizing expert `first` at once.
+    fn new(dev: &'a CudaDevice, w: &'a ExpertWeights, overlap: bool, first: Option<usize>) -> Result<Self> {
+        let (l, f) = (w.latent, w.inter);
+        let slot = || -> Result<(CudaTensor, CudaTensor)> {
+            Ok((CudaTensor::uninit(dev, DType::BF16, vec![2 * f, l])?, CudaTensor::uninit(dev, DType::BF16, vec![l, f])?))
+        };
+        let slots = (0..if overlap { 2 } else { 1 }).map(|_| slot()).collect::<Result<Vec<_>>>()?;
+        let side = match overlap {
+            true => {
+                let ev = || dev.new_event(false);
+                let s = Side { stream: dev.side_stream()?, main: dev.stream(), ready: [ev()?, ev()?], free: [ev()?, ev()?], join: ev()? };
+                for e in &s.free {
+                    e.record(&s.main)?;
+                }
+                Some(s)
+            }
+            false => None,
+        };
+        let me = Scratch { dev, w, slots, side };
+        if let (Some(s), Some(ex)) = (&me.side, first) {
+            me.issue(s, 0, ex)?;
+        }
+        Ok(me)
+    }
+
+    /// Queues the dequantization of the `j`-th expert in the loop, `ex`, on the side stream.
+    fn issue(&self, s: &Side, j: usize, ex: usize) -> Result<()> {
+        let (w13, w2) = &self.slots[j % 2];
+        s.stream.wait(&s.free[j % 2])?;
+        stall(self.dev, &s.stream, STALL[0].load(Relaxed))?;
+        dequant(self.dev, &s.stream, self.w, ex, w13.ptr(), w2.ptr())?;
+        s.ready[j % 2].record(&s.stream)
+    }
+
+    /// The `i`-th expert's (`ex`) BF16 weights, ready for the compute stream's next op;
+    /// overlapped, it first queues the dequantization of the next expert, `next`.
+    fn weights(&self, i: usize, ex: usize, next: Option<usize>) -> Result<&(CudaTensor, CudaTensor)> {
+        let Some(s) = &self.side else {
+            let (w13, w2) = &self.slots[0];
+            dequant(self.dev, &self.dev.stream(), self.w, ex, w13.ptr(), w2.ptr())?;
+            return Ok(&self.slots[0]);
+        };
+        if let Some(nx) = next {
+            self.issue(s, i + 1, nx)?;
+        }
+        s.main.wait(&s.ready[i % 2])?;
+        stall(self.dev, &s.main, STALL[1].load(Relaxed))?;
+        Ok(&self.slots[i % 2])
+    }
+
+    /// Marks the `i`-th expert's slot free once the compute stream's work so far (its GEMMs) is done.
+    fn release(&self, i: usize) -> Result<()> {
+        match &self.side {
+            Some(s) => s.free[i % 2].record(&s.main),
+            None => Ok(()),
+        }
+    }
+
+    /// Joins the side stream back to the compute stream.
+    fn finish(mut self) -> Result<()> {
+        match self.side.take() {
+            Some(s) => s.join(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        // After an error: the slots (dropped after this) must not return to the pool while a
+        // dequantization may still write them. No error can be reported from drop.
+        if let Some(s) = self.side.take() {
+            let _ = s.join();
+        }
+    }
+}
+
+/// The test hook's delay of `ns` nanoseconds on `stream` (nothing when 0).
+fn stall(dev: &CudaDevice, stream: &Stream, ns: u64) -> Result<()> {
+    if ns == 0 {
+        return Ok(());
+    }
+    let ns = ns.min(i64::MAX as u64) as i64;
+    dev.launch_on(stream.raw(), MOE, "moe_stall", (1, 1, 1), (1, 1, 1), 0, &mut kargs![ns])
+}
+
+/// The loop: one expert at a time, f32 GEMM outputs scattered to the pair rows `[T·k, L]`;
+/// MXFP4 experts dequantized one ahead on the side stream when `overlap`.
 #[allow(clippy::too_many_arguments)]
-fn per_expert(z: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, groups: &[(usize, usize, usize)], pairs: &[i32], beta: f32, lbeta: f32) -> Result<Pairs> {
+fn per_expert(
+    z: &CudaTensor,
+    w: &ExpertWeights,
+    t: usize,
+    k: usize,
+    groups: &[(usize, usize, usize)],
+    pairs: &[i32],
+    beta: f32,
+    lbeta: f32,
+    overlap: bool,
+) -> Result<Pairs> {
     let dev = z.cuda_device();
     let (l, f) = (w.latent, w.inter);
     let y = CudaTensor::uninit(dev, DType::F32, vec![t * k, l])?;
@@ -233,7 +399,7 @@ fn per_expert(z: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, groups: &[(
     // MXFP4: each expert's weights are dequantized to BF16 [2F, L] and [L, F] scratch; BF16
     // experts are multiplied in place (their slices of the stacked weights).
     let scratch = match w.format {
-        ExpertFormat::Mxfp4 => Some((CudaTensor::uninit(dev, DType::BF16, vec![2 * f, l])?, CudaTensor::uninit(dev, DType::BF16, vec![l, f])?)),
+        ExpertFormat::Mxfp4 => Some(Scratch::new(dev, w, overlap, groups.first().map(|g| g.0))?),
         _ => None,
     };
     let (k32, l32, f32_) = (k as i32, l as i32, f as i32);
@@ -241,18 +407,19 @@ fn per_expert(z: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, groups: &[(
     // Heuristic algorithm: the row count changes with every routing, and tuning each new shape
     // would time several candidates per expert per call.
     let heur = blas::GemmOptions { algo: blas::Algo::Heuristic, ..Default::default() };
-    for &(ex, start, n) in groups {
+    for (i, &(ex, start, n)) in groups.iter().enumerate() {
         let pp = pairs_d.ptr() + 4 * start as u64;
         let n32 = n as i32;
-        if let Some((w13e, w2e)) = &scratch {
-            dequant(dev, w, ex, w13e.ptr(), w2e.ptr())?;
-        }
+        let wts = match &scratch {
+            Some(s) => Some(s.weights(i, ex, groups.get(i + 1).map(|g| g.0))?),
+            None => None,
+        };
         let zg = CudaTensor::uninit(dev, DType::BF16, vec![n, l])?;
         let (zp, zgp) = (z.ptr(), zg.ptr());
         dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
         let h = CudaTensor::uninit(dev, DType::F32, vec![n, 2 * f])?;
         // h [n, 2F] = zg [n, L] · W13ᵀ (W13 [2F, L]), f32 out for the activation.
-        match &scratch {
+        match wts {
             Some((w13e, _)) => blas::gemm(&zg, w13e, &h, blas::Layout::BT, heur)?,
             None => {
                 let w13p = w.w13.ptr() + (ex * 2 * f * l * 2) as u64;
@@ -266,15 +433,21 @@ fn per_expert(z: &CudaTensor, w: &ExpertWeights, t: usize, k: usize, groups: &[(
         dev.launch(MOE, "moe_situ_split", grid, (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
         let yg = CudaTensor::uninit(dev, DType::F32, vec![n, l])?;
         // yg [n, L] = act [n, F] · W2ᵀ (W2 [L, F]).
-        match &scratch {
+        match wts {
             Some((_, w2e)) => blas::gemm(&act, w2e, &yg, blas::Layout::BT, heur)?,
             None => {
                 let w2p = w.w2.ptr() + (ex * l * f * 2) as u64;
                 blas::gemm_strided_batched(dev, n, l, f, 1, st(ap, f), st(w2p, f), blas::Layout::BT, st(yg.ptr(), l), DType::BF16, DType::F32)?
             }
         }
+        if let Some(s) = &scratch {
+            s.release(i)?; // the W2 GEMM was the slot's last reader
+        }
         let (ygp, yp) = (yg.ptr(), y.ptr());
         dev.launch(MOE, "moe_scatter", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![ygp, pp, n32, l32, yp])?;
+    }
+    if let Some(s) = scratch {
+        s.finish()?;
     }
     Ok(Pairs { y, pos: None })
 }

@@ -365,6 +365,17 @@ extern "C" __global__ void moe_dequant(const unsigned char* __restrict__ packed,
     }
 }
 
+// Busy-waits `ns` nanoseconds of the global timer on one thread (a test hook of the overlapped
+// prefill loop, cuda/moe_prefill.rs: it delays one stream against the other so that a missing
+// event wait shows as wrong bits).
+extern "C" __global__ void moe_stall(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < ns);
+}
+
 // Whether both pointers are 16-byte aligned (the vector paths below).
 __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
     return ((reinterpret_cast<unsigned long long>(a) | reinterpret_cast<unsigned long long>(b)) & 15ull) == 0;
