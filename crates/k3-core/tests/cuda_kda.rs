@@ -15,7 +15,8 @@
 //! bf16 tensor-core operands in the chunk form); head-dim-128 prefill state 5e-3 vs the f32
 //! recurrence; decode state and the general kernel's prefill state 1e-4 (f32 throughout); the
 //! conv state must match exactly.
-//! The capturable prefill (device tables) and its CUDA-graph replay equal `kda_prefill` bit for bit.
+//! The capturable prefill (device tables) and its CUDA-graph replay equal `kda_prefill` bit for bit,
+//! and so does one that runs fewer rows than its tables' layout (`kda_tables_within`).
 //! Without a GPU every test prints `skipped: no CUDA driver (...)` and passes; with
 //! `K3_REQUIRE_CUDA=1` that case fails instead.
 #![cfg(feature = "cuda")]
@@ -506,6 +507,59 @@ fn prefill_from_device_tables_and_graph_equal_host_tables() {
             }
         }
         say(&format!("  hd={hd} lens={lens:?} slots {slots:?}: device tables and a graph captured with slots [0, 4] = kda_prefill, bit for bit"));
+    }
+}
+
+/// A prefill from device tables laid out for `caps` that runs fewer rows per sequence
+/// (`kda_tables_within`; a captured rollback's replay) equals `kda_prefill` over exactly those
+/// rows gathered, bit for bit — both pools whole (a sequence of 0 rows leaves its slot as it
+/// was) and the output rows it ran; with a second, placeholder chunk past 64 rows.
+#[test]
+fn prefill_within_caps_equals_prefill_of_the_rows_kept() {
+    const T: &str = "kda prefill_within_caps_equals_prefill_of_the_rows_kept";
+    let Some(dev) = device(T) else { return };
+    let mut r = rng(T);
+    let (caps, slots) = ([70usize, 3, 4], [3u32, 1, 0]);
+    for hd in [128usize, 64] {
+        let p = Problem::new(&mut r, 2, hd, &caps, &[3, 1, 0], 5);
+        let (d, n) = (p.d(), caps.iter().sum::<usize>());
+        let x = Gpu::new(&dev, &p, 0..n);
+        for kept in [[66usize, 0, 4], [5, 3, 1]] {
+            let t = kda::kda_tables_within(&caps, &kept, &slots).expect("tables");
+            let t = CudaTensor::from_pod(&dev, DType::I32, vec![t.len()], &t).expect("upload");
+            let (conv, st) = p.pools(&dev);
+            let out = poisoned(&dev, DType::BF16, vec![n, d]);
+            kda::kda_prefill_tables(&x.inputs(), &x.weights(), &caps, &t, &conv, &st, &out).expect("within caps");
+            // The reference: the kept rows gathered, the sequences keeping none left out.
+            let (mut rows, mut lens, mut sl, mut at) = (Vec::new(), Vec::new(), Vec::new(), 0);
+            for b in 0..caps.len() {
+                rows.extend((at..at + kept[b]).map(|i| i as i32));
+                if kept[b] > 0 {
+                    lens.push(kept[b]);
+                    sl.push(slots[b]);
+                }
+                at += caps[b];
+            }
+            let ids = CudaTensor::from_pod(&dev, DType::I32, vec![rows.len()], &rows).expect("ids");
+            let pick: Vec<CudaTensor> = x.t[..6]
+                .iter()
+                .map(|src| {
+                    let o = CudaTensor::uninit(&dev, src.dtype(), vec![rows.len(), src.last_dim()]).expect("alloc");
+                    k3_core::cuda::ops::gather_rows(src, &ids, &o).expect("gather");
+                    o
+                })
+                .collect();
+            let inp = KdaInputs { q: &pick[0], k: &pick[1], v: &pick[2], g: &pick[3], beta: &pick[4], gate: &pick[5] };
+            let (conv_r, st_r) = p.pools(&dev);
+            let out_r = poisoned(&dev, DType::BF16, vec![rows.len(), d]);
+            kda::kda_prefill(&inp, &x.weights(), &lens, &sl, &conv_r, &st_r, &out_r, None).expect("kda_prefill");
+            assert!(conv.to_bytes().unwrap() == conv_r.to_bytes().unwrap(), "hd={hd} kept {kept:?}: the conv pool differs");
+            assert!(st.to_bytes().unwrap() == st_r.to_bytes().unwrap(), "hd={hd} kept {kept:?}: the state pool differs");
+            let (o, o_r) = (out.to_bytes().unwrap(), out_r.to_bytes().unwrap());
+            let ran: Vec<u8> = rows.iter().flat_map(|&i| o[i as usize * 2 * d..(i as usize + 1) * 2 * d].to_vec()).collect();
+            assert!(ran == o_r, "hd={hd} kept {kept:?}: the output rows differ");
+            say(&format!("  hd={hd} caps {caps:?} kept {kept:?}: = kda_prefill of the kept rows, bit for bit (pools and output)"));
+        }
     }
 }
 

@@ -348,6 +348,35 @@ fn gemm_parity() {
     check("linear bf16->f32 x [2,3,64] · w [40,64]T", &out.to_f32_vec().unwrap(), &cpu_linear(&x, &w, 6, 40, 64), TOL_GEMM_BF16_F32OUT);
 }
 
+/// `scatter_rows`: rows land in the slots their index names, bit for bit (NaN payloads too),
+/// rows indexed outside the destination are skipped and every other row is left alone; 4-byte
+/// words (F32 rows) and 2-byte words (BF16 rows of an odd width).
+#[test]
+fn scatter_rows_moves_rows_to_their_slots() {
+    let test = "scatter_rows_moves_rows_to_their_slots";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    for (dtype, width) in [(DType::F32, 3 * 1031), (DType::BF16, 7)] {
+        let bytes = |n: usize, r: &mut rand::rngs::StdRng| -> Vec<u8> { (0..n * width * dtype.size_in_bytes()).map(|_| r.random()).collect() };
+        let (dst0, src) = (bytes(6, &mut r), bytes(4, &mut r));
+        let idx = [4i32, -1, 0, 6];
+        let dst = CudaTensor::from_pod(&dev, dtype, vec![6, width], &dst0).unwrap();
+        let s = CudaTensor::from_pod(&dev, dtype, vec![4, width], &src).unwrap();
+        ops::scatter_rows(&s, &CudaTensor::from_pod(&dev, DType::I32, vec![4], &idx).unwrap(), &dst).unwrap();
+        let row = width * dtype.size_in_bytes();
+        let mut want = dst0.clone();
+        for (i, &j) in idx.iter().enumerate() {
+            if (0..6).contains(&j) {
+                want[j as usize * row..][..row].copy_from_slice(&src[i * row..][..row]);
+            }
+        }
+        assert!(dst.to_bytes().unwrap() == want, "{dtype}: scatter_rows moved the wrong bytes");
+        let bad = CudaTensor::from_pod(&dev, DType::I32, vec![3], &idx[..3]).unwrap();
+        assert!(ops::scatter_rows(&s, &bad, &dst).is_err(), "{dtype}: 3 indices for 4 rows");
+        say(&format!("  scatter_rows {dtype} rows of {width}: indices {idx:?} into 6 rows, bit for bit"));
+    }
+}
+
 #[test]
 fn ops_reject_bad_inputs() {
     let Some(dev) = device("ops_reject_bad_inputs") else { return };

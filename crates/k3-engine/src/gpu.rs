@@ -35,6 +35,11 @@ pub struct VerifyStats {
     pub eager: std::sync::atomic::AtomicU64,
     /// Verify graphs captured.
     pub captured: std::sync::atomic::AtomicU64,
+    /// Rollbacks replayed from a verify graph's rollback graph.
+    pub rollbacks_replayed: std::sync::atomic::AtomicU64,
+    /// Rollbacks run eagerly, per sequence (after an eager verify step, or with
+    /// `K3_ROLLBACK_GRAPHS=0`).
+    pub rollbacks_eager: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(feature = "cuda")]

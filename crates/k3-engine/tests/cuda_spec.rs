@@ -13,7 +13,11 @@
 //! `TIE` in logprob, or 4× the run-to-run noise of two plain runs where that is larger (after that the sequences are different and not compared). Runs: n-gram
 //! drafts k = 1, 3, 8, suffix k = 4, and a replay proposer (the plain output with every third
 //! drafted position wrong, so drafts are accepted and rejected and the rollback is exercised:
-//! asserted); three requests at once (drafted and plain rows in one verify step). Models: a
+//! asserted); three requests at once (drafted and plain rows in one verify step). Rollbacks of
+//! replayed steps replay their rollback graphs (counted: asserted); the replay-proposer run is
+//! repeated with them off (`set_rollback_graphs(false)`: eager per-sequence rollbacks, the
+//! reference), and where two plain runs are bit-identical (the runner reproducible) the two
+//! must emit the same tokens and logprobs bit for bit, the rolled-back states being equal. Models: a
 //! random K3-layout model with every expert routed, K3.1 DSA (indexer top-8), and k3-nano.
 //! Without a GPU every test prints `skipped` and passes; `K3_REQUIRE_CUDA=1` makes that a failure.
 #![cfg(feature = "cuda")]
@@ -126,25 +130,36 @@ fn check(name: &str, ck: &Checkpoint) {
     say(&format!("  {name}: plain run-to-run logprob noise {noise:.2e}, near-tie bound {tie:.3}"));
     let replay = replay::replay(ps.iter().cloned().zip(plain.iter().map(|o| o.tokens.clone())).collect(), vocab);
     let mut errors = Vec::new();
-    // (method, k, replay proposer, verify graphs)
+    // Two plain runs bit for bit alike: the runner is reproducible here.
+    let reproducible = plain.iter().zip(&plain2).all(|(a, b)| a.tokens == b.tokens && a.lp.iter().zip(&b.lp).all(|(x, y)| x.to_bits() == y.to_bits()));
+    // (method, k, replay proposer, verify graphs, rollback graphs)
     let runs = [
-        (SpecMethod::Ngram, 1, false, true),
-        (SpecMethod::Ngram, 3, false, true),
-        (SpecMethod::Ngram, 8, false, true),
-        (SpecMethod::Suffix, 4, false, true),
-        (SpecMethod::Ngram, 4, true, true),
-        (SpecMethod::Ngram, 4, true, false),
+        (SpecMethod::Ngram, 1, false, true, true),
+        (SpecMethod::Ngram, 3, false, true, true),
+        (SpecMethod::Ngram, 8, false, true, true),
+        (SpecMethod::Suffix, 4, false, true, true),
+        (SpecMethod::Ngram, 4, true, true, true),
+        (SpecMethod::Ngram, 4, true, true, false),
+        (SpecMethod::Ngram, 4, true, false, true),
     ];
-    for (method, k, rp, graphs) in runs {
+    let mut with_rollback_graphs: [Option<Vec<Out>>; 2] = [None, None];
+    for (method, k, rp, graphs, rollback_graphs) in runs {
         let cfg = EngineConfig { spec: SpecConfig { method, num_tokens: k, adaptive: true }, ..Default::default() };
         let mut r = runner();
         r.set_verify_graphs(graphs);
+        r.set_rollback_graphs(rollback_graphs);
         let stats = r.verify_stats();
         let (got, st) = drive(Box::new(r), cfg, &ps, rp.then(|| replay.clone()));
-        let what = format!("{name}, {method:?} k={k}{}{}", if rp { " (replay proposer)" } else { "" }, if graphs { "" } else { ", eager verify" });
+        let what = format!(
+            "{name}, {method:?} k={k}{}{}{}",
+            if rp { " (replay proposer)" } else { "" },
+            if graphs { "" } else { ", eager verify" },
+            if rollback_graphs { "" } else { ", eager rollbacks" }
+        );
         let (replayed, eager, captured) = (stats.replayed.load(Relaxed), stats.eager.load(Relaxed), stats.captured.load(Relaxed));
+        let (rb_replayed, rb_eager) = (stats.rollbacks_replayed.load(Relaxed), stats.rollbacks_eager.load(Relaxed));
         say(&format!(
-            "  {what}: drafted {}, accepted {}, {:.2} tokens per sequence step; verify steps: {replayed} replayed from {captured} graphs, {eager} eager",
+            "  {what}: drafted {}, accepted {}, {:.2} tokens per sequence step; verify steps: {replayed} replayed from {captured} graphs, {eager} eager; rollbacks: {rb_replayed} replayed, {rb_eager} eager",
             st.drafted,
             st.accepted,
             st.accepted_per_step()
@@ -152,6 +167,16 @@ fn check(name: &str, ck: &Checkpoint) {
         if st.drafted > 0 {
             let ok = if graphs { replayed > 0 && captured > 0 } else { replayed == 0 && eager > 0 };
             errors.extend((!ok).then(|| format!("{what}: {replayed} verify steps replayed, {eager} eager")));
+        }
+        // Rollbacks from graphs only after replayed steps with the switch on; the replay
+        // proposer's runs (drafts rejected: asserted below) must have some of the expected kind.
+        let ok = match graphs && rollback_graphs {
+            true => !rp || rb_replayed > 0,
+            false => rb_replayed == 0 && (!rp || rb_eager > 0),
+        };
+        errors.extend((!ok).then(|| format!("{what}: {rb_replayed} rollbacks replayed, {rb_eager} eager")));
+        if rp && graphs {
+            with_rollback_graphs[rollback_graphs as usize] = Some(got.clone());
         }
         for (i, g) in got.iter().enumerate() {
             errors.extend(same_up_to_tie(&g.tokens, &plain[i], tie, &format!("{what}, request {i}")).err());
@@ -164,6 +189,13 @@ fn check(name: &str, ck: &Checkpoint) {
                 st.accepted
             );
         }
+    }
+    // Rollback graphs on vs off (same verify graphs): the same rolled-back states, so the same
+    // output bit for bit wherever the runner is reproducible.
+    if let [Some(off), Some(on)] = &with_rollback_graphs {
+        let same = off.iter().zip(on).all(|(a, b)| a.tokens == b.tokens && a.lp.iter().zip(&b.lp).all(|(x, y)| x.to_bits() == y.to_bits()));
+        say(&format!("  {name}: replay proposer with rollback graphs = with eager rollbacks, bit for bit: {same} (plain runs reproducible: {reproducible})"));
+        errors.extend((reproducible && !same).then(|| format!("{name}: the run with rollback graphs differs from the one with eager rollbacks")));
     }
     // A plain run after the speculative ones, held to the same rule: a difference there is the
     // runner's, not speculation's.

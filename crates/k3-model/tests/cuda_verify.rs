@@ -20,6 +20,17 @@
 //! token within the bound: the padding rows were undone). A step above the MoE's capturable cut
 //! is refused with the reason.
 //!
+//! Rollback graphs (`RollbackRun`): from the same state, each round's verify step replayed from
+//! a graph of 3 sequences × 5 rows and rolled back three ways — the per-sequence eager rollback
+//! (the reference), the batched body run eagerly, and its rollback graph replayed — must leave
+//! both KDA pools whole (every slot: conv tails and states) and the positions bit for bit alike,
+//! and so the next token's logits. Rounds keep 1, all (a no-op), 3; a sequence left out of the
+//! call, a padded one keeping 1, a padded one keeping all its own rows; 1-row sequences; the
+//! step's sequences sit in slots other than their index in the step (an idle sequence holds slot
+//! 0), so a restore into the wrong slot shows. The batched body after an eager `forward_verify`
+//! of uneven rows equals the reference too; a replay of the rollback graph after a step that was
+//! not that graph's replay is refused.
+//!
 //! Models: random K3-layout checkpoints with every expert routed (KDA head dim 32; BF16 and FP8
 //! caches; K3.1 with DSA, indexer top-64 of ~300 keys) and k3-nano (trained; its GPU forward differs from run
 //! to run by up to ~7e-3 per row). Bounds: 2e-2 (BF16 caches), 4e-2 (FP8): a verify row comes
@@ -38,7 +49,7 @@ mod random_model;
 
 use cuda::{device, say};
 use k3_model::capacity::KvDtype;
-use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input, VerifyRun};
+use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input, RollbackRun, VerifyRun};
 use k3_model::Checkpoint;
 use random_model::random;
 use serde_json::json;
@@ -231,4 +242,114 @@ fn verify_graph_replays_equal_the_eager_step() {
     check_graph("tiny", &random(dir.path(), "tiny", SEED, &[]), 2e-2);
     check_graph("tiny_dsa, indexer top-64", &random(dir.path(), "tiny_dsa", SEED, &[("dsa_config.index_topk", json!(64))]), 2e-2);
     check_graph("k3-nano", &Checkpoint::open(&nano).unwrap(), 2e-2);
+}
+
+/// Every KDA pool's bytes (conv tails and states of every slot, layer by layer).
+fn pool_bytes(m: &CudaModel) -> Vec<Vec<u8>> {
+    m.copy_kda_pools().unwrap().iter().map(|t| t.to_bytes().unwrap()).collect()
+}
+
+/// One rollback form's run of a round: the verify step's logits bits, the KDA pools after the
+/// rollback, the positions, the next token's logits bits.
+struct Rolled {
+    verify: Vec<u32>,
+    pools: Vec<Vec<u8>>,
+    pos: Vec<usize>,
+    next: Vec<u32>,
+}
+
+fn check_rollback_graph(name: &str, ck: &Checkpoint) {
+    const B: usize = 3;
+    const T: usize = 5;
+    let dev = device("cuda_verify rollback graph").unwrap();
+    let mut m = CudaModel::load(ck, &dev, CacheConfig { max_seqs: 8, max_tokens: 8192, kv_cache_dtype: KvDtype::Bf16 }).unwrap();
+    let vocab = m.config.text.vocab_size;
+    let v = vocab as u32;
+    let prompt = |i: u32, n: u32| -> Vec<u32> { (0..n).map(|j| (j * 7919 + 13 + 31 * i) % v).collect() };
+    // The idle sequence takes slot 0; the step's sequences, reversed, sit in slots 3, 2, 1.
+    let idle = primed(&mut m, &prompt(9, 40));
+    let mut seqs: Vec<CudaSeqState> = (0..B as u32).map(|i| primed(&mut m, &prompt(i, 200 + 41 * i))).collect();
+    seqs.reverse();
+    assert!(seqs.iter().enumerate().all(|(b, s)| s.slot != b), "slots {:?}", seqs.iter().map(|s| s.slot).collect::<Vec<_>>());
+    let g = m.capture_verify(B, T, 2048).unwrap();
+    // (rows per sequence, rows dropped; None: left out of the rollback call)
+    let rounds: [([usize; B], [Option<usize>; B]); 4] = [
+        ([5, 5, 5], [Some(4), Some(0), Some(2)]),
+        ([5, 2, 4], [None, Some(1), Some(0)]),
+        ([1, 5, 3], [Some(0), Some(3), Some(2)]),
+        ([2, 5, 5], [Some(1), None, Some(4)]),
+    ];
+    let forms: [(&str, RollbackRun<'_>); 3] =
+        [("per sequence", RollbackRun::PerSequence), ("batched", RollbackRun::Batched), ("graph", RollbackRun::Replay(&g))];
+    for (r, (lens, drops)) in rounds.iter().enumerate() {
+        let toks: Vec<u32> = (0..lens.iter().sum::<usize>() as u32).map(|i| (i * 104_729 + 7 + 613 * r as u32) % v).collect();
+        let next: Vec<u32> = (0..B as u32).map(|i| (v / 3 + 17 * i + r as u32) % v).collect();
+        let (pos0, saved) = (seqs.iter().map(|s| s.pos).collect::<Vec<_>>(), m.copy_kda_pools().unwrap());
+        let mut got: Vec<Rolled> = Vec::new();
+        for (_, how) in forms {
+            m.restore_kda_pools(&saved).unwrap();
+            seqs.iter_mut().zip(&pos0).for_each(|(s, &p)| s.pos = p);
+            let out = m.verify_step(&g, &toks, lens, &mut seqs.iter_mut().collect::<Vec<_>>(), VerifyRun::Replay).unwrap();
+            let mut back: Vec<(&mut CudaSeqState, usize)> = seqs.iter_mut().zip(drops).filter_map(|(s, d)| d.map(|d| (s, d))).collect();
+            m.rollback_as(&mut back, how).unwrap();
+            let pools = pool_bytes(&m);
+            let pos = seqs.iter().map(|s| s.pos).collect();
+            let after: Vec<f32> = seqs.iter_mut().zip(&next).flat_map(|(s, &t)| m.forward(&[t], s, true).unwrap()).collect();
+            got.push(Rolled { verify: bits(&out), pools, pos, next: bits(&after) });
+        }
+        for (f, (what, _)) in forms.iter().enumerate().skip(1) {
+            let (a, b) = (&got[0], &got[f]);
+            assert!(a.verify == b.verify, "{name}, round {r}: the verify replay itself differs between runs from one state");
+            let differ: Vec<usize> = (0..a.pools.len()).filter(|&i| a.pools[i] != b.pools[i]).collect();
+            say(&format!(
+                "  {name}, round {r}, rows {lens:?}, drops {drops:?}: {what} rollback vs per sequence: pools differing {differ:?} of {}, positions {:?} vs {:?}, next token bit for bit: {}",
+                a.pools.len(),
+                b.pos,
+                a.pos,
+                a.next == b.next
+            ));
+            assert!(differ.is_empty(), "{name}, round {r}: the {what} rollback leaves other KDA pool bits (pools {differ:?}, conv and state per KDA layer)");
+            assert_eq!(a.pos, b.pos, "{name}, round {r}: positions after the {what} rollback");
+            assert!(a.next == b.next, "{name}, round {r}: the next token's logits after the {what} rollback differ");
+        }
+    }
+    // An eager verify of uneven rows: the batched body = the reference; its graph is refused.
+    let (lens, drops) = ([5usize, 2, 4], [4usize, 0, 1]);
+    let toks: Vec<u32> = (0..11u32).map(|i| (i * 7 + 1) % v).collect();
+    let (pos0, saved) = (seqs.iter().map(|s| s.pos).collect::<Vec<_>>(), m.copy_kda_pools().unwrap());
+    let mut after = Vec::new();
+    for how in [RollbackRun::PerSequence, RollbackRun::Batched, RollbackRun::Replay(&g)] {
+        m.restore_kda_pools(&saved).unwrap();
+        seqs.iter_mut().zip(&pos0).for_each(|(s, &p)| s.pos = p);
+        m.forward_verify(Input::Tokens(&toks), &lens, &mut seqs.iter_mut().collect::<Vec<_>>()).unwrap();
+        let mut back: Vec<(&mut CudaSeqState, usize)> = seqs.iter_mut().zip(drops).collect();
+        match how {
+            RollbackRun::Replay(_) => {
+                assert!(m.rollback_as(&mut back, how).is_err(), "{name}: a rollback graph replayed after an eager verify step");
+                assert_eq!(
+                    seqs.iter().map(|s| s.pos).collect::<Vec<_>>(),
+                    pos0.iter().zip(lens).map(|(p, l)| p + l).collect::<Vec<_>>(),
+                    "{name}: a refused rollback moved"
+                );
+            }
+            _ => {
+                m.rollback_as(&mut back, how).unwrap();
+                after.push(pool_bytes(&m));
+            }
+        }
+    }
+    assert!(after[0] == after[1], "{name}: the batched rollback after an eager verify of rows {lens:?} differs from the reference");
+    say(&format!("  {name}: after forward_verify of rows {lens:?}, drops {drops:?}: batched = per sequence bit for bit; the graph's replay refused"));
+    for s in seqs.into_iter().chain([idle]) {
+        m.release(s);
+    }
+}
+
+#[test]
+fn rollback_graph_equals_the_eager_rollback() {
+    let Some(_) = device("rollback_graph_equals_the_eager_rollback") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let nano = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
+    check_rollback_graph("tiny", &random(dir.path(), "tiny", SEED, &[]));
+    check_rollback_graph("k3-nano", &Checkpoint::open(&nano).unwrap());
 }

@@ -64,8 +64,8 @@ fn run_workload(e: &mut Engine, tok: &Tokenizer, name: &str, gen: usize) -> Resu
 }
 
 /// One method's figures over the rounds: tokens/s per round, stats, the first difference from
-/// plain greedy (turn, token), verify steps replayed and eager.
-type Acc = (Vec<f64>, SpecStats, Option<(usize, usize)>, [u64; 2]);
+/// plain greedy (turn, token), verify steps replayed and eager, rollbacks replayed and eager.
+type Acc = (Vec<f64>, SpecStats, Option<(usize, usize)>, [u64; 4]);
 
 /// Where `outs` first parts from `plain`: (turn, token index), `None` when they are equal.
 fn first_difference(plain: &[Vec<u32>], outs: &[Vec<u32>]) -> Option<(usize, usize)> {
@@ -128,7 +128,7 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
     for &w in workloads {
         let tok = tok.as_deref().context("a workload without a tokenizer")?;
         let mut plain: Option<Vec<Vec<u32>>> = None;
-        let mut acc: Vec<Acc> = vec![(Vec::new(), SpecStats::default(), None, [0; 2]); list.len()];
+        let mut acc: Vec<Acc> = vec![(Vec::new(), SpecStats::default(), None, [0; 4]); list.len()];
         for _round in 0..2 {
             for (i, &(sc, graphs)) in list.iter().enumerate() {
                 let (mut e, vs) = engine(sc, graphs)?;
@@ -145,10 +145,12 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
                 if let Some(v) = vs {
                     acc[i].3[0] += v.replayed.load(Relaxed);
                     acc[i].3[1] += v.eager.load(Relaxed);
+                    acc[i].3[2] += v.rollbacks_replayed.load(Relaxed);
+                    acc[i].3[3] += v.rollbacks_eager.load(Relaxed);
                 }
             }
         }
-        for (&(sc, graphs), (tps, st, diff, [replayed, eager])) in list.iter().zip(acc) {
+        for (&(sc, graphs), (tps, st, diff, [replayed, eager, rb_replayed, rb_eager])) in list.iter().zip(acc) {
             let same = diff.is_none();
             let at = diff.map_or(String::new(), |(t, i)| format!(" (first at turn {t}, token {i})"));
             let mut m = if sc.enabled() { format!("{:?}", sc.method).to_lowercase() } else { "off".into() };
@@ -156,7 +158,7 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
                 m.push_str("/eager");
             }
             let verify = match cuda && sc.enabled() {
-                true => format!(" | verify steps: {replayed} from graphs, {eager} eager"),
+                true => format!(" | verify steps: {replayed} from graphs, {eager} eager; rollbacks: {rb_replayed} from graphs, {rb_eager} eager"),
                 false => String::new(),
             };
             let per_pos: Vec<f64> = st.per_position.iter().map(|p| if p[0] == 0 { 0.0 } else { p[1] as f64 / p[0] as f64 }).collect();
@@ -165,7 +167,7 @@ pub fn bench_spec(a: &Args, methods: &str, cuda: bool) -> Result<()> {
                 "workload": w, "method": m, "decode_tokens_per_s": mean, "rounds_tokens_per_s": tps,
                 "accepted_per_step": if sc.enabled() { st.accepted_per_step() } else { 1.0 },
                 "draft_acceptance": st.draft_acceptance(), "acceptance_per_position": per_pos, "identical_to_plain": same, "first_difference": diff,
-                "verify_steps_replayed": replayed, "verify_steps_eager": eager,
+                "verify_steps_replayed": replayed, "verify_steps_eager": eager, "rollbacks_replayed": rb_replayed, "rollbacks_eager": rb_eager,
             }));
             if !a.json {
                 let rounds: Vec<String> = tps.iter().map(|x| format!("{x:.1}")).collect();

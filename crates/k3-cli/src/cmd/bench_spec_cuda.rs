@@ -8,7 +8,10 @@
 //! eager; the verify step for k = 1, 2, 4, 8, every row's logits downloaded, eager
 //! (`CudaModel::forward_verify`) and replayed from its CUDA graph (`CudaModel::verify_step`,
 //! as the GPU runner runs it; a shape the graph cannot capture prints why); and the rollback
-//! that keeps only the first row (each KDA layer restores its checkpoint and replays one row).
+//! that keeps only the first row (each KDA layer restores its checkpoint and replays one row):
+//! eager per sequence after the eager step (`CudaModel::rollback`, the reference) and, beside
+//! it, replayed from the verify graph's rollback graph after the replayed step
+//! (`RollbackRun::Replay`, as the GPU runner runs it).
 //! Wall-clock medians of `--repeats` (≤ 20) after `--warmup` (≤ 5); the sequences are moved
 //! back to the same context after each call.
 //! Beside each figure, its HBM floor (bytes ÷ the copy bandwidth measured here). `--profile`
@@ -20,7 +23,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use k3_core::cuda::CudaDevice;
 use k3_model::capacity::KvDtype;
-use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input, VerifyRun};
+use k3_model::cuda::{CacheConfig, CudaModel, CudaSeqState, Input, RollbackRun, VerifyRun};
 use k3_model::Checkpoint;
 use rand::{Rng, SeedableRng};
 
@@ -62,10 +65,15 @@ fn refs(seqs: &mut Seqs) -> Vec<&mut CudaSeqState> {
     seqs.iter_mut().collect()
 }
 
-/// Every sequence keeps only the first row of the last verify step.
+/// Every sequence keeps only the first row of the last verify step (eager, per sequence).
 fn keep_first(m: &mut CudaModel, seqs: &mut Seqs, rows: usize) -> Result<()> {
+    keep_first_as(m, seqs, rows, RollbackRun::PerSequence)
+}
+
+/// [`keep_first`] run as `how` says.
+fn keep_first_as(m: &mut CudaModel, seqs: &mut Seqs, rows: usize, how: RollbackRun<'_>) -> Result<()> {
     let mut r: Vec<(&mut CudaSeqState, usize)> = seqs.iter_mut().map(|s| (s, rows - 1)).collect();
-    Ok(m.rollback(&mut r)?)
+    Ok(m.rollback_as(&mut r, how)?)
 }
 
 /// Moves every sequence back by one token (the context stays the same from call to call).
@@ -121,31 +129,36 @@ pub fn verify_costs(ck: &Checkpoint, a: &Args) -> Result<serde_json::Value> {
             })?;
             // The rollback alone, keeping the first row: restore + a one-row replay per KDA layer.
             let rollback = wall(&mut m, &mut seqs, wr, run, |m, s| keep_first(m, s, rows), back)?;
-            // The same step replayed from its graph (the GPU runner's way).
-            let captured = match m.verify_capturable(b, rows) {
+            // The same step replayed from its graph, and its rollback from the rollback graph
+            // (the GPU runner's way).
+            let (captured, rollback_graph) = match m.verify_capturable(b, rows) {
                 Ok(()) => {
                     let vg = m.capture_verify(b, rows, per_seq)?;
                     let replay =
                         |m: &mut CudaModel, s: &mut Seqs| -> Result<()> { Ok(m.verify_step(&vg, &vt, &lens, &mut refs(s), VerifyRun::Replay).map(|_| ())?) };
-                    Some(wall(&mut m, &mut seqs, wr, nothing, replay, |m, s| {
-                        keep_first(m, s, rows)?;
+                    let undo = |m: &mut CudaModel, s: &mut Seqs| keep_first_as(m, s, rows, RollbackRun::Replay(&vg));
+                    let v = wall(&mut m, &mut seqs, wr, nothing, replay, |m, s| {
+                        undo(m, s)?;
                         back(m, s)
-                    })?)
+                    })?;
+                    (Some(v), Some(wall(&mut m, &mut seqs, wr, replay, undo, back)?))
                 }
                 Err(why) => {
                     println!("verify     B={b:>3} k={k}: no graph ({why}); eager only");
-                    None
+                    (None, None)
                 }
             };
             let floor = floor_bytes_rows(&m, b * rows, b, ctx) / bw * 1e3;
             let best = captured.unwrap_or(verify);
+            let best_rollback = rollback_graph.unwrap_or(rollback);
             let graphed = captured.map_or(String::new(), |c| format!(", graph {c:.3} ms ({:.2}x eager)", c / verify));
+            let rolled = rollback_graph.map_or(String::new(), |r| format!(", {r:.3} ms from its graph"));
             println!(
-                "verify     B={b:>3} k={k}: eager {verify:.3} ms{graphed}; {:.2}x the plain graph step (floor {floor:.3} ms), rollback to 1 row {rollback:.3} ms; break-even at {:.2} tokens per step",
+                "verify     B={b:>3} k={k}: eager {verify:.3} ms{graphed}; {:.2}x the plain graph step (floor {floor:.3} ms), rollback to 1 row {rollback:.3} ms eager{rolled}; break-even at {:.2} tokens per step",
                 best / graph,
-                (best + rollback) / graph
+                (best + best_rollback) / graph
             );
-            ks.push(serde_json::json!({"k": k, "verify_ms": verify, "verify_graph_ms": captured, "rollback_ms": rollback, "floor_ms": floor, "ratio_to_plain_graph": best / graph}));
+            ks.push(serde_json::json!({"k": k, "verify_ms": verify, "verify_graph_ms": captured, "rollback_ms": rollback, "rollback_graph_ms": rollback_graph, "floor_ms": floor, "ratio_to_plain_graph": best / graph}));
         }
         if a.gpu.profile {
             profile_rows(&mut m, &mut seqs, 5, &mut random)?;

@@ -171,20 +171,36 @@ fn i32_of(x: usize, what: &str) -> Result<i32> {
 /// `{tok, n, slot, pos}` (sequence by sequence). The host contents of the `tables` tensor of
 /// [`kda_prefill_tables`]; [`kda_prefill`] uploads the same records itself.
 pub fn kda_tables(lens: &[usize], slots: &[u32]) -> Result<Vec<i32>> {
-    if slots.len() != lens.len() {
-        return Err(bad(format!("slots: {} entries for {} sequences", slots.len(), lens.len())));
+    kda_tables_within(lens, lens, slots)
+}
+
+/// [`kda_tables`] for a call of [`kda_prefill_tables`] laid out for `caps` (its `lens` argument:
+/// the rows of sequence `b` are `caps[b]` rows at the caps' packed offsets) that runs only the
+/// first `lens[b] ≤ caps[b]` rows of each sequence. A sequence with `lens[b] = 0` leaves its slot
+/// as it is (the kernels read its states and write the same bits back); its slot must still be a
+/// valid one, distinct from the others'. The chunk records past a sequence's `lens[b]` rows are
+/// placeholders of one row inside its caps (computed into the workspace, never read). Same
+/// record count as `kda_tables(caps, …)`, so one device tensor serves any `lens` within `caps`:
+/// a captured rollback (k3-model `cuda/verify.rs`) keeps a different number of rows per replay.
+pub fn kda_tables_within(caps: &[usize], lens: &[usize], slots: &[u32]) -> Result<Vec<i32>> {
+    if slots.len() != caps.len() || lens.len() != caps.len() {
+        return Err(bad(format!("slots: {} entries and {} lengths for {} sequences", slots.len(), lens.len(), caps.len())));
     }
-    let mut seqs = Vec::with_capacity(4 * lens.len());
-    let mut chunks = Vec::with_capacity(4 * num_chunks(lens));
+    if let Some(b) = (0..caps.len()).find(|&b| lens[b] > caps[b]) {
+        return Err(bad(format!("sequence {b}: {} rows within {} (lens must not pass caps)", lens[b], caps[b])));
+    }
+    let mut seqs = Vec::with_capacity(4 * caps.len());
+    let mut chunks = Vec::with_capacity(4 * num_chunks(caps));
     let (mut tok, mut chunk0) = (0usize, 0usize);
-    for (&l, &slot) in lens.iter().zip(slots) {
+    for ((&cap, &l), &slot) in caps.iter().zip(lens).zip(slots) {
         let slot = i32_of(slot as usize, "slot")?;
         seqs.extend([i32_of(tok, "token offset")?, i32_of(l, "length")?, i32_of(chunk0, "chunk")?, slot]);
-        for c in 0..l.div_ceil(CHUNK) {
-            chunks.extend([i32_of(tok + c * CHUNK, "token")?, i32_of((l - c * CHUNK).min(CHUNK), "n")?, slot, i32_of(c * CHUNK, "pos")?]);
+        for c in 0..cap.div_ceil(CHUNK) {
+            let n = l.saturating_sub(c * CHUNK).clamp(1, CHUNK);
+            chunks.extend([i32_of(tok + c * CHUNK, "token")?, i32_of(n, "n")?, slot, i32_of(c * CHUNK, "pos")?]);
         }
-        chunk0 += l.div_ceil(CHUNK);
-        tok += l;
+        chunk0 += cap.div_ceil(CHUNK);
+        tok += cap;
     }
     seqs.extend(chunks);
     Ok(seqs)
@@ -211,8 +227,9 @@ pub fn kda_prefill(
 /// [`kda_prefill`] reading its sequence tables from `tables`, I32 `[4 · (B + num_chunks(lens))]`
 /// holding [`kda_tables`]`(lens, slots)`, which the caller writes before the call (or before a
 /// graph replay): CUDA-graph capturable. `lens` (host) fixes the grids and the workspace, so a
-/// graph serves one `lens`; the slots in the tables may change from replay to replay. They are
-/// not checked here: the caller passes distinct slots below `S` (as for [`kda_decode`]).
+/// graph serves one `lens`; the slots in the tables may change from replay to replay, and so may
+/// the rows run per sequence within `lens` ([`kda_tables_within`]; 0 leaves the slot as it is).
+/// They are not checked here: the caller passes distinct slots below `S` (as for [`kda_decode`]).
 pub fn kda_prefill_tables(
     inp: &KdaInputs,
     w: &KdaWeights,

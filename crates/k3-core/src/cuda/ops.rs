@@ -377,6 +377,44 @@ pub fn unblock(src: &CudaTensor, dst: &CudaTensor) -> Result<()> {
     dev.launch(COPY, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![sp, dp, s32, t32, w32])
 }
 
+/// `dst[idx[i], :] = src[i, :]` for every `i` whose `idx[i]` (device I32 `[n]`) lies in
+/// `0..R`, bit for bit; other rows are skipped. `src` `[n, ...]` and `dst` `[R, ...]` have the same
+/// dtype (2- or 4-byte elements) and row size. CUDA-graph capturable (the indices are read on the
+/// device): a rollback restores its KDA checkpoints into their pool slots with it.
+pub fn scatter_rows(src: &CudaTensor, idx: &CudaTensor, dst: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda scatter_rows";
+    let n = idx.numel();
+    let rows = dst.shape().first().copied().unwrap_or(0);
+    let row_bytes = dst.byte_len().checked_div(rows).unwrap_or(0);
+    if idx.dtype() != DType::I32
+        || src.dtype() != dst.dtype()
+        || src.shape().first() != Some(&n)
+        || src.byte_len() != n * row_bytes
+        || !idx.cuda_device().same(dst.cuda_device())
+        || !src.cuda_device().same(dst.cuda_device())
+    {
+        return Err(CoreError::Shape { op: OP, detail: format!("src {src:?} (must be [n, ...] rows of dst's), idx {idx:?} (I32 [n]), dst {dst:?}") });
+    }
+    if n == 0 || row_bytes == 0 {
+        return Ok(());
+    }
+    let fits = |w: usize| row_bytes.is_multiple_of(w) && src.ptr().is_multiple_of(w as u64) && dst.ptr().is_multiple_of(w as u64);
+    let (name, word) = match (fits(4), fits(2)) {
+        (true, _) => ("scatter_rows_u32", 4),
+        (false, true) => ("scatter_rows_u16", 2),
+        _ => return Err(CoreError::DType { op: OP, dtype: format!("{} (rows of {row_bytes} bytes; 2- or 4-byte words)", src.dtype()) }),
+    };
+    let (n32, r32) = match (i32::try_from(n), i32::try_from(rows)) {
+        (Ok(a), Ok(b)) => (a, b),
+        _ => return Err(CoreError::Shape { op: OP, detail: format!("{n} rows into {rows} exceed i32") }),
+    };
+    let w = (row_bytes / word) as i64;
+    let dev = dst.cuda_device();
+    let grid = ((w as usize).div_ceil(EW_BLOCK as usize).min(1024) as u32, n.min(65_535) as u32, 1);
+    let (sp, ip, dp) = (src.ptr(), idx.ptr(), dst.ptr());
+    dev.launch(COPY, name, grid, (EW_BLOCK, 1, 1), 0, &mut kargs![sp, ip, dp, n32, w, r32])
+}
+
 /// `x += delta` in place on an I32 tensor (global expert ids to one rank's local ids).
 pub fn shift_i32(x: &CudaTensor, delta: i32) -> Result<()> {
     if x.dtype() != DType::I32 {

@@ -8,6 +8,9 @@
 //! [`GpuRunner::set_verify_graphs`]), or — said once per reason on stderr — when it has its own
 //! input rows (images), when the MoE cannot capture `B·T` rows, or when a padded sequence
 //! would pass its cache reservation or the graphs' context. [`VerifyStats`] counts both kinds.
+//! The step's rollbacks replay the rollback graph of the verify graph that ran it
+//! (`RollbackRun::Replay`), or run eagerly per sequence (`RollbackRun::PerSequence`, the
+//! reference) after an eager step or with `K3_ROLLBACK_GRAPHS=0` ([`GpuRunner::set_rollback_graphs`]).
 //! `K3_VERIFY_CHECK=graph|eager` (a diagnostic, slow) runs each replayed step three ways from
 //! the same state and prints how they differ ([`checked`]).
 
@@ -15,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use k3_model::cuda::{CudaSeqState, Input, VerifyGraph, VerifyRun};
+use k3_model::cuda::{CudaSeqState, Input, RollbackRun, VerifyGraph, VerifyRun};
 
 use super::imp::{GpuRunner, GpuSeq, Taken};
 use super::VerifyStats;
@@ -28,6 +31,10 @@ pub const MAX_GRAPHS: usize = 32;
 /// The runner's verify graphs and their switch.
 pub struct VerifyGraphs {
     on: bool,
+    /// Rollbacks of a replayed step through its rollback graph (unless `K3_ROLLBACK_GRAPHS=0`).
+    rollback_on: bool,
+    /// The graph whose replay was the last verify step (the sequences continue from it).
+    last: Option<(usize, usize)>,
     graphs: HashMap<(usize, usize), (VerifyGraph, u64)>,
     clock: u64,
     noted: HashSet<&'static str>,
@@ -44,13 +51,15 @@ impl VerifyGraphs {
     /// 4.8e-4 against a rounding difference of 8.8e-3 between the graph's step and the unpadded
     /// eager one) — the same parting any change of the step's shape can cause on the GPU.
     pub fn new() -> Self {
-        let on = std::env::var("K3_VERIFY_GRAPHS").map_or(true, |v| v.trim() != "0");
-        VerifyGraphs { on, graphs: HashMap::new(), clock: 0, noted: HashSet::new(), stats: Arc::default(), check: check_mode() }
+        let switch = |name: &str| std::env::var(name).map_or(true, |v| v.trim() != "0");
+        let (on, rollback_on) = (switch("K3_VERIFY_GRAPHS"), switch("K3_ROLLBACK_GRAPHS"));
+        VerifyGraphs { on, rollback_on, last: None, graphs: HashMap::new(), clock: 0, noted: HashSet::new(), stats: Arc::default(), check: check_mode() }
     }
 
     /// Drops every graph (before the model).
     pub fn clear(&mut self) {
         self.graphs.clear();
+        self.last = None;
     }
 
     /// Prints `note: …` on stderr the first time a reason of this `kind` comes.
@@ -71,6 +80,12 @@ impl GpuRunner {
         }
     }
 
+    /// Turns the rollback graphs on or off (off: every rollback eager, per sequence — the
+    /// reference; for A/B runs in one process).
+    pub fn set_rollback_graphs(&mut self, on: bool) {
+        self.verify_graphs.rollback_on = on;
+    }
+
     /// The counters of this runner's verify steps.
     pub fn verify_stats(&self) -> Arc<VerifyStats> {
         self.verify_graphs.stats.clone()
@@ -79,15 +94,21 @@ impl GpuRunner {
     /// Applies the pending rollbacks (see `rollbacks`); the last verify step is then
     /// forgotten, as the states move on.
     pub(super) fn settle(&mut self) -> Result<()> {
+        let last = self.verify_graphs.last.take();
         if self.rollbacks.is_empty() {
             self.model.end_verify();
             return Ok(());
         }
         let pending = std::mem::take(&mut self.rollbacks);
         let mut taken: Vec<(SeqId, GpuSeq, usize)> = pending.iter().filter_map(|&(id, d)| self.seqs.remove(&id).map(|s| (id, s, d))).collect();
+        let vg = &self.verify_graphs;
+        let graph = last.filter(|_| vg.rollback_on).and_then(|k| vg.graphs.get(&k)).map(|(g, _)| g);
+        let how = graph.map_or(RollbackRun::PerSequence, RollbackRun::Replay);
+        let counter = if graph.is_some() { &vg.stats.rollbacks_replayed } else { &vg.stats.rollbacks_eager };
+        counter.fetch_add(1, Relaxed);
         let out = {
             let mut refs: Vec<(&mut CudaSeqState, usize)> = taken.iter_mut().map(|(_, s, d)| (&mut s.state, *d)).collect();
-            self.model.rollback(&mut refs)
+            self.model.rollback_as(&mut refs, how)
         };
         self.seqs.extend(taken.into_iter().map(|(id, s, _)| (id, s)));
         self.model.end_verify();
@@ -123,6 +144,7 @@ impl GpuRunner {
         let (b, rows) = (t.lens.len(), t.lens.iter().copied().max().unwrap_or(1));
         let ctx = self.model.cache.max_tokens.min(self.model.config.max_context());
         let eager = self.eager_reason(t, b, rows, ctx);
+        self.verify_graphs.last = None;
         let mut seqs: Vec<&mut CudaSeqState> = t.seqs.iter_mut().map(|(_, g)| &mut g.state).collect();
         if let Some(reason) = eager {
             if let Some((kind, msg)) = reason {
@@ -156,6 +178,9 @@ impl GpuRunner {
             None => (self.model.verify_step(g, &t.tokens, &t.lens, &mut seqs, VerifyRun::Replay)?, true),
             Some(go_on) => (checked(&mut self.model, g, &t.tokens, &t.lens, &mut seqs, go_on)?, go_on == Continue::Graph),
         };
+        if graph_state {
+            vg.last = Some((b, rows)); // its rollback graph rolls the step back
+        }
         for ((id, _), &n) in t.seqs.iter().zip(&t.lens) {
             if n < rows && graph_state {
                 self.rollbacks.push((*id, 0)); // the padding rows are undone with the step's rollbacks

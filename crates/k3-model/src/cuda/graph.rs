@@ -15,7 +15,10 @@
 //!   `kda_prefill_tables`), so it is capturable; the step is never `fresh` (the absorbed MLA
 //!   form, as an eager verify, whose cache is never empty). [`VerifyRun::Eager`] runs a graph's
 //!   step eagerly: the reference a replay equals bit for bit. GEMM algorithms are cuBLASLt's
-//!   heuristic choice, as in the eager verify step (decode graphs time theirs).
+//!   heuristic choice, as in the eager verify step (decode graphs time theirs). Each verify graph
+//!   carries the **rollback graph** of its step (`RollbackGraph`: `verify.rs`'s batched
+//!   rollback over the graph's own checkpoints and kept inputs, its slots, kept rows and
+//!   restore targets in two device tables written before each replay; `RollbackRun::Replay`).
 //!
 //! Capture needs the kernels compiled and the GEMM plans chosen beforehand, so one eager warm-up
 //! step runs first on the pools' scratch slot and page (never given to a sequence). DSA layers
@@ -25,7 +28,7 @@
 //! that many rows (`k3_core::cuda::moe::capturable`); [`CudaModel::verify_capturable`] says why
 //! not otherwise.
 
-use k3_core::cuda::kda::kda_tables;
+use k3_core::cuda::kda::{kda_tables, kda_tables_within};
 use k3_core::cuda::mla::PAGE;
 use k3_core::cuda::ops::gather_rows;
 use k3_core::cuda::{capture, CudaTensor, Graph};
@@ -194,6 +197,9 @@ impl DecodeGraph {
 
 /// A captured verify step of `batch` sequences × `rows` rows (see the module doc).
 pub struct VerifyGraph {
+    /// Unique per capture: a verify step records the graph that replayed it, so that only that
+    /// graph's rollback graph (which reads its buffers) rolls it back.
+    pub(crate) id: u64,
     batch: usize,
     rows: usize,
     width: usize,
@@ -203,7 +209,21 @@ pub struct VerifyGraph {
     /// Per KDA layer: the checkpoints and kept inputs the graph writes on every replay.
     layers: VerifyLayers,
     graph: Graph,
+    pub(crate) rollback: RollbackGraph,
 }
+
+/// The batched rollback (`CudaModel::rollback_body`) of a verify graph's step, captured.
+pub(crate) struct RollbackGraph {
+    /// I32: `kda_tables_within(rows per sequence, kept rows, slots)`, written before a replay.
+    pub tables: CudaTensor,
+    /// I32 `[batch]`: the pool slot each sequence's checkpoint goes back to, −1 for none.
+    pub restore: CudaTensor,
+    /// `None` for a model without KDA layers (a rollback only moves `pos` back).
+    pub graph: Option<Graph>,
+}
+
+/// Ids of verify graphs.
+static NEXT_GRAPH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl VerifyGraph {
     pub fn batch(&self) -> usize {
@@ -290,7 +310,27 @@ impl CudaModel {
         let warm = || self.verify_body(&step, &input).map(drop);
         let (graph, (logits, layers)) = self.capture_body(false, warm, || self.verify_body(&step, &input))?;
         let logits = logits.ok_or_else(|| ModelError::Internal("the verify graph has no logits".into()))?;
-        Ok(VerifyGraph { batch, rows, width, step, logits, layers, graph })
+        let rollback = self.capture_rollback(batch, rows, &layers)?;
+        let id = NEXT_GRAPH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(VerifyGraph { id, batch, rows, width, step, logits, layers, graph, rollback })
+    }
+
+    /// The rollback graph of a verify graph's step (`layers`: its checkpoints and kept inputs).
+    /// The warm-up restores nothing and runs no row: every sequence names the scratch slot with
+    /// 0 rows, which the KDA kernels read and write back unchanged (several blocks doing so on one
+    /// slot write the same bits).
+    fn capture_rollback(&self, batch: usize, rows: usize, layers: &VerifyLayers) -> Result<RollbackGraph> {
+        let caps = vec![rows; batch];
+        let scratch = self.free.scratch().slot as u32;
+        let t = kda_tables_within(&caps, &vec![0; batch], &vec![scratch; batch])?;
+        let tables = CudaTensor::from_pod(&self.dev, DType::I32, vec![t.len()], &t)?;
+        let restore = CudaTensor::from_pod(&self.dev, DType::I32, vec![batch], &vec![-1i32; batch])?;
+        if layers.is_empty() {
+            return Ok(RollbackGraph { tables, restore, graph: None });
+        }
+        let body = || self.rollback_body(layers, &caps, &tables, &restore);
+        let (graph, ()) = self.capture_body(false, body, body)?;
+        Ok(RollbackGraph { tables, restore, graph: Some(graph) })
     }
 
     /// The verify step through `g` (see the module doc): sequence i consumes `lens[i]` ≤
@@ -350,7 +390,7 @@ impl CudaModel {
         for (s, &n) in seqs.iter_mut().zip(lens) {
             s.pos += n;
         }
-        self.record_verify(seqs, &full, lens, layers);
+        self.record_verify(seqs, &full, lens, layers, (how == VerifyRun::Replay).then_some(g.id));
         if lens == full.as_slice() {
             return Ok(logits.to_f32_vec()?);
         }

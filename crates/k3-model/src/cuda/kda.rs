@@ -11,6 +11,7 @@
 //! state in this layer's pools (see `state.rs`); output F32 `[N, H]`.
 
 use k3_core::cuda::kda::{kda_decode, kda_prefill, kda_prefill_tables, KdaInputs, KdaWeights};
+use k3_core::cuda::ops::scatter_rows;
 use k3_core::cuda::{CudaDevice, CudaTensor};
 use k3_core::DType;
 
@@ -120,6 +121,28 @@ impl Kda {
     pub(crate) fn replay(&self, inp: &KdaInputs, lens: &[usize], slots: &[u32]) -> Result<()> {
         let o = CudaTensor::uninit(inp.q.cuda_device(), inp.q.dtype(), inp.q.shape().to_vec())?;
         Ok(kda_prefill(inp, &self.weights(), lens, slots, &self.conv_pool, &self.state_pool, &o, None)?)
+    }
+
+    /// The capturable rollback of this layer (`verify.rs`'s batched form): the checkpoint rows
+    /// `conv` / `state` (`[B, ·]`, one per verify sequence) go back into the pool slots `restore`
+    /// names (device I32 `[B]`; −1 skips a sequence), then the recurrence runs over the rows of
+    /// `kept` that `tables` (device, `kda_tables_within(caps, kept rows, slots)`) names — the
+    /// kept inputs laid out as the verify step computed them, `caps[b]` rows per sequence.
+    pub(crate) fn rollback(
+        &self,
+        conv: &CudaTensor,
+        state: &CudaTensor,
+        restore: &CudaTensor,
+        kept: &KdaKept,
+        caps: &[usize],
+        tables: &CudaTensor,
+    ) -> Result<()> {
+        for (ckpt, pool) in [(conv, &self.conv_pool), (state, &self.state_pool)] {
+            scatter_rows(ckpt, restore, pool)?;
+        }
+        let inp = KdaInputs { q: &kept.q, k: &kept.k, v: &kept.v, g: &kept.g, beta: &kept.beta, gate: &kept.gate };
+        let o = CudaTensor::uninit(inp.q.cuda_device(), inp.q.dtype(), inp.q.shape().to_vec())?;
+        Ok(kda_prefill_tables(&inp, &self.weights(), caps, tables, &self.conv_pool, &self.state_pool, &o)?)
     }
 
     fn weights(&self) -> KdaWeights<'_> {

@@ -32,6 +32,7 @@ pub use graph::{DecodeGraph, VerifyGraph, VerifyRun};
 pub use pipe::HeldStep;
 pub use prefix::{LayerBytes, LayerRef};
 pub use state::{CacheConfig, CudaSeqState};
+pub use verify::RollbackRun;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{Config, Ffn as FfnKind, LayerSpec, Mixer as MixerKind};

@@ -1,4 +1,4 @@
-// copy.cu: row gathers and strided copies the model needs between its GEMMs.
+// copy.cu: row gathers, row scatters and strided copies the model needs between its GEMMs.
 // gather_rows_*: out[i, :] = src[ids[i] - first, :] for i < n, zero where ids[i] - first is
 // outside 0..rows (embedding lookup from a bf16 table into the f32 stream, or from one
 // tensor-parallel rank's vocabulary rows; picking each sequence's last row before lm_head). ids are I32 and were checked
@@ -26,6 +26,23 @@ __device__ __forceinline__ void gather_impl(const TI* __restrict__ src, const in
 extern "C" __global__ void gather_rows_bf16_f32(const bf16_t* src, const int* ids, float* out, int n, int h, int first, int rows) { gather_impl(src, ids, out, n, h, first, rows); }
 extern "C" __global__ void gather_rows_bf16_bf16(const bf16_t* src, const int* ids, bf16_t* out, int n, int h, int first, int rows) { gather_impl(src, ids, out, n, h, first, rows); }
 extern "C" __global__ void gather_rows_f32_f32(const float* src, const int* ids, float* out, int n, int h, int first, int rows) { gather_impl(src, ids, out, n, h, first, rows); }
+
+// scatter_rows_u{16,32}: dst[idx[i], :] = src[i, :] for i < n, rows of `w` words copied bit for
+// bit; a row whose idx[i] is outside 0..rows is skipped (a sequence a rollback leaves alone).
+// Grid (column blocks, rows i). Restores KDA checkpoints into their pool slots from a device
+// table, so that a rollback is capturable (k3-model cuda/verify.rs).
+template <typename W>
+__device__ __forceinline__ void scatter_impl(const W* __restrict__ src, const int* __restrict__ idx, W* __restrict__ dst, int n, long long w, int rows) {
+    for (int i = blockIdx.y; i < n; i += gridDim.y) {
+        const int r = idx[i];
+        if (r < 0 || r >= rows) continue;
+        const W* s = src + (long long)i * w;
+        W* d = dst + (long long)r * w;
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < w; j += (long long)gridDim.x * blockDim.x) d[j] = s[j];
+    }
+}
+extern "C" __global__ void scatter_rows_u32(const unsigned* src, const int* idx, unsigned* dst, int n, long long w, int rows) { scatter_impl(src, idx, dst, n, w, rows); }
+extern "C" __global__ void scatter_rows_u16(const unsigned short* src, const int* idx, unsigned short* dst, int n, long long w, int rows) { scatter_impl(src, idx, dst, n, w, rows); }
 
 // x[i] += delta (i32): global expert ids to this rank's local ids (others fall outside 0..E_local).
 extern "C" __global__ void shift_i32(int* x, int delta, long long n) {

@@ -36,7 +36,8 @@ pub const KDA_GENERAL: Source = Source { name: "kda_general", code: include_str!
 
 /// Block Attention Residuals mix fused with the following RMSNorm (`attn_res_norm_{bf16,f32}`).
 pub const ATTN_RES: Source = Source { name: "attn_res", code: include_str!("attn_res.cu") };
-/// Row gathers (embedding, last rows) and strided copies (`gather_rows_*`, `copy_strided_bf16`).
+/// Row gathers (embedding, last rows), row scatters by a device index (`scatter_rows_*`) and
+/// strided copies (`gather_rows_*`, `copy_strided_bf16`).
 pub const COPY: Source = Source { name: "copy", code: include_str!("copy.cu") };
 
 /// Routed MoE experts: router top-k, grouping, grouped MXFP4/BF16 GEMV, prefill helpers (`moe_*`).
