@@ -51,52 +51,17 @@ pub fn windows(lens: &[usize], cap: usize) -> Vec<(usize, usize, usize)> {
 /// most of the host time of a large download into fresh `Vec`s.
 pub fn fresh_f32(len: usize) -> Vec<f32> {
     let v = vec![0f32; len];
-    advise_huge(v.as_ptr() as usize, len * 4);
-    v
-}
-
-/// Asks for the whole huge pages inside `[at, at + len)` of a fresh allocation to be backed by
-/// transparent huge pages (Linux; elsewhere, or below four huge pages, nothing).
-fn advise_huge(at: usize, len: usize) {
     #[cfg(target_os = "linux")]
-    if len >= 4 * HUGE {
-        let start = at.next_multiple_of(HUGE);
-        let end = (at + len) / HUGE * HUGE;
+    if len * 4 >= 4 * HUGE {
+        let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
+        let end = (v.as_ptr() as usize + len * 4) / HUGE * HUGE;
         if end > start {
-            // SAFETY: an advice on whole huge pages inside the caller's allocation; it changes
+            // SAFETY: an advice on whole huge pages inside the Vec's allocation; it changes
             // how pages are backed, never their contents (zero until written).
             unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
         }
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (at, len);
-}
-
-/// `parts` copied side by side, in parallel, into one fresh buffer advised to use huge pages,
-/// each part starting on a 64-byte boundary: the buffer and each part's byte offset in it.
-/// For weights that every core streams at memory bandwidth (the routed experts computed on the
-/// CPU, issue 23): read through a memory map of the page cache they sit on 4 KiB pages, a TLB
-/// miss every 4 KiB per core.
-pub fn pack_huge(parts: &[&[u8]]) -> (Vec<u64>, Vec<usize>) {
-    let mut offs = Vec::with_capacity(parts.len());
-    let mut end = 0;
-    for p in parts {
-        offs.push(end);
-        end = (end + p.len()).next_multiple_of(64);
-    }
-    let mut words = vec![0u64; end / 8];
-    advise_huge(words.as_ptr() as usize, end);
-    let mut rest: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
-    let mut dst = Vec::with_capacity(parts.len());
-    let mut at = 0;
-    for (p, &o) in parts.iter().zip(&offs) {
-        let (d, r) = std::mem::take(&mut rest)[o - at..].split_at_mut(p.len());
-        dst.push(d);
-        rest = r;
-        at = o + p.len();
-    }
-    dst.into_par_iter().zip(parts).for_each(|(d, p)| d.par_chunks_mut(PIECE).zip(p.par_chunks(PIECE)).for_each(|(a, b)| a.copy_from_slice(b)));
-    (words, offs)
+    v
 }
 
 /// A transparent huge page (x86-64 and most aarch64 kernels).
@@ -169,27 +134,4 @@ mod tests {
         let z = fresh_f32(3 * PIECE + 1);
         assert!(z.len() == 3 * PIECE + 1 && z.iter().all(|&x| x.to_bits() == 0));
     }
-
-    /// Each part lands at its offset, 64-byte aligned, unchanged, past the last one zeros.
-    #[test]
-    fn pack_huge_keeps_every_part_at_an_aligned_offset() {
-        let lens = [0, 5, 64, PIECE + 3, 1, 9 * HUGE_TEST];
-        let src: Vec<Vec<u8>> = lens.iter().enumerate().map(|(i, &n)| (0..n).map(|j| (j * 13 + i * 5 + 1) as u8).collect()).collect();
-        let parts: Vec<&[u8]> = src.iter().map(|v| v.as_slice()).collect();
-        let (words, offs) = pack_huge(&parts);
-        let bytes: &[u8] = bytemuck::cast_slice(&words);
-        assert_eq!(offs.len(), parts.len());
-        for (k, (p, &o)) in parts.iter().zip(&offs).enumerate() {
-            assert_eq!(o % 64, 0, "part {k} at {o}");
-            assert_eq!(&bytes[o..o + p.len()], *p, "part {k}");
-            if let Some(&next) = offs.get(k + 1) {
-                assert!(next >= o + p.len() && next < o + p.len() + 64, "part {} at {next} after {k} ends at {}", k + 1, o + p.len());
-            }
-        }
-        let last = offs[offs.len() - 1] + lens[lens.len() - 1];
-        assert!(bytes.len() >= last && bytes.len() < last + 64);
-    }
-
-    /// Large enough for the huge-page advice to apply.
-    const HUGE_TEST: usize = 2 << 20;
 }

@@ -89,8 +89,6 @@ pub fn bench_experts(a: &Args) -> Result<()> {
     let r = serde_json::json!({
         "op": "experts", "model": dir.display().to_string(), "layer": layer, "experts": e_all, "top_k": k, "expert_bytes": expert_bytes,
         "kernel": k3_core::kernels::cpu::mxfp4_q8::kernel_name(), "threads": rayon::current_num_threads(), "readers": readers,
-        "host_weights": if k3_model::layers::experts::host_keeps_map() { "memory-mapped" } else { "copied onto huge pages" },
-        "prefetch_bytes": k3_core::kernels::cpu::mxfp4_q8::prefetch_bytes(),
         "memory_read_bandwidth_gb_s": read_bw, "disk_read_bandwidth_gb_s": disk_bw, "disk_o_direct": direct, "repeats": REPEATS, "results": rows,
     });
     if a.json {
@@ -98,13 +96,11 @@ pub fn bench_experts(a: &Args) -> Result<()> {
         return Ok(());
     }
     println!(
-        "routed experts of layer {layer} on the CPU ({} experts of {:.1} MB, top-{k}; {} kernel, {} threads, weights {}, prefetch {} B): memory read {read_bw:.2} GB/s, disk read {disk_bw:.2} GB/s ({}, {readers} readers)",
+        "routed experts of layer {layer} on the CPU ({} experts of {:.1} MB, top-{k}; {} kernel, {} threads): memory read {read_bw:.2} GB/s, disk read {disk_bw:.2} GB/s ({}, {readers} readers)",
         e_all,
         expert_bytes as f64 / 1e6,
         r["kernel"].as_str().unwrap_or(""),
         rayon::current_num_threads(),
-        r["host_weights"].as_str().unwrap_or(""),
-        r["prefetch_bytes"],
         if direct { "O_DIRECT" } else { "buffered" }
     );
     println!("  batch  experts  host ms (floor, ×)      disk ms (floor, ×)      disk hit rate");

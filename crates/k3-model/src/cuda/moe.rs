@@ -146,7 +146,7 @@ impl Moe {
                 };
                 Routed::Gpu(ExpertWeights { format, num_experts: mine.len(), latent: lat, inter: fi, w13, w13_scale, w2, w2_scale })
             }
-            Tier::Host => on_cpu(Weights::host(cpu_experts(ck, &p, mine.clone(), fi, lat, mx)?)?),
+            Tier::Host => on_cpu(Weights::Mapped(cpu_experts(ck, &p, mine.clone(), fi, lat, mx)?)),
             Tier::Disk => match cache {
                 Some(c) if c.covers(l) && fi == t.moe_intermediate_size => on_cpu(Weights::Streamed(c.clone())),
                 Some(_) if fi != t.moe_intermediate_size => {

@@ -23,8 +23,6 @@ use std::sync::Arc;
 use k3_core::kernels::cpu::act::situ_glu_slice;
 use k3_core::kernels::cpu::matmul::{row_exact, with_row_exact, Matrix};
 use k3_core::kernels::cpu::mxfp4_q8::{quantize, rows_into, Q8};
-use k3_core::staging::pack_huge;
-use k3_core::tensor::Tensor;
 use rayon::prelude::*;
 
 use super::lin;
@@ -38,46 +36,6 @@ pub enum Weights {
     Mapped(Vec<Expert>),
     /// Read from disk when routed.
     Streamed(Arc<ExpertCache>),
-}
-
-impl Weights {
-    /// Mapped experts as the host tier keeps them: copied out of the memory map into one buffer
-    /// on huge pages ([`resident`]) unless `K3_HOST_EXPERTS=map` (read once) keeps the views of
-    /// the page cache — the same bytes either way.
-    pub fn host(experts: Vec<Expert>) -> Result<Weights> {
-        Ok(Weights::Mapped(if host_keeps_map() { experts } else { resident(experts)? }))
-    }
-}
-
-/// Whether `K3_HOST_EXPERTS=map` keeps the host tier's experts in the memory map (read once).
-pub fn host_keeps_map() -> bool {
-    static MAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MAP.get_or_init(|| std::env::var("K3_HOST_EXPERTS").is_ok_and(|v| v == "map"))
-}
-
-/// `experts` with their weights copied into one owned buffer on huge pages
-/// ([`k3_core::staging::pack_huge`]), in order: the same bytes, which every core then streams
-/// without a TLB miss per 4 KiB page of the page cache.
-pub fn resident(experts: Vec<Expert>) -> Result<Vec<Expert>> {
-    fn tensors(m: &Matrix) -> Vec<&Tensor> {
-        match m {
-            Matrix::Dense(t) => vec![t],
-            Matrix::Mxfp4 { packed, scale } => vec![packed, scale],
-        }
-    }
-    let all: Vec<&Tensor> = experts.iter().flat_map(|e| [&e.w1, &e.w3, &e.w2]).flat_map(tensors).collect();
-    let parts: Vec<&[u8]> = all.iter().map(|t| t.bytes()).collect();
-    let (words, offs) = pack_huge(&parts);
-    let words = Arc::new(words);
-    let mut copies = all.iter().zip(offs).map(|(t, o)| Tensor::shared(t.dtype(), t.shape().to_vec(), words.clone(), o, t.bytes().len()));
-    let mut next = || copies.next().expect("one copy per tensor");
-    let mut again = |m: &Matrix| -> Result<Matrix> {
-        Ok(match m {
-            Matrix::Dense(_) => Matrix::Dense(next()?),
-            Matrix::Mxfp4 { .. } => Matrix::mxfp4_unscanned(next()?, next()?)?,
-        })
-    };
-    experts.iter().map(|e| Ok(Expert { w1: again(&e.w1)?, w3: again(&e.w3)?, w2: again(&e.w2)? })).collect()
 }
 
 /// How the experts are computed.

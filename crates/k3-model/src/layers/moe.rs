@@ -109,9 +109,8 @@ impl Moe {
                 }
                 Weights::Streamed(c.clone())
             }
-            _ => {
-                let experts = mine
-                    .clone()
+            _ => Weights::Mapped(
+                mine.clone()
                     .map(|ex| {
                         let q = format!("{p}experts.{ex}.");
                         Ok(Expert {
@@ -120,15 +119,8 @@ impl Moe {
                             w2: expert_matrix(ck, &format!("{q}w2."), lat, fi, mx, scan_scales)?,
                         })
                     })
-                    .collect::<Result<Vec<_>>>()?;
-                // The int8 kernel is the host tier's (experts beside a GPU trunk): there the
-                // weights move off the page cache; the CPU model keeps its memory map.
-                if source.kernel == Kernel::Q8 {
-                    Weights::host(experts)?
-                } else {
-                    Weights::Mapped(experts)
-                }
-            }
+                    .collect::<Result<Vec<_>>>()?,
+            ),
         };
         let si = plan.tp_share(t.moe_intermediate_size * t.num_shared_experts).len();
         let shared = (t.num_shared_experts > 0)

@@ -43,14 +43,6 @@ fn pf() -> usize {
     *D.get_or_init(|| std::env::var("K3_Q8_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(PF))
 }
 
-/// The software prefetch distance in force (bytes; 0 where the kernels do not prefetch).
-pub fn prefetch_bytes() -> usize {
-    #[cfg(target_arch = "x86_64")]
-    return pf();
-    #[cfg(not(target_arch = "x86_64"))]
-    0
-}
-
 /// `2·e2m1` of each nibble as a signed byte.
 const LUT2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
