@@ -369,7 +369,12 @@ fn gpu_concurrent_and_served_equal_cold() {
         let noise = dist(&c.1[..n], &c2.1[..n]).max(dist(&b.1[..n], &c.1[..n]));
         let bound = (NOISE_X as f32 * noise).max(1e-3);
         let dl = dist(&g.1[..n], &c.1[..n]);
-        say(&format!("  request {k}: cached {}, {n} tokens as cold, logprobs {dl:.2e} from a cold run (bound {bound:.2e}: batched cold {:.2e}, cold again {:.2e})", g.3, dist(&b.1[..n], &c.1[..n]), dist(&c.1[..n], &c2.1[..n])));
+        say(&format!(
+            "  request {k}: cached {}, {n} tokens as cold, logprobs {dl:.2e} from a cold run (bound {bound:.2e}: batched cold {:.2e}, cold again {:.2e})",
+            g.3,
+            dist(&b.1[..n], &c.1[..n]),
+            dist(&c.1[..n], &c2.1[..n])
+        ));
         assert!(dl <= bound, "request {k}: logprobs differ by {dl} from a cold run, beyond the run-to-run bound {bound}");
     }
 }
