@@ -22,7 +22,8 @@
 //!   worker, resumed from the parts it kept itself, computes rank 0's logits bit for bit at
 //!   every step; with a pool too small to keep anything every cell is forgotten on both
 //!   ranks (rank 0 checks the worker's count at every forget). The mutant — the worker's kept
-//!   KDA snapshot perturbed at resume — must break the worker's equality (checked in the test).
+//!   KDA snapshot perturbed at resume — must break the worker's equality (checked in the test);
+//!   a worker that fails a resume is named (`rank 1 failed`) and the world stops.
 
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -81,8 +82,18 @@ struct RecWorker {
     log: Log,
     steps: usize,
     fault: Option<Inject>,
-    /// The mutant: its kept KDA snapshot perturbed when it resumes a sequence.
-    corrupt: bool,
+    /// What it does to a resume: nothing, or a mutant.
+    spoil: Spoil,
+}
+
+/// A worker's mutation of a resume (see the module doc).
+#[derive(Clone, Copy, PartialEq)]
+enum Spoil {
+    None,
+    /// Its kept KDA snapshot perturbed.
+    Snapshot,
+    /// Refused with an error.
+    Refuse,
 }
 
 impl RankWorker for RecWorker {
@@ -106,7 +117,10 @@ impl RankWorker for RecWorker {
     }
     fn resume(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
         let mut snap = snap.clone();
-        if self.corrupt {
+        if self.spoil == Spoil::Refuse {
+            return Err(EngineError::Unsupported("injected resume fault".into()));
+        }
+        if self.spoil == Spoil::Snapshot {
             let kda = snap.layers.iter_mut().find_map(|l| match l {
                 SnapLayer::Cpu(k) => Some(k),
                 _ => None,
@@ -191,12 +205,12 @@ fn world(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usiz
 }
 
 /// [`world`] with an engine configuration; with `rows` the engine's runner records every
-/// sequence's logits rows there (`recorder::Rec`) and the worker is the mutant when `corrupt`.
-fn world_with(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usize>, config: EngineConfig, rows: Option<(&recorder::Log, bool)>) -> World {
+/// sequence's logits rows there (`recorder::Rec`) and the worker spoils its resumes so.
+fn world_with(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usize>, config: EngineConfig, rows: Option<(&recorder::Log, Spoil)>) -> World {
     let (c0, c1) = pair();
     let (leader_log, worker_log) = (Log::default(), Log::default());
-    let corrupt = rows.is_some_and(|r| r.1);
-    let w = RecWorker { inner: Worker::new(m.clone(), StateDType::F32), rank: 1, log: worker_log.clone(), steps: 0, fault: worker_fault, corrupt };
+    let spoil = rows.map_or(Spoil::None, |r| r.1);
+    let w = RecWorker { inner: Worker::new(m.clone(), StateDType::F32), rank: 1, log: worker_log.clone(), steps: 0, fault: worker_fault, spoil };
     let (tx, worker) = mpsc::channel();
     std::thread::spawn(move || {
         let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
@@ -449,7 +463,7 @@ fn pipelined_steps_over_the_control_plane() {
             let (c0, c1) = pair();
             let log = Log::default();
             let inner = Worker::new(model(), StateDType::F32).with_options(inv);
-            let w = RecWorker { inner, rank: 1, log: log.clone(), steps: 0, fault, corrupt: false };
+            let w = RecWorker { inner, rank: 1, log: log.clone(), steps: 0, fault, spoil: Spoil::None };
             let (tx, worker) = mpsc::channel();
             std::thread::spawn(move || {
                 let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
@@ -585,11 +599,11 @@ fn cold(m: &Arc<Model>, prompt: &[u32]) -> prefix_run::Out {
 /// (warm out, cold out); whether the worker's logits and state bytes equalled rank 0's at every
 /// step; the cache's counters; the worker loop's outcome.
 #[allow(clippy::type_complexity)]
-fn prefix_script(m: Arc<Model>, corrupt: bool, mem: usize) -> (Vec<(prefix_run::Out, prefix_run::Out)>, bool, k3_engine::PrefixStats, k3_engine::Result<()>) {
+fn prefix_script(m: Arc<Model>, spoil: Spoil, mem: usize) -> (Vec<(prefix_run::Out, prefix_run::Out)>, bool, k3_engine::PrefixStats, k3_engine::Result<()>) {
     within(120, "the prefix cache over the control plane", move || {
         let v = m.config.text.vocab_size as u32;
         let rows = recorder::Log::default();
-        let mut w = world_with(&m, None, None, prefix_cfg(mem), Some((&rows, corrupt)));
+        let mut w = world_with(&m, None, None, prefix_cfg(mem), Some((&rows, spoil)));
         assert!(w.engine.prefix_status().unwrap().is_some(), "the prefix cache is on over the process runner");
         let a = prefix_run::prompt_ids(v, 1, 2 * GRID + 10); // snapshot at 32, its last grid point
         let mut prompts = vec![a.clone()];
@@ -620,7 +634,7 @@ fn prefix_script(m: Arc<Model>, corrupt: bool, mem: usize) -> (Vec<(prefix_run::
 #[test]
 fn the_prefix_cache_runs_over_the_control_plane() {
     let m = model();
-    let (outs, same, stats, worker) = prefix_script(m.clone(), false, 1 << 30);
+    let (outs, same, stats, worker) = prefix_script(m.clone(), Spoil::None, 1 << 30);
     worker.expect("the worker's loop ends Ok");
     let want = [0, 2 * GRID, 2 * GRID, 2 * GRID, 0, GRID];
     for (i, ((warm, cold), cached)) in outs.iter().zip(want).enumerate() {
@@ -633,7 +647,7 @@ fn the_prefix_cache_runs_over_the_control_plane() {
 
     // A pool too small to keep anything: every cell and snapshot is forgotten on both ranks
     // (rank 0 checks the worker's count at each forget), and nothing is hit.
-    let (outs, same, stats, worker) = prefix_script(m.clone(), false, 1);
+    let (outs, same, stats, worker) = prefix_script(m.clone(), Spoil::None, 1);
     worker.expect("the worker's loop ends Ok");
     assert!(outs.iter().all(|(w, c)| w.cached == 0 && w.rows == c.rows), "a cold start every time");
     assert!(stats.evictions > 0 && stats.hits == 0 && stats.pool_snapshots == 0, "{stats:?}");
@@ -641,8 +655,22 @@ fn the_prefix_cache_runs_over_the_control_plane() {
 
     // The mutant: the worker's kept snapshot perturbed when it resumes. Rank 0's own part is
     // intact (its tokens still equal a cold start's), but the worker's logits must differ.
-    let (outs, same, _, worker) = prefix_script(m, true, 1 << 30);
+    let (outs, same, _, worker) = prefix_script(m.clone(), Spoil::Snapshot, 1 << 30);
     worker.expect("the worker's loop ends Ok");
     assert!(outs.iter().all(|(w, c)| w.rows == c.rows));
     assert!(!same, "a corrupted kept part went unseen: the comparison cannot fail");
+
+    // A worker that fails a resume: the request fails naming rank 1, the world stops.
+    let (err, worker) = within(60, "a worker failing a resume", move || {
+        let rows = recorder::Log::default();
+        let mut w = world_with(&m, None, None, prefix_cfg(1 << 30), Some((&rows, Spoil::Refuse)));
+        let a = prefix_run::prompt_ids(m.config.text.vocab_size as u32, 1, 2 * GRID + 10);
+        prefix_run::run_held(&mut w.engine, &rows, std::slice::from_ref(&a), 2);
+        let err = w.engine.generate(Request::new(a, SamplingParams::greedy(), 2), |_| {}).unwrap_err().to_string();
+        assert!(w.finish.failed(), "the world reports the failure");
+        drop(w.engine);
+        (err, w.worker.recv_timeout(Duration::from_secs(10)).expect("the worker's loop ends"))
+    });
+    assert!(err.contains("rank 1 failed") && err.contains("injected resume fault"), "{err}");
+    assert!(worker.unwrap_err().to_string().contains("injected resume fault"));
 }
