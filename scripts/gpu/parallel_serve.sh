@@ -6,7 +6,7 @@
 # MoE with 64 MXFP4 experts; its vocabulary of 32768 splits evenly).
 # Staging: build here (no CUDA needed) —
 #   cargo build --release -p k3-cli --features cuda && mkdir -p .dev/par && cp target/release/k3 .dev/par/ && strip .dev/par/k3
-# then `bash scripts/gpu/parallel_serve.sh [run|serve|fault|load|all]` on the device with .dev carried.
+# then `bash scripts/gpu/parallel_serve.sh [run|serve|fault|load|prefix|all]` on the device with .dev carried.
 # Ranks are started as a launcher would (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); ranks ≠ 0
 # print nothing and must exit 0 once rank 0 is done. Logs in $PAR_LOGS (default /tmp/k3serve).
 #   run:   k3 run --temperature 0 -n 24: --tp 2, --pp 2 and --tp 2 --pp 2 (4 processes) print the ids of
@@ -20,6 +20,14 @@
 #   fault: k3 serve --tp 2, rank 1 killed with SIGKILL: the next request fails (an error, or
 #          rank 0 exiting 70 when NCCL cannot abort its GPU work; both name rank 1)
 #          naming rank 1 within a bound (no hang), and rank 0 stops with a non-zero status.
+#   prefix: the prefix cache on k3 serve --tp 2 (issue 21, `dist::kept`: each rank keeps its own
+#          device pages and KDA slots), k3-nano, f32, grid 32: the same requests one after the
+#          other, to a server with the cache on and to one with --no-prefix-cache; each warm
+#          answer has the cold one's text and logprobs (within PREFIX_TOL, default 2e-2: a
+#          warm run's prefill is cut elsewhere) and the cached tokens expected (hits at a grid
+#          point and past it, an exact re-send, a branch point); then a cache of 512 tokens,
+#          where admissions evict cells (forgotten on rank 1 too), against the cold answers.
+#          Needs no `k3 init` (`bash scripts/gpu/parallel_serve.sh prefix`).
 set -o pipefail
 D=${K3_DIR:-.dev/par} # the staged binary (K3_DIR to use another folder)
 L=${PAR_LOGS:-/tmp/k3serve}; mkdir -p $L
@@ -32,8 +40,10 @@ HANG_S=${HANG_S:-120}
 M=/tmp/k3r4par
 TOK=models/k3-nano # the checkpoint has no tokenizer; served text is decoded with k3-nano's (ids in)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-k3_model k3r4par $D/k3 || exit 1 # scripts/gpu/lib.sh: made once, then reused
-du -sh $M
+if [ "${1:-all}" != prefix ]; then
+  k3_model k3r4par $D/k3 || exit 1 # scripts/gpu/lib.sh: made once, then reused
+  du -sh $M
+fi
 IDS=$(python3 -c "import random; random.seed(7); print(','.join(str(random.randrange(32768)) for _ in range(40)))")
 FAILS=0
 fail() { echo "FAIL $*"; FAILS=$((FAILS + 1)); }
@@ -242,6 +252,65 @@ load | all)
       stop_all $tag
     fi
   done
+  ;;&
+prefix | all)
+  echo "=== k3 serve --tp 2 with the prefix cache (k3-nano, f32, grid 32): warm answers = cold ones ==="
+  M0=$M; M=models/k3-nano
+  # id lists: A (84 tokens: its snapshot at 64), prompts sharing its first N tokens, distinct ones.
+  seq_ids() { python3 -c "import sys; s, n = map(int, sys.argv[1:]); print(','.join(str((s * 7919 + 37 * j) % 4352) for j in range(n)))" $1 $2; }
+  head_ids() { echo "$1" | cut -d, -f1-$2; }
+  A=$(seq_ids 1 84)
+  NAMES=(a b0 b1 b7 a2 c d)
+  PROMPTS=("$A" "$(head_ids "$A" 64),$(seq_ids 2 8)" "$(head_ids "$A" 65),$(seq_ids 3 8)" "$(head_ids "$A" 71),$(seq_ids 4 8)"
+    "$A" "$(head_ids "$A" 63),$(seq_ids 5 12)" "$(head_ids "$A" 40),$(seq_ids 6 6)")
+  WANT=(0 64 64 64 64 0 32) # a; hits at 64 (at it, 1 and 7 past it); a re-sent; a branch at 32, then its hit
+  for ((k = 1; k <= 6; k++)); do NAMES+=(e$k); PROMPTS+=("$(seq_ids $((10 + k % 4)) 200)"); WANT+=(-1); done # e5, e6: e1, e2 again
+  for w in cold warm small; do
+    tag=prefix_$w
+    case $w in
+    cold) serve_up $tag 2 2 --precision f32 --no-prefix-cache ;;
+    warm) serve_up $tag 2 2 --precision f32 --prefix-cache-grid 32 ;;
+    small) MAXB=1 MAXC=512 serve_up $tag 2 2 --precision f32 --prefix-cache-grid 32 ;;
+    esac
+    [ -n "$ADDR" ] || continue
+    for i in "${!NAMES[@]}"; do
+      [ $w = warm ] && [[ ${NAMES[$i]} == e* ]] && continue
+      [ $w = small ] && [[ ${NAMES[$i]} != e* ]] && continue
+      complete $tag ${NAMES[$i]} "${PROMPTS[$i]}"
+      code=$(cat $L/$tag.${NAMES[$i]}.code)
+      [ "$code" = 200 ] || fail "$tag ${NAMES[$i]}: HTTP $code $(head -c 300 $L/$tag.${NAMES[$i]}.json)"
+    done
+    curl -s -m 10 $ADDR/metrics | grep '^k3_prefix_cache' > $L/$tag.metrics; cat $L/$tag.metrics
+    stop_all $tag
+  done
+  M=$M0
+  python3 - $L "${PREFIX_TOL:-2e-2}" "${NAMES[*]}" "${WANT[*]}" <<'EOF' || FAILS=$((FAILS + 1))
+import json, sys
+L, tol, names, want = sys.argv[1], float(sys.argv[2]), sys.argv[3].split(), [int(x) for x in sys.argv[4].split()]
+bad = 0
+for name, cached in zip(names, want):
+    w = "small" if name.startswith("e") else "warm"
+    try:
+        a, b = (json.load(open(f"{L}/prefix_{x}.{name}.json")) for x in ("cold", w))
+    except Exception as e:
+        print(f"FAIL {name}: no answer to compare ({e})"); bad += 1; continue
+    ca, cb = a["choices"][0], b["choices"][0]
+    la, lb = ca["logprobs"]["token_logprobs"], cb["logprobs"]["token_logprobs"]
+    got = b["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    d = max((abs(x - y) for x, y in zip(la, lb)), default=float("inf"))
+    ok = ca["text"] == cb["text"] and len(la) == len(lb) == 24 and d <= tol and (cached < 0 or got == cached)
+    print(f"{name} ({w}): cached {got} (want {'any' if cached < 0 else cached}), same text {ca['text'] == cb['text']}, max |Δ logprob| {d:.2e}  {'ok' if ok else 'FAIL'}")
+    bad += not ok
+try:
+    m = dict(l.split()[:2] for l in open(f"{L}/prefix_small.metrics") if l.strip())
+except OSError:
+    m = {}
+ev = float(m.get("k3_prefix_cache_evictions_total", 0))
+print(f"small cache: {ev:.0f} evictions, {m.get('k3_prefix_cache_hits_total')} hits")
+if ev == 0:
+    print("FAIL small cache: nothing was evicted (the forget path did not run)"); bad += 1
+sys.exit(bad > 0)
+EOF
   ;;
 esac
 echo "FAILS=$FAILS"

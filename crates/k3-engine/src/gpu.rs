@@ -20,7 +20,8 @@
 //! Prefix caching: a captured cell holds the sequence's device pages by reference, a restore
 //! maps the stored pages into the new sequence's block table (`k3_model::device_pages`; the KDA
 //! slots are copied through the host), so a prefix's latent and indexer-key rows exist once on
-//! the device whoever holds them.
+//! the device whoever holds them. On a multi-process layout every rank does the same with its
+//! own pages: a rank ≠ 0 keeps its parts in its process and resumes from them (`dist::kept`).
 
 mod budget;
 pub use budget::CacheBudget;
@@ -494,6 +495,30 @@ mod imp {
         }
         fn apply(&mut self, step: &Step) -> Result<Vec<f32>> {
             Runner::forward(self, step.clone())
+        }
+        fn drop_states(&mut self, ids: &[SeqId]) -> Result<()> {
+            ids.iter().for_each(|&id| Runner::release(self, id));
+            Ok(())
+        }
+        /// This rank's part, kept in this process (`dist::kept`): its own device pages by
+        /// reference, its KDA slots copied to the host, as on one GPU.
+        fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+            Runner::capture(self, id, from, grid, kda)
+        }
+        /// A new sequence (rank 0 admitted it) mapped onto this rank's kept pages, its KDA
+        /// slots written from the kept snapshot; nothing is left of it when that fails.
+        fn resume(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+            if self.seqs.contains_key(&id) {
+                return Err(EngineError::Internal(format!("rank {}: resume of sequence {id}, which already has a state", self.model.plan.rank)));
+            }
+            self.settle()?;
+            let state = self.model.new_sequence()?;
+            self.seqs.insert(id, GpuSeq { state, room: 0, shared: snap.at });
+            let out = Runner::restore(self, id, cells, snap);
+            if out.is_err() {
+                Runner::release(self, id);
+            }
+            out
         }
         fn abort(&self, why: &str) {
             self.model.groups.abort(why);

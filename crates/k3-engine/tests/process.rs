@@ -16,7 +16,14 @@
 //!   rank 1 at once, not after a timeout — also while rank 0 is stuck in the step's
 //!   collectives (the monitor aborts them: a SIGKILLed rank's NCCL peers may never see it);
 //! - a worker that cannot load: `wait_ready` reports it by rank;
-//! - reply bytes round trip and bad ones are that rank's failure.
+//! - reply bytes round trip and bad ones are that rank's failure;
+//! - the prefix cache (issue 21, `dist::kept`: each rank keeps its own parts): warm = cold bit
+//!   for bit on rank 0 for hits at a grid point and past it and at a branch point, and the
+//!   worker, resumed from the parts it kept itself, computes rank 0's logits bit for bit at
+//!   every step; with a pool too small to keep anything every cell is forgotten on both
+//!   ranks (rank 0 checks the worker's count at every forget). The mutant — the worker's kept
+//!   KDA snapshot perturbed at resume — must break the worker's equality (checked in the test);
+//!   a worker that fails a resume is named (`rank 1 failed`) and the world stops.
 
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,14 +31,19 @@ use std::time::{Duration, Instant};
 use k3_core::comm::control::{self, Control, Options, WorldSpec};
 use k3_engine::dist::process::{self, decode_reply, encode_reply, ProcessRunner};
 use k3_engine::dist::runner::{Aborter, Answer, Failure, RankWorker, Runner, Step, ThreadRunner, Worker};
-use k3_engine::{Engine, EngineError, Request, SamplingParams};
-use k3_model::layers::kda::StateDType;
+use k3_engine::prefix::{Capture, KdaSnap, Segment, SnapLayer};
+use k3_engine::{Engine, EngineConfig, EngineError, PrefixConfig, Request, SamplingParams};
+use k3_model::layers::kda::{StateBuf, StateDType};
 use k3_model::{Checkpoint, Config, Model};
 
 mod common;
 use common::{cfg, run_all};
 #[path = "../../../tests/support/golden.rs"]
 mod golden;
+#[path = "support/prefix_run.rs"]
+mod prefix_run;
+#[path = "support/recorder.rs"]
+mod recorder;
 #[path = "../../../tests/support/timeout.rs"]
 mod timeout;
 use timeout::within;
@@ -70,6 +82,18 @@ struct RecWorker {
     log: Log,
     steps: usize,
     fault: Option<Inject>,
+    /// What it does to a resume: nothing, or a mutant.
+    spoil: Spoil,
+}
+
+/// A worker's mutation of a resume (see the module doc).
+#[derive(Clone, Copy, PartialEq)]
+enum Spoil {
+    None,
+    /// Its kept KDA snapshot perturbed.
+    Snapshot,
+    /// Refused with an error.
+    Refuse,
 }
 
 impl RankWorker for RecWorker {
@@ -87,6 +111,32 @@ impl RankWorker for RecWorker {
         let out = self.inner.apply(step)?;
         self.log.lock().unwrap().push((out.clone(), self.inner.state_bytes()));
         Ok(out)
+    }
+    fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
+        RankWorker::capture(&mut self.inner, id, from, grid, kda)
+    }
+    fn resume(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
+        let mut snap = snap.clone();
+        if self.spoil == Spoil::Refuse {
+            return Err(EngineError::Unsupported("injected resume fault".into()));
+        }
+        if self.spoil == Spoil::Snapshot {
+            let kda = snap.layers.iter_mut().find_map(|l| match l {
+                SnapLayer::Cpu(k) => Some(k),
+                _ => None,
+            });
+            match kda.map(|k| &mut k.s) {
+                Some(StateBuf::F32(s)) => s[3] += 0.25,
+                _ => panic!("the mutant found no f32 KDA state to perturb"),
+            }
+        }
+        RankWorker::resume(&mut self.inner, id, cells, &snap)
+    }
+    fn drop_states(&mut self, ids: &[u64]) -> k3_engine::Result<()> {
+        RankWorker::drop_states(&mut self.inner, ids)
+    }
+    fn set_page_rows(&mut self, rows: usize) -> k3_engine::Result<()> {
+        RankWorker::set_page_rows(&mut self.inner, rows)
     }
     fn abort(&self, why: &str) {
         RankWorker::abort(&self.inner, why)
@@ -126,6 +176,18 @@ impl Runner for RecRunner {
     fn state_bytes(&self) -> usize {
         self.inner.state_bytes()
     }
+    fn prefix_support(&self) -> Result<String, String> {
+        self.inner.prefix_support()
+    }
+    fn set_page_rows(&mut self, rows: usize) {
+        self.inner.set_page_rows(rows)
+    }
+    fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
+        self.inner.capture(id, from, grid, kda)
+    }
+    fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
+        self.inner.restore(id, cells, snap)
+    }
 }
 
 /// Rank 0's engine over a [`ProcessRunner`] and rank 1's loop on a thread (its result comes
@@ -139,9 +201,16 @@ struct World {
 }
 
 fn world(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usize>) -> World {
+    world_with(m, worker_fault, leader_fault, cfg(), None)
+}
+
+/// [`world`] with an engine configuration; with `rows` the engine's runner records every
+/// sequence's logits rows there (`recorder::Rec`) and the worker spoils its resumes so.
+fn world_with(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usize>, config: EngineConfig, rows: Option<(&recorder::Log, Spoil)>) -> World {
     let (c0, c1) = pair();
     let (leader_log, worker_log) = (Log::default(), Log::default());
-    let w = RecWorker { inner: Worker::new(m.clone(), StateDType::F32), rank: 1, log: worker_log.clone(), steps: 0, fault: worker_fault };
+    let spoil = rows.map_or(Spoil::None, |r| r.1);
+    let w = RecWorker { inner: Worker::new(m.clone(), StateDType::F32), rank: 1, log: worker_log.clone(), steps: 0, fault: worker_fault, spoil };
     let (tx, worker) = mpsc::channel();
     std::thread::spawn(move || {
         let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
@@ -150,7 +219,10 @@ fn world(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option<usiz
     let local = RecRunner { inner: ThreadRunner::single(m.clone(), StateDType::F32), log: leader_log.clone(), steps: 0, fault: leader_fault };
     let (mut r, finish) = ProcessRunner::new(Box::new(local), Box::new(c0));
     r.wait_ready().unwrap();
-    let engine = Engine::with_runner(Box::new(r), None, cfg());
+    let engine = match rows {
+        None => Engine::with_runner(Box::new(r), None, config),
+        Some((log, _)) => Engine::with_runner(Box::new(recorder::Rec::new(r, log)), None, config),
+    };
     World { engine, finish, worker, leader_log, worker_log }
 }
 
@@ -391,7 +463,7 @@ fn pipelined_steps_over_the_control_plane() {
             let (c0, c1) = pair();
             let log = Log::default();
             let inner = Worker::new(model(), StateDType::F32).with_options(inv);
-            let w = RecWorker { inner, rank: 1, log: log.clone(), steps: 0, fault };
+            let w = RecWorker { inner, rank: 1, log: log.clone(), steps: 0, fault, spoil: Spoil::None };
             let (tx, worker) = mpsc::channel();
             std::thread::spawn(move || {
                 let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
@@ -507,4 +579,98 @@ fn loading_progress_reaches_rank_0s_world_bar() {
     });
     assert!(err.contains("rank 0's GPU is gone"), "{err}");
     assert!(worker.unwrap_err().to_string().contains("rank 0's GPU is gone"));
+}
+
+const GRID: usize = 16;
+
+fn prefix_cfg(mem: usize) -> EngineConfig {
+    EngineConfig { max_batch: 8, max_step_tokens: 1024, prefix: Some(PrefixConfig::new(GRID, mem)), ..Default::default() }
+}
+
+/// `prompt` alone on a fresh one-rank engine with the cache on (cut on the grid as the warm one).
+fn cold(m: &Arc<Model>, prompt: &[u32]) -> prefix_run::Out {
+    let log = recorder::Log::default();
+    let r = recorder::Rec::new(ThreadRunner::single(m.clone(), StateDType::F32), &log);
+    let mut e = Engine::with_runner(Box::new(r), None, prefix_cfg(1 << 30));
+    prefix_run::run(&mut e, &log, &[prompt.to_vec()], 4, &[]).pop().unwrap().unwrap()
+}
+
+/// The prefix-cache script over the control plane (see the module doc): per request
+/// (warm out, cold out); whether the worker's logits and state bytes equalled rank 0's at every
+/// step; the cache's counters; the worker loop's outcome.
+#[allow(clippy::type_complexity)]
+fn prefix_script(m: Arc<Model>, spoil: Spoil, mem: usize) -> (Vec<(prefix_run::Out, prefix_run::Out)>, bool, k3_engine::PrefixStats, k3_engine::Result<()>) {
+    within(120, "the prefix cache over the control plane", move || {
+        let v = m.config.text.vocab_size as u32;
+        let rows = recorder::Log::default();
+        let mut w = world_with(&m, None, None, prefix_cfg(mem), Some((&rows, spoil)));
+        assert!(w.engine.prefix_status().unwrap().is_some(), "the prefix cache is on over the process runner");
+        let a = prefix_run::prompt_ids(v, 1, 2 * GRID + 10); // snapshot at 32, its last grid point
+        let mut prompts = vec![a.clone()];
+        for d in [0, 1, 7] {
+            let mut b = a[..2 * GRID + d].to_vec();
+            b.extend(prefix_run::prompt_ids(v, 100 + d as u32, 5));
+            prompts.push(b); // resumes at 32: at the grid point, 1 and 7 past it
+        }
+        let mut before = a[..2 * GRID - 1].to_vec();
+        before.extend(prefix_run::prompt_ids(v, 7, 12)); // branch at 16, snapshotted there
+        prompts.push(before);
+        let mut again = a[..GRID + 9].to_vec();
+        again.extend(prefix_run::prompt_ids(v, 8, 4)); // resumes at the branch point
+        prompts.push(again);
+        let outs =
+            prompts.iter().map(|p| (prefix_run::run_held(&mut w.engine, &rows, std::slice::from_ref(p), 4).pop().unwrap().unwrap(), cold(&m, p))).collect();
+        let stats = w.engine.prefix_status().unwrap().unwrap();
+        drop(w.engine);
+        w.finish.wait(Duration::from_secs(10)).unwrap();
+        let worker = w.worker.recv_timeout(Duration::from_secs(10)).expect("the worker's loop ends");
+        let (l, wl) = (w.leader_log.lock().unwrap(), w.worker_log.lock().unwrap());
+        assert_eq!(l.len(), wl.len(), "the worker applied every step");
+        let same = l.iter().zip(wl.iter()).all(|(a, b)| a.0 == b.0 && a.1 == b.1);
+        (outs, same, stats, worker)
+    })
+}
+
+#[test]
+fn the_prefix_cache_runs_over_the_control_plane() {
+    let m = model();
+    let (outs, same, stats, worker) = prefix_script(m.clone(), Spoil::None, 1 << 30);
+    worker.expect("the worker's loop ends Ok");
+    let want = [0, 2 * GRID, 2 * GRID, 2 * GRID, 0, GRID];
+    for (i, ((warm, cold), cached)) in outs.iter().zip(want).enumerate() {
+        assert_eq!(warm.cached, cached, "request {i}: cached tokens");
+        assert_eq!(warm.tokens, cold.tokens, "request {i}: greedy tokens");
+        assert!(warm.rows == cold.rows, "request {i}: rank 0's logits rows are not bit-equal to a cold start");
+    }
+    assert!(stats.hits == 4 && stats.kv_only_matches >= 1, "{stats:?}");
+    assert!(same, "the worker, resumed from its own kept parts, computed other logits or held other states than rank 0");
+
+    // A pool too small to keep anything: every cell and snapshot is forgotten on both ranks
+    // (rank 0 checks the worker's count at each forget), and nothing is hit.
+    let (outs, same, stats, worker) = prefix_script(m.clone(), Spoil::None, 1);
+    worker.expect("the worker's loop ends Ok");
+    assert!(outs.iter().all(|(w, c)| w.cached == 0 && w.rows == c.rows), "a cold start every time");
+    assert!(stats.evictions > 0 && stats.hits == 0 && stats.pool_snapshots == 0, "{stats:?}");
+    assert!(same);
+
+    // The mutant: the worker's kept snapshot perturbed when it resumes. Rank 0's own part is
+    // intact (its tokens still equal a cold start's), but the worker's logits must differ.
+    let (outs, same, _, worker) = prefix_script(m.clone(), Spoil::Snapshot, 1 << 30);
+    worker.expect("the worker's loop ends Ok");
+    assert!(outs.iter().all(|(w, c)| w.rows == c.rows));
+    assert!(!same, "a corrupted kept part went unseen: the comparison cannot fail");
+
+    // A worker that fails a resume: the request fails naming rank 1, the world stops.
+    let (err, worker) = within(60, "a worker failing a resume", move || {
+        let rows = recorder::Log::default();
+        let mut w = world_with(&m, None, None, prefix_cfg(1 << 30), Some((&rows, Spoil::Refuse)));
+        let a = prefix_run::prompt_ids(m.config.text.vocab_size as u32, 1, 2 * GRID + 10);
+        prefix_run::run_held(&mut w.engine, &rows, std::slice::from_ref(&a), 2);
+        let err = w.engine.generate(Request::new(a, SamplingParams::greedy(), 2), |_| {}).unwrap_err().to_string();
+        assert!(w.finish.failed(), "the world reports the failure");
+        drop(w.engine);
+        (err, w.worker.recv_timeout(Duration::from_secs(10)).expect("the worker's loop ends"))
+    });
+    assert!(err.contains("rank 1 failed") && err.contains("injected resume fault"), "{err}");
+    assert!(worker.unwrap_err().to_string().contains("injected resume fault"));
 }

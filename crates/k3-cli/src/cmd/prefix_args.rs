@@ -7,9 +7,9 @@ use k3_engine::PrefixConfig;
 #[derive(clap::Args, Clone, Debug)]
 #[command(next_help_heading = "Prefix cache")]
 pub struct PrefixArgs {
-    /// Turn the prefix cache off (it is on by default, on the CPU — one rank or ranks as
-    /// threads — and on one GPU; a multi-process GPU layout cannot snapshot sequence states yet,
-    /// turns it off itself and says why).
+    /// Turn the prefix cache off (it is on by default: on the CPU — one rank or ranks as
+    /// threads —, on one GPU and on a multi-process GPU layout, where each rank keeps its own
+    /// part of every stored state).
     #[arg(long)]
     pub no_prefix_cache: bool,
     /// Bytes of host memory the prefix-cache pool may hold (latent cells + KDA snapshots; with

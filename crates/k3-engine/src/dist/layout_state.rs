@@ -32,8 +32,8 @@
 //! ```
 //!
 //! A KDA state travels without its verify snapshots (a capture follows a plain forward, which
-//! keeps none). A device runner's cell (device pages, `Segment::pages`) never travels: the
-//! prefix cache is off on multi-process GPU layouts.
+//! keeps none). A device runner's cell (device pages, `Segment::pages`) never travels: on a
+//! multi-process GPU layout every rank keeps its own parts in its own process (`dist::kept`).
 //!
 //! [`Command::Capture`]: super::step::Command::Capture
 //! [`Command::Restore`]: super::step::Command::Restore
@@ -68,7 +68,7 @@ pub fn join(par: Parallel, cfg: &Config, mut parts: Vec<Capture>) -> Result<Capt
             )));
         }
     }
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers), pages: None, mtp: None, draft: None }).collect();
+    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(layers), pages: None, mtp: None, draft: None, remote: None }).collect();
     let mut snap = Vec::with_capacity(layers);
     for l in 0..layers {
         // The ranks of the stage that runs layer `l`, in the order of their index in it.
@@ -96,7 +96,7 @@ pub fn join(par: Parallel, cfg: &Config, mut parts: Vec<Capture>) -> Result<Capt
             _ => return Err(EngineError::Internal(format!("layer {l}: rank {owner} captured a device runner's snapshot"))),
         });
     }
-    let kda = with_snap.then_some(KdaSnap { at: to, layers: snap, mtp_hidden: None, draft: None });
+    let kda = with_snap.then_some(KdaSnap { at: to, layers: snap, mtp_hidden: None, draft: None, remote: None });
     Ok(Capture { from, to, cells, kda })
 }
 
@@ -127,6 +127,7 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
             pages: None,
             mtp: None,
             draft: None,
+            remote: None,
         })
         .collect();
     let snap_layers = snap
@@ -141,7 +142,7 @@ pub fn part(par: Parallel, cfg: &Config, rank: usize, kda: StateDType, cells: &[
             _ => Err(bad(format!("layer {l}'s KDA snapshot is not one of this layout's"))),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Capture { from: 0, to: snap.at, cells, kda: Some(KdaSnap { at: snap.at, layers: snap_layers, mtp_hidden: None, draft: None }) })
+    Ok(Capture { from: 0, to: snap.at, cells, kda: Some(KdaSnap { at: snap.at, layers: snap_layers, mtp_hidden: None, draft: None, remote: None }) })
 }
 
 fn put_u64(b: &mut Vec<u8>, x: usize) {
@@ -263,7 +264,7 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
                 t => Err(bad(format!("cell layer tag {t} (0 KDA, 1 MLA)"))),
             })
             .collect::<Result<Vec<_>>>()?;
-        cells.push(Segment { layers, pages: None, mtp: None, draft: None });
+        cells.push(Segment { layers, pages: None, mtp: None, draft: None, remote: None });
     }
     let kda = match r.u8("the snapshot flag")? {
         0 => None,
@@ -282,7 +283,7 @@ pub(super) fn take_capture(r: &mut Reader<'_>) -> Result<Capture> {
                     t => Err(bad(format!("snapshot layer tag {t} (0 MLA, 1 KDA, 2 raw, 3 ranks)"))),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            Some(KdaSnap { at, layers, mtp_hidden: None, draft: None })
+            Some(KdaSnap { at, layers, mtp_hidden: None, draft: None, remote: None })
         }
         f => return Err(bad(format!("snapshot flag {f} (0 or 1)"))),
     };
@@ -321,6 +322,7 @@ mod tests {
                 pages: None,
                 mtp: None,
                 draft: None,
+                remote: None,
             })
             .collect();
         let layers = (0..cfg.layers.len())
@@ -337,7 +339,7 @@ mod tests {
                 false => SnapLayer::Mla,
             })
             .collect();
-        Capture { from: 4, to: 8, cells, kda: Some(KdaSnap { at: 8, layers, mtp_hidden: None, draft: None }) }
+        Capture { from: 4, to: 8, cells, kda: Some(KdaSnap { at: 8, layers, mtp_hidden: None, draft: None, remote: None }) }
     }
 
     /// Every layout's captures joined, then cut into the ranks' parts, give each rank its own

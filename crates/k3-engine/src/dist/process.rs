@@ -11,6 +11,9 @@
 //!   `rank R failed: …` (the rank that failed on its own, not one that only saw a collective
 //!   abort), and every later step fails with it at once. Dropping the runner shuts the world
 //!   down: workers' `recv` returns `None` and they exit 0.
+//!   The prefix cache runs here too: every rank keeps its own part of each stored state and
+//!   rank 0's cache drives them by command (`dist::kept`). A world's loading (progress frames,
+//!   "loaded" replies, rank 0's bar) is `dist::loading`, re-exported here.
 //! - [`ControlSource`]: a worker's [`StepSource`] over its control link: the runner's
 //!   [`serve`] loop, unchanged, drives any [`RankWorker`] (the GPU runner of a rank ≠ 0,
 //!   the CPU `Worker` in the tests) from it. Replies are [`encode_reply`]'s bytes.
@@ -34,30 +37,20 @@ use std::time::{Duration, Instant};
 use k3_core::comm::control::Control;
 use k3_model::{Checkpoint, Config};
 
+use super::kept::Ledger;
 use super::launch::{NodeArgs, World};
+pub use super::loading::{decode_progress, encode_progress, load_with_world_bar, worker_load, worker_ready, world_bar};
 use super::monitor::{abort_grace, Monitor};
 use super::runner::{self, panic_message, Answer, Command, Failure, RankWorker, Reply, Runner, RunnerSpec, Step, StepSource};
 pub use super::step::{decode_reply, encode_reply};
 use crate::engine::SeqId;
 use crate::error::{EngineError, Result};
+use crate::prefix::{Capture, KdaSnap, Segment};
 use crate::sample_rows::RowsFn;
 use crate::sampler::Sampled;
 
 /// How long the end of a run waits for the ranks this process started.
 pub const FINISH_LIMIT: Duration = Duration::from_secs(120);
-
-/// A worker's loading progress for rank 0's world bar: `2 | u64 bytes read so far`.
-pub fn encode_progress(bytes: u64) -> Vec<u8> {
-    [&[2u8][..], &bytes.to_le_bytes()].concat()
-}
-
-/// The bytes of an [`encode_progress`] frame; `None` for any other frame.
-pub fn decode_progress(b: &[u8]) -> Option<u64> {
-    match b.split_first() {
-        Some((2, rest)) => rest.try_into().ok().map(u64::from_le_bytes),
-        _ => None,
-    }
-}
 
 /// A worker's steps from rank 0 over the control plane, its replies back.
 pub struct ControlSource<'a> {
@@ -153,17 +146,19 @@ impl Finish {
 
 /// Rank 0's runner over a world of processes (see the module doc).
 pub struct ProcessRunner {
-    local: Box<dyn Runner>,
+    pub(super) local: Box<dyn Runner>,
     shared: Arc<Shared>,
     world: usize,
-    released: Vec<SeqId>,
+    pub(super) released: Vec<SeqId>,
     peer_bytes: Vec<usize>,
     failed: Option<Failure>,
     /// Watches the workers' links during each step (`monitor`); none when the local runner
     /// has no collectives to abort.
     monitor: Option<Monitor>,
     /// Steps submitted and not collected (pipelined steps, [`Runner::submit`]).
-    in_flight: usize,
+    pub(super) in_flight: usize,
+    /// The keys of the prefix-cache parts the workers keep (`dist::kept`).
+    pub(super) ledger: Arc<Mutex<Ledger>>,
 }
 
 impl ProcessRunner {
@@ -177,7 +172,17 @@ impl ProcessRunner {
             let probe = move || s.plane.read().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|p| p.control().dead_worker());
             Monitor::start(Box::new(probe), abort, abort_grace())
         });
-        let r = ProcessRunner { local, shared: shared.clone(), world, released: Vec::new(), peer_bytes: vec![0; world], failed: None, monitor, in_flight: 0 };
+        let r = ProcessRunner {
+            local,
+            shared: shared.clone(),
+            world,
+            released: Vec::new(),
+            peer_bytes: vec![0; world],
+            failed: None,
+            monitor,
+            in_flight: 0,
+            ledger: Default::default(),
+        };
         (r, Finish(Some(shared)))
     }
 
@@ -295,32 +300,68 @@ impl ProcessRunner {
         Err(self.stop(failures))
     }
 
-    fn check(&self) -> Result<()> {
+    pub(super) fn check(&self) -> Result<()> {
         match &self.failed {
             Some(f) => Err(EngineError::Rank { rank: f.rank, msg: format!("{} (the parallel layout stopped at this failure; restart it)", f.msg) }),
             None => Ok(()),
         }
     }
 
-    /// Sends `step` (with the ids released since the last one) to every worker.
+    /// Sends `step` (with the ids released since the last one) to every worker, after the
+    /// prefix-cache keys dropped since the last command (`dist::kept`).
     fn broadcast(&mut self, step: &mut Step) -> Result<()> {
+        self.forget_dropped()?;
         step.released.append(&mut self.released);
+        self.send(&step.encode())
+    }
+
+    /// Sends `cmd` to every worker (no step in flight) and reads each one's answer (rank `i + 1`
+    /// at `i`); a failure anywhere stops the world.
+    pub(super) fn command(&mut self, cmd: &Command) -> Result<Vec<Answer>> {
+        self.check()?;
+        if self.in_flight > 0 {
+            return Err(EngineError::Internal(format!("the {} command while {} submitted step(s) are not collected", cmd.name(), self.in_flight)));
+        }
+        self.send(&cmd.encode())?;
         let shared = self.shared.clone();
         let guard = shared.plane.read().unwrap_or_else(|p| p.into_inner());
         let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world has been shut down".into())) };
-        if let Err(e) = plane.control().broadcast(&step.encode()) {
+        let (mut answers, mut failures) = (Vec::new(), Vec::new());
+        for rank in 1..self.world {
+            match plane.control().recv_from(rank).map(|b| decode_reply(&b, rank)) {
+                Ok(Ok(a)) => {
+                    self.peer_bytes[rank] = a.state_bytes;
+                    answers.push(a);
+                }
+                Ok(Err(f)) => failures.push(f),
+                Err(e) => failures.push(Failure { rank, msg: format!("no answer from its process: {e}"), aborted: false }),
+            }
+        }
+        drop(guard);
+        match failures.is_empty() {
+            true => Ok(answers),
+            false => Err(self.stop(failures)),
+        }
+    }
+
+    /// Sends a message's bytes to every worker.
+    fn send(&mut self, bytes: &[u8]) -> Result<()> {
+        let shared = self.shared.clone();
+        let guard = shared.plane.read().unwrap_or_else(|p| p.into_inner());
+        let Some(plane) = guard.as_ref() else { return Err(EngineError::Launch("the world has been shut down".into())) };
+        if let Err(e) = plane.control().broadcast(bytes) {
             // Some workers may have the step and wait in its collectives: abort them.
             drop(guard);
             let msg = e.to_string();
             let rank = unreachable_peer(&msg).unwrap_or(0);
-            return Err(self.stop(vec![Failure { rank, msg: format!("its process cannot be reached (rank 0 sending it the step: {msg})"), aborted: false }]));
+            return Err(self.stop(vec![Failure { rank, msg: format!("its process cannot be reached (rank 0 sending it a command: {msg})"), aborted: false }]));
         }
         Ok(())
     }
 
     /// Stops the world at `failures`: rank 0's collectives and the control plane are aborted
     /// with the root cause (the first rank that failed on its own, else the first failure).
-    fn stop(&mut self, failures: Vec<Failure>) -> EngineError {
+    pub(super) fn stop(&mut self, failures: Vec<Failure>) -> EngineError {
         let f =
             failures.iter().find(|f| !f.aborted).or(failures.first()).cloned().unwrap_or(Failure { rank: 0, msg: "unknown failure".into(), aborted: false });
         let why = format!("rank {} failed: {}", f.rank, f.msg);
@@ -410,7 +451,31 @@ impl Runner for ProcessRunner {
         Err(format!("speculative decoding on a multi-process layout ({} processes) is not built yet: the worker loop carries the verify and rollback commands (dist::step::Command), but the GPU rank workers do not run them; decoding without speculation", self.world))
     }
     fn prefix_support(&self) -> std::result::Result<String, String> {
-        Err(format!("the prefix cache on a multi-process layout ({} processes) is not built yet: the worker loop carries the capture and restore commands (dist::step::Command), but the GPU rank workers do not run them", self.world))
+        // Each rank keeps its own parts (`dist::kept`): rank 0's layout names the layout.
+        self.local.prefix_support().map(|l| format!("{l}; {} processes, each keeping its own parts", self.world))
+    }
+    fn exact_cuts(&self) -> bool {
+        self.local.exact_cuts()
+    }
+    /// Every rank's new states (a failure stops the world: the next call reports it).
+    fn set_page_rows(&mut self, rows: usize) {
+        self.local.set_page_rows(rows);
+        let _ = self.command(&Command::PageRows(rows));
+    }
+    fn admits_after_eviction(&self, tokens: usize, shared: usize) -> bool {
+        self.local.admits_after_eviction(tokens, shared)
+    }
+    fn cache_pages(&self, id: SeqId) -> Option<Vec<u32>> {
+        self.local.cache_pages(id)
+    }
+    fn seq_state(&self, id: SeqId) -> Option<&k3_model::SeqState> {
+        self.local.seq_state(id)
+    }
+    fn capture(&mut self, id: SeqId, from: usize, grid: usize, kda: bool) -> Result<Capture> {
+        self.keep(id, from, grid, kda)
+    }
+    fn restore(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        self.resume(id, cells, snap)
     }
 }
 
@@ -426,94 +491,6 @@ impl Drop for ProcessRunner {
 fn unreachable_peer(msg: &str) -> Option<usize> {
     let rest = &msg[msg.find("to rank ")? + 8..];
     rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len())].parse().ok()
-}
-
-/// A worker's "loaded" reply for [`ProcessRunner::wait_ready`]: `Ok` once its shards are in,
-/// its failure otherwise (and that failure is returned).
-pub fn worker_ready<T>(c: &Control, loaded: Result<T>) -> Result<T> {
-    let reply = match &loaded {
-        Ok(_) => Ok(Answer::bytes(0)),
-        Err(e) => Err(Failure { rank: c.rank(), msg: e.to_string(), aborted: false }),
-    };
-    let sent = c.send_to_leader(&encode_reply(&reply)).map_err(|e| EngineError::Launch(format!("telling rank 0 this rank is loaded: {e}")));
-    let v = loaded?;
-    sent?;
-    Ok(v)
-}
-
-/// How often a loading worker reports its bytes to rank 0 (and the last count always).
-const PROGRESS_EVERY: Duration = Duration::from_millis(250);
-
-/// A worker's loading: `load` gets a reporter of the bytes read so far, which goes to rank 0
-/// as progress frames (at most every 250 ms, and the last count before the reply); then the
-/// "loaded" reply ([`worker_ready`]). Frames keep the link busy, so a long load is not taken
-/// for a silent peer.
-pub fn worker_load<T>(c: &Control, load: impl FnOnce(&k3_model::source::LoadReport<'_>) -> Result<T>) -> Result<T> {
-    let state = Mutex::new((None::<Instant>, 0u64, 0u64)); // last sent, bytes so far, bytes sent
-    let report = |bytes: u64| {
-        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
-        st.1 = bytes;
-        if st.0.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
-            st.0 = Some(Instant::now());
-            st.2 = bytes;
-            let _ = c.send_to_leader(&encode_progress(bytes)); // a dead link fails the reply below
-        }
-    };
-    let loaded = load(&report);
-    let (_, now, sent) = *state.lock().unwrap_or_else(|p| p.into_inner());
-    if now != sent {
-        let _ = c.send_to_leader(&encode_progress(now));
-    }
-    worker_ready(c, loaded)
-}
-
-/// Rank 0's loading beside its workers': `load` runs here (with a reporter of rank 0's bytes)
-/// while one thread per worker reads that worker's progress frames until its "loaded" reply;
-/// `bar` (the world's bytes) shows the sum. Returns `load`'s result and each worker's reply
-/// (rank `i + 1` at `i`), for [`ProcessRunner::take_ready`]; the caller ends the bar. When
-/// `load` fails the control plane is aborted, so no thread waits on a worker.
-pub fn load_with_world_bar<T>(
-    c: &Control,
-    bar: &indicatif::ProgressBar,
-    load: impl FnOnce(&k3_model::source::LoadReport<'_>) -> Result<T>,
-) -> (Result<T>, Vec<Reply>) {
-    let world = c.world();
-    let done: Vec<std::sync::atomic::AtomicU64> = (0..world).map(|_| Default::default()).collect();
-    let show = |rank: usize, bytes: u64| {
-        done[rank].store(bytes, Ordering::Relaxed);
-        bar.set_position(done.iter().map(|d| d.load(Ordering::Relaxed)).sum());
-    };
-    std::thread::scope(|s| {
-        let watchers: Vec<_> = (1..world)
-            .map(|rank| {
-                let show = &show;
-                s.spawn(move || loop {
-                    match c.recv_from(rank) {
-                        Ok(b) => match decode_progress(&b) {
-                            Some(bytes) => show(rank, bytes),
-                            None => return decode_reply(&b, rank),
-                        },
-                        Err(e) => return Err(Failure { rank, msg: format!("no answer from its process while loading: {e}"), aborted: false }),
-                    }
-                })
-            })
-            .collect();
-        let own = |bytes: u64| show(0, bytes);
-        let loaded = load(&own);
-        if let Err(e) = &loaded {
-            c.abort(&format!("rank 0 failed: {e}"));
-        }
-        let replies = watchers
-            .into_iter()
-            .enumerate()
-            .map(|(i, w)| {
-                w.join().unwrap_or_else(|p| {
-                    Err(Failure { rank: i + 1, msg: format!("its loading watcher panicked: {}", panic_message(p.as_ref())), aborted: false })
-                })
-            })
-            .collect();
-        (loaded, replies)
-    })
 }
 
 /// A worker's whole life after loading: [`runner::serve`] over its control link until rank 0
@@ -579,18 +556,6 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     let (mut r, finish) = ProcessRunner::new(Box::new(gpu), Box::new(world));
     r.take_ready(replies)?;
     Ok(Role::Leader(Box::new(r), finish))
-}
-
-/// Rank 0's bar over the bytes every rank of `par` loads (drawn when stderr is a terminal).
-pub fn world_bar(ck: &Checkpoint, par: k3_model::Parallel, ordinal: usize) -> Result<indicatif::ProgressBar> {
-    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        return Ok(indicatif::ProgressBar::hidden());
-    }
-    let total: u64 = par.plans(&ck.config)?.into_iter().map(|p| k3_model::Source::new(ck, p).held_bytes()).sum();
-    let style = indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
-    let what = format!("uploading {} ranks' weights (GPU {ordinal}.. on each node)", par.world());
-    Ok(indicatif::ProgressBar::new(total).with_style(style).with_message(what))
 }
 
 #[cfg(not(feature = "cuda"))]

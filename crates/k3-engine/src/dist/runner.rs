@@ -8,8 +8,9 @@
 //!   [`load`] picks one from the flags. Speculative decoding adds [`Runner::verify`] (every
 //!   row's logits, each a single decode step's) and [`Runner::rollback`], the prefix cache
 //!   [`Runner::capture`] and [`Runner::restore`]: the CPU runner has them on one rank and on
-//!   every layout of ranks as threads, the GPU runner on one GPU; the multi-process runner
-//!   (`dist::process`) says why not ([`Runner::speculation`], [`Runner::prefix_support`]).
+//!   every layout of ranks as threads, the GPU runner on one GPU, the multi-process runner
+//!   (`dist::process`) with every rank keeping its own parts (`dist::kept`); the latter says
+//!   why it does not speculate ([`Runner::speculation`]).
 //!   Draft models run beside the target on the CPU runner of one rank: the MTP layer
 //!   ([`Runner::enable_mtp`]) or a separate model ([`Runner::enable_draft`], `dist::draft`),
 //!   both drafting through [`Runner::draft`].
@@ -18,8 +19,10 @@
 //!   embeds the tokens (or takes the step's own rows) and runs `Model::forward_varlen`. Every
 //!   rank applies the same steps in the same order, so their collectives pair up.
 //! - [`RankWorker`]: what the worker loop drives — one rank that applies steps and the other
-//!   [`Command`]s (verify, rollback, capture, restore, release): the CPU [`Worker`], or the GPU runner of
-//!   a rank ≠ 0 (`crate::gpu`), which runs plain steps only and refuses the other commands.
+//!   [`Command`]s (verify, rollback, capture, restore, release, and the prefix cache's keep,
+//!   resume and forget between processes): the CPU [`Worker`], or the GPU runner of a rank ≠ 0
+//!   (`crate::gpu`), which runs plain steps and the prefix cache's commands and refuses verify
+//!   and rollback.
 //! - [`serve`]: a non-leader rank's loop: the next command from a [`StepSource`] (a channel of
 //!   commands between threads, [`ChannelSource`]: encoded, but a restore as a value so that
 //!   its cache pages arrive by reference; the control plane between processes,
@@ -39,6 +42,7 @@ use k3_model::offload::OffloadOptions;
 use k3_model::parallel::Parallel;
 use k3_model::{Checkpoint, Config, Model, ModelError, SeqState};
 
+pub use super::kept::Kept;
 pub use super::step::{Command, Step, StepSeq};
 pub use super::threads::ThreadRunner;
 pub use super::worker::Worker;
@@ -285,6 +289,12 @@ pub trait RankWorker {
         let _ = (id, part);
         Err(not_on_this_rank(self.rank(), "restore"))
     }
+    /// Makes sequence `id` anew (its state made here when it has none) from parts this rank
+    /// captured and kept itself (`dist::kept`): `cells` before the snapshot, in order, and `snap`.
+    fn resume(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        let _ = (id, cells, snap);
+        Err(not_on_this_rank(self.rank(), "resume"))
+    }
     /// Aborts this rank's collectives, so that its peers stop waiting for it.
     fn abort(&self, why: &str);
     /// Bytes held by this rank's live sequence states.
@@ -292,9 +302,9 @@ pub trait RankWorker {
 }
 
 /// Why a rank worker refuses a command it does not implement (the GPU runner of a rank ≠ 0 of
-/// a multi-process layout refuses every command but the plain forward).
+/// a multi-process layout refuses verify and rollback).
 pub const NOT_ON_THIS_RANK: &str =
-    "is not built for this rank worker yet (only the CPU ranks as threads capture, restore, verify and roll back; the GPU ranks of a multi-process layout do not)";
+    "is not built for this rank worker yet (only the CPU ranks verify and roll back; the GPU ranks of a multi-process layout do not)";
 
 fn not_on_this_rank(rank: usize, what: &str) -> EngineError {
     EngineError::Unsupported(format!("rank {rank}: the {what} command {NOT_ON_THIS_RANK}"))
@@ -306,8 +316,8 @@ pub fn run_step<W: RankWorker + ?Sized>(w: &mut W, step: &Step) -> std::result::
     guarded(w, |w| w.apply(step))
 }
 
-/// One [`Command`] on rank `w` (through [`guarded`]): its answer.
-pub fn run_command<W: RankWorker + ?Sized>(w: &mut W, cmd: &Command) -> std::result::Result<Option<Capture>, Failure> {
+/// One [`Command`] on rank `w` (through [`guarded`]), `kept` its kept prefix-cache parts: its answer.
+pub fn run_command<W: RankWorker + ?Sized>(w: &mut W, kept: &mut Kept, cmd: &Command) -> std::result::Result<Option<Capture>, Failure> {
     guarded(w, |w| match cmd {
         Command::Forward(s) => w.apply(s).map(|_| None),
         Command::Verify(s) => w.verify(s).map(|_| None),
@@ -316,6 +326,9 @@ pub fn run_command<W: RankWorker + ?Sized>(w: &mut W, cmd: &Command) -> std::res
         Command::Restore { id, part } => w.restore(*id, part).map(|()| None),
         Command::Release(ids) => w.drop_states(ids).map(|()| None),
         Command::PageRows(rows) => w.set_page_rows(*rows).map(|()| None),
+        Command::Keep { id, from, grid, kda, key } => kept.keep(w, *id, *from, *grid, *kda, *key).map(Some),
+        Command::Resume { id, cells, snap } => kept.resume(w, *id, cells, *snap).map(|()| None),
+        Command::Forget(keys) => kept.forget(w.rank(), keys).map(Some),
     })
 }
 
@@ -439,6 +452,7 @@ impl StepSource for ChannelSource {
 /// A non-leader rank's loop: apply each command from `source` and reply, until the source ends
 /// (`Ok`) or this rank fails (its failure, after replying it and aborting its groups).
 pub fn serve<W: RankWorker>(mut worker: W, source: &mut dyn StepSource) -> Result<()> {
+    let mut kept = Kept::default();
     loop {
         let cmd = match source.next() {
             Ok(Some(c)) => c,
@@ -450,7 +464,7 @@ pub fn serve<W: RankWorker>(mut worker: W, source: &mut dyn StepSource) -> Resul
                 return Err(f.into());
             }
         };
-        match run_command(&mut worker, &cmd) {
+        match run_command(&mut worker, &mut kept, &cmd) {
             Ok(capture) => source.reply(Ok(Answer { state_bytes: worker.state_bytes(), capture }))?,
             Err(f) => {
                 source.reply(Err(f.clone()))?;

@@ -15,7 +15,10 @@
 //! answers with its part of the sequence's state), a restore (each rank gets its own part), a
 //! release (states dropped at once, between steps; a release while steps are in flight rides on
 //! the next step instead) or the page size of the CPU cache pages (the prefix cache's grid, so
-//! that every rank's captured cells are whole pages: `k3_model::layers::pages`).
+//! that every rank's captured cells are whole pages: `k3_model::layers::pages`). Between
+//! processes the prefix cache uses three more (`dist::kept`): keep (capture this rank's part
+//! and keep it here under a key), resume (restore a sequence from the parts kept under keys)
+//! and forget (drop the parts kept under keys).
 //! Every rank applies the commands in the order rank 0 sent them and answers each one.
 //!
 //! The byte form ([`Command::encode`] / [`Command::decode`]) is what goes over a channel between
@@ -33,6 +36,9 @@
 //! 4 restore:            u64:id  state (layout_state's byte form of a capture)
 //! 5 release:            u32:ids  ids × u64:id
 //! 6 page rows:          u64:rows
+//! 7 keep:               u64:id  u64:from  u64:grid  u8:kda  u64:key
+//! 8 resume:             u64:id  u32:cells  cells × u64:key  u64:snapshot key
+//! 9 forget:             u32:keys  keys × u64:key
 //! ```
 //!
 //! Decoding checks every count against the bytes left before it allocates and rejects trailing
@@ -47,7 +53,7 @@ use crate::error::{EngineError, Result};
 use crate::prefix::Capture;
 
 const MAGIC: &[u8; 4] = b"K3ST";
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
 
 /// One planned sequence of a step.
 #[derive(Clone, Debug, PartialEq)]
@@ -90,6 +96,14 @@ pub enum Command {
     Release(Vec<SeqId>),
     /// Make the MLA/DSA caches of new states in pages of this many rows (`Runner::set_page_rows`).
     PageRows(usize),
+    /// [`Command::Capture`], but this rank keeps its part (`dist::kept`): cell `k` under
+    /// `key + k`, the KDA snapshot under `key + cells`; it answers with a receipt.
+    Keep { id: SeqId, from: usize, grid: usize, kda: bool, key: u64 },
+    /// Make sequence `id` anew from this rank's kept parts: the cells under `cells`, in order,
+    /// and the snapshot under `snap`.
+    Resume { id: SeqId, cells: Vec<u64>, snap: u64 },
+    /// Drop the parts kept under these keys.
+    Forget(Vec<u64>),
 }
 
 impl Step {
@@ -208,6 +222,25 @@ impl Command {
                 b = header(6);
                 b.extend_from_slice(&(*rows as u64).to_le_bytes());
             }
+            Command::Keep { id, from, grid, kda, key } => {
+                b = header(7);
+                for x in [*id, *from as u64, *grid as u64] {
+                    b.extend_from_slice(&x.to_le_bytes());
+                }
+                b.push(*kda as u8);
+                b.extend_from_slice(&key.to_le_bytes());
+            }
+            Command::Resume { id, cells, snap } => {
+                b = header(8);
+                b.extend_from_slice(&id.to_le_bytes());
+                b.extend_from_slice(&(cells.len() as u32).to_le_bytes());
+                cells.iter().chain([snap]).for_each(|k| b.extend_from_slice(&k.to_le_bytes()));
+            }
+            Command::Forget(keys) => {
+                b = header(9);
+                b.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+                keys.iter().for_each(|k| b.extend_from_slice(&k.to_le_bytes()));
+            }
         }
         b
     }
@@ -226,14 +259,17 @@ impl Command {
             0 => Command::Forward(Step::take(&mut r)?),
             1 => Command::Verify(Step::take(&mut r)?),
             2 => Command::Rollback { id: r.u64("a sequence id")?, drop: r.usize("the tokens to drop")? },
-            3 => {
+            c @ (3 | 7) => {
                 let (id, from, grid) = (r.u64("a sequence id")?, r.usize("the first token")?, r.usize("the grid")?);
                 let kda = match r.u8("the kda flag")? {
                     0 => false,
                     1 => true,
                     f => return Err(bad(format!("capture: kda flag {f} (0 or 1)"))),
                 };
-                Command::Capture { id, from, grid, kda }
+                match c {
+                    3 => Command::Capture { id, from, grid, kda },
+                    _ => Command::Keep { id, from, grid, kda, key: r.u64("the key")? },
+                }
             }
             4 => Command::Restore { id: r.u64("a sequence id")?, part: layout_state::take_capture(&mut r)? },
             5 => {
@@ -241,7 +277,21 @@ impl Command {
                 Command::Release((0..n).map(|_| r.u64("a released id")).collect::<Result<_>>()?)
             }
             6 => Command::PageRows(r.usize("the page rows")?),
-            c => return Err(bad(format!("unknown command {c} (0 forward, 1 verify, 2 rollback, 3 capture, 4 restore, 5 release, 6 page rows)"))),
+            8 => {
+                let id = r.u64("a sequence id")?;
+                let n = r.count(8, "cell keys")?;
+                let cells = (0..n).map(|_| r.u64("a cell key")).collect::<Result<_>>()?;
+                Command::Resume { id, cells, snap: r.u64("the snapshot key")? }
+            }
+            9 => {
+                let n = r.count(8, "keys")?;
+                Command::Forget((0..n).map(|_| r.u64("a key")).collect::<Result<_>>()?)
+            }
+            c => {
+                return Err(bad(format!(
+                    "unknown command {c} (0 forward, 1 verify, 2 rollback, 3 capture, 4 restore, 5 release, 6 page rows, 7 keep, 8 resume, 9 forget)"
+                )))
+            }
         };
         r.end()?;
         Ok(cmd)
@@ -257,6 +307,9 @@ impl Command {
             Command::Restore { .. } => "restore",
             Command::Release(_) => "release",
             Command::PageRows(_) => "page rows",
+            Command::Keep { .. } => "keep",
+            Command::Resume { .. } => "resume",
+            Command::Forget(_) => "forget",
         }
     }
 }
@@ -403,6 +456,10 @@ mod tests {
             Command::Capture { id: 1 << 50, from: 256, grid: 128, kda: true },
             Command::Release(vec![3, 1 << 60]),
             Command::PageRows(64),
+            Command::Keep { id: 3, from: 128, grid: 64, kda: true, key: 1 << 40 },
+            Command::Resume { id: 8, cells: vec![1, 2, 1 << 33], snap: 5 },
+            Command::Resume { id: 8, cells: vec![], snap: 0 },
+            Command::Forget(vec![7, 9]),
         ] {
             assert_eq!(again(&c), c.encode(), "{c:?}");
         }
@@ -412,6 +469,11 @@ mod tests {
         assert!(matches!(c, Command::Capture { id: 4, from: 8, grid: 4, kda: false }), "{c:?}");
         let r = Command::Restore { id: 5, part: Capture { from: 0, to: 0, cells: Vec::new(), kda: None } };
         assert_eq!(again(&r), r.encode());
+        let k = Command::decode(&Command::Keep { id: 3, from: 128, grid: 64, kda: false, key: 77 }.encode()).unwrap();
+        assert!(matches!(k, Command::Keep { id: 3, from: 128, grid: 64, kda: false, key: 77 }), "{k:?}");
+        let r = Command::decode(&Command::Resume { id: 8, cells: vec![1, 2], snap: 5 }.encode()).unwrap();
+        assert!(matches!(r, Command::Resume { id: 8, ref cells, snap: 5 } if *cells == [1, 2]), "{r:?}");
+        assert!(matches!(Command::decode(&Command::Forget(vec![4]).encode()).unwrap(), Command::Forget(ref k) if *k == [4]));
     }
 
     #[test]
@@ -433,8 +495,8 @@ mod tests {
         v[4] = 9;
         assert!(err(&v).contains("version 9"));
         let mut k = b.clone();
-        k[5] = 7;
-        assert!(err(&k).contains("unknown command 7"));
+        k[5] = 10;
+        assert!(err(&k).contains("unknown command 10"));
         let mut f = b.clone();
         f[6] = 4;
         assert!(err(&f).contains("flags"));
@@ -445,6 +507,14 @@ mod tests {
         let mut cap = Command::Capture { id: 1, from: 0, grid: 4, kda: true }.encode();
         *cap.last_mut().unwrap() = 2;
         assert!(err(&cap).contains("kda flag 2"));
+        // A resume or forget whose key count runs past the bytes is refused before allocating.
+        for mut c in [Command::Resume { id: 1, cells: vec![1, 2], snap: 3 }.encode(), Command::Forget(vec![1]).encode()] {
+            let at = if c[5] == 8 { 14 } else { 6 };
+            c[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+            assert!(err(&c).contains("cannot fit"), "{}", err(&c));
+            let n = c.len();
+            assert!(Command::decode(&c[..n - 1]).is_err());
+        }
         // Every single-byte corruption is an error or a different valid command, never a panic.
         for i in 0..b.len() {
             for x in [0u8, 1, 0x80, 0xff] {

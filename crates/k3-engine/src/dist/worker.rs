@@ -333,6 +333,9 @@ impl RankWorker for Worker {
         let cells: Vec<&Segment> = part.cells.iter().collect();
         Worker::restore(self, id, &cells, snap)
     }
+    fn resume(&mut self, id: SeqId, cells: &[&Segment], snap: &KdaSnap) -> Result<()> {
+        Worker::restore(self, id, cells, snap)
+    }
     fn abort(&self, why: &str) {
         self.model.groups.abort(why);
     }

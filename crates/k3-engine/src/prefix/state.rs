@@ -42,6 +42,7 @@ use k3_model::layers::pages::{PagedRows, StoredPage};
 use k3_model::model::LayerState;
 use k3_model::SeqState;
 
+pub use crate::dist::kept::Remote;
 use crate::error::{EngineError, Result};
 
 /// One layer's rows of a token span `[from, to)`.
@@ -68,6 +69,9 @@ pub struct Segment {
     pub mtp: Option<Vec<f32>>,
     /// The separate draft model's rows of the span (see the module doc).
     pub draft: Option<Box<Segment>>,
+    /// On a multi-process layout: the key under which the other ranks keep their parts of this
+    /// cell in their own processes (`dist::kept`); `None` elsewhere.
+    pub remote: Option<Remote>,
 }
 
 impl Segment {
@@ -107,6 +111,9 @@ pub struct KdaSnap {
     pub mtp_hidden: Option<Vec<f32>>,
     /// The separate draft model's KDA states at `at` (see the module doc).
     pub draft: Option<Box<KdaSnap>>,
+    /// On a multi-process layout: the key under which the other ranks keep their parts of this
+    /// snapshot (`dist::kept`); `None` elsewhere.
+    pub remote: Option<Remote>,
 }
 
 impl KdaSnap {
@@ -156,7 +163,8 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
         return Err(EngineError::Internal(format!("capture [{from}, {to}) is not on the grid of {grid} tokens")));
     }
     let n = (to - from) / grid;
-    let mut cells: Vec<Segment> = (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()), pages: None, mtp: None, draft: None }).collect();
+    let mut cells: Vec<Segment> =
+        (0..n).map(|_| Segment { layers: Vec::with_capacity(st.layers.len()), pages: None, mtp: None, draft: None, remote: None }).collect();
     for (l, layer) in st.layers.iter().enumerate() {
         match layer {
             LayerState::Kda(_) => cells.iter_mut().for_each(|c| c.layers.push(SegLayer::Kda)),
@@ -194,6 +202,7 @@ pub fn capture(st: &SeqState, from: usize, grid: usize, kda: bool) -> Result<Cap
             .collect(),
         mtp_hidden: st.mtp.as_ref().and_then(|m| m.hidden_row(to.checked_sub(1)?)).map(<[f32]>::to_vec),
         draft: None,
+        remote: None,
     });
     Ok(Capture { from, to, cells, kda })
 }
@@ -294,7 +303,7 @@ pub fn capture_device(
     }
     let cells = (from..to)
         .step_by(grid)
-        .map(|a| Ok(Segment { layers: Vec::new(), pages: Some(table.span(rows, a, a + grid)?), mtp: None, draft: None }))
+        .map(|a| Ok(Segment { layers: Vec::new(), pages: Some(table.span(rows, a, a + grid)?), mtp: None, draft: None, remote: None }))
         .collect::<Result<Vec<_>>>()?;
     let kda = match kda {
         true => Some(KdaSnap {
@@ -311,6 +320,7 @@ pub fn capture_device(
                 .collect::<Result<_>>()?,
             mtp_hidden: None,
             draft: None,
+            remote: None,
         }),
         false => None,
     };
@@ -374,7 +384,7 @@ mod tests {
         let cap = capture_device(&table, rows, vec![Some((vec![9], vec![8])), None], &[true, false], 8, 8, 4, true).unwrap();
         assert!(cap.cells.is_empty() && cap.kda.as_ref().unwrap().bytes() == 2);
         // A CPU cell or snapshot is not a device runner's.
-        let cpu = Segment { layers: vec![SegLayer::Kda], pages: None, mtp: None, draft: None };
+        let cpu = Segment { layers: vec![SegLayer::Kda], pages: None, mtp: None, draft: None, remote: None };
         assert!(restore_device(&[&cpu], cap.kda.as_ref().unwrap()).is_err());
     }
 }

@@ -271,7 +271,7 @@ mod tests {
     }
 
     fn snap(at: usize) -> KdaSnap {
-        KdaSnap { at, layers: vec![SnapLayer::Raw { conv: vec![0; 10], state: vec![] }], mtp_hidden: None, draft: None }
+        KdaSnap { at, layers: vec![SnapLayer::Raw { conv: vec![0; 10], state: vec![] }], mtp_hidden: None, draft: None, remote: None }
     }
 
     /// Device cells: pages counted once across cells; eviction for room takes the least
@@ -290,7 +290,7 @@ mod tests {
             t.write(&pool, 0, 3 * grid).unwrap();
             let mut parent = None;
             for c in 0..3 {
-                let seg = Segment { layers: vec![], pages: Some(t.span(rows, c * grid, (c + 1) * grid).unwrap()), mtp: None, draft: None };
+                let seg = Segment { layers: vec![], pages: Some(t.span(rows, c * grid, (c + 1) * grid).unwrap()), mtp: None, draft: None, remote: None };
                 let k = if c == 0 { key(0) } else { key(10 * branch + c as u32) };
                 parent = Some(tree.insert(7, parent, k, grid, seg));
             }

@@ -99,13 +99,15 @@ fn split(mut bytes: Vec<u8>, lens: &[usize]) -> Vec<Vec<u8>> {
 }
 
 impl CudaModel {
-    /// Whether this model can hand its sequence states to a prefix cache: one rank holding
-    /// every layer (a parallel layout's states are spread over ranks).
+    /// What a prefix cache of this model's states is made for (a digest input: cells of another
+    /// layout, precision or cache format never match). One rank holds every layer; on a parallel
+    /// layout each rank's process keeps its own parts (the engine's `dist::kept`).
     pub fn prefix_layout(&self) -> std::result::Result<String, String> {
-        match self.plan.par.world() {
-            1 => Ok(format!("cuda, one rank, {} weights, {:?} caches", self.dtype, self.cache.kv_cache_dtype)),
-            n => Err(format!("the prefix cache does not yet capture the states of a parallel layout ({n} GPU ranks)")),
-        }
+        let p = self.plan.par;
+        Ok(match p.world() {
+            1 => format!("cuda, one rank, {} weights, {:?} caches", self.dtype, self.cache.kv_cache_dtype),
+            _ => format!("cuda, tp {} ep {} pp {}, {} weights, {:?} caches", p.tp, p.ep, p.pp, self.dtype, self.cache.kv_cache_dtype),
+        })
     }
 
     /// Every layer's state of `seq` for the prefix cache: rows `[from, to)` of each MLA/DSA
