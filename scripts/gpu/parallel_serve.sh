@@ -254,6 +254,7 @@ load | all)
   done
   ;;&
 prefix | all)
+  export K3_DIST_PREFIX=1 # the GPU ranks' prefix cache is opt-in until this check has passed
   echo "=== k3 serve --tp 2 with the prefix cache (k3-nano, f32, grid 32): warm answers = cold ones ==="
   M0=$M; M=models/k3-nano
   # id lists: A (84 tokens: its snapshot at 64), prompts sharing its first N tokens, distinct ones.

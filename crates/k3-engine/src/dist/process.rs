@@ -159,6 +159,8 @@ pub struct ProcessRunner {
     pub(super) in_flight: usize,
     /// The keys of the prefix-cache parts the workers keep (`dist::kept`).
     pub(super) ledger: Arc<Mutex<Ledger>>,
+    /// Why the prefix cache stays off on this layout, if it does (GPU ranks: opt-in).
+    prefix_off: Option<String>,
 }
 
 impl ProcessRunner {
@@ -182,6 +184,7 @@ impl ProcessRunner {
             monitor,
             in_flight: 0,
             ledger: Default::default(),
+            prefix_off: None,
         };
         (r, Finish(Some(shared)))
     }
@@ -451,6 +454,9 @@ impl Runner for ProcessRunner {
         Err(format!("speculative decoding on a multi-process layout ({} processes) is not built yet: the worker loop carries the verify and rollback commands (dist::step::Command), but the GPU rank workers do not run them; decoding without speculation", self.world))
     }
     fn prefix_support(&self) -> std::result::Result<String, String> {
+        if let Some(why) = &self.prefix_off {
+            return Err(why.clone());
+        }
         // Each rank keeps its own parts (`dist::kept`): rank 0's layout names the layout.
         self.local.prefix_support().map(|l| format!("{l}; {} processes, each keeping its own parts", self.world))
     }
@@ -554,6 +560,14 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     let (model, embedder) = loaded?; // (the control plane is aborted then)
     let gpu = GpuRunner::new(model, embedder, spec.cuda_graphs);
     let (mut r, finish) = ProcessRunner::new(Box::new(gpu), Box::new(world));
+    // The GPU ranks' side of `dist::kept` was built without a GPU run: opt-in until
+    // `scripts/gpu/parallel_serve.sh prefix` has passed.
+    if std::env::var("K3_DIST_PREFIX").map_or(true, |v| v.trim() != "1") {
+        r.prefix_off = Some(format!(
+            "the prefix cache on a multi-process GPU layout ({} processes) has not run on a GPU yet: set K3_DIST_PREFIX=1 to turn it on",
+            r.world
+        ));
+    }
     r.take_ready(replies)?;
     Ok(Role::Leader(Box::new(r), finish))
 }
