@@ -9,16 +9,18 @@
 //! Checked: cells hold pages by reference and live sequences resumed from them map the same
 //! pages; pages in use are counted once and go back with their last holder; a request that needs
 //! more pages than are free waits while running sequences hold the cache's pages, and is then
-//! admitted by evicting the cache's cells, sparing the ones it resumes from.
+//! admitted by evicting the cache's cells, sparing the ones it resumes from; a resume the runner
+//! refuses fails the step and gives the request's admission back.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use k3_engine::dist::runner::{Runner, Step, ThreadRunner};
 use k3_engine::gpu::CacheBudget;
 use k3_engine::prefix::state::capture_device;
 use k3_engine::prefix::{Capture, KdaSnap, Segment};
-use k3_engine::{Engine, EngineConfig, PrefixConfig, Request, SamplingParams};
+use k3_engine::{Engine, EngineConfig, EngineError, PrefixConfig, Request, SamplingParams};
 use k3_model::config::Config;
 use k3_model::device_pages::{PagePool, PageTable};
 use k3_model::Model;
@@ -50,6 +52,8 @@ struct Paged {
     pool: PagePool,
     budget: CacheBudget,
     seqs: HashMap<u64, Seq>,
+    /// Restores fail while set (a resume the runner refuses).
+    refuse: Arc<AtomicBool>,
 }
 
 impl Runner for Paged {
@@ -108,6 +112,9 @@ impl Runner for Paged {
         Ok(cap)
     }
     fn restore(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
+        if self.refuse.load(Ordering::Relaxed) {
+            return Err(EngineError::Unsupported("injected restore fault".into()));
+        }
         self.inner.restore(id, cells, snap)?;
         let spans: Vec<_> = cells.iter().map(|c| c.pages.as_ref().expect("a device cell")).collect();
         let q = self.seqs.get_mut(&id).expect("an admitted sequence");
@@ -136,16 +143,24 @@ fn model() -> Arc<Model> {
 
 /// An engine over [`Paged`] with a simulated cache of `pages` pages, its log and page pool.
 fn engine(pages: usize) -> (Engine, Log, PagePool) {
+    let (e, log, pool, _) = engine_with(pages);
+    (e, log, pool)
+}
+
+/// [`engine`] and the switch that makes its restores fail.
+fn engine_with(pages: usize) -> (Engine, Log, PagePool, Arc<AtomicBool>) {
     let log: Log = Default::default();
+    let refuse = Arc::new(AtomicBool::new(false));
     let pool = PagePool::new(pages, ROWS);
     let r = Paged {
         inner: Rec::new(ThreadRunner::single(model(), Default::default()), &log),
         pool: pool.clone(),
         budget: CacheBudget::new(pages * ROWS, ROWS),
         seqs: HashMap::new(),
+        refuse: refuse.clone(),
     };
     let cfg = EngineConfig { max_batch: 8, max_step_tokens: 1024, prefix: Some(PrefixConfig::new(GRID, 1 << 30)), ..Default::default() };
-    (Engine::with_runner(Box::new(r), None, cfg), log, pool)
+    (Engine::with_runner(Box::new(r), None, cfg), log, pool, refuse)
 }
 
 fn ids(seed: u32, n: usize) -> Vec<u32> {
@@ -233,4 +248,24 @@ fn admission_evicts_cells_for_room() {
     assert_eq!(ev.iter().find(|ev| ev.seq == c).map(|ev| ev.cached_tokens), Some(2 * GRID), "C resumed on p1's cells: p2's went");
     assert_eq!((e.prefix_status().unwrap().unwrap().evictions, pool_pages(&e)), (6, 3));
     assert!(e.cancel(c));
+}
+
+/// A resume the runner refuses fails the step and drops the request, and its admission goes
+/// back with it: the state admitted for it and its promised pages are released, not leaked
+/// (a GPU runner holds them from `admit` on); the engine then serves the prefix warm again.
+#[test]
+fn a_failed_resume_gives_its_admission_back() {
+    let (mut e, log, pool, refuse) = engine_with(64);
+    let p = ids(7, 2 * GRID + 10);
+    run(&mut e, &log, std::slice::from_ref(&p), 2, &[]);
+    let cells = pool.live();
+    refuse.store(true, Ordering::Relaxed);
+    let b = e.add(Request::new(p.clone(), SamplingParams::greedy(), 2)).unwrap();
+    let err = e.step().unwrap_err().to_string();
+    assert!(err.contains("injected restore fault"), "{err}");
+    assert!(e.runner().cache_pages(b).is_none(), "sequence {b}'s admitted state was not released");
+    assert!(!e.has_work() && pool.live() == cells, "only the cells' pages are held");
+    refuse.store(false, Ordering::Relaxed);
+    let warm = run(&mut e, &log, std::slice::from_ref(&p), 2, &[]).pop().unwrap().unwrap();
+    assert_eq!(warm, Out { cached: 2 * GRID, ..cold(&p, 2) }, "warm = cold after the failure");
 }

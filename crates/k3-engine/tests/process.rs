@@ -23,7 +23,10 @@
 //!   every step; with a pool too small to keep anything every cell is forgotten on both
 //!   ranks (rank 0 checks the worker's count at every forget). The mutant — the worker's kept
 //!   KDA snapshot perturbed at resume — must break the worker's equality (checked in the test);
-//!   a worker that fails a resume is named (`rank 1 failed`) and the world stops.
+//!   a worker that fails a resume is named (`rank 1 failed`) and the world stops; the worker
+//!   has rank 0's state slots (one), so a released state not dropped before a resume fails it
+//!   (a GPU rank's `new_sequence` would); a worker whose kept part differs from rank 0's (no
+//!   snapshot) stops the world at that keep's receipt check.
 
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -84,6 +87,31 @@ struct RecWorker {
     fault: Option<Inject>,
     /// What it does to a resume: nothing, or a mutant.
     spoil: Spoil,
+    /// The GPU's state slots (`max_seqs`, rank 0's `max_batch`): a step or resume that would
+    /// make this rank hold more states fails, as `new_sequence` does on a GPU rank (a released
+    /// state not dropped before a resume takes a slot rank 0 has freed).
+    slots: usize,
+    /// The sequences this rank holds a state of.
+    live: std::collections::HashSet<u64>,
+}
+
+impl RecWorker {
+    fn new(inner: Worker, log: Log, fault: Option<Inject>, spoil: Spoil, slots: usize) -> RecWorker {
+        RecWorker { inner, rank: 1, log, steps: 0, fault, spoil, slots, live: Default::default() }
+    }
+
+    /// Takes a state slot for sequence `id` (see `slots`).
+    fn hold(&mut self, id: u64) -> k3_engine::Result<()> {
+        self.live.insert(id);
+        match self.live.len() <= self.slots {
+            true => Ok(()),
+            false => Err(EngineError::Internal(format!(
+                "rank 1 would hold {} sequence states in {} slots (a released state not dropped)",
+                self.live.len(),
+                self.slots
+            ))),
+        }
+    }
 }
 
 /// A worker's mutation of a resume (see the module doc).
@@ -94,6 +122,8 @@ enum Spoil {
     Snapshot,
     /// Refused with an error.
     Refuse,
+    /// Its captures keep no KDA snapshot where rank 0's do (a receipt that differs).
+    Receipt,
 }
 
 impl RankWorker for RecWorker {
@@ -108,12 +138,14 @@ impl RankWorker for RecWorker {
             }
             return Err(EngineError::Unsupported("injected worker fault".into()));
         }
+        step.released.iter().for_each(|id| _ = self.live.remove(id));
+        step.seqs.iter().try_for_each(|s| self.hold(s.id))?;
         let out = self.inner.apply(step)?;
         self.log.lock().unwrap().push((out.clone(), self.inner.state_bytes()));
         Ok(out)
     }
     fn capture(&mut self, id: u64, from: usize, grid: usize, kda: bool) -> k3_engine::Result<Capture> {
-        RankWorker::capture(&mut self.inner, id, from, grid, kda)
+        RankWorker::capture(&mut self.inner, id, from, grid, kda && self.spoil != Spoil::Receipt)
     }
     fn resume(&mut self, id: u64, cells: &[&Segment], snap: &KdaSnap) -> k3_engine::Result<()> {
         let mut snap = snap.clone();
@@ -130,9 +162,11 @@ impl RankWorker for RecWorker {
                 _ => panic!("the mutant found no f32 KDA state to perturb"),
             }
         }
+        self.hold(id)?;
         RankWorker::resume(&mut self.inner, id, cells, &snap)
     }
     fn drop_states(&mut self, ids: &[u64]) -> k3_engine::Result<()> {
+        ids.iter().for_each(|id| _ = self.live.remove(id));
         RankWorker::drop_states(&mut self.inner, ids)
     }
     fn set_page_rows(&mut self, rows: usize) -> k3_engine::Result<()> {
@@ -210,7 +244,7 @@ fn world_with(m: &Arc<Model>, worker_fault: Option<Inject>, leader_fault: Option
     let (c0, c1) = pair();
     let (leader_log, worker_log) = (Log::default(), Log::default());
     let spoil = rows.map_or(Spoil::None, |r| r.1);
-    let w = RecWorker { inner: Worker::new(m.clone(), StateDType::F32), rank: 1, log: worker_log.clone(), steps: 0, fault: worker_fault, spoil };
+    let w = RecWorker::new(Worker::new(m.clone(), StateDType::F32), worker_log.clone(), worker_fault, spoil, config.max_batch);
     let (tx, worker) = mpsc::channel();
     std::thread::spawn(move || {
         let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
@@ -463,7 +497,7 @@ fn pipelined_steps_over_the_control_plane() {
             let (c0, c1) = pair();
             let log = Log::default();
             let inner = Worker::new(model(), StateDType::F32).with_options(inv);
-            let w = RecWorker { inner, rank: 1, log: log.clone(), steps: 0, fault, spoil: Spoil::None };
+            let w = RecWorker::new(inner, log.clone(), fault, Spoil::None, usize::MAX);
             let (tx, worker) = mpsc::channel();
             std::thread::spawn(move || {
                 let r = process::worker_ready(&c1, Ok(())).and_then(|_| process::work(w, &c1));
@@ -583,8 +617,10 @@ fn loading_progress_reaches_rank_0s_world_bar() {
 
 const GRID: usize = 16;
 
+/// One request at a time (the script runs them so): the worker then has one state slot, and a
+/// state released on rank 0 but not dropped on the worker before a resume fails its resume.
 fn prefix_cfg(mem: usize) -> EngineConfig {
-    EngineConfig { max_batch: 8, max_step_tokens: 1024, prefix: Some(PrefixConfig::new(GRID, mem)), ..Default::default() }
+    EngineConfig { max_batch: 1, max_step_tokens: 1024, prefix: Some(PrefixConfig::new(GRID, mem)), ..Default::default() }
 }
 
 /// `prompt` alone on a fresh one-rank engine with the cache on (cut on the grid as the warm one).
@@ -673,4 +709,25 @@ fn the_prefix_cache_runs_over_the_control_plane() {
     });
     assert!(err.contains("rank 1 failed") && err.contains("injected resume fault"), "{err}");
     assert!(worker.unwrap_err().to_string().contains("injected resume fault"));
+}
+
+/// A worker whose kept part differs from rank 0's (its capture has no KDA snapshot): rank 0's
+/// receipt check stops the world at that keep, naming rank 1 and what differs, before its
+/// cache holds a state the worker cannot resume; every later request fails at once with it.
+#[test]
+fn a_kept_part_unlike_rank_0s_stops_the_world_at_its_receipt() {
+    let m = model();
+    let (err, again, worker) = within(60, "a receipt that differs", move || {
+        let rows = recorder::Log::default();
+        let mut w = world_with(&m, None, None, prefix_cfg(1 << 30), Some((&rows, Spoil::Receipt)));
+        let a = prefix_run::prompt_ids(m.config.text.vocab_size as u32, 1, 2 * GRID + 10);
+        let err = w.engine.generate(Request::new(a.clone(), SamplingParams::greedy(), 2), |_| {}).unwrap_err().to_string();
+        assert!(w.finish.failed(), "the world reports the failure");
+        let again = w.engine.generate(Request::new(a, SamplingParams::greedy(), 2), |_| {}).unwrap_err().to_string();
+        drop(w.engine);
+        (err, again, w.worker.recv_timeout(Duration::from_secs(10)).expect("the worker's loop ends"))
+    });
+    assert!(err.contains("rank 1 failed") && err.contains("kept (from, to, cells, snapshot)") && err.contains("false"), "{err}");
+    assert!(again.contains("kept (from, to, cells, snapshot)") && again.contains("restart it"), "{again}");
+    assert!(worker.is_err(), "the worker's loop ends with the world's failure");
 }

@@ -117,13 +117,20 @@ impl Engine {
                         break;
                     };
                     if let Some(pc) = self.prefix.as_mut() {
-                        s.prefix = pc.admit(&mut *self.runner, s.id, s.req.prompt.len(), std::mem::take(&mut s.prefix.keys))?;
-                        if s.prefix.resume != hit {
-                            return Err(EngineError::Internal(format!(
-                                "sequence {} was reserved room to resume at {hit} but resumed at {}",
-                                s.id, s.prefix.resume
-                            )));
-                        }
+                        let adm = pc.admit(&mut *self.runner, s.id, s.req.prompt.len(), std::mem::take(&mut s.prefix.keys));
+                        let adm = adm.and_then(|a| match a.resume == hit {
+                            true => Ok(a),
+                            false => Err(EngineError::Internal(format!("sequence {} was reserved room to resume at {hit} but resumed at {}", s.id, a.resume))),
+                        });
+                        // A failed resume fails the step and drops the request: its admission
+                        // (the runner's state, its promised pages) goes back with it.
+                        s.prefix = match adm {
+                            Ok(a) => a,
+                            Err(e) => {
+                                self.runner.release(s.id);
+                                return Err(e);
+                            }
+                        };
                         (s.pos, s.done, s.stats.cached_tokens) = (s.prefix.resume, s.prefix.resume, s.prefix.resume);
                     }
                     self.running.push(s)
