@@ -170,7 +170,7 @@ fn check_graph(name: &str, ck: &Checkpoint, bound: f64) {
     let v = vocab as u32;
     let prompts: Vec<Vec<u32>> =
         [PROMPT, PROMPT - 37].iter().enumerate().map(|(i, &n)| (0..n as u32).map(|j| (j * 7919 + 13 + i as u32) % v).collect()).collect();
-    let g = m.capture_verify(B, T, 2048).unwrap();
+    let g = m.capture_verify(B, T, 2048, true).unwrap();
     assert_eq!((g.batch(), g.rows()), (B, T));
     // Replayed, the graph's step run eagerly, the plain eager verify: three twins.
     let mut sets: Vec<Vec<CudaSeqState>> = (0..3).map(|_| prompts.iter().map(|p| primed(&mut m, p)).collect()).collect();
@@ -231,7 +231,7 @@ fn check_graph(name: &str, ck: &Checkpoint, bound: f64) {
     let (rows, batch) = (k3_core::cuda::mla::PAGE, cut / k3_core::cuda::mla::PAGE + 1);
     let why = m.verify_capturable(batch, rows).unwrap_err();
     assert!(why.contains("MoE"), "{batch} × {rows} rows, cut {cut}: {why}");
-    assert!(m.capture_verify(batch, rows, 2048).is_err());
+    assert!(m.capture_verify(batch, rows, 2048, true).is_err());
 }
 
 #[test]
@@ -271,7 +271,7 @@ fn check_rollback_graph(name: &str, ck: &Checkpoint) {
     let mut seqs: Vec<CudaSeqState> = (0..B as u32).map(|i| primed(&mut m, &prompt(i, 200 + 41 * i))).collect();
     seqs.reverse();
     assert!(seqs.iter().enumerate().all(|(b, s)| s.slot != b), "slots {:?}", seqs.iter().map(|s| s.slot).collect::<Vec<_>>());
-    let g = m.capture_verify(B, T, 2048).unwrap();
+    let g = m.capture_verify(B, T, 2048, true).unwrap();
     // (rows per sequence, rows dropped; None: left out of the rollback call)
     let rounds: [([usize; B], [Option<usize>; B]); 4] = [
         ([5, 5, 5], [Some(4), Some(0), Some(2)]),
@@ -340,6 +340,19 @@ fn check_rollback_graph(name: &str, ck: &Checkpoint) {
     }
     assert!(after[0] == after[1], "{name}: the batched rollback after an eager verify of rows {lens:?} differs from the reference");
     say(&format!("  {name}: after forward_verify of rows {lens:?}, drops {drops:?}: batched = per sequence bit for bit; the graph's replay refused"));
+    // A verify graph captured without its rollback graph refuses a replayed rollback, moving
+    // nothing; the eager reference still rolls its step back.
+    drop(g);
+    let plain = m.capture_verify(B, T, 2048, false).unwrap();
+    assert!(!plain.has_rollback());
+    let toks: Vec<u32> = (0..(B * T) as u32).map(|i| (i * 31 + 5) % v).collect();
+    m.verify_step(&plain, &toks, &[T; B], &mut seqs.iter_mut().collect::<Vec<_>>(), VerifyRun::Replay).unwrap();
+    let pos1: Vec<usize> = seqs.iter().map(|s| s.pos).collect();
+    let mut back: Vec<(&mut CudaSeqState, usize)> = seqs.iter_mut().map(|s| (s, 1)).collect();
+    assert!(m.rollback_as(&mut back, RollbackRun::Replay(&plain)).is_err(), "{name}: a rollback through a graph captured without one");
+    assert_eq!(seqs.iter().map(|s| s.pos).collect::<Vec<_>>(), pos1, "{name}: a refused rollback moved");
+    let mut back: Vec<(&mut CudaSeqState, usize)> = seqs.iter_mut().map(|s| (s, 1)).collect();
+    m.rollback_as(&mut back, RollbackRun::PerSequence).unwrap();
     for s in seqs.into_iter().chain([idle]) {
         m.release(s);
     }

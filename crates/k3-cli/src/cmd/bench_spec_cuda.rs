@@ -133,7 +133,7 @@ pub fn verify_costs(ck: &Checkpoint, a: &Args) -> Result<serde_json::Value> {
             // (the GPU runner's way).
             let (captured, rollback_graph) = match m.verify_capturable(b, rows) {
                 Ok(()) => {
-                    let vg = m.capture_verify(b, rows, per_seq)?;
+                    let vg = m.capture_verify(b, rows, per_seq, true)?;
                     let replay =
                         |m: &mut CudaModel, s: &mut Seqs| -> Result<()> { Ok(m.verify_step(&vg, &vt, &lens, &mut refs(s), VerifyRun::Replay).map(|_| ())?) };
                     let undo = |m: &mut CudaModel, s: &mut Seqs| keep_first_as(m, s, rows, RollbackRun::Replay(&vg));

@@ -105,7 +105,7 @@ impl GpuRunner {
         let pending = std::mem::take(&mut self.rollbacks);
         let mut taken: Vec<(SeqId, GpuSeq, usize)> = pending.iter().filter_map(|&(id, d)| self.seqs.remove(&id).map(|s| (id, s, d))).collect();
         let vg = &self.verify_graphs;
-        let graph = last.filter(|_| vg.rollback_on).and_then(|k| vg.graphs.get(&k)).map(|(g, _)| g);
+        let graph = last.filter(|_| vg.rollback_on).and_then(|k| vg.graphs.get(&k)).map(|(g, _)| g).filter(|g| g.has_rollback());
         let how = graph.map_or(RollbackRun::PerSequence, RollbackRun::Replay);
         let counter = if graph.is_some() { &vg.stats.rollbacks_replayed } else { &vg.stats.rollbacks_eager };
         counter.fetch_add(1, Relaxed);
@@ -167,7 +167,8 @@ impl GpuRunner {
                     vg.graphs.remove(&old);
                 }
             }
-            let g = self.model.capture_verify(b, rows, ctx)?;
+            // The rollback graph only while they are on: it is memory and capture time otherwise.
+            let g = self.model.capture_verify(b, rows, ctx, vg.rollback_on)?;
             vg.graphs.insert((b, rows), (g, 0));
             vg.stats.captured.fetch_add(1, Relaxed);
         }

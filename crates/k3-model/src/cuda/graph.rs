@@ -15,8 +15,8 @@
 //!   `kda_prefill_tables`), so it is capturable; the step is never `fresh` (the absorbed MLA
 //!   form, as an eager verify, whose cache is never empty). [`VerifyRun::Eager`] runs a graph's
 //!   step eagerly: the reference a replay equals bit for bit. GEMM algorithms are cuBLASLt's
-//!   heuristic choice, as in the eager verify step (decode graphs time theirs). Each verify graph
-//!   carries the **rollback graph** of its step (`RollbackGraph`: `verify.rs`'s batched
+//!   heuristic choice, as in the eager verify step (decode graphs time theirs). A verify graph
+//!   captured with `rollback` carries the **rollback graph** of its step (`RollbackGraph`: `verify.rs`'s batched
 //!   rollback over the graph's own checkpoints and kept inputs, its slots, kept rows and
 //!   restore targets in two device tables written before each replay; `RollbackRun::Replay`).
 //!
@@ -209,7 +209,9 @@ pub struct VerifyGraph {
     /// Per KDA layer: the checkpoints and kept inputs the graph writes on every replay.
     layers: VerifyLayers,
     graph: Graph,
-    pub(crate) rollback: RollbackGraph,
+    /// `None` when captured without it (the runner captures it only while rollback graphs are
+    /// on).
+    pub(crate) rollback: Option<RollbackGraph>,
 }
 
 /// The batched rollback (`CudaModel::rollback_body`) of a verify graph's step, captured.
@@ -236,6 +238,10 @@ impl VerifyGraph {
     /// Longest context (tokens, padding rows included) a sequence may reach through this graph.
     pub fn max_context(&self) -> usize {
         self.width * PAGE
+    }
+    /// Whether its rollback graph was captured with it.
+    pub fn has_rollback(&self) -> bool {
+        self.rollback.is_some()
     }
 }
 
@@ -295,8 +301,8 @@ impl CudaModel {
     }
 
     /// Captures the verify step of `batch` sequences × `rows` rows whose contexts (padding rows
-    /// included) stay within `max_context` tokens.
-    pub fn capture_verify(&mut self, batch: usize, rows: usize, max_context: usize) -> Result<VerifyGraph> {
+    /// included) stay within `max_context` tokens, and with `rollback` its rollback graph.
+    pub fn capture_verify(&mut self, batch: usize, rows: usize, max_context: usize, rollback: bool) -> Result<VerifyGraph> {
         self.verify_capturable(batch, rows).map_err(|why| ModelError::Input(format!("verify graph of {batch} × {rows} rows: {why}")))?;
         let (mut step, width) = self.scratch_step(batch, rows, max_context, "verify")?;
         step.fresh = false;
@@ -310,7 +316,7 @@ impl CudaModel {
         let warm = || self.verify_body(&step, &input).map(drop);
         let (graph, (logits, layers)) = self.capture_body(false, warm, || self.verify_body(&step, &input))?;
         let logits = logits.ok_or_else(|| ModelError::Internal("the verify graph has no logits".into()))?;
-        let rollback = self.capture_rollback(batch, rows, &layers)?;
+        let rollback = if rollback { Some(self.capture_rollback(batch, rows, &layers)?) } else { None };
         let id = NEXT_GRAPH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(VerifyGraph { id, batch, rows, width, step, logits, layers, graph, rollback })
     }

@@ -233,10 +233,17 @@ impl CudaModel {
                         g.rows()
                     )));
                 }
-                if let Some(graph) = &g.rollback.graph {
+                let Some(rb) = &g.rollback else {
+                    return Err(ModelError::Input(format!(
+                        "rollback through the graph of {} × {} rows: it was captured without its rollback graph",
+                        g.batch(),
+                        g.rows()
+                    )));
+                };
+                if let Some(graph) = &rb.graph {
                     let (tables, restore) = rec.tables(&todo)?;
-                    g.rollback.tables.write_bytes(bytemuck::cast_slice(&tables))?;
-                    g.rollback.restore.write_bytes(bytemuck::cast_slice(&restore))?;
+                    rb.tables.write_bytes(bytemuck::cast_slice(&tables))?;
+                    rb.restore.write_bytes(bytemuck::cast_slice(&restore))?;
                     graph.launch()?;
                 }
             }
