@@ -147,6 +147,12 @@ fn bad_flags_name_the_parameter() {
     assert!(e.contains("temperature"), "{e}");
     let e = err(&["run", "--model", nano, "-n", "0", "hi"]);
     assert!(e.contains("max_tokens"), "{e}");
+    let e = err(&["run", "--model", nano, "--logit-bias", "7", "hi"]);
+    assert!(e.contains("--logit-bias") && e.contains("ID=BIAS"), "{e}");
+    let e = err(&["run", "--model", nano, "--logit-bias", "7=500", "hi"]);
+    assert!(e.contains("[-100, 100]"), "{e}");
+    let e = err(&["run", "--model", nano, "--logit-bias", "99999999=1", "hi"]);
+    assert!(e.contains("logit_bias") && e.contains("vocabulary"), "{e}");
     let e = err(&["logits", "--model", nano, "--ids", "1,2", "--out", "/tmp/never.npy", "--mode", "chunked:0"]);
     assert!(e.contains("--mode"), "{e}");
     let e = err(&["logits", "--model", nano, "--ids", "1,x", "--out", "/tmp/never.npy"]);
@@ -186,4 +192,11 @@ fn run_embedded_model_greedy() {
     assert_eq!(va["ids"].as_array().unwrap().len(), 8);
     assert!(va["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(!va["text"].as_str().unwrap().is_empty());
+    // --logit-bias: +100 on one id makes greedy repeat it; −100 on the greedy first id bans it.
+    let forced: Value = serde_json::from_str(&ok(&["run", "-n", "4", "--temperature", "0", "--json", "--logit-bias", "300=100", "ROMEO."])).unwrap();
+    assert_eq!(forced["ids"], serde_json::json!([300, 300, 300, 300]));
+    let first = va["ids"][0].as_u64().unwrap();
+    let bias = format!("{first}=-100");
+    let banned: Value = serde_json::from_str(&ok(&["run", "-n", "1", "--temperature", "0", "--json", "--logit-bias", &bias, "ROMEO."])).unwrap();
+    assert_ne!(banned["ids"][0].as_u64().unwrap(), first);
 }

@@ -76,6 +76,11 @@ mod device {
             for &(t, c) in &r.pairs {
                 pens.extend([t, c]);
             }
+            row.bias_off = (pens.len() / 2) as i32;
+            row.bias_len = p.logit_bias.len() as i32;
+            for &(t, b) in &p.logit_bias {
+                pens.extend([t, b.to_bits()]);
+            }
             if let Some(m) = &r.allowed {
                 row.mask_off = masks.len() as i32;
                 row.mask_words = m.len() as i32;
@@ -109,14 +114,16 @@ mod device {
                 pairs: vec![(4, 0), (9, 2)],
                 allowed: Some(vec![0xff, 0x1]),
             };
-            let b = RowSample { params: SamplingParams::greedy(), u: 0.0, pairs: vec![(1, 1)], allowed: None };
+            let b =
+                RowSample { params: SamplingParams { logit_bias: vec![(6, -1.5)], ..SamplingParams::greedy() }, u: 0.0, pairs: vec![(1, 1)], allowed: None };
             let (rows, pens, masks) = pack(&[Some(a.clone()), None, Some(b)]);
             assert_eq!(rows.len(), 3);
             assert_eq!((rows[0].pen_off, rows[0].pen_len, rows[0].mask_off, rows[0].mask_words), (0, 2, 0, 2));
+            assert_eq!((rows[0].bias_off, rows[0].bias_len), (2, 0));
             assert_eq!((rows[0].top_k, rows[0].n_logprobs, rows[0].u), (5, 3, 0.25));
             assert_eq!(rows[1], SampleRow::default());
-            assert_eq!((rows[2].pen_off, rows[2].pen_len, rows[2].mask_off), (2, 1, -1));
-            assert_eq!(pens, vec![4, 0, 9, 2, 1, 1]);
+            assert_eq!((rows[2].pen_off, rows[2].pen_len, rows[2].mask_off, rows[2].bias_off, rows[2].bias_len), (2, 1, -1, 3, 1));
+            assert_eq!(pens, vec![4, 0, 9, 2, 1, 1, 6, (-1.5f32).to_bits()]);
             assert_eq!(masks, vec![0xff, 0x1]);
             assert!(k3_core::cuda::sample::check_rows(&rows, pens.len() / 2, masks.len()).is_ok());
             let mut o = SampleOut { token: 7, logprob: -0.5, top_ids: [-1; MAX_LOGPROBS], top_lps: [0.0; MAX_LOGPROBS] };

@@ -1,7 +1,8 @@
-//! Token sampling: penalties, temperature, top-k, top-p, min-p, seeded randomness, and top-n
-//! log-probabilities. Order (as vLLM applies them): repetition / presence / frequency
-//! penalties on the logits → greedy if `temperature == 0` → temperature → top-k → top-p →
-//! min-p → draw. Log-probabilities are reported from the model's raw logits (log-softmax).
+//! Token sampling: penalties, logit bias, temperature, top-k, top-p, min-p, seeded randomness,
+//! and top-n log-probabilities. Order (as vLLM applies them): repetition / presence / frequency
+//! penalties on the logits → `logit_bias` added → greedy if `temperature == 0` → temperature →
+//! top-k → top-p → min-p → draw. Log-probabilities are reported from the model's raw logits
+//! (log-softmax).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -29,6 +30,10 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Return this many top log-probabilities per token (None = no logprobs).
     pub logprobs: Option<usize>,
+    /// OpenAI's `logit_bias`: `(token, bias)` added to the token's logit after the penalties,
+    /// ids ascending and distinct, biases in [−100, 100] (−100 in effect bans a token).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -43,9 +48,13 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
+
+/// The most `logit_bias` entries one request may give.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 impl SamplingParams {
     pub fn greedy() -> Self {
@@ -76,6 +85,17 @@ impl SamplingParams {
         if let Some(n) = self.logprobs {
             if n > 20 {
                 return Err(param("top_logprobs", format!("{n} is more than 20")));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(param("logit_bias", format!("{} entries are more than {MAX_LOGIT_BIAS}", self.logit_bias.len())));
+        }
+        for (i, &(t, b)) in self.logit_bias.iter().enumerate() {
+            if !finite(b) || b.abs() > 100.0 {
+                return Err(param("logit_bias", format!("the bias {b} of token {t} is outside [-100, 100]")));
+            }
+            if i > 0 && self.logit_bias[i - 1].0 >= t {
+                return Err(param("logit_bias", format!("token ids must be distinct and ascending (token {t} after {})", self.logit_bias[i - 1].0)));
             }
         }
         Ok(())
@@ -179,7 +199,9 @@ pub fn penalty_pairs(p: &SamplingParams, prompt: &[u32], output: &[u32]) -> Vec<
 }
 
 /// Applies penalties given as [`penalty_pairs`] in place: repetition (divide a positive logit,
-/// multiply a negative one) on every pair, then presence + frequency × count on output tokens.
+/// multiply a negative one) on every pair, then presence + frequency × count on output tokens;
+/// then adds `p.logit_bias` (ids past the logits are skipped: the engine refuses them at
+/// admission).
 pub fn apply_pairs(p: &SamplingParams, logits: &mut [f32], pairs: &[(u32, u32)]) {
     for &(t, c) in pairs {
         let Some(l) = logits.get_mut(t as usize) else { continue };
@@ -188,6 +210,11 @@ pub fn apply_pairs(p: &SamplingParams, logits: &mut [f32], pairs: &[(u32, u32)])
         }
         if c > 0 && (p.presence_penalty != 0.0 || p.frequency_penalty != 0.0) {
             *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+        }
+    }
+    for &(t, b) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
         }
     }
 }
@@ -321,6 +348,34 @@ mod tests {
         // Ids past the mask's words are refused.
         let mut g = s(SamplingParams::greedy());
         assert_eq!(g.sample_masked(&logits, &[], &[], Some(&words[..1])).token, 3);
+    }
+
+    #[test]
+    fn logit_bias_is_added_after_the_penalties() {
+        let logits = [2.0f32, 1.0, 0.5, -1.0];
+        // +100 forces a token under greedy, −100 bans the best one.
+        let mut g = s(SamplingParams { logit_bias: vec![(3, 100.0)], ..SamplingParams::greedy() });
+        assert_eq!(g.sample(&logits, &[], &[]).token, 3);
+        let mut g = s(SamplingParams { logit_bias: vec![(0, -100.0)], ..SamplingParams::greedy() });
+        assert_eq!(g.sample(&logits, &[], &[]).token, 1);
+        // After the repetition penalty: 2.0 / 2 + 0.75 = 1.75 > 1.0 + 0.5; without the bias 1.0 < 1.5.
+        let p = SamplingParams { repetition_penalty: 2.0, logit_bias: vec![(0, 0.75), (2, 1.0)], ..SamplingParams::greedy() };
+        let mut l = logits.to_vec();
+        apply_pairs(&p, &mut l, &penalty_pairs(&p, &[0], &[]));
+        assert_eq!(l, vec![1.75, 1.0, 1.5, -1.0]);
+        // Sampling never draws a banned token; logprobs stay the raw model's.
+        let mut r = s(SamplingParams { temperature: 1.0, logit_bias: vec![(0, -100.0), (1, -100.0)], logprobs: Some(1), ..Default::default() });
+        for _ in 0..200 {
+            let t = r.sample(&logits, &[], &[]);
+            assert!(t.token >= 2, "{t:?}");
+            assert_eq!(t.top_logprobs[0].0, 0, "top logprob from the raw logits");
+        }
+        // Validation names the parameter.
+        let bad = |b: Vec<(u32, f32)>| SamplingParams { logit_bias: b, ..Default::default() }.validate().unwrap_err().to_string();
+        assert!(bad(vec![(1, 101.0)]).contains("logit_bias"));
+        assert!(bad(vec![(1, f32::NAN)]).contains("logit_bias"));
+        assert!(bad(vec![(2, 1.0), (1, 1.0)]).contains("ascending"));
+        assert!(bad(vec![(0, 1.0); MAX_LOGIT_BIAS + 1]).contains("more than"));
     }
 
     #[test]

@@ -27,6 +27,14 @@ fn on_gpu(dev: &CudaDevice, s: &mut DeviceSampler, lg: &[f32], v: usize, rows: &
     out.iter().zip(rows).map(|(o, r)| unpack(o, r)).collect()
 }
 
+/// `p` with a logit bias: +40 on output[0] (a penalized token) and on id v/2, −100 on id 0.
+fn biased(p: &SamplingParams, output: &[u32], v: usize) -> SamplingParams {
+    let mut b: Vec<(u32, f32)> = vec![(0, -100.0), (output[0], 40.0), ((v / 2) as u32, 40.0)];
+    b.sort_by_key(|e| e.0);
+    b.dedup_by_key(|e| e.0);
+    SamplingParams { logit_bias: b, ..p.clone() }
+}
+
 fn row(params: SamplingParams, u: f32) -> RowSample {
     RowSample { params, u, pairs: Vec::new(), allowed: None }
 }
@@ -49,6 +57,9 @@ fn greedy_masks_penalties_and_logprobs_equal_the_host() {
             RowSample { pairs: penalty_pairs(&pen, &prompt, &output), ..row(pen.clone(), 0.0) },
             RowSample { allowed: Some(words.clone()), ..row(SamplingParams { logprobs: Some(3), ..SamplingParams::greedy() }, 0.0) },
             RowSample { allowed: Some(words.clone()), pairs: penalty_pairs(&pen, &prompt, &output), ..row(pen.clone(), 0.0) },
+            // logit_bias after the penalties, on penalized tokens too: +40 on a random token
+            // (and the first output token) makes them win over the raw argmax.
+            RowSample { pairs: penalty_pairs(&pen, &prompt, &output), ..row(biased(&pen, &output, v), 0.0) },
         ];
         let lg: Vec<f32> = (0..rows.len()).flat_map(|_| logits(&mut r, v, 3.0)).collect();
         let got = on_gpu(&dev, &mut ds, &lg, v, &rows);
@@ -66,7 +77,7 @@ fn greedy_masks_penalties_and_logprobs_equal_the_host() {
                 assert!(w.get(t / 32).is_some_and(|x| x >> (t % 32) & 1 == 1), "V {v} row {i}: token {t} is masked out");
             }
         }
-        say(&format!("  V {v}: greedy, masked, penalised rows equal the host sampler"));
+        say(&format!("  V {v}: greedy, masked, penalised, biased rows equal the host sampler"));
     }
 }
 

@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::error::{bad_param, Result, ServerError};
 use crate::media;
-use crate::params::{parse_body, Fields, GenParams};
+use crate::params::{parse_body, Fields, GenParams, StreamUsage};
 use crate::scheduler::{Msg, Submitted};
 use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppState, SSE_DONE};
 
@@ -84,6 +84,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     f.check_known(&[CHAT_FIELDS, crate::constrain::GUIDED_FIELDS].concat())?;
     let mut g = GenParams::read(&f, &["max_completion_tokens", "max_tokens"])?;
     s.check_model(g.model.as_deref())?;
+    let n = crate::choices::read_n(&f, s.sched.capacity)?;
     check_shapes(&f)?;
     let want_logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top = f.usize("top_logprobs")?;
@@ -116,14 +117,14 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         Some(v) if !feats.is_empty() => Some(media::splice_prep(feats, v)),
         _ => None,
     };
-    let sub = s.sched.submit_with(request, prep).await?;
+    let subs = crate::choices::submit_n(&s, request, prep, n).await?;
     let ctx = Ctx { id: new_id("chatcmpl"), created: now_secs(), prompt_tokens, thinking, tools, stop: g.stop, want_logprobs };
     if g.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
-        tokio::spawn(stream_task(s.clone(), sub, ctx, g.include_usage, tx));
+        tokio::spawn(stream_task(s.clone(), subs, ctx, g.usage, tx));
         Ok(sse_response(rx))
     } else {
-        collect(s, sub, ctx).await
+        collect(s, subs, ctx).await
     }
 }
 
@@ -172,8 +173,10 @@ struct ChatRun<'t> {
 }
 
 impl<'t> ChatRun<'t> {
-    fn new(tok: &'t Tokenizer, ctx: &Ctx) -> Self {
-        let prefix = format!("call_{}_", ctx.id.rsplit('-').next().unwrap_or("0"));
+    /// The run of choice `index` (its tool calls' ids name the choice past the first).
+    fn new(tok: &'t Tokenizer, ctx: &Ctx, index: usize) -> Self {
+        let tail = ctx.id.rsplit('-').next().unwrap_or("0");
+        let prefix = if index == 0 { format!("call_{tail}_") } else { format!("call_{tail}_{index}_") };
         ChatRun {
             tok,
             parser: OutputParser::new(tok, ctx.thinking, ctx.tools).with_id_prefix(prefix),
@@ -308,9 +311,24 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
         "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
-async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> {
+/// Every choice's answer, read concurrently (a failed one fails the request and cancels the
+/// others).
+async fn collect(s: AppState, subs: Vec<Submitted>, ctx: Ctx) -> Result<Response> {
+    let answers = futures_util::future::try_join_all(subs.into_iter().enumerate().map(|(i, sub)| collect_choice(&s, sub, &ctx, i))).await?;
+    let completion = answers.iter().map(|a| a.1).sum();
+    let cached = answers.iter().map(|a| a.2).min().unwrap_or(0);
+    let body = json!({
+        "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": s.cfg.served_model_name,
+        "choices": answers.into_iter().map(|a| a.0).collect::<Vec<_>>(),
+        "usage": usage(ctx.prompt_tokens, completion, cached),
+    });
+    Ok(axum::Json(body).into_response())
+}
+
+/// Choice `index`: its JSON, its completion tokens and the prompt tokens it found cached.
+async fn collect_choice(s: &AppState, mut sub: Submitted, ctx: &Ctx, index: usize) -> Result<(Value, usize, usize)> {
     let tok = s.tok.clone();
-    let mut run = ChatRun::new(&tok, &ctx);
+    let mut run = ChatRun::new(&tok, ctx, index);
     let mut logprobs = Vec::new();
     let finish = loop {
         match sub.rx.recv().await {
@@ -343,16 +361,12 @@ async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> 
     if !calls.is_empty() {
         message["tool_calls"] = Value::Array(calls);
     }
-    let body = json!({
-        "id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": s.cfg.served_model_name,
-        "choices": [{
-            "index": 0, "message": message,
-            "logprobs": if ctx.want_logprobs { json!({"content": logprobs}) } else { Value::Null },
-            "finish_reason": run.finish_reason(finish),
-        }],
-        "usage": usage(ctx.prompt_tokens, run.tokens, run.cached),
+    let choice = json!({
+        "index": index, "message": message,
+        "logprobs": if ctx.want_logprobs { json!({"content": logprobs}) } else { Value::Null },
+        "finish_reason": run.finish_reason(finish),
     });
-    Ok(axum::Json(body).into_response())
+    Ok((choice, run.tokens, run.cached))
 }
 
 fn delta_json(d: &OutputDelta) -> Value {
@@ -366,48 +380,64 @@ fn delta_json(d: &OutputDelta) -> Value {
     }
 }
 
-async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: bool, tx: mpsc::Sender<Bytes>) {
+/// (completion tokens, fewest cached prompt tokens) over every choice so far.
+fn so_far(runs: &[ChatRun]) -> (usize, usize) {
+    (runs.iter().map(|r| r.tokens).sum(), runs.iter().map(|r| r.cached).min().unwrap_or(0))
+}
+
+/// The SSE stream of every choice, interleaved as their tokens come (each chunk names its
+/// choice's `index`); the usage chunk and `[DONE]` once all have finished.
+async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: StreamUsage, tx: mpsc::Sender<Bytes>) {
     let tok = s.tok.clone();
-    let mut run = ChatRun::new(&tok, &ctx);
+    let mut runs: Vec<ChatRun> = (0..subs.len()).map(|i| ChatRun::new(&tok, &ctx, i)).collect();
+    let mut open = vec![true; subs.len()];
     let model = s.cfg.served_model_name.clone();
-    let chunk = |delta: Value, finish: Option<&str>, logprobs: Option<Value>| {
+    // `so_far`: (completion tokens, cached tokens) of all choices, for continuous usage.
+    let chunk = |i: usize, delta: Value, finish: Option<&str>, logprobs: Option<Value>, so_far: (usize, usize)| {
         let mut c = json!({
             "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs.map(|l| json!({"content": [l]})), "finish_reason": finish}],
+            "choices": [{"index": i, "delta": delta, "logprobs": logprobs.map(|l| json!({"content": [l]})), "finish_reason": finish}],
         });
-        if include_usage {
-            c["usage"] = Value::Null;
+        match su {
+            StreamUsage::Off => {}
+            StreamUsage::Final => c["usage"] = Value::Null,
+            StreamUsage::EveryChunk => c["usage"] = usage(ctx.prompt_tokens, so_far.0, so_far.1),
         }
         sse_data(&c)
     };
-    if tx.send(chunk(json!({"role": "assistant", "content": ""}), None, None)).await.is_err() {
-        return;
+    for i in 0..subs.len() {
+        if tx.send(chunk(i, json!({"role": "assistant", "content": ""}), None, None, (0, 0))).await.is_err() {
+            return;
+        }
     }
-    let finish = loop {
+    while open.iter().any(|&o| o) {
         // A client that goes away while its request waits (queued, or between tokens) drops
-        // `sub` here, which cancels the sequence at once.
-        let msg = tokio::select! {
-            m = sub.rx.recv() => m,
+        // `subs` here, which cancels every sequence at once.
+        let (i, msg) = tokio::select! {
+            m = crate::choices::next_event(&mut subs, &open) => m,
             _ = tx.closed() => return,
         };
-        match msg {
+        let finish = match msg {
             Some(Msg::Token(ev)) => {
-                let deltas = run.push(&ev);
+                let deltas = runs[i].push(&ev);
+                let now = so_far(&runs);
+                let run = &runs[i];
                 let mut lp = ctx.want_logprobs.then(|| run.logprob_entry(&ev));
-                if lp.is_some() && deltas.is_empty() && !run.stopped && tx.send(chunk(json!({}), None, lp.take())).await.is_err() {
+                if lp.is_some() && deltas.is_empty() && !run.stopped && tx.send(chunk(i, json!({}), None, lp.take(), now)).await.is_err() {
                     return;
                 }
                 for d in &deltas {
-                    if tx.send(chunk(delta_json(d), None, lp.take())).await.is_err() {
-                        return; // client gone: dropping `sub` cancels the sequence
+                    if tx.send(chunk(i, delta_json(d), None, lp.take(), now)).await.is_err() {
+                        return; // client gone: dropping `subs` cancels the sequences
                     }
                 }
                 if run.stopped {
-                    s.sched.cancel(sub.id);
-                    break None;
-                }
-                if ev.finish.is_some() {
-                    break ev.finish;
+                    s.sched.cancel(subs[i].id);
+                    None
+                } else if ev.finish.is_some() {
+                    ev.finish
+                } else {
+                    continue;
                 }
             }
             Some(Msg::Failed(m)) => {
@@ -417,18 +447,24 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
                 return;
             }
             None => return,
+        };
+        open[i] = false;
+        let now = so_far(&runs);
+        for d in runs[i].finish() {
+            if tx.send(chunk(i, delta_json(&d), None, None, now)).await.is_err() {
+                return;
+            }
         }
-    };
-    for d in run.finish() {
-        if tx.send(chunk(delta_json(&d), None, None)).await.is_err() {
+        let reason = runs[i].finish_reason(finish);
+        if tx.send(chunk(i, json!({}), Some(reason), None, now)).await.is_err() {
             return;
         }
     }
-    let _ = tx.send(chunk(json!({}), Some(run.finish_reason(finish)), None)).await;
-    if include_usage {
+    if su.on() {
+        let (completion, cached) = so_far(&runs);
         let u = json!({
             "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": model,
-            "choices": [], "usage": usage(ctx.prompt_tokens, run.tokens, run.cached),
+            "choices": [], "usage": usage(ctx.prompt_tokens, completion, cached),
         });
         let _ = tx.send(sse_data(&u)).await;
     }

@@ -12,7 +12,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
 use crate::error::{bad_param, Result, ServerError};
-use crate::params::{ids_of, parse_body, Fields, GenParams};
+use crate::params::{ids_of, parse_body, Fields, GenParams, StreamUsage};
 use crate::scheduler::{Msg, Submitted};
 use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppState, SSE_DONE};
 
@@ -60,6 +60,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     f.check_known(&[COMPLETION_FIELDS, crate::constrain::GUIDED_FIELDS, &["response_format"]].concat())?;
     let mut g = GenParams::read(&f, &["max_tokens"])?;
     s.check_model(g.model.as_deref())?;
+    let n = crate::choices::read_n(&f, s.sched.capacity)?;
     if f.bool("echo")?.unwrap_or(false) {
         return Err(bad_param("echo", "is not supported"));
     }
@@ -90,14 +91,14 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         ignore_eos: g.ignore_eos,
         constraint,
     };
-    let sub = s.sched.submit(request).await?;
+    let subs = crate::choices::submit_n(&s, request, None, n).await?;
     let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some() };
     if g.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
-        tokio::spawn(stream_task(s.clone(), sub, ctx, g.include_usage, tx));
+        tokio::spawn(stream_task(s.clone(), subs, ctx, g.usage, tx));
         Ok(sse_response(rx))
     } else {
-        collect(s, sub, ctx).await
+        collect(s, subs, ctx).await
     }
 }
 
@@ -136,63 +137,83 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
         "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
-async fn collect(s: AppState, mut sub: Submitted, ctx: Ctx) -> Result<Response> {
+/// Every choice's answer, read concurrently (a failed one fails the request and cancels the
+/// others).
+async fn collect(s: AppState, subs: Vec<Submitted>, ctx: Ctx) -> Result<Response> {
+    let answers = futures_util::future::try_join_all(subs.into_iter().map(collect_choice)).await?;
+    let completion = answers.iter().map(|(events, _)| events.len()).sum();
+    let cached = answers.iter().map(|(events, _)| events.first().map_or(0, |e| e.cached_tokens)).min().unwrap_or(0);
+    let choices: Vec<Value> = answers
+        .iter()
+        .enumerate()
+        .map(|(i, (events, finish))| {
+            let text: String = events.iter().map(|e| e.text.as_str()).collect();
+            json!({
+                "index": i, "text": text,
+                "logprobs": if ctx.logprobs { logprobs_json(&s, events, 0) } else { Value::Null },
+                "finish_reason": reason(*finish),
+            })
+        })
+        .collect();
+    let body = json!({
+        "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": s.cfg.served_model_name,
+        "choices": choices,
+        "usage": usage(ctx.prompt_tokens, completion, cached),
+    });
+    Ok(axum::Json(body).into_response())
+}
+
+/// One choice's events up to its last, and why it finished.
+async fn collect_choice(mut sub: Submitted) -> Result<(Vec<Event>, Option<FinishReason>)> {
     let mut events = Vec::new();
-    let finish = loop {
+    loop {
         match sub.rx.recv().await {
             Some(Msg::Token(ev)) => {
                 let f = ev.finish;
                 events.push(ev);
                 if f.is_some() {
-                    break f;
+                    return Ok((events, f));
                 }
             }
             Some(Msg::Failed(m)) => return Err(ServerError::Internal(m)),
             None => return Err(ServerError::Internal("the engine dropped the request".into())),
         }
-    };
-    let text: String = events.iter().map(|e| e.text.as_str()).collect();
-    let body = json!({
-        "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": s.cfg.served_model_name,
-        "choices": [{
-            "index": 0, "text": text,
-            "logprobs": if ctx.logprobs { logprobs_json(&s, &events, 0) } else { Value::Null },
-            "finish_reason": reason(finish),
-        }],
-        "usage": usage(ctx.prompt_tokens, events.len(), events.first().map_or(0, |e| e.cached_tokens)),
-    });
-    Ok(axum::Json(body).into_response())
+    }
 }
 
-async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: bool, tx: mpsc::Sender<Bytes>) {
+/// The SSE stream of every choice, interleaved as their tokens come (each chunk names its
+/// choice's `index`); the usage chunk and `[DONE]` once all have finished.
+async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: StreamUsage, tx: mpsc::Sender<Bytes>) {
     let model = s.cfg.served_model_name.clone();
-    let mut n = 0usize;
-    let mut cached;
-    let mut offset = 0usize;
-    loop {
-        // A client gone while waiting drops `sub` here, which cancels the sequence at once.
-        let msg = tokio::select! {
-            m = sub.rx.recv() => m,
+    let k = subs.len();
+    let (mut count, mut cached, mut offset) = (vec![0usize; k], vec![0usize; k], vec![0usize; k]);
+    let mut open = vec![true; k];
+    while open.iter().any(|&o| o) {
+        // A client gone while waiting drops `subs` here, which cancels the sequences at once.
+        let (i, msg) = tokio::select! {
+            m = crate::choices::next_event(&mut subs, &open) => m,
             _ = tx.closed() => return,
         };
         match msg {
             Some(Msg::Token(ev)) => {
-                n += 1;
-                cached = ev.cached_tokens;
-                let lp = if ctx.logprobs { logprobs_json(&s, std::slice::from_ref(&ev), offset) } else { Value::Null };
-                offset += ev.text.len();
+                count[i] += 1;
+                cached[i] = ev.cached_tokens;
+                let lp = if ctx.logprobs { logprobs_json(&s, std::slice::from_ref(&ev), offset[i]) } else { Value::Null };
+                offset[i] += ev.text.len();
                 let mut c = json!({
                     "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
-                    "choices": [{"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish.map(|f| reason(Some(f)))}],
+                    "choices": [{"index": i, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish.map(|f| reason(Some(f)))}],
                 });
-                if include_usage {
-                    c["usage"] = Value::Null;
+                match su {
+                    StreamUsage::Off => {}
+                    StreamUsage::Final => c["usage"] = Value::Null,
+                    StreamUsage::EveryChunk => c["usage"] = usage(ctx.prompt_tokens, count.iter().sum(), cached.iter().copied().min().unwrap_or(0)),
                 }
                 if tx.send(sse_data(&c)).await.is_err() {
-                    return; // client gone: dropping `sub` cancels the sequence
+                    return; // client gone: dropping `subs` cancels the sequences
                 }
                 if ev.finish.is_some() {
-                    break;
+                    open[i] = false;
                 }
             }
             Some(Msg::Failed(m)) => {
@@ -203,10 +224,10 @@ async fn stream_task(s: AppState, mut sub: Submitted, ctx: Ctx, include_usage: b
             None => return,
         }
     }
-    if include_usage {
+    if su.on() {
         let u = json!({
             "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
-            "choices": [], "usage": usage(ctx.prompt_tokens, n, cached),
+            "choices": [], "usage": usage(ctx.prompt_tokens, count.iter().sum(), cached.iter().copied().min().unwrap_or(0)),
         });
         let _ = tx.send(sse_data(&u)).await;
     }

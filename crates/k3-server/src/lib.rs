@@ -21,6 +21,7 @@
 
 pub mod backend;
 pub mod chat;
+pub mod choices;
 pub mod completions;
 pub mod conn;
 pub mod constrain;

@@ -156,28 +156,38 @@ pub struct GenParams {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub stream: bool,
-    pub include_usage: bool,
+    /// `stream_options`: where a stream reports usage.
+    pub usage: StreamUsage,
+}
+
+/// Where a stream reports usage (`stream_options`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamUsage {
+    /// Nowhere (no `include_usage`).
+    Off,
+    /// `include_usage`: `"usage": null` on every chunk, then a last chunk with the totals.
+    Final,
+    /// `include_usage` and vLLM's `continuous_usage_stats`: every chunk carries the usage so
+    /// far, and the last chunk the totals.
+    EveryChunk,
+}
+
+impl StreamUsage {
+    pub fn on(self) -> bool {
+        self != StreamUsage::Off
+    }
 }
 
 impl GenParams {
     /// Reads the common fields. `max_token_keys` lists the accepted spellings of the output
     /// limit (the first one present wins).
     pub fn read(f: &Fields, max_token_keys: &[&'static str]) -> Result<GenParams> {
-        if let Some(n) = f.i64("n")? {
-            if n != 1 {
-                return Err(bad_param("n", format!("only n=1 is supported (got {n}); send separate requests instead")));
-            }
-        }
         if let Some(b) = f.i64("best_of")? {
             if b != 1 {
                 return Err(bad_param("best_of", "only best_of=1 is supported"));
             }
         }
-        match f.get("logit_bias") {
-            None => {}
-            Some(Value::Object(m)) if m.is_empty() => {}
-            Some(_) => return Err(bad_param("logit_bias", "is not supported")),
-        }
+        let logit_bias = logit_bias(f.get("logit_bias"))?;
         let model = f.str("model")?.map(str::to_owned);
         let _ = f.str("user")?;
         let mut max_tokens = None;
@@ -210,17 +220,23 @@ impl GenParams {
             frequency_penalty: f.f32("frequency_penalty")?.unwrap_or(d.frequency_penalty),
             seed,
             logprobs: None,
+            logit_bias,
         };
         let stream = f.bool("stream")?.unwrap_or(false);
-        let include_usage = match f.object("stream_options")? {
-            None => false,
+        let usage = match f.object("stream_options")? {
+            None => StreamUsage::Off,
             Some(o) => {
                 for k in o.0.keys() {
                     if k != "include_usage" && k != "continuous_usage_stats" {
                         return Err(bad_param(format!("stream_options.{k}"), "unrecognized stream option"));
                     }
                 }
-                o.bool("include_usage").map_err(|_| bad_param("stream_options.include_usage", "must be true or false"))?.unwrap_or(false)
+                let flag = |k: &str| o.bool(k).map_err(|_| bad_param(format!("stream_options.{k}"), "must be true or false")).map(|v| v.unwrap_or(false));
+                match (flag("include_usage")?, flag("continuous_usage_stats")?) {
+                    (false, _) => StreamUsage::Off,
+                    (true, false) => StreamUsage::Final,
+                    (true, true) => StreamUsage::EveryChunk,
+                }
             }
         };
         Ok(GenParams {
@@ -232,7 +248,29 @@ impl GenParams {
             stop_token_ids: f.ids("stop_token_ids")?,
             ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
             stream,
-            include_usage,
+            usage,
         })
     }
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to biases in [−100, 100],
+/// returned as `(id, bias)` ascending. Ids past the vocabulary are refused by the engine.
+fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>> {
+    let m = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(bad_param("logit_bias", "must be an object mapping token ids (as strings) to biases in [-100, 100]")),
+    };
+    let mut out = Vec::with_capacity(m.len());
+    for (k, b) in m {
+        let field = || format!("logit_bias.{k}");
+        let id: u32 = k.trim().parse().map_err(|_| bad_param(field(), "keys must be token ids: non-negative integers written as strings"))?;
+        let b = b.as_f64().filter(|b| b.is_finite() && b.abs() <= 100.0).ok_or_else(|| bad_param(field(), format!("{b} is not a number in [-100, 100]")))?;
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|e| e.0);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(bad_param("logit_bias", format!("token {} is given twice", w[0].0)));
+    }
+    Ok(out)
 }

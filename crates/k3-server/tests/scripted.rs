@@ -62,6 +62,44 @@ fn weather_request(stream: bool) -> Value {
 }
 
 #[test]
+fn n_choices_each_parse_their_tool_calls_with_their_own_ids() {
+    let srv = start(cfg(), Duration::ZERO);
+    let mut body = weather_request(false);
+    body["n"] = json!(3);
+    let v = post(srv.addr, "/v1/chat/completions", &body).json();
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{v}");
+    let mut ids = Vec::new();
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i as u64);
+        assert_eq!(c["finish_reason"], "tool_calls");
+        assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], "{\"city\": \"Paris\", \"unit\": \"c\"}");
+        ids.push(c["message"]["tool_calls"][0]["id"].as_str().unwrap().to_owned());
+    }
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "tool call ids repeat across choices: {ids:?}");
+    let one = post(srv.addr, "/v1/chat/completions", &weather_request(false)).json();
+    assert_eq!(v["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 3 * one["usage"]["completion_tokens"].as_u64().unwrap());
+    // Streamed: every choice gets its role chunk, its call and its finish.
+    let mut body = weather_request(true);
+    body["n"] = json!(2);
+    let r = post(srv.addr, "/v1/chat/completions", &body);
+    let (mut roles, mut calls, mut finishes) = ([0; 2], [0; 2], [0; 2]);
+    for d in r.sse().iter().filter(|d| d.as_str() != "[DONE]") {
+        let v: Value = serde_json::from_str(d).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            roles[i] += (c["delta"]["role"] == "assistant") as usize;
+            calls[i] += c["delta"]["tool_calls"].is_array() as usize;
+            finishes[i] += (c["finish_reason"] == "tool_calls") as usize;
+        }
+    }
+    assert_eq!((roles, calls, finishes), ([1, 1], [1, 1], [1, 1]));
+}
+
+#[test]
 fn tool_calls_and_reasoning_non_streaming() {
     let srv = start(cfg(), Duration::ZERO);
     let r = post(srv.addr, "/v1/chat/completions", &weather_request(false));
@@ -186,7 +224,7 @@ fn errors_have_openai_shape_and_status() {
         ("/v1/chat/completions", json!({"messages": msgs, "presence_penalty": 9}).to_string().into_bytes(), 400, Some("presence_penalty")),
         ("/v1/chat/completions", json!({"messages": msgs, "logprobs": true, "top_logprobs": 50}).to_string().into_bytes(), 400, Some("top_logprobs")),
         ("/v1/chat/completions", json!({"messages": msgs, "max_tokens": -3}).to_string().into_bytes(), 400, Some("max_tokens")),
-        ("/v1/chat/completions", json!({"messages": msgs, "n": 3}).to_string().into_bytes(), 400, Some("n")),
+        ("/v1/chat/completions", json!({"messages": msgs, "n": 0}).to_string().into_bytes(), 400, Some("n")),
         ("/v1/chat/completions", json!({"messages": msgs, "stop": 5}).to_string().into_bytes(), 400, Some("stop")),
         (
             "/v1/chat/completions",

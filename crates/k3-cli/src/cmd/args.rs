@@ -177,7 +177,7 @@ pub struct KdaStateArgs {
 }
 
 /// Sampling: `--temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty
-/// --frequency-penalty --seed` (`run`).
+/// --frequency-penalty --seed --logit-bias` (`run`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct SamplingArgs {
     /// 0 = greedy.
@@ -198,6 +198,21 @@ pub struct SamplingArgs {
     /// Makes sampling reproducible.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// `ID=BIAS` added to token ID's logit after the penalties (repeatable; BIAS in [-100, 100],
+    /// -100 in effect bans the token) — OpenAI's `logit_bias`.
+    #[arg(long = "logit-bias", value_name = "ID=BIAS", value_parser = parse_bias, allow_negative_numbers = true)]
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+/// `ID=BIAS` of `--logit-bias`.
+fn parse_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, b) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected ID=BIAS, e.g. 1234=-100"))?;
+    let id = id.trim().parse().map_err(|_| format!("{s:?}: the token id {id:?} is not a non-negative integer"))?;
+    let b: f32 = b.trim().parse().map_err(|_| format!("{s:?}: the bias {b:?} is not a number"))?;
+    if !b.is_finite() || b.abs() > 100.0 {
+        return Err(format!("{s:?}: the bias must lie in [-100, 100]"));
+    }
+    Ok((id, b))
 }
 
 impl SamplingArgs {
@@ -212,6 +227,11 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty,
             seed: self.seed,
             logprobs: None,
+            logit_bias: {
+                let mut b = self.logit_bias.clone();
+                b.sort_by_key(|e| e.0);
+                b
+            },
         }
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! Shape legend: logits F32 `[B, V]` on the device; `rows` one [`SampleRow`] per logits row;
 //! `pens` pairs `(token, count in the output)` (each row's slice `pen_off..pen_off + pen_len`,
-//! one pair per distinct token of prompt + output); `masks` the rows' allowed-id bit words
+//! one pair per distinct token of prompt + output) and `(token, f32 bits of its logit bias)`
+//! (each row's slice `bias_off..bias_off + bias_len`); `masks` the rows' allowed-id bit words
 //! (bit `t % 32` of word `t / 32`, a row's words from `mask_off`, `mask_off = -1` for none).
 //! The uniform draw `u` of each row comes from the host's seeded generator, so a request's
 //! seed gives the same tokens on the GPU as on the CPU up to float rounding at a boundary.
@@ -44,7 +45,11 @@ pub struct SampleRow {
     /// This row's mask words in `masks` from `mask_off` (−1: no mask), `mask_words` of them.
     pub mask_off: i32,
     pub mask_words: i32,
-    pub pad: [i32; 3],
+    /// This row's logit-bias pairs in `pens`, `(token, f32 bits of the bias)`: from pair
+    /// `bias_off`, `bias_len` of them (added after the penalties).
+    pub bias_off: i32,
+    pub bias_len: i32,
+    pub pad: i32,
 }
 
 impl Default for SampleRow {
@@ -63,7 +68,9 @@ impl Default for SampleRow {
             pen_len: 0,
             mask_off: -1,
             mask_words: 0,
-            pad: [0; 3],
+            bias_off: 0,
+            bias_len: 0,
+            pad: 0,
         }
     }
 }
@@ -153,6 +160,10 @@ pub fn check_rows(rows: &[SampleRow], pairs: usize, words: usize) -> std::result
         let pen_end = (r.pen_off as i64) + (r.pen_len as i64);
         if r.pen_off < 0 || r.pen_len < 0 || pen_end > pairs as i64 {
             return Err(format!("row {i}: penalty pairs {}..{pen_end} outside the {pairs} given", r.pen_off));
+        }
+        let bias_end = (r.bias_off as i64) + (r.bias_len as i64);
+        if r.bias_off < 0 || r.bias_len < 0 || bias_end > pairs as i64 {
+            return Err(format!("row {i}: logit-bias pairs {}..{bias_end} outside the {pairs} given", r.bias_off));
         }
         if r.mask_off >= 0 && (r.mask_words < 0 || r.mask_off as i64 + r.mask_words as i64 > words as i64) {
             return Err(format!("row {i}: mask words {}..{} outside the {words} given", r.mask_off, r.mask_off as i64 + r.mask_words as i64));

@@ -42,6 +42,9 @@ impl Engine {
         if let Some(&bad) = req.prompt.iter().find(|&&t| t >= vocab) {
             return Err(param("prompt", format!("token id {bad} is outside the vocabulary ({vocab})")));
         }
+        if let Some(&(bad, _)) = req.params.logit_bias.iter().find(|&&(t, _)| t >= vocab) {
+            return Err(param("logit_bias", format!("token id {bad} is outside the vocabulary ({vocab})")));
+        }
         if let Some(e) = &req.prompt_embeds {
             let h = cfg.text.hidden_size;
             if e.len() != req.prompt.len() * h {

@@ -289,11 +289,28 @@ def _():
     assert c1.choices[0].message == c2.choices[0].message
 
 
+@check("n choices: choice i is the single answer seeded seed + i")
+def _():
+    many = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=21, temperature=0.8, n=2)
+    assert [c.index for c in many.choices] == [0, 1], many
+    completion = 0
+    for i, c in enumerate(many.choices):
+        one = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=21 + i, temperature=0.8)
+        assert c.message == one.choices[0].message, (i, c.message, one.choices[0].message)
+        completion += one.usage.completion_tokens
+    assert many.usage.completion_tokens == completion, many.usage
+    texts = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=21, temperature=0.8, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {i: c.message.content or "" for i, c in enumerate(many.choices)}, texts
+
+
 @check("malformed inputs")
 def _():
     expect_error(400, "temperature", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1))
     expect_error(400, "top_p", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, top_p=1.5))
-    expect_error(400, "n", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2))
+    expect_error(400, "n", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, n=0))
     expect_error(400, "bogus", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"bogus": 1}))
     expect_error(400, "top_k", lambda: client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"top_k": "x"}))
     expect_error(400, "messages[0].role", lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}]))

@@ -6,7 +6,8 @@
 //
 //   sample_prep      work = logits with the grammar mask applied (-inf where refused)
 //   sample_penalize  repetition / presence / frequency penalties on work (sparse, one entry
-//                    per distinct token of prompt + output, with its count in the output)
+//                    per distinct token of prompt + output, with its count in the output),
+//                    then the logit bias (sparse (token, bias) entries) added
 //   sample_rows      per row: raw log-sum-exp, greedy argmax, or the filtered distribution
 //                    and the draw; the token's raw logprob and the top-n raw logprobs
 //
@@ -36,7 +37,9 @@ struct SampleRow {  // 64 bytes; mirrors k3_core::cuda::sample::SampleRow
     int pen_len;
     int mask_off;  // -1: no mask
     int mask_words;
-    int pad0, pad1, pad2;
+    int bias_off;  // logit-bias pairs (token, f32 bits) in pens
+    int bias_len;
+    int pad0;
 };
 
 struct SampleOut {  // 168 bytes; mirrors k3_core::cuda::sample::SampleOut
@@ -71,6 +74,12 @@ extern "C" __global__ void sample_penalize(float* work, const SampleRow* rows, c
         if (R.rep != 1.0f) l = l > 0.0f ? l / R.rep : l * R.rep;
         if (c > 0) l -= R.pres + R.freq * (float)c;
         w[t] = l;
+    }
+    if (R.bias_len == 0) return;  // uniform over the block
+    __syncthreads();               // a biased token may also be a penalized one
+    for (int j = threadIdx.x; j < R.bias_len; j += blockDim.x) {
+        const unsigned t = pens[2 * (R.bias_off + j)];
+        if (t < (unsigned)V) w[t] += __uint_as_float(pens[2 * (R.bias_off + j) + 1]);
     }
 }
 
