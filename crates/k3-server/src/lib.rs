@@ -6,7 +6,8 @@
 //! a client that disconnects has its sequence cancelled at once. The HTTP side ([`server`],
 //! axum/tokio) serves `POST /v1/chat/completions` ([`chat`]: XTML rendering, output parsing into
 //! `reasoning_content` / `content` / `tool_calls`, SSE streaming), `POST /v1/completions`
-//! ([`completions`]), `GET /v1/models`, `GET /health` and `GET /metrics` ([`metrics`],
+//! ([`completions`]), `GET /v1/models`, `POST /tokenize` and `/detokenize` ([`tokenize`]),
+//! `GET /health` and `GET /metrics` ([`metrics`],
 //! Prometheus text). Errors use OpenAI's JSON error shape ([`error`]), also for the ones hyper
 //! raises before routing ([`conn`], which also times out slow clients and bounds the graceful
 //! shutdown); tool and output-format options are validated in [`tools`] and enforced by the
@@ -33,6 +34,7 @@ pub mod params;
 pub mod scheduler;
 pub mod server;
 pub mod start;
+pub mod tokenize;
 pub mod tools;
 
 pub use backend::{Backend, Scripted};

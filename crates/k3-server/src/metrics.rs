@@ -83,7 +83,7 @@ pub struct Metrics {
 impl Metrics {
     /// Counts one answered request. Unknown paths share one label so cardinality stays bounded.
     pub fn count_request(&self, path: &str, status: u16) {
-        let known = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"];
+        let known = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"];
         let label = if known.contains(&path) { path } else { "other" };
         if let Ok(mut m) = self.requests.lock() {
             *m.entry((label.to_owned(), status)).or_insert(0) += 1;

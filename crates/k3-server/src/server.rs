@@ -222,7 +222,7 @@ pub fn sse_response(rx: mpsc::Receiver<Bytes>) -> Response {
 
 async fn gate(State(s): State<AppState>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_owned();
-    let needs_key = path.starts_with("/v1/");
+    let needs_key = path.starts_with("/v1/") || path == "/tokenize" || path == "/detokenize";
     let resp = match (&s.cfg.api_key, needs_key) {
         (Some(key), true) => {
             let got = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
@@ -345,6 +345,8 @@ pub fn build_with_vision(backend: Box<dyn Backend>, tok: Arc<Tokenizer>, cfg: Se
         .route("/v1/chat/completions", post(crate::chat::chat_completions))
         .route("/v1/completions", post(crate::completions::completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(crate::tokenize::tokenize))
+        .route("/detokenize", post(crate::tokenize::detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)

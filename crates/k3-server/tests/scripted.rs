@@ -283,6 +283,57 @@ fn api_key_is_required_on_v1_routes() {
     let r = send(srv.addr, "POST", "/v1/chat/completions", &[("Authorization", "Bearer sekrit")], body.as_bytes());
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(get(srv.addr, "/health").status, 200);
+    let r = send(srv.addr, "POST", "/tokenize", &[], br#"{"prompt": "hi"}"#);
+    assert_eq!(r.status, 401, "/tokenize needs the key too");
+    let r = send(srv.addr, "POST", "/detokenize", &[("Authorization", "Bearer sekrit")], br#"{"tokens": [1]}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn tokenize_counts_what_the_chat_renders_and_detokenize_inverts_it() {
+    let srv = start(cfg(), Duration::ZERO);
+    let tok = tokenizer();
+    let text = "Hello, world! 1234 — ünïcode";
+    let v = post(srv.addr, "/tokenize", &json!({"model": "scripted", "prompt": text, "return_token_strs": true})).json();
+    let ids = tok.encode(text, true);
+    assert_eq!(v["tokens"], json!(ids));
+    assert_eq!(v["count"], ids.len());
+    assert_eq!(v["max_model_len"], 512);
+    assert_eq!(v["token_strs"].as_array().unwrap().len(), ids.len());
+    let back = post(srv.addr, "/detokenize", &json!({"tokens": ids})).json();
+    assert_eq!(back["prompt"], text);
+    // Chat messages: the count is the chat request's usage.prompt_tokens, options included.
+    let req = weather_request(false);
+    let mut t = req.clone();
+    for k in ["model", "stream", "stream_options"] {
+        t.as_object_mut().unwrap().remove(k);
+    }
+    let counted = post(srv.addr, "/tokenize", &t).json();
+    let used = post(srv.addr, "/v1/chat/completions", &req).json();
+    assert_eq!(counted["count"], used["usage"]["prompt_tokens"], "{counted}");
+    t["reasoning_effort"] = json!("none");
+    let off = post(srv.addr, "/tokenize", &t).json();
+    assert_ne!(off["tokens"], counted["tokens"], "thinking off renders differently");
+    // Bad input names the field.
+    for (path, body, param) in [
+        ("/tokenize", json!({"prompt": "a", "messages": []}), Value::Null),
+        ("/tokenize", json!({}), json!("prompt")),
+        ("/tokenize", json!({"prompt": 5}), json!("prompt")),
+        ("/tokenize", json!({"prompt": "a", "bogus": 1}), json!("bogus")),
+        ("/tokenize", json!({"model": "other", "prompt": "a"}), json!("model")),
+        (
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+            json!("messages[0].content[0].image_url"),
+        ),
+        ("/detokenize", json!({"tokens": [1, 999999999]}), json!("tokens")),
+        ("/detokenize", json!({"tokens": "12"}), json!("tokens")),
+        ("/detokenize", json!({}), json!("tokens")),
+    ] {
+        let r = post(srv.addr, path, &body);
+        assert!(r.status == 400 || r.status == 404, "{path} {body}: {} {}", r.status, r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{path} {body}: {}", r.text());
+    }
 }
 
 fn wait_metrics(addr: std::net::SocketAddr, what: &str, ok: impl Fn(&str) -> bool) -> String {
