@@ -232,6 +232,30 @@ fn greedy_golden_f32_k3_and_k31_dsa() {
 /// Four requests admitted at steps 0, 1, 3, 4 (prefills alone, decodes batched with drafted
 /// and plain rows together) = each request alone without speculation, bit for bit; with the
 /// n-gram, suffix and replay proposers.
+/// `logit_bias` reaches the verification: with greedy's first tokens banned and another one
+/// favoured, speculative output (n-gram, suffix, the replay proposer's right and wrong drafts)
+/// equals plain output under the same bias, which differs from the unbiased one.
+#[test]
+fn greedy_with_logit_bias_equals_plain() {
+    let model = golden_model("k3_small_mxfp4");
+    let vocab = model.config.text.vocab_size as u32;
+    let p = prompt(vocab, 1);
+    let (ui, unbiased, _) = drive(&model, EngineConfig::default(), &[Request::new(p.clone(), SamplingParams::greedy(), 32)], &[0]);
+    let free: Vec<u32> = unbiased[&ui[0]].iter().map(|x| x.0).collect();
+    let mut bias: Vec<(u32, f32)> = vec![(free[0], -100.0), (free[1], -100.0), (free[6], 2.5)];
+    bias.sort_by_key(|b| b.0);
+    bias.dedup_by_key(|b| b.0);
+    let req = Request::new(p.clone(), SamplingParams { logit_bias: bias, ..SamplingParams::greedy() }, 32);
+    let (pi, plain, _) = drive(&model, EngineConfig::default(), std::slice::from_ref(&req), &[0]);
+    let out: Vec<u32> = plain[&pi[0]].iter().map(|x| x.0).collect();
+    assert_ne!(out, free, "the bias must change the greedy output");
+    for (m, k, rp) in [(SpecMethod::Ngram, 4, false), (SpecMethod::Suffix, 4, false), (SpecMethod::Ngram, 4, true)] {
+        let f = rp.then(|| replay(HashMap::from([(req.prompt.clone(), out.clone())]), vocab));
+        let (si, spec, _) = drive_with(&model, spec_cfg(m, k), std::slice::from_ref(&req), &[0], f);
+        same_trace(&spec[&si[0]], &plain[&pi[0]], &format!("logit_bias, {m:?} k={k} replay={rp}"));
+    }
+}
+
 #[test]
 fn continuous_batching_equals_solo_plain() {
     let model = golden_model("k3_small_mxfp4");
