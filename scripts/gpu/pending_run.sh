@@ -14,8 +14,8 @@
 # checkout there first, e.g. `mkdir -p /work && ln -s $PWD /work/main`).
 #   test:  cuda_sample (greedy, masked, penalised and logit-biased rows = the host sampler),
 #          cuda_ops scatter_rows, cuda_kda (prefill within caps), cuda_verify (the rollback graph
-#          = the eager rollback; a replay without one refused) and cuda_spec with rollback graphs
-#          on and off.
+#          = the eager rollback; a replay without one refused) and cuda_spec (which compares
+#          rollback graphs on and off itself).
 #   bench: `k3 bench --device cuda --speculative ngram,suffix` on k3-nano with rollback graphs
 #          off, on, off, on (the rollback's time is printed both ways in each run).
 #   dist:  `parallel_serve.sh prefix` (k3 serve --tp 2 as two processes on the one GPU, the prefix
@@ -39,9 +39,8 @@ if [ "$what" = test ] || [ "$what" = all ]; then
   t cuda_sample
   t cuda_ops scatter_rows
   t cuda_kda within
-  K3_ROLLBACK_GRAPHS=1 t cuda_verify
-  K3_ROLLBACK_GRAPHS=0 t cuda_spec
-  K3_ROLLBACK_GRAPHS=1 t cuda_spec
+  t cuda_verify
+  t cuda_spec # sets rollback graphs on and off itself
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for g in 0 1 0 1; do

@@ -39,13 +39,14 @@ use crate::error::{EngineError, Result};
 use crate::gpu::GpuRunner;
 use crate::grammar::{Guide, MaskPool};
 use crate::prefix::{Admission, PrefixCache, PrefixConfig, PrefixStats};
-use crate::sampler::Sampler;
+use crate::sampler::{Sampled, Sampler};
 use crate::spec::{SpecConfig, SpecMethod};
 use crate::stop::StopMatcher;
 
 mod forward;
 #[path = "dist/engine_step.rs"]
 mod pipe_step;
+mod prompt_logprobs;
 mod request;
 mod schedule;
 #[path = "spec/engine_step.rs"]
@@ -113,6 +114,8 @@ struct Sequence {
     spec: Option<spec_step::SeqSpec>,
     /// A submitted step holds it (pipelined steps): not planned again until collected.
     in_flight: bool,
+    /// Prompt log-probabilities gathered while prefilling (`params.prompt_logprobs`).
+    prompt_lps: Vec<Sampled>,
 }
 
 pub struct Engine {

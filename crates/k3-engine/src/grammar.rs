@@ -209,6 +209,12 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
+    /// A copy at the same start with a matcher of its own (its own lexer cache), for another
+    /// sequence of the same request (`n` choices) — a plain clone shares one.
+    pub fn fork(&self) -> Constraint {
+        Constraint { matcher: self.matcher.deep_clone(), eos: self.eos, vocab: self.vocab, compile_time: self.compile_time }
+    }
+
     /// The vocabulary it was compiled for.
     pub fn vocab_size(&self) -> usize {
         self.vocab

@@ -34,6 +34,12 @@ pub struct SamplingParams {
     /// ids ascending and distinct, biases in [−100, 100] (−100 in effect bans a token).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Also report each prompt token's log-probability given the tokens before it, with this
+    /// many top alternatives (OpenAI's `echo` with `logprobs`; vLLM's `prompt_logprobs`).
+    /// Such a request is prefilled with every row's logits and never resumes from the prefix
+    /// cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -49,6 +55,7 @@ impl Default for SamplingParams {
             seed: None,
             logprobs: None,
             logit_bias: Vec::new(),
+            prompt_logprobs: None,
         }
     }
 }
@@ -85,6 +92,11 @@ impl SamplingParams {
         if let Some(n) = self.logprobs {
             if n > 20 {
                 return Err(param("top_logprobs", format!("{n} is more than 20")));
+            }
+        }
+        if let Some(n) = self.prompt_logprobs {
+            if n > 20 {
+                return Err(param("prompt_logprobs", format!("{n} is more than 20")));
             }
         }
         if self.logit_bias.len() > MAX_LOGIT_BIAS {

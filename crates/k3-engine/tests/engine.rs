@@ -124,3 +124,65 @@ fn errors_before_work() {
     assert!(err.contains("9999"), "{err}");
     assert!(!e.has_work());
 }
+
+/// `prompt_logprobs`: every prompt token after the first gets the log-probability (and top
+/// alternatives) that a full pass over the prompt gives it, whether the prompt is prefilled in
+/// one chunk or several, batched beside other sequences, and with the prefix cache on (such a
+/// request never resumes from it); the generated tokens are those of the same request without.
+#[test]
+fn prompt_logprobs_equal_a_full_pass() {
+    let m = model("k3_small_mxfp4");
+    let prompt: Vec<u32> = PROMPT.iter().cycle().take(40).enumerate().map(|(i, &t)| (t + 7 * i as u32) % 384).collect();
+    let rows = m.forward(&prompt, &mut m.new_state(), ForwardOpts { last_only: false, ..Default::default() }, None).unwrap();
+    let v = m.config.text.vocab_size;
+    let want: Vec<(f32, Vec<(u32, f32)>)> = (0..prompt.len() - 1)
+        .map(|j| {
+            let lp = k3_engine::sampler::log_softmax(&rows[j * v..(j + 1) * v]);
+            let mut idx: Vec<usize> = (0..v).collect();
+            idx.sort_by(|&a, &b| lp[b].partial_cmp(&lp[a]).unwrap().then(a.cmp(&b)));
+            (lp[prompt[j + 1] as usize], idx[..3].iter().map(|&i| (i as u32, lp[i])).collect())
+        })
+        .collect();
+    let params = SamplingParams { prompt_logprobs: Some(3), ..SamplingParams::greedy() };
+    let plain = engine(EngineConfig::default()).generate(Request::new(prompt.clone(), SamplingParams::greedy(), 4), |_| {}).unwrap().0;
+    let prefix = Some(k3_engine::PrefixConfig::new(16, 64 << 20));
+    for (what, cfg) in [
+        ("one chunk", EngineConfig::default()),
+        ("chunks of 7 beside another sequence", EngineConfig { max_batch: 2, prefill_chunk: 7, max_step_tokens: 16, ..Default::default() }),
+        ("prefix cache on", EngineConfig { prefix: prefix.clone(), ..Default::default() }),
+    ] {
+        let mut e = engine(cfg);
+        // Another sequence (and, with the cache, the same prompt cached first).
+        e.generate(Request::new(prompt.clone(), SamplingParams::greedy(), 2), |_| {}).unwrap();
+        let other = e.add(Request::new(PROMPT.to_vec(), SamplingParams::greedy(), 6)).unwrap();
+        let id = e.add(Request::new(prompt.clone(), params.clone(), 4)).unwrap();
+        let (mut got, mut out, mut cached) = (None, Vec::new(), usize::MAX);
+        while e.has_work() {
+            for ev in e.step().unwrap() {
+                if ev.seq == id {
+                    if out.is_empty() {
+                        got = ev.prompt_logprobs.clone();
+                        cached = ev.cached_tokens;
+                    } else {
+                        assert!(ev.prompt_logprobs.is_none(), "{what}: prompt logprobs come with the first token only");
+                    }
+                    out.push(ev.token);
+                } else {
+                    assert!(ev.seq != other || ev.prompt_logprobs.is_none(), "{what}: the other sequence asked for none");
+                }
+            }
+        }
+        assert_eq!(out, plain, "{what}: the generated tokens");
+        assert_eq!(cached, 0, "{what}: a request scoring its prompt is not resumed from the cache");
+        let got = got.unwrap_or_else(|| panic!("{what}: no prompt logprobs"));
+        assert_eq!(got.len(), prompt.len() - 1, "{what}");
+        for (j, (g, (lp, top))) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.token, prompt[j + 1], "{what}: position {j}");
+            assert!((g.logprob - lp).abs() < 1e-4, "{what}: position {j}: {} vs {lp}", g.logprob);
+            assert_eq!(g.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(), top.iter().map(|t| t.0).collect::<Vec<_>>(), "{what}: position {j}");
+        }
+    }
+    // Out of range: named.
+    let e = engine(EngineConfig::default()).add(Request::new(prompt, SamplingParams { prompt_logprobs: Some(21), ..Default::default() }, 1)).unwrap_err();
+    assert!(e.to_string().contains("prompt_logprobs"), "{e}");
+}

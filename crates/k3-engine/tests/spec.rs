@@ -229,9 +229,6 @@ fn greedy_golden_f32_k3_and_k31_dsa() {
     greedy_equal(golden_model("k31_small_dsa_f32"), "k31_small_dsa_f32");
 }
 
-/// Four requests admitted at steps 0, 1, 3, 4 (prefills alone, decodes batched with drafted
-/// and plain rows together) = each request alone without speculation, bit for bit; with the
-/// n-gram, suffix and replay proposers.
 /// `logit_bias` reaches the verification: with greedy's first tokens banned and another one
 /// favoured, speculative output (n-gram, suffix, the replay proposer's right and wrong drafts)
 /// equals plain output under the same bias, which differs from the unbiased one.
@@ -256,6 +253,9 @@ fn greedy_with_logit_bias_equals_plain() {
     }
 }
 
+/// Four requests admitted at steps 0, 1, 3, 4 (prefills alone, decodes batched with drafted
+/// and plain rows together) = each request alone without speculation, bit for bit; with the
+/// n-gram, suffix and replay proposers.
 #[test]
 fn continuous_batching_equals_solo_plain() {
     let model = golden_model("k3_small_mxfp4");

@@ -144,6 +144,9 @@ impl Backend for Scripted {
         if req.prompt.is_empty() {
             return Err(EngineError::Param { param: "prompt", msg: "is empty".into() });
         }
+        if req.params.prompt_logprobs.is_some() {
+            return Err(EngineError::Param { param: "prompt_logprobs", msg: "the scripted engine scores no prompts".into() });
+        }
         if req.prompt.len() >= self.max_context {
             return Err(EngineError::Context { prompt: req.prompt.len(), extra: String::new(), limit: self.max_context });
         }
@@ -193,7 +196,7 @@ impl Backend for Scripted {
             if finish.is_some() {
                 s.pos = s.out.len();
             }
-            events.push(Event { seq: s.id, token, text, sampled, finish, error: None, cached_tokens: 0 });
+            events.push(Event { seq: s.id, token, text, sampled, finish, error: None, cached_tokens: 0, prompt_logprobs: None });
         }
         self.running.retain(|s| s.pos < s.out.len());
         Ok(events)

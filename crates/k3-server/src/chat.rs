@@ -63,8 +63,8 @@ pub async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, bod
     }
 }
 
-/// Shape checks the renderer does not make.
-fn check_shapes(f: &Fields) -> Result<()> {
+/// Shape checks the renderer does not make (also `/tokenize`'s).
+pub(crate) fn check_shapes(f: &Fields) -> Result<()> {
     match f.get("messages") {
         None => return Err(bad_param("messages", "is required")),
         Some(Value::Array(a)) if a.is_empty() => return Err(bad_param("messages", "must hold at least one message")),
@@ -382,7 +382,8 @@ fn delta_json(d: &OutputDelta) -> Value {
 
 /// (completion tokens, fewest cached prompt tokens) over every choice so far.
 fn so_far(runs: &[ChatRun]) -> (usize, usize) {
-    (runs.iter().map(|r| r.tokens).sum(), runs.iter().map(|r| r.cached).min().unwrap_or(0))
+    // Cached tokens are known once a choice has its first token.
+    (runs.iter().map(|r| r.tokens).sum(), runs.iter().filter(|r| r.tokens > 0).map(|r| r.cached).min().unwrap_or(0))
 }
 
 /// The SSE stream of every choice, interleaved as their tokens come (each chunk names its

@@ -40,10 +40,10 @@ pub fn read_n(f: &crate::params::Fields, capacity: usize) -> Result<usize> {
     Ok(n)
 }
 
-/// Submits `n` copies of `req` (choice `i` seeded `seed + i` when the request has a seed). The
-/// rows `prep` builds for choice 0 (images spliced in) are reused by the others. An error
-/// (e.g. 429 when the queue fills midway) drops the sequences already submitted, which cancels
-/// them.
+/// Submits `n` copies of `req` (choice `i` seeded `seed + i` when the request has a seed, each
+/// with a grammar matcher of its own). The rows `prep` builds for choice 0 (images spliced in)
+/// are reused by the others. An error (e.g. 429 when the queue fills midway) drops the
+/// sequences already submitted, which cancels them.
 pub async fn submit_n(s: &AppState, req: Request, prep: Option<Prep>, n: usize) -> Result<Vec<Submitted>> {
     if n == 1 {
         return Ok(vec![s.sched.submit_with(req, prep).await?]);
@@ -51,10 +51,13 @@ pub async fn submit_n(s: &AppState, req: Request, prep: Option<Prep>, n: usize) 
     let rows: Arc<Mutex<Option<Arc<Vec<f32>>>>> = Arc::new(Mutex::new(None));
     let shares = prep.is_some();
     let mut first = prep;
-    let mut subs = Vec::with_capacity(n);
+    let mut pending = Vec::with_capacity(n);
     for i in 0..n {
         let mut r = req.clone();
         r.params.seed = req.params.seed.map(|s| s.wrapping_add(i as u64));
+        if i > 0 {
+            r.constraint = req.constraint.as_ref().map(|c| c.fork());
+        }
         let p: Option<Prep> = if let Some(p) = first.take() {
             // Choice 0 builds the rows (on the engine thread) and keeps them for the others.
             let keep = rows.clone();
@@ -64,7 +67,7 @@ pub async fn submit_n(s: &AppState, req: Request, prep: Option<Prep>, n: usize) 
                 Ok(())
             }))
         } else if shares {
-            // Submitted only after choice 0 was admitted, so its rows are there.
+            // Added after choice 0 on the engine thread, so its rows are there.
             let shared = rows.clone();
             Some(Box::new(move |_, r: &mut Request| {
                 let rows = shared.lock().map_err(|_| poisoned())?.clone();
@@ -74,7 +77,13 @@ pub async fn submit_n(s: &AppState, req: Request, prep: Option<Prep>, n: usize) 
         } else {
             None
         };
-        subs.push(s.sched.submit_with(r, p).await?);
+        pending.push(s.sched.send_with(r, p)?);
+    }
+    // All n are on the engine's queue before the first is admitted, so the others wait for its
+    // prefill of the shared prompt (with the prefix cache) instead of one step each.
+    let mut subs = Vec::with_capacity(n);
+    for p in pending {
+        subs.push(p.accepted().await?);
     }
     Ok(subs)
 }

@@ -1,7 +1,10 @@
 //! `POST /v1/completions`: a raw prompt (a string, or a list of token ids; a one-element list
 //! of either is accepted too) continued by the engine. Stop strings are matched by the engine
 //! on the decoded text, so `text` never contains one. Legacy `logprobs: N` is supported, and so are
-//! output constraints (`response_format`, `guided_*`: [`crate::constrain`]).
+//! output constraints (`response_format`, `guided_*`: [`crate::constrain`]). `echo` puts the
+//! prompt before the text, and with `logprobs` the prompt tokens' logprobs before the generated
+//! ones (scored by the engine's `prompt_logprobs`: lm-evaluation-harness's loglikelihood
+//! requests); `n` choices: [`crate::choices`].
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -61,9 +64,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     let mut g = GenParams::read(&f, &["max_tokens"])?;
     s.check_model(g.model.as_deref())?;
     let n = crate::choices::read_n(&f, s.sched.capacity)?;
-    if f.bool("echo")?.unwrap_or(false) {
-        return Err(bad_param("echo", "is not supported"));
-    }
+    let echo = f.bool("echo")?.unwrap_or(false);
     if f.str("suffix")?.is_some_and(|x| !x.is_empty()) {
         return Err(bad_param("suffix", "is not supported"));
     }
@@ -72,12 +73,20 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         return Err(bad_param("logprobs", format!("{n} is more than the {MAX_LOGPROBS} alternatives this endpoint returns (0..={MAX_LOGPROBS})")));
     }
     g.sampling.logprobs = logprobs;
+    if echo {
+        // The prompt's own logprobs, as the generated tokens' (`echo` with `logprobs`).
+        g.sampling.prompt_logprobs = logprobs;
+    }
     let constraint = match crate::constrain::completion_plan(&f)? {
         Some(plan) => Some(crate::constrain::compile(s.grammar.as_ref().map_err(|e| crate::error::bad_request(e.clone()))?, plan).await?),
         None => None,
     };
     let ids = prompt_ids(&s, f.get("prompt"))?;
     let prompt_tokens = ids.len();
+    let echo = match echo {
+        true => Some(Echo { text: s.tok.decode(&ids, false)?, ids: ids.clone() }),
+        false => None,
+    };
     let (prompt, room) = s.prepare_prompt(ids, g.max_tokens, "prompt", g.max_tokens_param)?;
     // OpenAI's default for completions is 16 tokens (clipped to the context, not refused).
     let max_tokens = if g.max_tokens.is_some() { room } else { room.min(16) };
@@ -92,7 +101,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         constraint,
     };
     let subs = crate::choices::submit_n(&s, request, None, n).await?;
-    let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some() };
+    let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some(), echo };
     if g.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         tokio::spawn(stream_task(s.clone(), subs, ctx, g.usage, tx));
@@ -107,6 +116,54 @@ struct Ctx {
     created: u64,
     prompt_tokens: usize,
     logprobs: bool,
+    /// `echo`: the prompt put before each choice's text (and its logprobs before the choice's).
+    echo: Option<Echo>,
+}
+
+struct Echo {
+    text: String,
+    ids: Vec<u32>,
+}
+
+impl Ctx {
+    /// The echoed prompt's text and (with `logprobs`) its legacy logprobs — the first token
+    /// has none (`null`) — from a choice's first event; `None` without `echo`.
+    fn echoed(&self, s: &AppState, first: &Event) -> Option<(String, Value)> {
+        let e = self.echo.as_ref()?;
+        // (The engine attaches prompt logprobs to the first event whenever they were asked
+        // for; a backend that cannot score prompts refuses such a request.)
+        let lp = match (first.prompt_logprobs.as_deref().unwrap_or_default(), self.logprobs) {
+            (lps, true) => {
+                let piece = |id: u32| String::from_utf8_lossy(s.tok.token_bytes(id).unwrap_or_default()).into_owned();
+                let (mut tokens, mut lp, mut tops, mut offs, mut at) = (vec![], vec![Value::Null], vec![Value::Null], vec![], 0usize);
+                for &id in &e.ids {
+                    let p = piece(id);
+                    offs.push(at);
+                    at += p.len();
+                    tokens.push(p);
+                }
+                for x in lps {
+                    lp.push(json!(x.logprob));
+                    tops.push(Value::Object(x.top_logprobs.iter().map(|&(id, l)| (piece(id), json!(l))).collect()));
+                }
+                lp.resize(e.ids.len(), Value::Null);
+                tops.resize(e.ids.len(), Value::Null);
+                json!({"tokens": tokens, "token_logprobs": lp, "top_logprobs": tops, "text_offset": offs})
+            }
+            _ => Value::Null,
+        };
+        Some((e.text.clone(), lp))
+    }
+}
+
+/// Two legacy logprobs objects, the second's arrays after the first's.
+fn concat_logprobs(mut a: Value, b: Value) -> Value {
+    for k in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(x), Some(y)) = (a[k].as_array_mut(), b[k].as_array()) {
+            x.extend(y.iter().cloned());
+        }
+    }
+    a
 }
 
 /// Legacy logprobs of a run of events (`text_offset` counted from `offset`).
@@ -147,12 +204,13 @@ async fn collect(s: AppState, subs: Vec<Submitted>, ctx: Ctx) -> Result<Response
         .iter()
         .enumerate()
         .map(|(i, (events, finish))| {
-            let text: String = events.iter().map(|e| e.text.as_str()).collect();
-            json!({
-                "index": i, "text": text,
-                "logprobs": if ctx.logprobs { logprobs_json(&s, events, 0) } else { Value::Null },
-                "finish_reason": reason(*finish),
-            })
+            let mut text: String = events.iter().map(|e| e.text.as_str()).collect();
+            let mut logprobs = if ctx.logprobs { logprobs_json(&s, events, 0) } else { Value::Null };
+            if let Some((echo, lp)) = events.first().and_then(|e| ctx.echoed(&s, e)) {
+                logprobs = if ctx.logprobs { concat_logprobs(lp, logprobs_json(&s, events, echo.len())) } else { Value::Null };
+                text = echo + &text;
+            }
+            json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason(*finish)})
         })
         .collect();
     let body = json!({
@@ -196,6 +254,19 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
         };
         match msg {
             Some(Msg::Token(ev)) => {
+                if count[i] == 0 {
+                    if let Some((echo, lp)) = ctx.echoed(&s, &ev) {
+                        // The echoed prompt first, in a chunk of its own.
+                        offset[i] = echo.len();
+                        let c = json!({
+                            "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
+                            "choices": [{"index": i, "text": echo, "logprobs": lp, "finish_reason": null}],
+                        });
+                        if tx.send(sse_data(&c)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
                 count[i] += 1;
                 cached[i] = ev.cached_tokens;
                 let lp = if ctx.logprobs { logprobs_json(&s, std::slice::from_ref(&ev), offset[i]) } else { Value::Null };
@@ -207,7 +278,11 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
                 match su {
                     StreamUsage::Off => {}
                     StreamUsage::Final => c["usage"] = Value::Null,
-                    StreamUsage::EveryChunk => c["usage"] = usage(ctx.prompt_tokens, count.iter().sum(), cached.iter().copied().min().unwrap_or(0)),
+                    StreamUsage::EveryChunk => {
+                        // Cached tokens are known once a choice has its first token.
+                        let least = cached.iter().zip(&count).filter(|(_, &n)| n > 0).map(|(&c, _)| c).min().unwrap_or(0);
+                        c["usage"] = usage(ctx.prompt_tokens, count.iter().sum(), least)
+                    }
                 }
                 if tx.send(sse_data(&c)).await.is_err() {
                     return; // client gone: dropping `subs` cancels the sequences

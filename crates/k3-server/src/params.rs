@@ -221,6 +221,7 @@ impl GenParams {
             seed,
             logprobs: None,
             logit_bias,
+            prompt_logprobs: None,
         };
         let stream = f.bool("stream")?.unwrap_or(false);
         let usage = match f.object("stream_options")? {

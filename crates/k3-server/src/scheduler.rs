@@ -54,6 +54,24 @@ pub struct SchedulerHandle {
     pub capacity: usize,
 }
 
+/// A request handed to the engine thread, its acceptance not yet seen. Dropping it cancels the
+/// sequence once added (the engine finds its answer and event receivers gone).
+pub struct Pending {
+    rx: mpsc::UnboundedReceiver<Msg>,
+    answer: oneshot::Receiver<Result<SeqId>>,
+}
+
+impl Pending {
+    /// Waits for the engine to add the request (its validation errors come back here).
+    pub async fn accepted(self) -> Result<Submitted> {
+        match self.answer.await {
+            Ok(Ok(id)) => Ok(Submitted { id, rx: self.rx }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ServerError::Unavailable("the scheduler thread has stopped".into())),
+        }
+    }
+}
+
 /// A submitted request: its id and its event stream. Dropping it cancels the sequence.
 pub struct Submitted {
     pub id: SeqId,
@@ -89,6 +107,13 @@ impl SchedulerHandle {
 
     /// [`Self::submit`], running `prep` on the engine thread before the request is added.
     pub async fn submit_with(&self, req: Request, prep: Option<Prep>) -> Result<Submitted> {
+        self.send_with(req, prep)?.accepted().await
+    }
+
+    /// Admits a request against the queue (429 when full) and hands it to the engine thread
+    /// without waiting; [`Pending::accepted`] waits for the engine's answer. Requests sent one
+    /// after another are added (and their `prep`s run) in that order.
+    pub fn send_with(&self, req: Request, prep: Option<Prep>) -> Result<Pending> {
         let cap = self.capacity;
         let admitted = self.metrics.live.fetch_update(Relaxed, Relaxed, |n| (n < cap).then_some(n + 1));
         if let Err(n) = admitted {
@@ -100,11 +125,7 @@ impl SchedulerHandle {
             self.metrics.live.fetch_sub(1, Relaxed);
             return Err(ServerError::Unavailable("the scheduler thread has stopped".into()));
         }
-        match answer.await {
-            Ok(Ok(id)) => Ok(Submitted { id, rx }),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(ServerError::Unavailable("the scheduler thread has stopped".into())),
-        }
+        Ok(Pending { rx, answer })
     }
 
     /// Cancels a sequence now (e.g. a stop string matched on the server side).

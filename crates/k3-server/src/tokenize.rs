@@ -2,7 +2,9 @@
 //! tokens without generating: `/tokenize` takes a `prompt` (as `/v1/completions` encodes it) or
 //! chat `messages` (rendered to XTML exactly as `/v1/chat/completions` renders them, with the
 //! same `tools`, thinking and template options) and answers `{"count", "max_model_len",
-//! "tokens"}` (and `"token_strs"` with `return_token_strs`); `/detokenize` takes `tokens` and
+//! "tokens"}` (and `"token_strs"` with `return_token_strs`; `add_special_tokens: false` reads
+//! special-token names in a `prompt` as plain text — no BOS is ever added, K3 has none in its
+//! prompts); `/detokenize` takes `tokens` and
 //! answers `{"prompt"}`. Image and video parts are refused here (their token count depends on
 //! the image: send the chat request). Both need the API key when the server has one.
 
@@ -67,8 +69,10 @@ async fn run_tokenize(s: AppState, headers: HeaderMap, body: Body) -> Result<Res
             if let Some(p) = crate::media::find_images(f.get("messages"))?.first() {
                 return Err(bad_param(&p.field, "image and video parts are not counted here (their tokens depend on the media): send the chat request"));
             }
+            crate::chat::check_shapes(&f)?;
             let text = std::str::from_utf8(&bytes).map_err(|_| bad_param("messages", "not UTF-8"))?;
-            let req = ChatRequest::from_json_str(text)?;
+            let mut req = ChatRequest::from_json_str(text)?;
+            req.set_image_prompts(None); // as the chat endpoint renders a text-only request
             render_chat(&s.tok, &req)?.ids
         }
     };

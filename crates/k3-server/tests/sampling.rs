@@ -198,3 +198,53 @@ fn logit_bias_bans_and_forces_tokens() {
         assert_eq!(r.json()["error"]["param"], param, "{bias}: {}", r.text());
     }
 }
+
+/// `echo` on `/v1/completions`: the prompt comes before the text and, with `logprobs`, the
+/// prompt tokens' logprobs before the generated ones (the first `null`) — the logprob echo gives
+/// a prompt token is the one a request ending just before it gives that token when it generates
+/// it (lm-evaluation-harness's loglikelihood); such requests bypass the prefix cache.
+#[test]
+fn echo_puts_the_prompt_and_its_logprobs_first() {
+    let srv = start(Some(PrefixConfig::new(PrefixConfig::GRID, 64 << 20)));
+    let tok = Tokenizer::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano")).unwrap();
+    let a: Vec<u32> = tok.encode(&"Now is the winter of our discontent made glorious summer. ".repeat(3), false);
+    let body = |prompt: &[u32], extra: Value| {
+        let mut b = json!({"model": "k3-nano", "prompt": prompt, "max_tokens": 3, "temperature": 0});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let first = post(srv.addr, "/v1/completions", &body(&a, json!({"logprobs": 2}))).json();
+    let g = tok.encode(first["choices"][0]["logprobs"]["tokens"][0].as_str().unwrap(), false);
+    assert_eq!(g.len(), 1);
+    let lp_g = first["choices"][0]["logprobs"]["token_logprobs"][0].as_f64().unwrap();
+    // Twice: the second time the prompt's cells are in the cache, and must not be used.
+    let ag: Vec<u32> = a.iter().copied().chain(g.iter().copied()).collect();
+    for round in 0..2 {
+        let v = post(srv.addr, "/v1/completions", &body(&ag, json!({"logprobs": 2, "echo": true}))).json();
+        let c = &v["choices"][0];
+        let text = c["text"].as_str().unwrap();
+        assert!(text.starts_with(&tok.decode(&ag, false).unwrap()), "round {round}: {text:?}");
+        let lp = &c["logprobs"];
+        let n = ag.len() + 3;
+        for k in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            assert_eq!(lp[k].as_array().unwrap().len(), n, "round {round}: {k}: {lp}");
+        }
+        assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(), "{lp}");
+        let offs: Vec<u64> = lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+        assert!(offs.windows(2).all(|w| w[0] <= w[1]), "{offs:?}");
+        let echoed = lp["token_logprobs"][a.len()].as_f64().unwrap();
+        assert!((echoed - lp_g).abs() < 1e-4, "round {round}: echo scores the token {echoed}, generating it gave {lp_g}");
+        assert_eq!(lp["top_logprobs"][a.len()].as_object().unwrap().len(), 2);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "round {round}: {}", v["usage"]);
+    }
+    // Without logprobs: the text only. Streamed: the prompt in the first chunk.
+    let plain = post(srv.addr, "/v1/completions", &body(&a, json!({}))).json();
+    let echoed = post(srv.addr, "/v1/completions", &body(&a, json!({"echo": true}))).json();
+    let prompt_text = tok.decode(&a, false).unwrap();
+    assert_eq!(echoed["choices"][0]["text"].as_str().unwrap(), prompt_text.clone() + plain["choices"][0]["text"].as_str().unwrap());
+    assert!(echoed["choices"][0]["logprobs"].is_null());
+    let s = post(srv.addr, "/v1/completions", &body(&a, json!({"echo": true, "stream": true, "logprobs": 1})));
+    let firstchunk: Value = serde_json::from_str(&s.sse()[0]).unwrap();
+    assert_eq!(firstchunk["choices"][0]["text"].as_str().unwrap(), prompt_text);
+    assert_eq!(firstchunk["choices"][0]["logprobs"]["tokens"].as_array().unwrap().len(), a.len());
+}

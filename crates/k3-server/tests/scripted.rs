@@ -243,7 +243,7 @@ fn errors_have_openai_shape_and_status() {
         ("/v1/completions", json!({"prompt": {"a": 1}}).to_string().into_bytes(), 400, Some("prompt")),
         ("/v1/completions", json!({"prompt": [1, -2]}).to_string().into_bytes(), 400, Some("prompt")),
         ("/v1/completions", json!({"prompt": [99999999]}).to_string().into_bytes(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": "x", "echo": true}).to_string().into_bytes(), 400, Some("echo")),
+        ("/v1/completions", json!({"prompt": "x", "echo": true, "logprobs": 1}).to_string().into_bytes(), 400, Some("prompt_logprobs")),
         ("/v1/completions", json!({"prompt": "x", "min_p": 1.5}).to_string().into_bytes(), 400, Some("min_p")),
         ("/v1/nothing", b"{}".to_vec(), 404, None),
     ];
@@ -318,6 +318,7 @@ fn tokenize_counts_what_the_chat_renders_and_detokenize_inverts_it() {
     for (path, body, param) in [
         ("/tokenize", json!({"prompt": "a", "messages": []}), Value::Null),
         ("/tokenize", json!({}), json!("prompt")),
+        ("/tokenize", json!({"messages": []}), json!("messages")),
         ("/tokenize", json!({"prompt": 5}), json!("prompt")),
         ("/tokenize", json!({"prompt": "a", "bogus": 1}), json!("bogus")),
         ("/tokenize", json!({"model": "other", "prompt": "a"}), json!("model")),

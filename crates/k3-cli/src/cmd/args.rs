@@ -232,6 +232,7 @@ impl SamplingArgs {
                 b.sort_by_key(|e| e.0);
                 b
             },
+            prompt_logprobs: None,
         }
     }
 }

@@ -91,6 +91,11 @@ pub trait Runner: Send {
     fn release(&mut self, id: SeqId);
     /// One batched forward: logits `[B, vocab]` with `step.last_only` (else `[N, vocab]`).
     fn forward(&mut self, step: Step) -> Result<Vec<f32>>;
+    /// Whether [`Runner::forward`] returns every row's logits (`last_only = false`) outside
+    /// verification (prompt logprobs need them).
+    fn all_row_logits(&self) -> bool {
+        false
+    }
     /// Whether [`Runner::forward_sample`] samples on this runner's device (only token ids and
     /// logprobs come back from it), rather than on the host from downloaded logits.
     fn samples_on_device(&self) -> bool {

@@ -234,6 +234,9 @@ impl ThreadRunner {
 }
 
 impl Runner for ThreadRunner {
+    fn all_row_logits(&self) -> bool {
+        true
+    }
     fn expert_cache_stats(&self) -> Option<k3_model::offload::CacheStats> {
         self.leader.model().expert_cache().map(|c| c.stats())
     }

@@ -27,6 +27,9 @@ impl Engine {
     /// samples where the logits are (`Runner::forward_sample`): the rows to sample — draws,
     /// penalties, grammar masks — are made while its forward runs.
     pub(super) fn plain_forward(&mut self, plan: &[(usize, Vec<u32>)], limit: usize, events: &mut Vec<Event>, finished: &mut Vec<usize>) -> Result<()> {
+        if self.wants_all_rows(plan) {
+            return self.all_rows_forward(plan, limit, events, finished);
+        }
         let t0 = Instant::now();
         // The step every rank runs: ids and new tokens, and a prefill chunk's own input rows.
         let seqs = plan.iter().map(|(i, toks)| self.step_seq(*i, toks)).collect();
@@ -185,8 +188,12 @@ pub(super) fn push_token(
     masks: Option<&MaskPool>,
 ) -> Event {
     let tok = sampled.token;
+    let mut prompt_logprobs = None;
     if s.output.is_empty() {
         s.stats.ttft = s.admitted.elapsed();
+        if s.req.params.prompt_logprobs.is_some() {
+            prompt_logprobs = Some(std::mem::take(&mut s.prompt_lps));
+        }
     }
     s.output.push(tok);
     s.stats.output_tokens += 1;
@@ -209,6 +216,7 @@ pub(super) fn push_token(
             finish: Some(FinishReason::Stop),
             error: Some(e),
             cached_tokens: s.stats.cached_tokens,
+            prompt_logprobs,
         };
     }
     let mut text = String::new();
@@ -247,5 +255,5 @@ pub(super) fn push_token(
             g.prefetch(pool); // computes while the next forward runs
         }
     }
-    Event { seq: s.id, token: tok, text, sampled, finish, error: None, cached_tokens: s.stats.cached_tokens }
+    Event { seq: s.id, token: tok, text, sampled, finish, error: None, cached_tokens: s.stats.cached_tokens, prompt_logprobs }
 }

@@ -63,6 +63,10 @@ pub struct Event {
     /// The output constraint failed (its message); set with `finish`, and `token` is not part
     /// of a valid output.
     pub error: Option<String>,
+    /// On the first event of a request with `params.prompt_logprobs`: prompt tokens 1.. each
+    /// with its log-probability (and top alternatives) given the tokens before it (the first
+    /// prompt token has none); `None` otherwise.
+    pub prompt_logprobs: Option<Vec<Sampled>>,
 }
 
 /// Per-sequence timing, for `k3 run` / `k3 bench` and the server's metrics.

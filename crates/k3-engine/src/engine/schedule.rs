@@ -75,7 +75,17 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         let h = cfg.text.hidden_size;
-        let keys = self.prefix.as_ref().map(|pc| pc.keys(&req.prompt, req.prompt_embeds.as_deref().map(Vec::as_slice), h)).unwrap_or_default();
+        if req.params.prompt_logprobs.is_some() && (!self.runner.all_row_logits() || self.pipeline_depth() > 1) {
+            return Err(param(
+                "prompt_logprobs",
+                "prompt logprobs (`echo` with `logprobs`) need every prompt row's logits, and this backend returns the last row's only: use the CPU backend without pipelined stages",
+            ));
+        }
+        // A request scoring its prompt needs every prompt row computed: no prefix-cache keys.
+        let keys = match (&self.prefix, req.params.prompt_logprobs) {
+            (Some(pc), None) => pc.keys(&req.prompt, req.prompt_embeds.as_deref().map(Vec::as_slice), h),
+            _ => Vec::new(),
+        };
         let seq = Sequence {
             id,
             pos: 0,
@@ -91,6 +101,7 @@ impl Engine {
             prefix: Admission { keys, ..Default::default() },
             req,
             in_flight: false,
+            prompt_lps: Vec::new(),
         };
         self.waiting.push_back(seq);
         Ok(id)

@@ -259,6 +259,16 @@ def _():
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, logprobs=2, **GREEDY)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 4
     assert len(r.choices[0].logprobs.token_logprobs) == 4
+    # echo with logprobs (lm-evaluation-harness's loglikelihood requests): the prompt's tokens
+    # first, the first without a logprob, then the generated ones as without echo.
+    e = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, logprobs=2, echo=True, **GREEDY)
+    lp = e.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 4 and lp.token_logprobs[0] is None, lp
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:]), lp
+    # (the same tokens; their logprobs within rounding: all rows' logits come from one GEMM)
+    assert lp.tokens[len(ids):] == r.choices[0].logprobs.tokens, (lp, r.choices[0].logprobs)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[len(ids):], r.choices[0].logprobs.token_logprobs)), (lp, r.choices[0].logprobs)
+    assert e.choices[0].text.endswith(r.choices[0].text)
 
 
 @check("stop strings")
