@@ -127,12 +127,13 @@ fn errors_before_work() {
 
 /// `prompt_logprobs`: every prompt token after the first gets the log-probability (and top
 /// alternatives) that a full pass over the prompt gives it, whether the prompt is prefilled in
-/// one chunk or several, batched beside other sequences, and with the prefix cache on (such a
+/// the default chunks or in chunks of 7 batched beside other sequences, and with the prefix cache on (such a
 /// request never resumes from it); the generated tokens are those of the same request without.
 #[test]
 fn prompt_logprobs_equal_a_full_pass() {
     let m = model("k3_small_mxfp4");
-    let prompt: Vec<u32> = PROMPT.iter().cycle().take(40).enumerate().map(|(i, &t)| (t + 7 * i as u32) % 384).collect();
+    // 300 tokens: more than a step prefills of such a request (256).
+    let prompt: Vec<u32> = PROMPT.iter().cycle().take(300).enumerate().map(|(i, &t)| (t + 7 * i as u32) % 384).collect();
     let rows = m.forward(&prompt, &mut m.new_state(), ForwardOpts { last_only: false, ..Default::default() }, None).unwrap();
     let v = m.config.text.vocab_size;
     let want: Vec<(f32, Vec<(u32, f32)>)> = (0..prompt.len() - 1)
@@ -147,7 +148,7 @@ fn prompt_logprobs_equal_a_full_pass() {
     let plain = engine(EngineConfig::default()).generate(Request::new(prompt.clone(), SamplingParams::greedy(), 4), |_| {}).unwrap().0;
     let prefix = Some(k3_engine::PrefixConfig::new(16, 64 << 20));
     for (what, cfg) in [
-        ("one chunk", EngineConfig::default()),
+        ("default chunks (256 + 44)", EngineConfig::default()),
         ("chunks of 7 beside another sequence", EngineConfig { max_batch: 2, prefill_chunk: 7, max_step_tokens: 16, ..Default::default() }),
         ("prefix cache on", EngineConfig { prefix: prefix.clone(), ..Default::default() }),
     ] {

@@ -18,6 +18,10 @@ use crate::stop::StopMatcher;
 /// Most mask worker threads (one mask per constrained sequence is in flight at a time).
 const MASK_THREADS: usize = 4;
 
+/// The most prompt tokens a step prefills of a request that wants prompt logprobs (each row's
+/// logits `[vocab]` come back: 256 × 163,840 f32 = 168 MB for K3).
+const PROMPT_LOGPROBS_CHUNK: usize = 256;
+
 impl Engine {
     /// Tokens a sequence can reach: its prompt plus `max_tokens`, capped at the context limit.
     fn worst_case(s: &Sequence, limit: usize) -> usize {
@@ -209,6 +213,8 @@ impl Engine {
                     },
                     None => left.min(self.config.prefill_chunk).min(budget),
                 };
+                // A prompt scored row by row brings every row's logits back: keep them bounded.
+                let n = if s.req.params.prompt_logprobs.is_some() { n.min(PROMPT_LOGPROBS_CHUNK) } else { n };
                 plan.push((i, s.req.prompt[s.done..s.done + n].to_vec()));
                 budget = budget.saturating_sub(n);
             }
