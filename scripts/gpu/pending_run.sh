@@ -1,10 +1,11 @@
 #!/bin/bash
 # k3rs: the GPU checks that gate what is built but off by default or not yet run on a GPU, in one
 # device call (issues 20–22): the rollback graphs (K3_ROLLBACK_GRAPHS=1), the prefix cache on
-# multi-process GPU layouts (K3_DIST_PREFIX=1), and the device sampler's logit_bias.
+# multi-process GPU layouts (K3_DIST_PREFIX=1), the device sampler's logit_bias and the GPU
+# runner's prompt logprobs (echo).
 # Staging: build here (no CUDA needed) —
 #   cargo build --release -p k3-cli --features cuda
-#   cargo test --release --features cuda -p k3-engine --test cuda_sample --test cuda_spec --no-run
+#   cargo test --release --features cuda -p k3-engine --test cuda_sample --test cuda_spec --test cuda_prompt_logprobs --no-run
 #   cargo test --release --features cuda -p k3-model --test cuda_verify --no-run
 #   cargo test --release --features cuda -p k3-core --test cuda_ops --test cuda_kda --no-run
 #   copy k3 and the test executables to .dev/pend/ under their stems, strip them, and pack them:
@@ -13,6 +14,7 @@
 # carried (the test executables find models/k3-nano through the path they were built in: link the
 # checkout there first, e.g. `mkdir -p /work && ln -s $PWD /work/main`).
 #   test:  cuda_sample (greedy, masked, penalised and logit-biased rows = the host sampler),
+#          cuda_prompt_logprobs (echo's prompt logprobs on the GPU runner = the CPU engine's),
 #          cuda_ops scatter_rows, cuda_kda (prefill within caps), cuda_verify (the rollback graph
 #          = the eager rollback; a replay without one refused) and cuda_spec (which compares
 #          rollback graphs on and off itself).
@@ -37,6 +39,7 @@ t() {
 }
 if [ "$what" = test ] || [ "$what" = all ]; then
   t cuda_sample
+  t cuda_prompt_logprobs
   t cuda_ops scatter_rows
   t cuda_kda within
   t cuda_verify

@@ -374,6 +374,14 @@ fn unsupported_runner_decodes_plainly() {
     let (plain, _, _) = Engine::new(model, None, EngineConfig::default()).generate(req, |_| {}).unwrap();
     assert_eq!(out, plain);
     assert_eq!(st.spec.drafted, 0);
+    // Nor does it return every row's logits: a request for prompt logprobs is refused by name.
+    let scored = Request::new(prompt(model_vocab(&e), 1), SamplingParams { prompt_logprobs: Some(1), ..SamplingParams::greedy() }, 4);
+    let err = e.add(scored).unwrap_err().to_string();
+    assert!(err.contains("prompt_logprobs") && err.contains("last row"), "{err}");
+}
+
+fn model_vocab(e: &Engine) -> u32 {
+    e.runner.config().text.vocab_size as u32
 }
 
 /// Speculative decoding with the prefix cache on (issue 21): a second turn that resumes from the

@@ -4,8 +4,9 @@
 //! log-probability of the prompt token that follows it (with the top alternatives, from the
 //! raw `log_softmax` as every reported logprob), then samples the step's last rows on the host
 //! as a plain step does. Only runners that return every row outside verification
-//! ([`crate::dist::runner::Runner::all_row_logits`]) take such requests; the prefix cache is
-//! bypassed for them (a resumed prefix has no logits).
+//! ([`crate::dist::runner::Runner::all_row_logits`]: the CPU ranks as threads, the one-process
+//! GPU runner) take such requests; the prefix cache is bypassed for them (a resumed prefix has
+//! no logits).
 //!
 //! Shapes: the step's logits `[N, vocab]` for its N tokens, sequence after sequence; the rows
 //! handed to sampling `[plan.len(), vocab]`, each entry's last row.

@@ -82,7 +82,7 @@ impl Engine {
         if req.params.prompt_logprobs.is_some() && (!self.runner.all_row_logits() || self.pipeline_depth() > 1) {
             return Err(param(
                 "prompt_logprobs",
-                "prompt logprobs (`echo` with `logprobs`) need every prompt row's logits, and this backend returns the last row's only: use the CPU backend without pipelined stages",
+                "prompt logprobs (`echo` with `logprobs`) need every prompt row's logits, and this backend returns the last row's only: use the CPU backend or one GPU process, without pipelined stages",
             ));
         }
         // A request scoring its prompt needs every prompt row computed: no prefix-cache keys.
