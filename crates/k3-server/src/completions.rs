@@ -239,6 +239,20 @@ async fn collect_choice(mut sub: Submitted) -> Result<(Vec<Event>, Option<Finish
     }
 }
 
+/// A chunk's `usage` per `stream_options`: absent, `null`, or the usage so far (`count`
+/// tokens and `cached` prompt tokens per choice; cached tokens are known once a choice has its
+/// first token).
+fn put_usage(c: &mut Value, su: StreamUsage, prompt: usize, count: &[usize], cached: &[usize]) {
+    match su {
+        StreamUsage::Off => {}
+        StreamUsage::Final => c["usage"] = Value::Null,
+        StreamUsage::EveryChunk => {
+            let least = cached.iter().zip(count).filter(|(_, &n)| n > 0).map(|(&c, _)| c).min().unwrap_or(0);
+            c["usage"] = usage(prompt, count.iter().sum(), least);
+        }
+    }
+}
+
 /// The SSE stream of every choice, interleaved as their tokens come (each chunk names its
 /// choice's `index`); the usage chunk and `[DONE]` once all have finished.
 async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: StreamUsage, tx: mpsc::Sender<Bytes>) {
@@ -258,10 +272,11 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
                     if let Some((echo, lp)) = ctx.echoed(&s, &ev) {
                         // The echoed prompt first, in a chunk of its own.
                         offset[i] = echo.len();
-                        let c = json!({
+                        let mut c = json!({
                             "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
                             "choices": [{"index": i, "text": echo, "logprobs": lp, "finish_reason": null}],
                         });
+                        put_usage(&mut c, su, ctx.prompt_tokens, &count, &cached);
                         if tx.send(sse_data(&c)).await.is_err() {
                             return;
                         }
@@ -275,15 +290,7 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
                     "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
                     "choices": [{"index": i, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish.map(|f| reason(Some(f)))}],
                 });
-                match su {
-                    StreamUsage::Off => {}
-                    StreamUsage::Final => c["usage"] = Value::Null,
-                    StreamUsage::EveryChunk => {
-                        // Cached tokens are known once a choice has its first token.
-                        let least = cached.iter().zip(&count).filter(|(_, &n)| n > 0).map(|(&c, _)| c).min().unwrap_or(0);
-                        c["usage"] = usage(ctx.prompt_tokens, count.iter().sum(), least)
-                    }
-                }
+                put_usage(&mut c, su, ctx.prompt_tokens, &count, &cached);
                 if tx.send(sse_data(&c)).await.is_err() {
                     return; // client gone: dropping `subs` cancels the sequences
                 }
