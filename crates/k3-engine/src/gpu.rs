@@ -289,25 +289,6 @@ mod imp {
 
     impl GpuRunner {
         /// `run` (a packed forward) on `step`'s sequences, taken out of the map and put back.
-        /// Every row's logits `[N, vocab]` of an eager step (prompt logprobs; one process: the
-        /// model's `forward_varlen`, as `k3 logits --device cuda` runs it).
-        fn all_rows(&mut self, step: &Step) -> Result<Vec<f32>> {
-            if self.model.plan.par.world() != 1 {
-                return Err(EngineError::Internal("every row's logits are returned by a one-process GPU runner only".into()));
-            }
-            let mut t = self.take_step(step, true)?;
-            let out = {
-                let mut seqs: Vec<&mut CudaSeqState> = t.seqs.iter_mut().map(|(_, g)| &mut g.state).collect();
-                let input = match &t.emb {
-                    Some(e) => Input::Embeds(e),
-                    None => Input::Tokens(&t.tokens),
-                };
-                self.model.forward_varlen(input, &t.lens, &mut seqs, false).map_err(EngineError::from)
-            };
-            self.seqs.extend(t.seqs);
-            out
-        }
-
         fn on_step<R>(&mut self, step: &Step, run: Packed<R>) -> Result<R> {
             let mut t = self.take_step(step, false)?;
             let out = {

@@ -12,7 +12,8 @@
 //! (`RollbackRun::Replay`), or run eagerly per sequence (`RollbackRun::PerSequence`, the
 //! reference) after an eager step and unless `K3_ROLLBACK_GRAPHS=1` ([`GpuRunner::set_rollback_graphs`]).
 //! `K3_VERIFY_CHECK=graph|eager` (a diagnostic, slow) runs each replayed step three ways from
-//! the same state and prints how they differ ([`checked`]).
+//! the same state and prints how they differ ([`checked`]). Beside verification, the other step
+//! that wants every row's logits: [`GpuRunner::all_rows`] (prompt logprobs), eager.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
@@ -22,8 +23,9 @@ use k3_model::cuda::{CudaSeqState, Input, RollbackRun, VerifyGraph, VerifyRun};
 
 use super::imp::{GpuRunner, GpuSeq, Taken};
 use super::VerifyStats;
+use crate::dist::runner::Step;
 use crate::engine::SeqId;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 /// Verify graphs a runner keeps.
 pub const MAX_GRAPHS: usize = 32;
@@ -74,6 +76,25 @@ impl VerifyGraphs {
 }
 
 impl GpuRunner {
+    /// Every row's logits `[N, vocab]` of an eager step (prompt logprobs; one process: the
+    /// model's `forward_varlen`, as `k3 logits --device cuda` runs it).
+    pub(super) fn all_rows(&mut self, step: &Step) -> Result<Vec<f32>> {
+        if self.model.plan.par.world() != 1 {
+            return Err(EngineError::Internal("every row's logits are returned by a one-process GPU runner only".into()));
+        }
+        let mut t = self.take_step(step, true)?;
+        let out = {
+            let mut seqs: Vec<&mut CudaSeqState> = t.seqs.iter_mut().map(|(_, g)| &mut g.state).collect();
+            let input = match &t.emb {
+                Some(e) => Input::Embeds(e),
+                None => Input::Tokens(&t.tokens),
+            };
+            self.model.forward_varlen(input, &t.lens, &mut seqs, false).map_err(EngineError::from)
+        };
+        self.seqs.extend(t.seqs);
+        out
+    }
+
     /// Turns the capture of verify steps on or off (for A/B runs in one process); decode
     /// graphs off (`use_graphs`) turn it off too.
     pub fn set_verify_graphs(&mut self, on: bool) {
