@@ -10,7 +10,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use k3_engine::{Event, FinishReason, Request};
+use k3_engine::{EngineError, Event, FinishReason, Request};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
@@ -83,10 +83,7 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
     };
     let ids = prompt_ids(&s, f.get("prompt"))?;
     let prompt_tokens = ids.len();
-    let echo = match echo {
-        true => Some(Echo { text: s.tok.decode(&ids, false)?, ids: ids.clone() }),
-        false => None,
-    };
+    let echo = echo.then(|| Echo::new(&s, &ids));
     let (prompt, room) = s.prepare_prompt(ids, g.max_tokens, "prompt", g.max_tokens_param)?;
     // OpenAI's default for completions is 16 tokens (clipped to the context, not refused).
     let max_tokens = if g.max_tokens.is_some() { room } else { room.min(16) };
@@ -100,7 +97,11 @@ async fn run(s: AppState, headers: HeaderMap, body: Body) -> Result<Response> {
         ignore_eos: g.ignore_eos,
         constraint,
     };
-    let subs = crate::choices::submit_n(&s, request, None, n).await?;
+    let subs = crate::choices::submit_n(&s, request, None, n).await.map_err(|e| match e {
+        // The engine names its parameter; this client sent `echo` (with `logprobs`).
+        ServerError::Engine(EngineError::Param { param: "prompt_logprobs", msg }) => bad_param("echo", format!("with `logprobs`: {msg}")),
+        e => e,
+    })?;
     let ctx = Ctx { id: new_id("cmpl"), created: now_secs(), prompt_tokens, logprobs: logprobs.is_some(), echo };
     if g.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
@@ -121,8 +122,27 @@ struct Ctx {
 }
 
 struct Echo {
+    /// The prompt decoded one token at a time as generated text is (UTF-8 held back across
+    /// tokens), so that `offsets` index into it.
     text: String,
     ids: Vec<u32>,
+    /// Where each prompt token's text starts in `text`, in characters.
+    offsets: Vec<usize>,
+}
+
+impl Echo {
+    fn new(s: &AppState, ids: &[u32]) -> Echo {
+        let mut utf8 = k3_tokenizer::stream::Utf8Stream::new();
+        let (mut text, mut offsets, mut at) = (String::new(), Vec::with_capacity(ids.len()), 0usize);
+        for &id in ids {
+            offsets.push(at);
+            let t = utf8.push(s.tok.token_bytes(id).unwrap_or_default());
+            at += t.chars().count();
+            text.push_str(&t);
+        }
+        text.push_str(&utf8.finish());
+        Echo { text, ids: ids.to_vec(), offsets }
+    }
 }
 
 impl Ctx {
@@ -135,20 +155,15 @@ impl Ctx {
         let lp = match (first.prompt_logprobs.as_deref().unwrap_or_default(), self.logprobs) {
             (lps, true) => {
                 let piece = |id: u32| String::from_utf8_lossy(s.tok.token_bytes(id).unwrap_or_default()).into_owned();
-                let (mut tokens, mut lp, mut tops, mut offs, mut at) = (vec![], vec![Value::Null], vec![Value::Null], vec![], 0usize);
-                for &id in &e.ids {
-                    let p = piece(id);
-                    offs.push(at);
-                    at += p.len();
-                    tokens.push(p);
-                }
+                let (mut lp, mut tops) = (vec![Value::Null], vec![Value::Null]);
+                let tokens: Vec<String> = e.ids.iter().map(|&id| piece(id)).collect();
                 for x in lps {
                     lp.push(json!(x.logprob));
                     tops.push(Value::Object(x.top_logprobs.iter().map(|&(id, l)| (piece(id), json!(l))).collect()));
                 }
                 lp.resize(e.ids.len(), Value::Null);
                 tops.resize(e.ids.len(), Value::Null);
-                json!({"tokens": tokens, "token_logprobs": lp, "top_logprobs": tops, "text_offset": offs})
+                json!({"tokens": tokens, "token_logprobs": lp, "top_logprobs": tops, "text_offset": e.offsets})
             }
             _ => Value::Null,
         };
@@ -166,7 +181,8 @@ fn concat_logprobs(mut a: Value, b: Value) -> Value {
     a
 }
 
-/// Legacy logprobs of a run of events (`text_offset` counted from `offset`).
+/// Legacy logprobs of a run of events (`text_offset` in characters, counted from `offset`, as
+/// OpenAI counts them).
 fn logprobs_json(s: &AppState, events: &[Event], mut offset: usize) -> Value {
     let piece = |id: u32| String::from_utf8_lossy(s.tok.token_bytes(id).unwrap_or_default()).into_owned();
     let (mut tokens, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
@@ -176,7 +192,7 @@ fn logprobs_json(s: &AppState, events: &[Event], mut offset: usize) -> Value {
         let top: Map<String, Value> = e.sampled.top_logprobs.iter().map(|&(id, lp)| (piece(id), json!(lp))).collect();
         tops.push(Value::Object(top));
         offs.push(offset);
-        offset += e.text.len();
+        offset += e.text.chars().count();
     }
     json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
 }
@@ -207,7 +223,7 @@ async fn collect(s: AppState, subs: Vec<Submitted>, ctx: Ctx) -> Result<Response
             let mut text: String = events.iter().map(|e| e.text.as_str()).collect();
             let mut logprobs = if ctx.logprobs { logprobs_json(&s, events, 0) } else { Value::Null };
             if let Some((echo, lp)) = events.first().and_then(|e| ctx.echoed(&s, e)) {
-                logprobs = if ctx.logprobs { concat_logprobs(lp, logprobs_json(&s, events, echo.len())) } else { Value::Null };
+                logprobs = if ctx.logprobs { concat_logprobs(lp, logprobs_json(&s, events, echo.chars().count())) } else { Value::Null };
                 text = echo + &text;
             }
             json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason(*finish)})
@@ -271,7 +287,7 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
                 if count[i] == 0 {
                     if let Some((echo, lp)) = ctx.echoed(&s, &ev) {
                         // The echoed prompt first, in a chunk of its own.
-                        offset[i] = echo.len();
+                        offset[i] = echo.chars().count();
                         let mut c = json!({
                             "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
                             "choices": [{"index": i, "text": echo, "logprobs": lp, "finish_reason": null}],
@@ -285,7 +301,7 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
                 count[i] += 1;
                 cached[i] = ev.cached_tokens;
                 let lp = if ctx.logprobs { logprobs_json(&s, std::slice::from_ref(&ev), offset[i]) } else { Value::Null };
-                offset[i] += ev.text.len();
+                offset[i] += ev.text.chars().count();
                 let mut c = json!({
                     "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
                     "choices": [{"index": i, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish.map(|f| reason(Some(f)))}],

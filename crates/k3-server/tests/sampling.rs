@@ -247,4 +247,17 @@ fn echo_puts_the_prompt_and_its_logprobs_first() {
     let firstchunk: Value = serde_json::from_str(&s.sse()[0]).unwrap();
     assert_eq!(firstchunk["choices"][0]["text"].as_str().unwrap(), prompt_text);
     assert_eq!(firstchunk["choices"][0]["logprobs"]["tokens"].as_array().unwrap().len(), a.len());
+    // Characters split across tokens: the echoed text is the prompt, and the offsets (in
+    // characters) index into it, then go on into the generated text.
+    let text = "héllo wörld, 世界 🌍 — ünïcode ☃";
+    let v =
+        post(srv.addr, "/v1/completions", &json!({"model": "k3-nano", "prompt": text, "max_tokens": 3, "temperature": 0, "echo": true, "logprobs": 1})).json();
+    let c = &v["choices"][0];
+    let out = c["text"].as_str().unwrap();
+    assert!(out.starts_with(text), "{out:?}");
+    let offs: Vec<usize> = c["logprobs"]["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap() as usize).collect();
+    let p = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(offs.windows(2).all(|w| w[0] <= w[1]), "{offs:?}");
+    assert!(offs[p - 1] < text.chars().count() && offs[p] == text.chars().count(), "{offs:?} for {} characters", text.chars().count());
+    assert!(offs.iter().all(|&o| o <= out.chars().count()));
 }

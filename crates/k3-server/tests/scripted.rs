@@ -243,7 +243,7 @@ fn errors_have_openai_shape_and_status() {
         ("/v1/completions", json!({"prompt": {"a": 1}}).to_string().into_bytes(), 400, Some("prompt")),
         ("/v1/completions", json!({"prompt": [1, -2]}).to_string().into_bytes(), 400, Some("prompt")),
         ("/v1/completions", json!({"prompt": [99999999]}).to_string().into_bytes(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": "x", "echo": true, "logprobs": 1}).to_string().into_bytes(), 400, Some("prompt_logprobs")),
+        ("/v1/completions", json!({"prompt": "x", "echo": true, "logprobs": 1}).to_string().into_bytes(), 400, Some("echo")),
         ("/v1/completions", json!({"prompt": "x", "min_p": 1.5}).to_string().into_bytes(), 400, Some("min_p")),
         ("/v1/nothing", b"{}".to_vec(), 404, None),
     ];

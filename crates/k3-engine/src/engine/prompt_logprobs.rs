@@ -8,6 +8,9 @@
 //! GPU runner) take such requests; the prefix cache is bypassed for them (a resumed prefix has
 //! no logits).
 //!
+//! While such a prefill is planned a step prefills at most 256 tokens in all (`schedule.rs`):
+//! the other prefills' rows come back too.
+//!
 //! Shapes: the step's logits `[N, vocab]` for its N tokens, sequence after sequence; the rows
 //! handed to sampling `[plan.len(), vocab]`, each entry's last row.
 

@@ -18,9 +18,9 @@ use crate::stop::StopMatcher;
 /// Most mask worker threads (one mask per constrained sequence is in flight at a time).
 const MASK_THREADS: usize = 4;
 
-/// The most prompt tokens a step prefills of a request that wants prompt logprobs (each row's
-/// logits `[vocab]` come back: 256 × 163,840 f32 = 168 MB for K3).
-const PROMPT_LOGPROBS_CHUNK: usize = 256;
+/// The most prompt tokens a step prefills while it holds a prefill of a request that wants
+/// prompt logprobs (every row's logits `[vocab]` come back: 256 × 163,840 f32 = 168 MB for K3).
+const PROMPT_LOGPROBS_ROWS: usize = 256;
 
 impl Engine {
     /// Tokens a sequence can reach: its prompt plus `max_tokens`, capped at the context limit.
@@ -195,6 +195,11 @@ impl Engine {
                 }
             }
         }
+        // A step that scores a prompt brings every row's logits back (`prompt_logprobs.rs`),
+        // its other prefills' rows too: bound its prefill rows.
+        if self.running.iter().any(|s| !s.in_flight && s.req.params.prompt_logprobs.is_some() && s.done < s.req.prompt.len()) {
+            budget = budget.min(PROMPT_LOGPROBS_ROWS);
+        }
         for (i, s) in self.running.iter().enumerate().filter(|(_, s)| !s.in_flight) {
             let left = s.req.prompt.len() - s.done;
             if left > 0 && budget > 0 {
@@ -213,8 +218,6 @@ impl Engine {
                     },
                     None => left.min(self.config.prefill_chunk).min(budget),
                 };
-                // A prompt scored row by row brings every row's logits back: keep them bounded.
-                let n = if s.req.params.prompt_logprobs.is_some() { n.min(PROMPT_LOGPROBS_CHUNK) } else { n };
                 plan.push((i, s.req.prompt[s.done..s.done + n].to_vec()));
                 budget = budget.saturating_sub(n);
             }
