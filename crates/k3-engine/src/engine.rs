@@ -118,6 +118,14 @@ struct Sequence {
     prompt_lps: Vec<Sampled>,
 }
 
+impl Sequence {
+    /// Whether it wants prompt logprobs and still has prompt to prefill: a step that holds it
+    /// brings every row's logits back (`engine/prompt_logprobs.rs`).
+    fn scores_prompt(&self) -> bool {
+        self.req.params.prompt_logprobs.is_some() && self.done < self.req.prompt.len()
+    }
+}
+
 pub struct Engine {
     /// Where the forwards run (and the model's config and embedding rows come from).
     pub runner: Box<dyn Runner>,

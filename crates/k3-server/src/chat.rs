@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::error::{bad_param, Result, ServerError};
 use crate::media;
-use crate::params::{parse_body, Fields, GenParams, StreamUsage};
+use crate::params::{parse_body, usage, Fields, GenParams, StreamUsage};
 use crate::scheduler::{Msg, Submitted};
 use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppState, SSE_DONE};
 
@@ -305,12 +305,6 @@ fn tool_call_json(c: &ToolCall) -> Value {
     json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
 }
 
-/// OpenAI's usage object; `cached`: prompt tokens restored from the prefix cache.
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached}})
-}
-
 /// Every choice's answer, read concurrently (a failed one fails the request and cancels the
 /// others).
 async fn collect(s: AppState, subs: Vec<Submitted>, ctx: Ctx) -> Result<Response> {
@@ -399,11 +393,7 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
             "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": model,
             "choices": [{"index": i, "delta": delta, "logprobs": logprobs.map(|l| json!({"content": [l]})), "finish_reason": finish}],
         });
-        match su {
-            StreamUsage::Off => {}
-            StreamUsage::Final => c["usage"] = Value::Null,
-            StreamUsage::EveryChunk => c["usage"] = usage(ctx.prompt_tokens, so_far.0, so_far.1),
-        }
+        su.put(&mut c, ctx.prompt_tokens, so_far);
         sse_data(&c)
     };
     for i in 0..subs.len() {

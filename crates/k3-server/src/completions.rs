@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
 use crate::error::{bad_param, Result, ServerError};
-use crate::params::{ids_of, parse_body, Fields, GenParams, StreamUsage};
+use crate::params::{ids_of, parse_body, usage, Fields, GenParams, StreamUsage};
 use crate::scheduler::{Msg, Submitted};
 use crate::server::{new_id, now_secs, read_body, sse_data, sse_response, AppState, SSE_DONE};
 
@@ -154,7 +154,7 @@ impl Ctx {
         // for; a backend that cannot score prompts refuses such a request.)
         let lp = match (first.prompt_logprobs.as_deref().unwrap_or_default(), self.logprobs) {
             (lps, true) => {
-                let piece = |id: u32| String::from_utf8_lossy(s.tok.token_bytes(id).unwrap_or_default()).into_owned();
+                let piece = |id: u32| s.piece(id);
                 let (mut lp, mut tops) = (vec![Value::Null], vec![Value::Null]);
                 let tokens: Vec<String> = e.ids.iter().map(|&id| piece(id)).collect();
                 for x in lps {
@@ -184,7 +184,7 @@ fn concat_logprobs(mut a: Value, b: Value) -> Value {
 /// Legacy logprobs of a run of events (`text_offset` in characters, counted from `offset`, as
 /// OpenAI counts them).
 fn logprobs_json(s: &AppState, events: &[Event], mut offset: usize) -> Value {
-    let piece = |id: u32| String::from_utf8_lossy(s.tok.token_bytes(id).unwrap_or_default()).into_owned();
+    let piece = |id: u32| s.piece(id);
     let (mut tokens, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
     for e in events {
         tokens.push(piece(e.token));
@@ -202,12 +202,6 @@ fn reason(f: Option<FinishReason>) -> &'static str {
         Some(FinishReason::Length) => "length",
         _ => "stop",
     }
-}
-
-/// OpenAI's usage object; `cached`: prompt tokens restored from the prefix cache.
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 /// Every choice's answer, read concurrently (a failed one fails the request and cancels the
@@ -255,18 +249,10 @@ async fn collect_choice(mut sub: Submitted) -> Result<(Vec<Event>, Option<Finish
     }
 }
 
-/// A chunk's `usage` per `stream_options`: absent, `null`, or the usage so far (`count`
-/// tokens and `cached` prompt tokens per choice; cached tokens are known once a choice has its
-/// first token).
-fn put_usage(c: &mut Value, su: StreamUsage, prompt: usize, count: &[usize], cached: &[usize]) {
-    match su {
-        StreamUsage::Off => {}
-        StreamUsage::Final => c["usage"] = Value::Null,
-        StreamUsage::EveryChunk => {
-            let least = cached.iter().zip(count).filter(|(_, &n)| n > 0).map(|(&c, _)| c).min().unwrap_or(0);
-            c["usage"] = usage(prompt, count.iter().sum(), least);
-        }
-    }
+/// (completion tokens, fewest cached prompt tokens) over the choices so far, from each
+/// choice's token `count` and `cached` prompt tokens (known once it has its first token).
+fn so_far(count: &[usize], cached: &[usize]) -> (usize, usize) {
+    (count.iter().sum(), cached.iter().zip(count).filter(|(_, &n)| n > 0).map(|(&c, _)| c).min().unwrap_or(0))
 }
 
 /// The SSE stream of every choice, interleaved as their tokens come (each chunk names its
@@ -292,7 +278,7 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
                             "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
                             "choices": [{"index": i, "text": echo, "logprobs": lp, "finish_reason": null}],
                         });
-                        put_usage(&mut c, su, ctx.prompt_tokens, &count, &cached);
+                        su.put(&mut c, ctx.prompt_tokens, so_far(&count, &cached));
                         if tx.send(sse_data(&c)).await.is_err() {
                             return;
                         }
@@ -306,7 +292,7 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
                     "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
                     "choices": [{"index": i, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish.map(|f| reason(Some(f)))}],
                 });
-                put_usage(&mut c, su, ctx.prompt_tokens, &count, &cached);
+                su.put(&mut c, ctx.prompt_tokens, so_far(&count, &cached));
                 if tx.send(sse_data(&c)).await.is_err() {
                     return; // client gone: dropping `subs` cancels the sequences
                 }
@@ -323,9 +309,10 @@ async fn stream_task(s: AppState, mut subs: Vec<Submitted>, ctx: Ctx, su: Stream
         }
     }
     if su.on() {
+        let (completion, least) = so_far(&count, &cached);
         let u = json!({
             "id": ctx.id, "object": "text_completion", "created": ctx.created, "model": model,
-            "choices": [], "usage": usage(ctx.prompt_tokens, count.iter().sum(), cached.iter().copied().min().unwrap_or(0)),
+            "choices": [], "usage": usage(ctx.prompt_tokens, completion, least),
         });
         let _ = tx.send(sse_data(&u)).await;
     }

@@ -176,6 +176,22 @@ impl StreamUsage {
     pub fn on(self) -> bool {
         self != StreamUsage::Off
     }
+
+    /// Sets a stream chunk's `usage`: absent, `null`, or the usage so far (`so_far`: completion
+    /// tokens and cached prompt tokens over the request's choices).
+    pub fn put(self, chunk: &mut Value, prompt: usize, so_far: (usize, usize)) {
+        match self {
+            StreamUsage::Off => {}
+            StreamUsage::Final => chunk["usage"] = Value::Null,
+            StreamUsage::EveryChunk => chunk["usage"] = usage(prompt, so_far.0, so_far.1),
+        }
+    }
+}
+
+/// OpenAI's usage object; `cached`: prompt tokens restored from the prefix cache.
+pub fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    serde_json::json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 impl GenParams {

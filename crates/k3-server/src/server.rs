@@ -246,6 +246,12 @@ impl Inner {
     pub fn metrics(&self) -> &Metrics {
         &self.sched.metrics
     }
+
+    /// Token `id`'s text as logprobs and `/tokenize` show it (bytes that are not UTF-8 on
+    /// their own lossily; empty for an unknown id).
+    pub fn piece(&self, id: u32) -> String {
+        String::from_utf8_lossy(self.tok.token_bytes(id).unwrap_or_default()).into_owned()
+    }
 }
 
 async fn models(State(s): State<AppState>) -> Response {

@@ -78,7 +78,7 @@ async fn run_tokenize(s: AppState, headers: HeaderMap, body: Body) -> Result<Res
     };
     let mut out = json!({"count": ids.len(), "max_model_len": s.max_context, "tokens": ids});
     if strs {
-        out["token_strs"] = ids.iter().map(|&t| Value::String(String::from_utf8_lossy(s.tok.token_bytes(t).unwrap_or_default()).into_owned())).collect();
+        out["token_strs"] = ids.iter().map(|&t| Value::String(s.piece(t))).collect();
     }
     Ok(axum::Json(out).into_response())
 }

@@ -9,23 +9,16 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::Arc;
 
 use common::*;
-use k3_engine::{Engine, EngineConfig, PrefixConfig};
-use k3_model::{Checkpoint, Model};
-use k3_server::{spawn_background, BackgroundServer, ServerConfig};
+use k3_engine::PrefixConfig;
+use k3_server::BackgroundServer;
 use k3_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
+/// Capacity 8 (4 running + 4 queued): the bound a too-large `n` meets.
 fn start(prefix: Option<PrefixConfig>) -> BackgroundServer {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
-    let model = Arc::new(Model::load(&Checkpoint::open(&dir).unwrap()).unwrap());
-    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-    let engine = Engine::new(model, Some(tok.clone()), EngineConfig { max_batch: 8, prefix, ..Default::default() });
-    let cfg = ServerConfig { served_model_name: "k3-nano".into(), max_batch: 4, max_queue: 4, ..Default::default() };
-    spawn_background(Box::new(engine), tok, cfg).expect("server starts")
+    nano_server(prefix, 4, 4)
 }
 
 fn chat(extra: Value) -> Value {
@@ -165,7 +158,7 @@ fn a_bad_n_is_a_400_naming_it() {
 #[test]
 fn logit_bias_bans_and_forces_tokens() {
     let srv = start(None);
-    let tok = Tokenizer::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano")).unwrap();
+    let tok = Tokenizer::from_dir(&nano_dir()).unwrap();
     let body =
         |bias: Value| json!({"model": "k3-nano", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 1, "logit_bias": bias});
     let plain = post(srv.addr, "/v1/completions", &body(Value::Null)).json();
@@ -206,7 +199,7 @@ fn logit_bias_bans_and_forces_tokens() {
 #[test]
 fn echo_puts_the_prompt_and_its_logprobs_first() {
     let srv = start(Some(PrefixConfig::new(PrefixConfig::GRID, 64 << 20)));
-    let tok = Tokenizer::from_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano")).unwrap();
+    let tok = Tokenizer::from_dir(&nano_dir()).unwrap();
     let a: Vec<u32> = tok.encode(&"Now is the winter of our discontent made glorious summer. ".repeat(3), false);
     let body = |prompt: &[u32], extra: Value| {
         let mut b = json!({"model": "k3-nano", "prompt": prompt, "max_tokens": 3, "temperature": 0});

@@ -25,10 +25,7 @@ impl Engine {
     /// Whether `plan` (running index, new tokens) holds a prefill chunk of a request that
     /// wants prompt logprobs.
     pub(super) fn wants_all_rows(&self, plan: &[(usize, Vec<u32>)]) -> bool {
-        plan.iter().any(|(i, _)| {
-            let s = &self.running[*i];
-            s.req.params.prompt_logprobs.is_some() && s.done < s.req.prompt.len()
-        })
+        plan.iter().any(|(i, _)| self.running[*i].scores_prompt())
     }
 
     /// [`Engine::plain_forward`] with every row's logits: prompt logprobs recorded, then the
@@ -49,10 +46,7 @@ impl Engine {
             off += toks.len();
             last.extend_from_slice(&rows[(toks.len() - 1) * vocab..]);
             let s = &mut self.running[*i];
-            let Some(top) = s.req.params.prompt_logprobs else { continue };
-            if s.done >= s.req.prompt.len() {
-                continue;
-            }
+            let Some(top) = s.req.params.prompt_logprobs.filter(|_| s.scores_prompt()) else { continue };
             // Row j holds the logits after prompt token done + j: they score the next one.
             let report_params = SamplingParams { logprobs: Some(top), ..SamplingParams::greedy() };
             for (j, row) in rows.chunks_exact(vocab).enumerate() {

@@ -197,7 +197,7 @@ impl Engine {
         }
         // A step that scores a prompt brings every row's logits back (`prompt_logprobs.rs`),
         // its other prefills' rows too: bound its prefill rows.
-        if self.running.iter().any(|s| !s.in_flight && s.req.params.prompt_logprobs.is_some() && s.done < s.req.prompt.len()) {
+        if self.running.iter().any(|s| !s.in_flight && s.scores_prompt()) {
             budget = budget.min(PROMPT_LOGPROBS_ROWS);
         }
         for (i, s) in self.running.iter().enumerate().filter(|(_, s)| !s.in_flight) {

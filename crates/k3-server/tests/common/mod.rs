@@ -1,5 +1,6 @@
 //! A minimal blocking HTTP/1.1 client for the integration tests (loopback only), with chunked
-//! decoding and SSE splitting, plus helpers to start a server around a scripted backend.
+//! decoding and SSE splitting, plus helpers to start a server around a scripted backend or the
+//! real engine with the embedded k3-nano.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
@@ -118,4 +119,20 @@ pub fn open_stream(addr: SocketAddr, content: &str) -> TcpStream {
     let n = s.read(&mut buf).expect("first bytes");
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
     s
+}
+
+/// The embedded k3-nano's directory.
+pub fn nano_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano")
+}
+
+/// A server on the real engine (CPU, a batch of 8) with k3-nano, its prefix cache as given,
+/// admitting `max_batch` running and `max_queue` queued requests.
+pub fn nano_server(prefix: Option<k3_engine::PrefixConfig>, max_batch: usize, max_queue: usize) -> k3_server::BackgroundServer {
+    let dir = nano_dir();
+    let model = Arc::new(k3_model::Model::load(&k3_model::Checkpoint::open(&dir).unwrap()).unwrap());
+    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let engine = k3_engine::Engine::new(model, Some(tok.clone()), k3_engine::EngineConfig { max_batch: 8, prefix, ..Default::default() });
+    let cfg = k3_server::ServerConfig { served_model_name: "k3-nano".into(), max_batch, max_queue, ..Default::default() };
+    k3_server::spawn_background(Box::new(engine), tok, cfg).expect("server starts")
 }
