@@ -254,7 +254,6 @@ load | all)
   done
   ;;&
 prefix | all)
-  export K3_DIST_PREFIX=1 # the GPU ranks' prefix cache is opt-in until this check has passed
   echo "=== k3 serve --tp 2 with the prefix cache (k3-nano, f32, grid 32): warm answers = cold ones ==="
   M0=$M; M=models/k3-nano
   # id lists: A (84 tokens: its snapshot at 64), prompts sharing its first N tokens, distinct ones.
@@ -303,7 +302,8 @@ for name, cached in zip(names, want):
     print(f"{name} ({w}): cached {got} (want {'any' if cached < 0 else cached}), same text {ca['text'] == cb['text']}, max |Δ logprob| {d:.2e}  {'ok' if ok else 'FAIL'}")
     bad += not ok
 try:
-    m = dict(l.split()[:2] for l in open(f"{L}/prefix_small.metrics") if l.strip())
+    # `name{model="…"} value` → name: value
+    m = {l.split()[0].split("{")[0]: l.split()[1] for l in open(f"{L}/prefix_small.metrics") if len(l.split()) >= 2}
 except OSError:
     m = {}
 ev = float(m.get("k3_prefix_cache_evictions_total", 0))
@@ -315,3 +315,4 @@ EOF
   ;;
 esac
 echo "FAILS=$FAILS"
+[ "$FAILS" -eq 0 ]

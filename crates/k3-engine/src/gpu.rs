@@ -38,8 +38,8 @@ pub struct VerifyStats {
     pub captured: std::sync::atomic::AtomicU64,
     /// Rollbacks replayed from a verify graph's rollback graph.
     pub rollbacks_replayed: std::sync::atomic::AtomicU64,
-    /// Rollbacks run eagerly, per sequence (after an eager verify step, or without
-    /// `K3_ROLLBACK_GRAPHS=1`).
+    /// Rollbacks run eagerly, per sequence (after an eager verify step, or with
+    /// `K3_ROLLBACK_GRAPHS=0`).
     pub rollbacks_eager: std::sync::atomic::AtomicU64,
 }
 

@@ -8,8 +8,8 @@ use k3_engine::PrefixConfig;
 #[command(next_help_heading = "Prefix cache")]
 pub struct PrefixArgs {
     /// Turn the prefix cache off (it is on by default: on the CPU — one rank or ranks as
-    /// threads —, on one GPU, and on a multi-process GPU layout with K3_DIST_PREFIX=1, where each
-    /// rank keeps its own part of every stored state).
+    /// threads —, on one GPU, and on a multi-process GPU layout, where each rank keeps its own
+    /// part of every stored state; K3_DIST_PREFIX=0 turns it off there only).
     #[arg(long)]
     pub no_prefix_cache: bool,
     /// Bytes of host memory the prefix-cache pool may hold (latent cells + KDA snapshots; with

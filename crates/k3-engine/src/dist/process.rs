@@ -560,13 +560,10 @@ fn launch_gpu(ck: &Checkpoint, spec: &RunnerSpec, node: &NodeArgs, ord: usize) -
     let (model, embedder) = loaded?; // (the control plane is aborted then)
     let gpu = GpuRunner::new(model, embedder, spec.cuda_graphs);
     let (mut r, finish) = ProcessRunner::new(Box::new(gpu), Box::new(world));
-    // The GPU ranks' side of `dist::kept` was built without a GPU run: opt-in until
-    // `scripts/gpu/parallel_serve.sh prefix` has passed.
-    if std::env::var("K3_DIST_PREFIX").map_or(true, |v| v.trim() != "1") {
-        r.prefix_off = Some(format!(
-            "the prefix cache on a multi-process GPU layout ({} processes) has not run on a GPU yet: set K3_DIST_PREFIX=1 to turn it on",
-            r.world
-        ));
+    // The GPU ranks' side of `dist::kept`: on since `scripts/gpu/parallel_serve.sh prefix`
+    // passed on an H100 (2026-12-06); `K3_DIST_PREFIX=0` turns it off for these layouts only.
+    if std::env::var("K3_DIST_PREFIX").is_ok_and(|v| v.trim() == "0") {
+        r.prefix_off = Some(format!("the prefix cache on a multi-process GPU layout ({} processes) is off: K3_DIST_PREFIX=0", r.world));
     }
     r.take_ready(replies)?;
     Ok(Role::Leader(Box::new(r), finish))

@@ -10,7 +10,7 @@
 //! would pass its cache reservation or the graphs' context. [`VerifyStats`] counts both kinds.
 //! The step's rollbacks replay the rollback graph of the verify graph that ran it
 //! (`RollbackRun::Replay`), or run eagerly per sequence (`RollbackRun::PerSequence`, the
-//! reference) after an eager step and unless `K3_ROLLBACK_GRAPHS=1` ([`GpuRunner::set_rollback_graphs`]).
+//! reference) after an eager step or with `K3_ROLLBACK_GRAPHS=0` ([`GpuRunner::set_rollback_graphs`]).
 //! `K3_VERIFY_CHECK=graph|eager` (a diagnostic, slow) runs each replayed step three ways from
 //! the same state and prints how they differ ([`checked`]). Beside verification, the other step
 //! that wants every row's logits: [`GpuRunner::all_rows`] (prompt logprobs), eager.
@@ -33,7 +33,7 @@ pub const MAX_GRAPHS: usize = 32;
 /// The runner's verify graphs and their switch.
 pub struct VerifyGraphs {
     on: bool,
-    /// Rollbacks of a replayed step through its rollback graph (with `K3_ROLLBACK_GRAPHS=1`).
+    /// Rollbacks of a replayed step through its rollback graph (unless `K3_ROLLBACK_GRAPHS=0`).
     rollback_on: bool,
     /// The graph whose replay was the last verify step (the sequences continue from it).
     last: Option<(usize, usize)>,
@@ -54,9 +54,9 @@ impl VerifyGraphs {
     /// eager one) — the same parting any change of the step's shape can cause on the GPU.
     pub fn new() -> Self {
         let switch = |name: &str| std::env::var(name).map_or(true, |v| v.trim() != "0");
-        // The rollback graphs are opt-in (`K3_ROLLBACK_GRAPHS=1`) until their GPU tests
-        // (`cuda_verify`, `cuda_spec`) have run: they were built without a GPU.
-        let rollback_on = std::env::var("K3_ROLLBACK_GRAPHS").is_ok_and(|v| v.trim() == "1");
+        // The rollback graphs: on since `cuda_verify` and `cuda_spec` passed on an H100
+        // (2026-12-06); `K3_ROLLBACK_GRAPHS=0` runs every rollback eagerly per sequence.
+        let rollback_on = switch("K3_ROLLBACK_GRAPHS");
         let on = switch("K3_VERIFY_GRAPHS");
         VerifyGraphs { on, rollback_on, last: None, graphs: HashMap::new(), clock: 0, noted: HashSet::new(), stats: Arc::default(), check: check_mode() }
     }
