@@ -377,6 +377,32 @@ fn scatter_rows_moves_rows_to_their_slots() {
     }
 }
 
+/// `gemm_add` (`out += a · op(b)`, cuBLAS β = 1: the vision tower's residual adds) against the
+/// CPU product plus what `out` held, every dtype pair and both layouts; `out` starts from random
+/// values, so a GEMM that overwrites instead of adding fails by O(1).
+#[test]
+fn gemm_add_adds_the_product() {
+    let Some(dev) = device("gemm_add_adds_the_product") else { return };
+    let mut r = rng("gemm_add_adds_the_product");
+    let cases = [(DType::BF16, DType::F32, TOL_GEMM_BF16_F32OUT), (DType::BF16, DType::BF16, TOL_BF16), (DType::F32, DType::F32, TOL_F32)];
+    for (m, n, k) in [(5usize, 130usize, 200usize), (70, 257, 333)] {
+        for &(input, output, tol) in &cases {
+            let (x, w) = (round_bf16(&rand_vec(&mut r, m * k, 0.05, 1.0)), round_bf16(&rand_vec(&mut r, n * k, 0.05, 1.0)));
+            let c0 = round_bf16(&rand_vec(&mut r, m * n, 1.0, 4.0));
+            let want: Vec<f32> = cpu_linear(&x, &w, m, n, k).iter().zip(&c0).map(|(p, c)| p + c).collect();
+            let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+            let gx = up(&dev, input, vec![m, k], &x);
+            for (layout, b) in [(Layout::BT, up(&dev, input, vec![n, k], &w)), (Layout::B, up(&dev, input, vec![k, n], &wt))] {
+                let out = up(&dev, output, vec![m, n], &c0);
+                blas::gemm_add(&gx, &b, &out, layout).unwrap();
+                check(&format!("gemm_add {input}->{output} {layout:?} M={m} N={n} K={k}"), &out.to_f32_vec().unwrap(), &want, tol);
+            }
+        }
+    }
+    let f = |shape: Vec<usize>| CudaTensor::zeros(&dev, DType::F32, shape).unwrap();
+    assert!(blas::gemm_add(&f(vec![2, 8]), &f(vec![3, 7]), &f(vec![2, 3]), Layout::BT).is_err());
+}
+
 #[test]
 fn ops_reject_bad_inputs() {
     let Some(dev) = device("ops_reject_bad_inputs") else { return };

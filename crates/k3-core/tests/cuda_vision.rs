@@ -15,6 +15,9 @@
 //!   unsupported head dims refused by name and taken by `vit_attention`'s cuBLAS form instead.
 //! - `vit_merge`: grids with t = 1..4 against the space-to-depth + temporal mean formula.
 //! - `vit_gelu_tanh`, `vit_gelu_erf`: the tanh formula and tabulated exact GELU values.
+//! - The BF16 tower's forms (issue 24) against the unfused compositions they replace:
+//!   `vit_rope_bf16_inplace` bit for bit the cast to F32 + `vit_rope`; BF16-in `vit_gelu_tanh`
+//!   and `vit_rms_norm_bf16` within one bf16 step of the F32-in kernel / `rms_norm_cols`.
 //!
 //! Outputs are poisoned (NaN) first. Tolerances: F32 relative L2 1e-5 (1e-6 for elementwise);
 //! BF16 outputs 1e-2 (one bf16 rounding of outputs and, for attention, of P and the inputs). The
@@ -28,8 +31,8 @@ mod cuda_common;
 use cuda_common::{check, device, max_rel_l2, poisoned, rng, rvec, say, up, up_i32};
 
 use k3_core::cuda::vision::{
-    flash_supports, vit_attention, vit_attention_sliced, vit_flash_attention, vit_flash_attention_tiled, vit_gelu_erf, vit_gelu_tanh, vit_merge, vit_rope,
-    FlashTile,
+    flash_supports, vit_attention, vit_attention_sliced, vit_flash_attention, vit_flash_attention_tiled, vit_gelu_erf, vit_gelu_tanh, vit_merge,
+    vit_rms_norm_bf16, vit_rope, vit_rope_bf16_inplace, FlashTile,
 };
 use k3_core::DType;
 use rand::Rng;
@@ -348,4 +351,116 @@ fn gelus_match_their_formulas() {
     for (g, (u, w)) in out.to_f32_vec().unwrap().iter().zip(pts) {
         assert!((*g as f64 - w).abs() <= 1e-6 * w.abs().max(1e-3), "gelu_erf({u}) = {g}, want {w}");
     }
+}
+
+/// The BF16 values of `t` as raw bits.
+fn bits(t: &k3_core::cuda::CudaTensor) -> Vec<u16> {
+    bytemuck::pod_collect_to_vec(&t.to_bytes().unwrap())
+}
+
+/// Largest distance in bf16 steps between two equal-length bit vectors (NaN counts as huge).
+fn max_ulps(got: &[u16], want: &[u16]) -> u32 {
+    let key = |b: u16| if b & 0x8000 != 0 { 0x8000 - (b & 0x7fff) as i32 } else { 0x8000 + b as i32 };
+    let nan = |b: u16| (b & 0x7fff) > 0x7f80;
+    got.iter().zip(want).map(|(&g, &w)| if nan(g) || nan(w) { u32::MAX } else { key(g).abs_diff(key(w)) }).max().unwrap_or(0)
+}
+
+/// `vit_rope_bf16_inplace` (the BF16 tower's RoPE on the qkv GEMM's BF16 output) is bit for bit
+/// the unfused composition it replaces — the BF16 qkv cast to F32, then `vit_rope` into BF16 —
+/// with V untouched, at head dims 16, 12 (not a multiple of 8) and 128, and near the f64 formula.
+#[test]
+fn rope_bf16_in_place_is_the_cast_then_rope() {
+    let test = "rope_bf16_in_place_is_the_cast_then_rope";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    for (heads, hd, l) in [(3, 16, 50), (2, 12, 33), (2, 128, 70)] {
+        let (dq, side) = (heads * hd, 9);
+        let pos: Vec<(usize, usize)> = (0..l).map(|_| (r.random_range(0..side), r.random_range(0..side))).collect();
+        let cs = rvec(&mut r, side * hd / 4, 0.1, 1.0);
+        let sn = rvec(&mut r, side * hd / 4, 0.1, 1.0);
+        let qkv = rvec(&mut r, l * 3 * dq, 0.1, 2.0);
+        let rc: Vec<i32> = pos.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
+        let (rc, ct, st) = (up_i32(&dev, vec![l, 2], &rc), up(&dev, DType::F32, vec![side, hd / 4], &cs), up(&dev, DType::F32, vec![side, hd / 4], &sn));
+        let unfused = poisoned(&dev, DType::BF16, vec![l, 3 * dq]);
+        vit_rope(&up(&dev, DType::F32, vec![l, 3 * dq], &qkv), &rc, &ct, &st, heads, &unfused).unwrap();
+        let x = up(&dev, DType::BF16, vec![l, 3 * dq], &qkv);
+        vit_rope_bf16_inplace(&x, &rc, &ct, &st, heads).unwrap();
+        let what = format!("vit_rope_bf16_inplace heads {heads} hd {hd}");
+        assert_eq!(bits(&x), bits(&unfused), "{what}: differs from the cast + vit_rope composition");
+        check(&what, &x.to_f32_vec().unwrap(), &rope_ref(&qkv, &pos, &cs, &sn, dq, hd), TOL_BF16);
+        let got = x.to_f32_vec().unwrap();
+        assert!((0..l).all(|i| got[i * 3 * dq + 2 * dq..(i + 1) * 3 * dq] == qkv[i * 3 * dq + 2 * dq..(i + 1) * 3 * dq]), "{what}: V changed");
+    }
+    let (rc, t) = (up_i32(&dev, vec![2, 2], &[0; 4]), up(&dev, DType::F32, vec![1, 4], &[0.5; 4]));
+    let e = vit_rope_bf16_inplace(&up(&dev, DType::F32, vec![2, 48], &[0.0; 96]), &rc, &t, &t, 1).unwrap_err().to_string();
+    assert!(e.contains("BF16"), "{e}");
+    let e = vit_rope_bf16_inplace(&up(&dev, DType::BF16, vec![2, 30], &[0.0; 60]), &rc, &t, &t, 2).unwrap_err().to_string();
+    assert!(e.contains("multiple of 4"), "{e}");
+}
+
+/// BF16-in `vit_gelu_tanh` (in place on the fc0 GEMM's BF16 output, and into another tensor)
+/// equals the F32 form on the same values rounded to BF16 (at most one bf16 step apart, were the
+/// compiler to contract the two kernels' arithmetic differently), including the n % 8 tail.
+#[test]
+fn gelu_tanh_bf16_is_the_f32_form_rounded() {
+    let test = "gelu_tanh_bf16_is_the_f32_form_rounded";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    for n in [5usize, 8, 1003, 4096 + 7] {
+        let x = rvec(&mut r, n, 0.0, 6.0);
+        let want = poisoned(&dev, DType::BF16, vec![n]);
+        vit_gelu_tanh(&up(&dev, DType::F32, vec![n], &x), &want).unwrap();
+        let (inplace, src, out) = (up(&dev, DType::BF16, vec![n], &x), up(&dev, DType::BF16, vec![n], &x), poisoned(&dev, DType::BF16, vec![n]));
+        vit_gelu_tanh(&inplace, &inplace).unwrap();
+        vit_gelu_tanh(&src, &out).unwrap();
+        for (what, got) in [("in place", &inplace), ("out of place", &out)] {
+            let u = max_ulps(&bits(got), &bits(&want));
+            say(&format!("  vit_gelu_tanh bf16 -> bf16 {what} n {n}: max {u} bf16 steps from the f32 form"));
+            assert!(u <= 1, "vit_gelu_tanh bf16 {what} n {n}: {u} bf16 steps from the f32 form rounded");
+        }
+        assert_eq!(bits(&src), bits(&up(&dev, DType::BF16, vec![n], &x)), "out of place must leave x alone");
+    }
+    let e = vit_gelu_tanh(&up(&dev, DType::BF16, vec![8], &[0.0; 8]), &poisoned(&dev, DType::F32, vec![8])).unwrap_err().to_string();
+    assert!(e.contains("BF16"), "{e}");
+}
+
+/// `vit_rms_norm_bf16` (a warp per row) against `rms_norm_cols` F32 → BF16, which it replaces in
+/// the BF16 tower: at most one bf16 step apart (only the mean square's summation order differs),
+/// on widths of one float4, 64, 1024 (K3), 2048 (its widest) and row counts that leave a block
+/// part-filled; widths it does not take (6, 2052) go to `rms_norm_cols` itself: equal bits.
+#[test]
+fn rms_norm_bf16_matches_rms_norm_cols() {
+    let test = "rms_norm_bf16_matches_rms_norm_cols";
+    let Some(dev) = device(test) else { return };
+    let mut r = rng(test);
+    for (rows, d) in [(3usize, 4usize), (37, 64), (37, 1024), (9, 2048), (5, 6), (4, 2052)] {
+        let scale: Vec<f32> = (0..rows).map(|_| 10f32.powi(r.random_range(-2..3))).collect();
+        let x: Vec<f32> = rvec(&mut r, rows * d, 0.0, 1.0).iter().enumerate().map(|(i, v)| v * scale[i / d]).collect();
+        let w = rvec(&mut r, d, 0.5, 1.5);
+        let (xt, wt) = (up(&dev, DType::F32, vec![rows, d], &x), up(&dev, DType::F32, vec![d], &w));
+        let want = poisoned(&dev, DType::BF16, vec![rows, d]);
+        k3_core::cuda::ops::rms_norm_cols(&xt, d, &wt, 1e-6, &want).unwrap();
+        let got = poisoned(&dev, DType::BF16, vec![rows, d]);
+        vit_rms_norm_bf16(&xt, &wt, 1e-6, &got).unwrap();
+        let u = max_ulps(&bits(&got), &bits(&want));
+        say(&format!("  vit_rms_norm_bf16 {rows} x {d}: max {u} bf16 steps from rms_norm_cols"));
+        assert!(u <= if d % 4 == 0 && d <= 2048 { 1 } else { 0 }, "vit_rms_norm_bf16 {rows} x {d}: {u} bf16 steps from rms_norm_cols");
+        let reference: Vec<f32> = x
+            .chunks(d)
+            .flat_map(|row| {
+                let inv = 1.0 / (row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64 + 1e-6).sqrt();
+                row.iter().zip(&w).map(move |(&v, &g)| (v as f64 * inv * g as f64) as f32)
+            })
+            .collect();
+        check(&format!("vit_rms_norm_bf16 {rows} x {d}"), &got.to_f32_vec().unwrap(), &reference, TOL_BF16);
+    }
+    let e = vit_rms_norm_bf16(
+        &up(&dev, DType::F32, vec![2, 8], &[1.0; 16]),
+        &up(&dev, DType::F32, vec![8], &[1.0; 8]),
+        1e-6,
+        &poisoned(&dev, DType::F32, vec![2, 8]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("BF16"), "{e}");
 }

@@ -8,10 +8,13 @@
 //!
 //! Weights are uploaded once ([`CudaVision::upload`]) in the [`Precision`]'s dtype: BF16 for
 //! serving (every GEMM input BF16, f32 accumulation), F32 for the reference (f32 GEMMs, no TF32).
-//! The residual stream, norms, RoPE, softmax and merge are f32 in both. Attention: in BF16,
-//! `vit_rope` writes the rotated `qkv` as BF16 and `vit_attention` runs the fused flash kernel on
-//! it (`k3_core::cuda::vision::vit_flash_attention`, head dims a multiple of 8 up to 128); in F32
-//! it runs the cuBLAS form (score GEMM, softmax, `P·V` GEMM). Tables are computed on the host
+//! The residual stream `x`, the norms' statistics, softmax and merge are f32 in both. F32 runs
+//! one op per launch (`blocks_f32`); BF16 (`blocks_bf16`, issue 24) keeps every activation but
+//! `x` in BF16 — the norms write the GEMM inputs as BF16, the qkv and fc0 GEMMs write BF16, RoPE
+//! and GELU run in place on them, the wo and fc1 GEMMs add into `x` in their epilogue — and its
+//! attention runs the fused flash kernel on the rotated BF16 `qkv`
+//! (`k3_core::cuda::vision::vit_flash_attention`, head dims a multiple of 8 up to 128); F32's
+//! runs the cuBLAS form (score GEMM, softmax, `P·V` GEMM). Tables are computed on the host
 //! exactly as the CPU path does: each sample's position embedding plus time rows
 //! ([`VisionTower::sample_rows`]; the CPU adds the two one after the other, here their sum is
 //! added) is uploaded once per grid and kept on the device (`row_cache.rs`: images of one size
@@ -26,10 +29,10 @@
 use std::sync::Mutex;
 
 use half::bf16;
-use k3_core::cuda::blas::{gemm, Backend, GemmOptions, Layout};
+use k3_core::cuda::blas::{gemm, gemm_add, Backend, GemmOptions, Layout};
 use k3_core::cuda::ops::{add_assign, cast, rms_norm_cols};
 use k3_core::cuda::pinned::Staging;
-use k3_core::cuda::vision::{vit_attention, vit_gelu_erf, vit_gelu_tanh, vit_merge, vit_rope};
+use k3_core::cuda::vision::{vit_attention, vit_gelu_erf, vit_gelu_tanh, vit_merge, vit_rms_norm_bf16, vit_rope, vit_rope_bf16_inplace};
 pub use k3_core::cuda::CudaDevice;
 use k3_core::cuda::CudaTensor;
 use k3_core::kernels::cpu::matmul::Matrix;
@@ -271,30 +274,63 @@ impl CudaVision {
         let rc: Vec<i32> = patch_positions(grids).into_iter().flat_map(|(r, c)| [r as i32, c as i32]).collect();
         let rc = CudaTensor::from_pod(dev, DType::I32, vec![l, 2], &rc)?;
         let lens: Vec<usize> = grids.iter().map(|g| g[0] * g[1] * g[2]).collect();
-        let hn = CudaTensor::uninit(dev, dt, vec![l, c])?;
-        for (j, b) in self.blocks.iter().enumerate() {
-            rms_norm_cols(&x, c, &b.norm0, VIT_NORM_EPS, &hn)?;
-            let qkv = lin(&hn, &b.wqkv, DType::F32)?;
-            let qr = if dt == DType::F32 { qkv.clone() } else { CudaTensor::uninit(dev, dt, vec![l, 3 * d.qkv])? };
-            vit_rope(&qkv, &rc, &cos, &sin, d.heads, &qr)?;
-            let att = CudaTensor::uninit(dev, dt, vec![l, d.qkv])?;
-            vit_attention(&qr, d.heads, &lens, &att)?;
-            drop((qkv, qr));
-            add_assign(&x, &lin(&att, &b.wo, DType::F32)?)?;
-            drop(att);
-            rms_norm_cols(&x, c, &b.norm1, VIT_NORM_EPS, &hn)?;
-            let f = lin(&hn, &b.fc0, DType::F32)?;
-            let g = CudaTensor::uninit(dev, dt, vec![l, d.intermediate])?;
-            vit_gelu_tanh(&f, &g)?;
-            drop(f);
-            add_assign(&x, &lin(&g, &b.fc1, DType::F32)?)?;
-            if let Some(f) = trace.as_mut() {
-                f(&format!("vit_block{j}_out"), &x.to_f32_vec()?);
-            }
+        let tables = Tables { rc: &rc, cos: &cos, sin: &sin, lens: &lens };
+        match dt {
+            DType::F32 => self.blocks_f32(&x, &tables, &mut trace)?,
+            _ => self.blocks_bf16(&x, &tables, &mut trace)?,
         }
         let out = CudaTensor::uninit(dev, DType::F32, vec![l, c])?;
         rms_norm_cols(&x, c, &self.final_norm, VIT_NORM_EPS, &out)?;
         Ok(out)
+    }
+
+    /// The blocks of the F32 reference on the residual stream `x` F32 `[L, C]`, one op per
+    /// launch: every GEMM output F32, RoPE in place, GELU into a copy, residual adds after the GEMMs.
+    fn blocks_f32(&self, x: &CudaTensor, r: &Tables<'_>, trace: &mut TowerTrace<'_>) -> Result<()> {
+        let (d, dev, l) = (self.dims, &self.dev, x.shape()[0]);
+        let hn = CudaTensor::uninit(dev, DType::F32, vec![l, d.hidden])?;
+        for (j, b) in self.blocks.iter().enumerate() {
+            rms_norm_cols(x, d.hidden, &b.norm0, VIT_NORM_EPS, &hn)?;
+            let qkv = lin(&hn, &b.wqkv, DType::F32)?;
+            vit_rope(&qkv, r.rc, r.cos, r.sin, d.heads, &qkv)?;
+            let att = CudaTensor::uninit(dev, DType::F32, vec![l, d.qkv])?;
+            vit_attention(&qkv, d.heads, r.lens, &att)?;
+            drop(qkv);
+            add_assign(x, &lin(&att, &b.wo, DType::F32)?)?;
+            drop(att);
+            rms_norm_cols(x, d.hidden, &b.norm1, VIT_NORM_EPS, &hn)?;
+            let f = lin(&hn, &b.fc0, DType::F32)?;
+            let g = CudaTensor::uninit(dev, DType::F32, vec![l, d.intermediate])?;
+            vit_gelu_tanh(&f, &g)?;
+            drop(f);
+            add_assign(x, &lin(&g, &b.fc1, DType::F32)?)?;
+            trace_block(trace, j, x)?;
+        }
+        Ok(())
+    }
+
+    /// The blocks in BF16 on the residual stream `x` F32 `[L, C]`, nine launches a block (issue
+    /// 24: the elementwise passes were ~20% of a call): the norms write BF16 GEMM inputs straight
+    /// from `x` (`vit_rms_norm_bf16`), the qkv and fc0 GEMMs write BF16 (f32 accumulation, one
+    /// rounding), RoPE and GELU run in place on them, and the wo and fc1 GEMMs add into `x` in
+    /// their epilogue (`gemm_add`, f32) — no F32 activation but `x`, no separate add or cast.
+    fn blocks_bf16(&self, x: &CudaTensor, r: &Tables<'_>, trace: &mut TowerTrace<'_>) -> Result<()> {
+        let (d, dev, l) = (self.dims, &self.dev, x.shape()[0]);
+        let bf = |w: usize| CudaTensor::uninit(dev, DType::BF16, vec![l, w]);
+        let (hn, qkv, att, f) = (bf(d.hidden)?, bf(3 * d.qkv)?, bf(d.qkv)?, bf(d.intermediate)?);
+        for (j, b) in self.blocks.iter().enumerate() {
+            vit_rms_norm_bf16(x, &b.norm0, VIT_NORM_EPS, &hn)?;
+            gemm(&hn, &b.wqkv, &qkv, Layout::BT, opts())?;
+            vit_rope_bf16_inplace(&qkv, r.rc, r.cos, r.sin, d.heads)?;
+            vit_attention(&qkv, d.heads, r.lens, &att)?;
+            gemm_add(&att, &b.wo, x, Layout::BT)?;
+            vit_rms_norm_bf16(x, &b.norm1, VIT_NORM_EPS, &hn)?;
+            gemm(&hn, &b.fc0, &f, Layout::BT, opts())?;
+            vit_gelu_tanh(&f, &f)?;
+            gemm_add(&f, &b.fc1, x, Layout::BT)?;
+            trace_block(trace, j, x)?;
+        }
+        Ok(())
     }
 
     /// `sd2_tpool` of every sample of the tower's output `vit` F32 `[L, C]`: F32 `[N, K]`.
@@ -354,6 +390,23 @@ impl CudaVision {
         }
         Ok(out)
     }
+}
+
+/// The per-call tables every block's RoPE and attention read: each row's patch position `rc`
+/// I32 `[L, 2]`, the `cos`/`sin` tables F32 `[side, hd/4]`, and the samples' row counts.
+struct Tables<'a> {
+    rc: &'a CudaTensor,
+    cos: &'a CudaTensor,
+    sin: &'a CudaTensor,
+    lens: &'a [usize],
+}
+
+/// `vit_block{j}_out` to the trace, when there is one.
+fn trace_block(trace: &mut TowerTrace<'_>, j: usize, x: &CudaTensor) -> Result<()> {
+    if let Some(f) = trace.as_mut() {
+        f(&format!("vit_block{j}_out"), &x.to_f32_vec()?);
+    }
+    Ok(())
 }
 
 fn rows_of(g: [usize; 3]) -> usize {

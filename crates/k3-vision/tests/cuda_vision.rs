@@ -8,8 +8,9 @@
 //!   the fixture's own 5e-5 (tests/golden.rs, `common::TOL`) on `vision_small_f32`. The only
 //!   differences from the CPU are summation orders (cuBLAS vs the `gemm` crate, block
 //!   reductions), `expf`/`tanhf` ulps, and the position and time rows added as one sum.
-//! - `Precision::Bf16` (weights and every GEMM input BF16, f32 accumulation, the attention
-//!   probabilities rounded to BF16 before `P·V`): [`TOL_BF16`], a bound chosen from bf16's 2^-9
+//! - `Precision::Bf16` (weights and every GEMM input BF16, f32 accumulation, the qkv and fc0
+//!   GEMM outputs and the attention probabilities rounded to BF16 before RoPE, GELU and `P·V`;
+//!   the residual stream f32): [`TOL_BF16`], a bound chosen from bf16's 2^-9
 //!   relative rounding compounded over 2–3 random layers (not measured on a GPU when written:
 //!   the test prints every measured figure). A wrong kernel (RoPE axis, a sample attending to
 //!   another, a merge order) moves rows by O(1).

@@ -135,7 +135,7 @@ pub fn gemm_strided_batched(
         *guard = Some(Blas::new()?);
     }
     let blas = guard.as_mut().ok_or_else(|| CoreError::Device("cuBLAS state missing".into()))?;
-    blas.strided_batched(dev, Problem { m, n, k, layout, input, output }, batch, a, b, c)
+    blas.strided_batched(dev, Problem { m, n, k, layout, input, output }, batch, a, b, c, 0.0)
 }
 
 /// One problem of [`gemm_grouped`] at raw device addresses: row-major `C[m, N] = A[m, K] · B[N, K]ᵀ`,
@@ -252,20 +252,47 @@ fn data_type_b(d: DType) -> bsys::cudaDataType_t {
 
 /// `out = a · op(b)`; see the module docs for shapes and dtypes.
 pub fn gemm(a: &CudaTensor, b: &CudaTensor, out: &CudaTensor, layout: Layout, opts: GemmOptions) -> Result<()> {
-    const OP: &str = "cuda gemm";
+    let Some(p) = problem("cuda gemm", a, b, out, layout)? else { return Ok(()) };
+    if p.k == 0 {
+        return out.fill_bytes(0);
+    }
+    gemm_raw(a.cuda_device(), p, a.ptr(), b.ptr(), out.ptr(), opts)
+}
+
+/// `out += a · op(b)`: [`gemm`]'s shapes and dtypes with cuBLAS's β = 1, so the product is added
+/// to what `out` holds in the GEMM's own epilogue (f32 accumulation, one rounding to `out`'s
+/// dtype) — no stored product and separate add (the vision tower's residual adds). Always the
+/// cuBLAS backend: cuBLASLt's tuning runs the GEMM several times on the real buffers.
+pub fn gemm_add(a: &CudaTensor, b: &CudaTensor, out: &CudaTensor, layout: Layout) -> Result<()> {
+    let Some(p) = problem("cuda gemm_add", a, b, out, layout)? else { return Ok(()) };
+    if p.k == 0 {
+        return Ok(());
+    }
+    let dev = a.cuda_device();
+    dev.bind()?;
+    let mut guard = lock(&dev.inner().blas);
+    if guard.is_none() {
+        *guard = Some(Blas::new()?);
+    }
+    let blas = guard.as_mut().ok_or_else(|| CoreError::Device("cuBLAS state missing".into()))?;
+    blas.cublas_gemm(dev, p, a.ptr(), b.ptr(), out.ptr(), 1.0)
+}
+
+/// The checked problem of `out = a · op(b)`; `None` when `out` is empty.
+fn problem(op: &'static str, a: &CudaTensor, b: &CudaTensor, out: &CudaTensor, layout: Layout) -> Result<Option<Problem>> {
     let dev = a.cuda_device();
     if !b.cuda_device().same(dev) || !out.cuda_device().same(dev) {
-        return Err(CoreError::Shape { op: OP, detail: "operands on different devices".into() });
+        return Err(CoreError::Shape { op, detail: "operands on different devices".into() });
     }
     let ok_types = matches!(
         (a.dtype(), b.dtype(), out.dtype()),
         (DType::BF16, DType::BF16, DType::BF16 | DType::F32) | (DType::F16, DType::F16, DType::F16 | DType::F32) | (DType::F32, DType::F32, DType::F32)
     );
     if !ok_types {
-        return Err(CoreError::DType { op: OP, dtype: format!("{} · {} -> {}", a.dtype(), b.dtype(), out.dtype()) });
+        return Err(CoreError::DType { op, dtype: format!("{} · {} -> {}", a.dtype(), b.dtype(), out.dtype()) });
     }
     if b.shape().len() != 2 {
-        return Err(CoreError::Shape { op: OP, detail: format!("b must be 2-D, got {b:?}") });
+        return Err(CoreError::Shape { op, detail: format!("b must be 2-D, got {b:?}") });
     }
     let k = a.last_dim();
     let m = a.numel().checked_div(k).unwrap_or(0);
@@ -275,21 +302,17 @@ pub fn gemm(a: &CudaTensor, b: &CudaTensor, out: &CudaTensor, layout: Layout, op
     };
     if bk != k || out.numel() != m * n || out.last_dim() != n {
         return Err(CoreError::Shape {
-            op: OP,
+            op,
             detail: format!("a {a:?}, b {b:?} ({layout:?}), out {out:?}: need a [M,K], b {}, out [M,N]", if layout == Layout::BT { "[N,K]" } else { "[K,N]" }),
         });
     }
     if [m, n, k].iter().any(|&v| v > i32::MAX as usize) {
-        return Err(CoreError::Shape { op: OP, detail: format!("M={m} N={n} K={k} exceed i32") });
+        return Err(CoreError::Shape { op, detail: format!("M={m} N={n} K={k} exceed i32") });
     }
     if m == 0 || n == 0 {
-        return Ok(());
+        return Ok(None);
     }
-    if k == 0 {
-        return out.fill_bytes(0);
-    }
-    let p = Problem { m, n, k, layout, input: a.dtype(), output: out.dtype() };
-    gemm_raw(dev, p, a.ptr(), b.ptr(), out.ptr(), opts)
+    Ok(Some(Problem { m, n, k, layout, input: a.dtype(), output: out.dtype() }))
 }
 
 fn gemm_raw(dev: &CudaDevice, p: Problem, a: u64, b: u64, c: u64, opts: GemmOptions) -> Result<()> {
@@ -301,7 +324,7 @@ fn gemm_raw(dev: &CudaDevice, p: Problem, a: u64, b: u64, c: u64, opts: GemmOpti
     let blas = guard.as_mut().ok_or_else(|| CoreError::Device("cuBLAS state missing".into()))?;
     match opts.backend {
         Backend::Lt => blas.lt_gemm(dev, p, a, b, c, opts.algo),
-        Backend::Cublas => blas.cublas_gemm(dev, p, a, b, c),
+        Backend::Cublas => blas.cublas_gemm(dev, p, a, b, c, 0.0),
     }
 }
 
@@ -418,17 +441,17 @@ impl Blas {
         Ok(h)
     }
 
-    /// One plain GEMM through cuBLAS: the batch-1 case of [`Blas::strided_batched`] with
-    /// contiguous row-major operands.
-    fn cublas_gemm(&mut self, dev: &CudaDevice, p: Problem, a: u64, b: u64, c: u64) -> Result<()> {
+    /// One plain GEMM `c = a · op(b) + beta · c` through cuBLAS: the batch-1 case of
+    /// [`Blas::strided_batched`] with contiguous row-major operands.
+    fn cublas_gemm(&mut self, dev: &CudaDevice, p: Problem, a: u64, b: u64, c: u64, beta: f32) -> Result<()> {
         let b_ld = if p.layout == Layout::BT { p.k } else { p.n };
         let view = |ptr: u64, ld: usize| Strided { ptr, ld, stride: 0 };
-        self.strided_batched(dev, p, 1, view(a, p.k), view(b, b_ld), view(c, p.n))
+        self.strided_batched(dev, p, 1, view(a, p.k), view(b, b_ld), view(c, p.n), beta)
     }
 
-    fn strided_batched(&mut self, dev: &CudaDevice, p: Problem, batch: usize, a: Strided, b: Strided, c: Strided) -> Result<()> {
+    fn strided_batched(&mut self, dev: &CudaDevice, p: Problem, batch: usize, a: Strided, b: Strided, c: Strided, beta: f32) -> Result<()> {
         let h = self.cublas_handle()?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let alpha = 1.0f32;
         let ta = match p.layout {
             Layout::BT => bsys::cublasOperation_t::CUBLAS_OP_T,
             Layout::B => bsys::cublasOperation_t::CUBLAS_OP_N,

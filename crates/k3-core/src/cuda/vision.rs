@@ -1,8 +1,9 @@
 //! Launchers for the MoonViT3d vision tower's own kernels (around-backbone §3.2–§3.8; kernels in
 //! `kernels/cuda/vision.cu`, CPU oracle k3-vision's `tower.rs`, `merger.rs`, `projector.rs`):
 //! 2-D RoPE, bidirectional attention within each packed sample (block-diagonal over the batch),
-//! the two GELUs and the `sd2_tpool` merge. The tower itself (weights, GEMMs, norms) is
-//! k3-vision's `cuda.rs`.
+//! the two GELUs, the `sd2_tpool` merge, and the BF16 tower's own forms of RoPE (in place on
+//! BF16 `qkv`), GELU (BF16 in place) and RMSNorm (F32 rows to BF16, a warp per row), which keep
+//! its GEMM outputs BF16 (issue 24). The tower itself (weights, GEMMs) is k3-vision's `cuda.rs`.
 //!
 //! Shape legend: `L` packed patch rows over the samples of one call, `Dq` = `qkv_hidden_size`,
 //! `nh` heads of `hd = Dq/nh`, `qkv` `[L, 3·Dq]` (Q | K | V, head-major within each), attention
@@ -55,35 +56,69 @@ fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
 /// position of `rc` below `side` (device values are not read back: the caller builds both).
 pub fn vit_rope(qkv: &CudaTensor, rc: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor, heads: usize, out: &CudaTensor) -> Result<()> {
     const OP: &str = "cuda vit_rope";
-    same_dev(OP, qkv, &[rc, cos, sin, out])?;
-    let (l, w3) = match qkv.shape() {
-        [l, w] => (*l, *w),
-        _ => return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
-    };
-    let dq = w3 / 3;
-    if qkv.dtype() != DType::F32 || !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) || !(dq / heads).is_multiple_of(4) {
-        return Err(CoreError::Shape { op: OP, detail: format!("qkv {qkv:?} must be F32 [L, 3·Dq] with Dq / {heads} heads a multiple of 4") });
-    }
-    let hd = dq / heads;
-    if out.shape() != qkv.shape() {
-        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must have qkv's shape {:?}", qkv.shape()) });
+    let (l, dq, hd) = rope_shapes(OP, qkv, DType::F32, rc, cos, sin, heads)?;
+    if out.shape() != qkv.shape() || !out.cuda_device().same(qkv.cuda_device()) {
+        return Err(CoreError::Shape { op: OP, detail: format!("out {out:?} must have qkv's shape {:?} on its device", qkv.shape()) });
     }
     let name = if out_suffix(OP, out)? == "f32" { "vit_rope_f32" } else { "vit_rope_bf16" };
-    if rc.dtype() != DType::I32 || rc.shape() != [l, 2] {
-        return Err(CoreError::Shape { op: OP, detail: format!("rc {rc:?} must be I32 [{l}, 2]") });
+    if l == 0 {
+        return Ok(());
     }
-    let nf = hd / 4;
-    if cos.dtype() != DType::F32 || sin.dtype() != DType::F32 || cos.shape().len() != 2 || cos.shape()[1] != nf || sin.shape() != cos.shape() {
-        return Err(CoreError::Shape { op: OP, detail: format!("cos {cos:?} and sin {sin:?} must be F32 [side, {nf}]") });
+    let dev = qkv.cuda_device();
+    let grid = dev.elementwise_grid(l * 3 * dq / 2, EW_BLOCK);
+    let (rows, dq32, hd32) = (l as i64, i32_of(OP, "Dq", dq)?, hd as i32);
+    let (xp, rp, cp, sp, op) = (qkv.ptr(), rc.ptr(), cos.ptr(), sin.ptr(), out.ptr());
+    dev.launch(VISION, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, rp, cp, sp, op, rows, dq32, hd32])
+}
+
+/// [`vit_rope`] in place on a BF16 `qkv` `[L, 3·Dq]` (the BF16 tower's qkv GEMM writes BF16):
+/// Q and K rotated, V not touched — bit for bit the cast to F32 followed by [`vit_rope`] into
+/// BF16, without the F32 copy. Same `rc`, `cos`, `sin` as [`vit_rope`].
+pub fn vit_rope_bf16_inplace(qkv: &CudaTensor, rc: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor, heads: usize) -> Result<()> {
+    const OP: &str = "cuda vit_rope_bf16_inplace";
+    let (l, dq, hd) = rope_shapes(OP, qkv, DType::BF16, rc, cos, sin, heads)?;
+    if !qkv.ptr().is_multiple_of(8) {
+        return Err(CoreError::Shape { op: OP, detail: "qkv must start on an 8-byte boundary (pass a whole tensor)".into() });
     }
     if l == 0 {
         return Ok(());
     }
     let dev = qkv.cuda_device();
-    let grid = dev.elementwise_grid(l * w3 / 2, EW_BLOCK);
+    let grid = dev.elementwise_grid(l * dq / 2, EW_BLOCK);
     let (rows, dq32, hd32) = (l as i64, i32_of(OP, "Dq", dq)?, hd as i32);
-    let (xp, rp, cp, sp, op) = (qkv.ptr(), rc.ptr(), cos.ptr(), sin.ptr(), out.ptr());
-    dev.launch(VISION, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, rp, cp, sp, op, rows, dq32, hd32])
+    let (xp, rp, cp, sp) = (qkv.ptr(), rc.ptr(), cos.ptr(), sin.ptr());
+    dev.launch(VISION, "vit_rope_bf16_inplace", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, rp, cp, sp, rows, dq32, hd32])
+}
+
+/// The checks of both RoPE forms: `qkv` `dt` `[L, 3·Dq]` with `Dq / heads` a multiple of 4, `rc`
+/// I32 `[L, 2]`, `cos` and `sin` F32 `[side, hd/4]`, all on one device. Returns `(L, Dq, hd)`.
+fn rope_shapes(
+    op: &'static str,
+    qkv: &CudaTensor,
+    dt: DType,
+    rc: &CudaTensor,
+    cos: &CudaTensor,
+    sin: &CudaTensor,
+    heads: usize,
+) -> Result<(usize, usize, usize)> {
+    same_dev(op, qkv, &[rc, cos, sin])?;
+    let (l, w3) = match qkv.shape() {
+        [l, w] => (*l, *w),
+        _ => return Err(CoreError::Shape { op, detail: format!("qkv {qkv:?} must be [L, 3·Dq]") }),
+    };
+    let dq = w3 / 3;
+    if qkv.dtype() != dt || !w3.is_multiple_of(3) || heads == 0 || !dq.is_multiple_of(heads) || !(dq / heads).is_multiple_of(4) {
+        return Err(CoreError::Shape { op, detail: format!("qkv {qkv:?} must be {dt} [L, 3·Dq] with Dq / {heads} heads a multiple of 4") });
+    }
+    let hd = dq / heads;
+    if rc.dtype() != DType::I32 || rc.shape() != [l, 2] {
+        return Err(CoreError::Shape { op, detail: format!("rc {rc:?} must be I32 [{l}, 2]") });
+    }
+    let nf = hd / 4;
+    if cos.dtype() != DType::F32 || sin.dtype() != DType::F32 || cos.shape().len() != 2 || cos.shape()[1] != nf || sin.shape() != cos.shape() {
+        return Err(CoreError::Shape { op, detail: format!("cos {cos:?} and sin {sin:?} must be F32 [side, {nf}]") });
+    }
+    Ok((l, dq, hd))
 }
 
 /// Full bidirectional attention within each sample of a packed batch: `qkv` `[L, 3·Dq]` (F32 or
@@ -297,9 +332,56 @@ fn gelu(op: &'static str, names: [&'static str; 2], x: &CudaTensor, out: &CudaTe
     dev.launch(VISION, name, (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, yp, n])
 }
 
-/// `out = gelu_tanh(x)` (PyTorch's `approximate="tanh"`, the ViT MLP): F32 in, F32 or BF16 out.
+/// `out = gelu_tanh(x)` (PyTorch's `approximate="tanh"`, the ViT MLP): F32 in, F32 or BF16 out;
+/// or BF16 in and out (`out` may be `x`: in place; whole tensors, 16-byte aligned), each element
+/// the BF16 rounding of the F32 form on its value.
 pub fn vit_gelu_tanh(x: &CudaTensor, out: &CudaTensor) -> Result<()> {
-    gelu("cuda vit_gelu_tanh", ["vit_gelu_tanh_f32", "vit_gelu_tanh_bf16"], x, out)
+    const OP: &str = "cuda vit_gelu_tanh";
+    if x.dtype() != DType::BF16 {
+        return gelu(OP, ["vit_gelu_tanh_f32", "vit_gelu_tanh_bf16"], x, out);
+    }
+    same_dev(OP, x, &[out])?;
+    if out.dtype() != DType::BF16 || out.shape() != x.shape() || !x.ptr().is_multiple_of(16) || !out.ptr().is_multiple_of(16) {
+        return Err(CoreError::Shape { op: OP, detail: format!("x {x:?}: out {out:?} must be BF16 of its shape, both 16-byte aligned (whole tensors)") });
+    }
+    let n = x.numel() as i64;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = x.cuda_device();
+    let grid = dev.elementwise_grid((n as usize / 8).max(1), EW_BLOCK);
+    let (xp, yp) = (x.ptr(), out.ptr());
+    dev.launch(VISION, "vit_gelu_tanh_bf16_bf16", (grid, 1, 1), (EW_BLOCK, 1, 1), 0, &mut kargs![xp, yp, n])
+}
+
+/// Widest row `vit_rms_norm_bf16` holds in registers (`32 · 4 · VIT_NORM_V` in `vision.cu`).
+const NORM_MAX_COLS: usize = 32 * 4 * 16;
+/// Rows (warps) per block of `vit_rms_norm_bf16`.
+const NORM_ROWS: u32 = 8;
+
+/// RMSNorm of F32 rows `x` `[R, d]` with an F32 weight `[d]` into BF16 `out` `[R, d]` (the BF16
+/// tower's GEMM inputs): one warp per row, read once into registers with 16-byte loads, for
+/// `d` a multiple of 4 up to 2048 and 16-byte aligned tensors; anything else goes to
+/// [`ops::rms_norm_cols`](super::ops::rms_norm_cols), whose result this equals up to the
+/// summation order of the mean square.
+pub fn vit_rms_norm_bf16(x: &CudaTensor, w: &CudaTensor, eps: f32, out: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda vit_rms_norm_bf16";
+    same_dev(OP, x, &[w, out])?;
+    let d = x.last_dim();
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    if x.dtype() != DType::F32 || out.dtype() != DType::BF16 || w.dtype() != DType::F32 || out.shape() != x.shape() || w.numel() != d {
+        return Err(CoreError::Shape { op: OP, detail: format!("x {x:?} must be F32 [R, d], w {w:?} F32 [d] and out {out:?} BF16 of x's shape") });
+    }
+    let fast = d.is_multiple_of(4) && d <= NORM_MAX_COLS && [x.ptr(), w.ptr(), out.ptr()].iter().all(|p| p.is_multiple_of(16));
+    if !fast {
+        return super::ops::rms_norm_cols(x, d, w, eps, out);
+    }
+    if rows == 0 || d == 0 {
+        return Ok(());
+    }
+    let blocks = u32::try_from(rows.div_ceil(NORM_ROWS as usize)).map_err(|_| CoreError::Shape { op: OP, detail: format!("{rows} rows exceed the grid") })?;
+    let (xp, wp, op, r, d32) = (x.ptr(), w.ptr(), out.ptr(), rows as i64, i32_of(OP, "d", d)?);
+    x.cuda_device().launch(VISION, "vit_rms_norm_bf16", (blocks, 1, 1), (32 * NORM_ROWS, 1, 1), 0, &mut kargs![xp, wp, op, r, d32, eps])
 }
 
 /// `out = 0.5·x·(1 + erf(x/√2))` in f64 (the projector's exact GELU): F32 in, F32 or BF16 out.
