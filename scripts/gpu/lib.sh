@@ -10,6 +10,8 @@
 #            checkpoint: its vocabulary of 32768 splits evenly over the ranks)
 #   k3r2x896 K3, 2 layers (KDA, MLA), both MoE with the real 896 MXFP4 experts (issue 23's
 #            offload checkpoint: 2 × 15.7 GB of routed experts)
+#   k3r1x256 K3, 1 layer (KDA), MoE with 256 MXFP4 experts (4.5 GB: far past any cache, quick
+#            to make; for tuning the CPU experts' kernel)
 
 K3_REAL4="--num-hidden-layers 4 --num-experts 64 --set vocab_size=32768"
 
@@ -21,8 +23,9 @@ k3_recipe() {
   k31r4mx) echo "--config k3_1_pro $K3_REAL4 --set first_k_dense_replace=0 --experts mxfp4" ;;
   k3r4par) echo "--config k3 $K3_REAL4 --set first_k_dense_replace=1 --experts mxfp4" ;;
   k3r2x896) echo "--config k3 --num-hidden-layers 2 --num-experts 896 --set vocab_size=32768 --set first_k_dense_replace=0 --experts mxfp4" ;;
+  k3r1x256) echo "--config k3 --num-hidden-layers 1 --num-experts 256 --set vocab_size=32768 --set first_k_dense_replace=0 --experts mxfp4" ;;
   *)
-    echo "unknown model recipe '$1' (k3r4bf, k3r4mx, k31r4mx, k3r4par, k3r2x896)" >&2
+    echo "unknown model recipe '$1' (k3r4bf, k3r4mx, k31r4mx, k3r4par, k3r2x896, k3r1x256)" >&2
     return 1
     ;;
   esac

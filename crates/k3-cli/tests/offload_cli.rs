@@ -115,3 +115,25 @@ fn bench_experts_reports_both_tiers_beside_their_floors() {
     }
     assert!(v["memory_read_bandwidth_gb_s"].as_f64().unwrap() > 0.0 && v["disk_read_bandwidth_gb_s"].as_f64().unwrap() > 0.0, "{v}");
 }
+
+#[test]
+fn bench_experts_times_only_the_tiers_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let o = k3(&["init", "--config", "tiny", "--out", d, "--experts", "mxfp4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = k3(&["bench", "--op", "experts", "2", "--tiers", "host", "--model", d, "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let r = &v["results"][0];
+    assert!(r["host_ms"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+    assert!(r["disk_ms"].is_null() && r["disk_reads"].as_u64() == Some(0), "the disk tier ran: {r}");
+    assert!(v["disk_read_bandwidth_gb_s"].is_null(), "{v}");
+    // The text form says which tier was not timed.
+    let o = k3(&["bench", "--op", "experts", "1", "--tiers", "disk", "--model", d]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("(not timed)"), "{text}");
+    let o = k3(&["bench", "--op", "experts", "1", "--tiers", "tape", "--model", d]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--tiers"), "{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -173,6 +173,17 @@ pub struct OpMode {
     /// --model).
     #[arg(long, num_args = 1.., value_name = "OP DIMS")]
     pub op: Vec<String>,
+    /// `--op experts`: the tiers timed — host (mapped weights in memory), disk (through the
+    /// expert cache), or both.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "host,disk")]
+    pub tiers: Vec<Tier>,
+}
+
+/// A tier of `--op experts`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Host,
+    Disk,
 }
 
 /// CUDA-event timing of the GPU modes (--device cuda).

@@ -19,7 +19,7 @@ use k3_model::offload::{expert_bytes, moe_layers, smallest_budget, CacheOptions,
 use k3_model::{Checkpoint, Model};
 use rand::{Rng, SeedableRng};
 
-use super::bench::{median_of, memory_bandwidth, Args};
+use super::bench::{median_of, memory_bandwidth, Args, Tier};
 
 /// Steps timed per batch size and tier (the median is reported).
 const REPEATS: usize = 7;
@@ -39,8 +39,9 @@ pub fn bench_experts(a: &Args) -> Result<()> {
         eprintln!("note: {} has dense experts: the int8-activation kernel takes MXFP4 only, so the f32 kernels run", dir.display());
     }
     let readers = 8;
+    let (host_on, disk_on) = (a.op.tiers.contains(&Tier::Host), a.op.tiers.contains(&Tier::Disk));
     let (read_bw, _) = memory_bandwidth();
-    let (disk_bw, direct) = disk_bandwidth(&ck, readers)?;
+    let (disk_bw, direct) = if disk_on { disk_bandwidth(&ck, readers)? } else { (f64::NAN, false) };
     let host = Model::load_with(&ck, &ExpertSource { cache: None, kernel: Kernel::Q8 })?;
     let h = routed(&host, layer)?;
     let expert_bytes = expert_bytes(&ck, layer, 0)?;
@@ -65,18 +66,24 @@ pub fn bench_experts(a: &Args) -> Result<()> {
             ids.sort_unstable();
             ids.dedup();
             distinct += ids.len();
-            let t0 = Instant::now();
-            std::hint::black_box(h.forward(&z, b, &routes)?);
-            th.push(t0.elapsed().as_secs_f64());
-            let before = cache.stats().bytes_read;
-            let t0 = Instant::now();
-            d.prefetch(&routes)?;
-            std::hint::black_box(d.forward(&z, b, &routes)?);
-            td.push(t0.elapsed().as_secs_f64());
-            read += cache.stats().bytes_read - before;
+            if host_on {
+                let t0 = Instant::now();
+                std::hint::black_box(h.forward(&z, b, &routes)?);
+                th.push(t0.elapsed().as_secs_f64());
+            }
+            if disk_on {
+                let before = cache.stats().bytes_read;
+                let t0 = Instant::now();
+                d.prefetch(&routes)?;
+                std::hint::black_box(d.forward(&z, b, &routes)?);
+                td.push(t0.elapsed().as_secs_f64());
+                read += cache.stats().bytes_read - before;
+            }
         }
         let bytes = distinct as f64 / REPEATS as f64 * expert_bytes as f64;
-        let (mh, md) = (median_of(&mut th), median_of(&mut td));
+        // A tier not timed (`--tiers`) reports NaN here, null in the JSON.
+        let med = |v: &mut Vec<f64>| if v.is_empty() { f64::NAN } else { median_of(v) };
+        let (mh, md) = (med(&mut th), med(&mut td));
         let (fh, fd) = (bytes / read_bw / 1e9, read as f64 / REPEATS as f64 / disk_bw / 1e9);
         let s = cache.stats();
         rows.push(serde_json::json!({
@@ -95,29 +102,26 @@ pub fn bench_experts(a: &Args) -> Result<()> {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
+    let disk = match disk_on {
+        true => format!(", disk read {disk_bw:.2} GB/s ({}, {readers} readers)", if direct { "O_DIRECT" } else { "buffered" }),
+        false => String::new(),
+    };
     println!(
-        "routed experts of layer {layer} on the CPU ({} experts of {:.1} MB, top-{k}; {} kernel, {} threads): memory read {read_bw:.2} GB/s, disk read {disk_bw:.2} GB/s ({}, {readers} readers)",
+        "routed experts of layer {layer} on the CPU ({} experts of {:.1} MB, top-{k}; {} kernel, {} threads): memory read {read_bw:.2} GB/s{disk}",
         e_all,
         expert_bytes as f64 / 1e6,
         r["kernel"].as_str().unwrap_or(""),
         rayon::current_num_threads(),
-        if direct { "O_DIRECT" } else { "buffered" }
     );
     println!("  batch  experts  host ms (floor, ×)      disk ms (floor, ×)      disk hit rate");
     for x in &rows {
-        let f = |key: &str| x[key].as_f64().unwrap_or(0.0);
-        println!(
-            "  {:5}  {:7.1}  {:7.2} ({:6.2}, {:4.2}×)  {:7.2} ({:6.2}, {:4.2}×)  {:.0}%",
-            x["batch"],
-            f("distinct_experts"),
-            f("host_ms"),
-            f("host_floor_ms"),
-            f("host_over_floor"),
-            f("disk_ms"),
-            f("disk_floor_ms"),
-            f("disk_over_floor"),
-            100.0 * f("disk_hit_rate")
-        );
+        let f = |key: &str| x[key].as_f64().unwrap_or(f64::NAN);
+        let tier = |t: &str| match x[format!("{t}_ms")].as_f64() {
+            Some(ms) => format!("{ms:7.2} ({:6.2}, {:4.2}×)", f(&format!("{t}_floor_ms")), f(&format!("{t}_over_floor"))),
+            None => format!("{:>22}", "(not timed)"),
+        };
+        let hit = if disk_on { format!("{:.0}%", 100.0 * f("disk_hit_rate")) } else { "—".into() };
+        println!("  {:5}  {:7.1}  {}  {}  {hit}", x["batch"], f("distinct_experts"), tier("host"), tier("disk"));
     }
     Ok(())
 }

@@ -63,8 +63,16 @@ pub struct RoutedExperts {
     pub linear_beta: f32,
 }
 
-/// Weight rows per parallel work item of the [`Kernel::Q8`] passes.
-const ROWS_PER_ITEM: usize = 64;
+/// Weight rows per parallel work item of the [`Kernel::Q8`] passes (default; 64 before the
+/// sweep of 2026-12-06, README "One GPU host").
+const ROWS_PER_ITEM: usize = 128;
+
+/// The rows per work item in force: [`ROWS_PER_ITEM`] or `K3_Q8_ROWS` (read once; for tuning:
+/// longer items stream longer runs of one matrix per thread).
+fn rows_per_item() -> usize {
+    static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *R.get_or_init(|| std::env::var("K3_Q8_ROWS").ok().and_then(|v| v.trim().parse().ok()).filter(|&r| r > 0).unwrap_or(ROWS_PER_ITEM))
+}
 
 impl RoutedExperts {
     /// Layer `l`'s routed experts on the rank `plan` describes (its experts, their intermediate
@@ -181,8 +189,9 @@ impl RoutedExperts {
         if tokens.iter().zip(batch).any(|(ts, &(e, _))| ts.len() != groups[e].len()) {
             return Err(ModelError::Internal("routed experts: a routed token has no quantized row".into()));
         }
-        let items = |rows: usize| -> Vec<(usize, usize)> { (0..batch.len()).flat_map(|b| (0..rows.div_ceil(ROWS_PER_ITEM)).map(move |c| (b, c))).collect() };
-        let span = |c: usize, rows: usize| (c * ROWS_PER_ITEM, ((c + 1) * ROWS_PER_ITEM).min(rows));
+        let per = rows_per_item();
+        let items = |rows: usize| -> Vec<(usize, usize)> { (0..batch.len()).flat_map(|b| (0..rows.div_ceil(per)).map(move |c| (b, c))).collect() };
+        let span = |c: usize, rows: usize| (c * per, ((c + 1) * per).min(rows));
         // Pass 1: (g | u) for rows r0..r1 of w1 and w3, token-major.
         let gu: Vec<Vec<f32>> = items(fi)
             .into_par_iter()
@@ -202,7 +211,7 @@ impl RoutedExperts {
         for xs in &tokens {
             let n = xs.len();
             let (mut g, mut u) = (vec![0f32; n * fi], vec![0f32; n * fi]);
-            for c in 0..fi.div_ceil(ROWS_PER_ITEM) {
+            for c in 0..fi.div_ceil(per) {
                 let (r0, r1) = span(c, fi);
                 let part = it.next().ok_or_else(|| ModelError::Internal("routed experts: pass 1 lost a part".into()))?;
                 let w = r1 - r0;
@@ -231,7 +240,7 @@ impl RoutedExperts {
         for (b, &(e, _)) in batch.iter().enumerate() {
             let n = acts[b].len();
             let mut y = vec![0f32; n * lat];
-            for c in 0..lat.div_ceil(ROWS_PER_ITEM) {
+            for c in 0..lat.div_ceil(per) {
                 let (r0, r1) = span(c, lat);
                 let part = it.next().ok_or_else(|| ModelError::Internal("routed experts: pass 2 lost a part".into()))?;
                 let w = r1 - r0;

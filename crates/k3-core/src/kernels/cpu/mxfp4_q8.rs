@@ -30,17 +30,71 @@ use super::mxfp4::e8m0_to_f32;
 use crate::{CoreError, Result};
 
 /// Software prefetch distance in bytes of packed weights (rows are contiguous, so it runs into
-/// the next row): one core streamed MXFP4 from DRAM ~1.9× faster with it here (a Xeon 8592-class
-/// VM: 6.5 → 12 GB/s on one thread, `vpdpbusd` kernel). `K3_Q8_PREFETCH=BYTES` overrides it
-/// (read once; for tuning on another machine — with every core streaming, memory latency grows).
+/// the next row): one core streamed MXFP4 from DRAM ~1.9× faster with a prefetch here (a Xeon
+/// 8592-class VM: 6.5 → 12 GB/s on one thread, `vpdpbusd` kernel). 4096 into L2 (see [`Hint`])
+/// since the 16-core H100 hosts' sweep of 2026-12-06 (README, "One GPU host").
+/// `K3_Q8_PREFETCH=BYTES` overrides it (read once; for tuning on another machine — with every
+/// core streaming, memory latency grows).
 #[cfg(target_arch = "x86_64")]
-const PF: usize = 2048;
+const PF: usize = 4096;
 
 /// The prefetch distance in force: [`PF`] or `K3_Q8_PREFETCH`.
 #[cfg(target_arch = "x86_64")]
 fn pf() -> usize {
     static D: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *D.get_or_init(|| std::env::var("K3_Q8_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(PF))
+}
+
+/// Which cache level the software prefetch fills (`K3_Q8_PREFETCH_HINT`, read once): `t1` (L2,
+/// the default: no L1 fill buffer held while the line comes, so more lines can be in flight per
+/// core), `t0` (L1, the default before 2026-12-06), `t2`, `nta`, or `t1+t0` (L2 at the prefetch
+/// distance and L1 at an eighth of it). For tuning on a machine whose every core streams experts.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hint {
+    T0,
+    T1,
+    T2,
+    Nta,
+    T1T0,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn hint() -> Hint {
+    static H: std::sync::OnceLock<Hint> = std::sync::OnceLock::new();
+    *H.get_or_init(|| match std::env::var("K3_Q8_PREFETCH_HINT").as_deref().map(str::trim) {
+        Ok("t0") => Hint::T0,
+        Ok("t2") => Hint::T2,
+        Ok("nta") => Hint::Nta,
+        Ok("t1+t0") => Hint::T1T0,
+        Ok("t1") | Err(_) => Hint::T1,
+        Ok(other) => {
+            eprintln!("k3: K3_Q8_PREFETCH_HINT={other:?} is none of t0, t1, t2, nta, t1+t0; using t1");
+            Hint::T1
+        }
+    })
+}
+
+/// The software prefetch of the weight line `pf` bytes past `at` (and, for `t1+t0`, of the
+/// line `pf / 8` past it into L1). Prefetches never fault, so the address may run past the row.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(at: *const u8, pf: usize, h: Hint) {
+    use std::arch::x86_64::*;
+    let p = at.wrapping_add(pf) as *const i8;
+    // SAFETY: a prefetch is a hint; it reads nothing and cannot fault.
+    unsafe {
+        match h {
+            Hint::T0 => _mm_prefetch::<_MM_HINT_T0>(p),
+            Hint::T1 => _mm_prefetch::<_MM_HINT_T1>(p),
+            Hint::T2 => _mm_prefetch::<_MM_HINT_T2>(p),
+            Hint::Nta => _mm_prefetch::<_MM_HINT_NTA>(p),
+            Hint::T1T0 => {
+                _mm_prefetch::<_MM_HINT_T1>(p);
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(pf / 8) as *const i8);
+            }
+        }
+    }
 }
 
 /// `2·e2m1` of each nibble as a signed byte.
@@ -263,10 +317,10 @@ mod avx512 {
         let idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         let sub = _mm512_set1_epi32(0x0040_0000); // E8M0 0 = 2^-127, an f32 subnormal
         let mut acc = [[_mm512_setzero_ps(); 2]; 4];
-        let pf = super::pf();
+        let (pf, h) = (super::pf(), super::hint());
         for g in 0..groups {
             let p = _mm512_loadu_si512(packed.as_ptr().add(g * 64) as *const __m512i);
-            _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().wrapping_add(g * 64 + pf) as *const i8);
+            super::prefetch(packed.as_ptr().wrapping_add(g * 64), pf, h);
             let we = _mm512_shuffle_epi8(lut, _mm512_and_si512(p, m));
             let wo = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(p, 4), m));
             // 2^(s−127) of the group's four scales, each on its block's four lanes.
@@ -311,11 +365,11 @@ mod avx2 {
         let m = _mm_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); 2]; 4];
-        let pf = super::pf();
+        let (pf, h) = (super::pf(), super::hint());
         for b in 0..nb {
             let p = _mm_loadu_si128(packed.as_ptr().add(b * 16) as *const __m128i);
             if b % 4 == 0 {
-                _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().wrapping_add(b * 16 + pf) as *const i8);
+                super::prefetch(packed.as_ptr().wrapping_add(b * 16), pf, h);
             }
             let lo = _mm_shuffle_epi8(lut, _mm_and_si128(p, m));
             let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(p, 4), m));
