@@ -276,7 +276,15 @@ fn experts_mid_match_cpu() {
     // path both ways — grouped (a scratch of 20 experts: MXFP4 in several chunks, the last one
     // partial) and one expert at a time.
     moe::set_prefill_scratch(Some(20 * 3 * 512 * 256 * 2));
-    for (cut, mode) in [(4096, PrefillMode::Grouped), (moe::DECODE_MAX_TOKENS, PrefillMode::Grouped), (moe::DECODE_MAX_TOKENS, PrefillMode::Loop)] {
+    // Batched in units of 3 (MXFP4; BF16 experts take the loop): the last unit partial, rows
+    // padded to each unit's largest count.
+    moe::set_prefill_group(Some(3));
+    for (cut, mode) in [
+        (4096, PrefillMode::Grouped),
+        (moe::DECODE_MAX_TOKENS, PrefillMode::Grouped),
+        (moe::DECODE_MAX_TOKENS, PrefillMode::Loop),
+        (moe::DECODE_MAX_TOKENS, PrefillMode::Batched),
+    ] {
         moe::set_mma_max_tokens(Some(cut));
         moe::set_prefill_mode(Some(mode));
         for format in [ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
@@ -289,6 +297,7 @@ fn experts_mid_match_cpu() {
         overlap_matches_serial(&dev, &mut r, format, 64, 8, 512, 256, &[200, 700]);
     }
     moe::set_prefill_mode(None);
+    moe::set_prefill_group(None);
     moe::set_prefill_scratch(None);
     moe::set_mma_max_tokens(None);
 }
@@ -333,6 +342,15 @@ fn overlap_matches_serial(dev: &CudaDevice, r: &mut impl Rng, format: ExpertForm
             );
         }
         say(&format!("prefill loop {format:?} T={t}: overlapped = serial, bit for bit"));
+        // The batched mode's units go through the same slots and events: with either stream
+        // delayed its output is the undelayed run's, bit for bit.
+        if format == ExpertFormat::Mxfp4 {
+            let plain = run(PrefillMode::Batched, 0, 0);
+            for &(side_ns, main_ns) in &stalls[1..] {
+                assert!(run(PrefillMode::Batched, side_ns, main_ns) == plain, "{format:?} T={t}: batched, side stall {side_ns} ns, compute stall {main_ns} ns: other bits");
+            }
+            say(&format!("prefill batched {format:?} T={t}: stalled = unstalled, bit for bit"));
+        }
     }
 }
 

@@ -1,8 +1,8 @@
 //! The routed experts' prefill path of [`super::moe`] (text-backbone §7.3–7.5; MXFP4 per
 //! around-backbone §2), taken for T > `mma_max_tokens`: the routing is read on the host (NOT
 //! capturable) and the valid (token, slot) pairs are sorted by expert, stable by pair index.
-//! Two ways to run the experts' GEMMs, chosen by [`PrefillMode`]
-//! (`K3_MOE_PREFILL=loop|loop-serial|grouped`):
+//! Three ways to run the experts' GEMMs, chosen by [`PrefillMode`]
+//! (`K3_MOE_PREFILL=loop|loop-serial|batched|grouped`):
 //! - **loop** (default): one expert at a time — gather its rows, two cuBLASLt GEMMs with f32
 //!   output, SiTU-GLU rounded to BF16 between them, scatter to the pair rows. MXFP4 experts are
 //!   dequantized to BF16 scratch one expert ahead on the device's side stream, into two slots
@@ -11,6 +11,11 @@
 //!   next dequant). `loop-serial` dequantizes each expert in line on the compute stream (the
 //!   form before the overlap, for A/B timing); both run the same kernels on the same data, so
 //!   their outputs are the same bits.
+//! - **batched** (opt-in, MXFP4 experts; BF16 experts take the loop): the loop over units of
+//!   `K3_MOE_PREFILL_GROUP` experts (default 2) taken in order of their row counts, each unit's
+//!   GEMMs one strided-batched cuBLAS call over its experts' rows padded to the unit's largest
+//!   count (padding rows zeroed, never scattered), so one launch holds the tiles of several
+//!   experts instead of each expert's partial last wave; dequantized one unit ahead as the loop.
 //! - **grouped** (opt-in; it lost on the H200, 2026-12-05: a T = 4096 prefill of `k3r4mx`, 4
 //!   real-width layers × 64 MXFP4 experts, spent 87.7 ms in the MoE FFN against the loop's 63.2
 //!   ms — cuBLAS 13.1's grouped kernels are slower than its per-shape GEMMs here): every
@@ -53,10 +58,13 @@ pub enum PrefillMode {
     Loop,
     /// [`PrefillMode::Loop`] with each expert dequantized in line on the compute stream.
     LoopSerial,
+    /// The overlapped loop over units of [`prefill_group`] experts, one strided-batched GEMM
+    /// per unit and GEMM (MXFP4 experts).
+    Batched,
 }
 
 /// 0: not read yet; 1 grouped; 2 loop; 3 grouped refused by cuBLAS (loop from then on); 4
-/// loop-serial.
+/// loop-serial; 5 batched.
 static MODE: AtomicU8 = AtomicU8::new(0);
 
 /// Forces the prefill path's mode for the process (`None`: back to `K3_MOE_PREFILL`, default
@@ -68,6 +76,7 @@ pub fn set_prefill_mode(mode: Option<PrefillMode>) {
             Some(PrefillMode::Grouped) => 1,
             Some(PrefillMode::Loop) => 2,
             Some(PrefillMode::LoopSerial) => 4,
+            Some(PrefillMode::Batched) => 5,
         },
         Relaxed,
     );
@@ -81,8 +90,9 @@ pub fn prefill_mode() -> PrefillMode {
                 Ok("grouped") => 1,
                 Ok("loop") | Err(_) => 2,
                 Ok("loop-serial") => 4,
+                Ok("batched") => 5,
                 Ok(other) => {
-                    eprintln!("k3: K3_MOE_PREFILL={other:?} is none of \"loop\", \"loop-serial\", \"grouped\"; using loop");
+                    eprintln!("k3: K3_MOE_PREFILL={other:?} is none of \"loop\", \"loop-serial\", \"batched\", \"grouped\"; using loop");
                     2
                 }
             };
@@ -94,7 +104,28 @@ pub fn prefill_mode() -> PrefillMode {
     match m {
         1 => PrefillMode::Grouped,
         4 => PrefillMode::LoopSerial,
+        5 => PrefillMode::Batched,
         _ => PrefillMode::Loop,
+    }
+}
+
+/// Experts per unit of [`PrefillMode::Batched`]: 0 = not read yet.
+static GROUP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Sets the batched mode's experts per unit (`None`: back to `K3_MOE_PREFILL_GROUP`, default 2).
+pub fn set_prefill_group(n: Option<usize>) {
+    GROUP.store(n.map_or(0, |n| n.max(1)), Relaxed);
+}
+
+/// The batched mode's experts per unit in force.
+pub fn prefill_group() -> usize {
+    match GROUP.load(Relaxed) {
+        0 => {
+            let n = std::env::var("K3_MOE_PREFILL_GROUP").ok().and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(2);
+            GROUP.store(n, Relaxed);
+            n
+        }
+        n => n,
     }
 }
 
@@ -126,7 +157,8 @@ pub(super) fn prefill(z: &CudaTensor, ids: &CudaTensor, w: &ExpertWeights, t: us
     // Never under a graph capture (the host read above already forbids one), but a side stream
     // there would need its own fork/join into the capture: stay on the compute stream.
     let overlap = mode != PrefillMode::LoopSerial && !z.cuda_device().inner().capturing.load(Relaxed);
-    per_expert(z, w, t, k, &groups, &pairs, beta, lbeta, overlap)
+    let unit = if mode == PrefillMode::Batched && w.format == ExpertFormat::Mxfp4 { prefill_group() } else { 1 };
+    per_expert(z, w, t, k, &groups, &pairs, beta, lbeta, overlap, unit)
 }
 
 /// Groups the valid pairs by expert on the host: (expert, start, count) ascending by expert,
@@ -262,7 +294,7 @@ fn grouped(
 struct Scratch<'a> {
     dev: &'a CudaDevice,
     w: &'a ExpertWeights,
-    /// (W13 `[2F, L]`, W2 `[L, F]`) BF16, one slot or two.
+    /// (W13 `[U, 2F, L]`, W2 `[U, L, F]`) BF16 for a unit of up to U experts, one slot or two.
     slots: Vec<(CudaTensor, CudaTensor)>,
     side: Option<Side>,
 }
@@ -289,11 +321,12 @@ impl Side {
 }
 
 impl<'a> Scratch<'a> {
-    /// The scratch for `w`; overlapped, it starts dequantizing expert `first` at once.
-    fn new(dev: &'a CudaDevice, w: &'a ExpertWeights, overlap: bool, first: Option<usize>) -> Result<Self> {
+    /// The scratch for `w` in units of up to `unit` experts; overlapped, it starts dequantizing
+    /// the unit `first` at once.
+    fn new(dev: &'a CudaDevice, w: &'a ExpertWeights, overlap: bool, unit: usize, first: Option<&[usize]>) -> Result<Self> {
         let (l, f) = (w.latent, w.inter);
         let slot = || -> Result<(CudaTensor, CudaTensor)> {
-            Ok((CudaTensor::uninit(dev, DType::BF16, vec![2 * f, l])?, CudaTensor::uninit(dev, DType::BF16, vec![l, f])?))
+            Ok((CudaTensor::uninit(dev, DType::BF16, vec![unit, 2 * f, l])?, CudaTensor::uninit(dev, DType::BF16, vec![unit, l, f])?))
         };
         let slots = (0..if overlap { 2 } else { 1 }).map(|_| slot()).collect::<Result<Vec<_>>>()?;
         let side = match overlap {
@@ -308,27 +341,35 @@ impl<'a> Scratch<'a> {
             false => None,
         };
         let me = Scratch { dev, w, slots, side };
-        if let (Some(s), Some(ex)) = (&me.side, first) {
-            me.issue(s, 0, ex)?;
+        if let (Some(s), Some(exs)) = (&me.side, first) {
+            me.issue(s, 0, exs)?;
         }
         Ok(me)
     }
 
-    /// Queues the dequantization of the `j`-th expert in the loop, `ex`, on the side stream.
-    fn issue(&self, s: &Side, j: usize, ex: usize) -> Result<()> {
-        let (w13, w2) = &self.slots[j % 2];
+    /// Dequantizes the unit `exs` into slot `slot` on `stream` (expert j of the unit at index j).
+    fn fill(&self, stream: &Stream, slot: usize, exs: &[usize]) -> Result<()> {
+        let (l, f) = (self.w.latent, self.w.inter);
+        let (w13, w2) = &self.slots[slot];
+        for (j, &ex) in exs.iter().enumerate() {
+            dequant(self.dev, stream, self.w, ex, w13.ptr() + (j * 2 * f * l * 2) as u64, w2.ptr() + (j * l * f * 2) as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the dequantization of the `j`-th unit in the loop, `exs`, on the side stream.
+    fn issue(&self, s: &Side, j: usize, exs: &[usize]) -> Result<()> {
         s.stream.wait(&s.free[j % 2])?;
         stall(self.dev, &s.stream, STALL[0].load(Relaxed))?;
-        dequant(self.dev, &s.stream, self.w, ex, w13.ptr(), w2.ptr())?;
+        self.fill(&s.stream, j % 2, exs)?;
         s.ready[j % 2].record(&s.stream)
     }
 
-    /// The `i`-th expert's (`ex`) BF16 weights, ready for the compute stream's next op;
-    /// overlapped, it first queues the dequantization of the next expert, `next`.
-    fn weights(&self, i: usize, ex: usize, next: Option<usize>) -> Result<&(CudaTensor, CudaTensor)> {
+    /// The `i`-th unit's (`exs`) BF16 weights, ready for the compute stream's next op;
+    /// overlapped, it first queues the dequantization of the next unit, `next`.
+    fn weights(&self, i: usize, exs: &[usize], next: Option<&[usize]>) -> Result<&(CudaTensor, CudaTensor)> {
         let Some(s) = &self.side else {
-            let (w13, w2) = &self.slots[0];
-            dequant(self.dev, &self.dev.stream(), self.w, ex, w13.ptr(), w2.ptr())?;
+            self.fill(&self.dev.stream(), 0, exs)?;
             return Ok(&self.slots[0]);
         };
         if let Some(nx) = next {
@@ -375,8 +416,10 @@ fn stall(dev: &CudaDevice, stream: &Stream, ns: u64) -> Result<()> {
     dev.launch_on(stream.raw(), MOE, "moe_stall", (1, 1, 1), (1, 1, 1), 0, &mut kargs![ns])
 }
 
-/// The loop: one expert at a time, f32 GEMM outputs scattered to the pair rows `[T·k, L]`;
-/// MXFP4 experts dequantized one ahead on the side stream when `overlap`.
+/// The loop: one unit of experts at a time (one expert, or up to `unit` MXFP4 experts in
+/// order of their row counts, see [`PrefillMode::Batched`]), f32 GEMM outputs scattered to the
+/// pair rows `[T·k, L]`; MXFP4 weights dequantized one unit ahead on the side stream when
+/// `overlap`.
 #[allow(clippy::too_many_arguments)]
 fn per_expert(
     z: &CudaTensor,
@@ -388,6 +431,7 @@ fn per_expert(
     beta: f32,
     lbeta: f32,
     overlap: bool,
+    unit: usize,
 ) -> Result<Pairs> {
     let dev = z.cuda_device();
     let (l, f) = (w.latent, w.inter);
@@ -396,55 +440,95 @@ fn per_expert(
         return Ok(Pairs { y, pos: None });
     }
     let pairs_d = CudaTensor::from_pod(dev, DType::I32, vec![pairs.len()], pairs)?;
-    // MXFP4: each expert's weights are dequantized to BF16 [2F, L] and [L, F] scratch; BF16
+    // Units: one expert each, or (batched) up to `unit` experts of similar row counts.
+    let mut order: Vec<(usize, usize, usize)> = groups.to_vec();
+    if unit > 1 {
+        order.sort_by_key(|g| std::cmp::Reverse(g.2)); // stable: equal counts keep expert order
+    }
+    let units: Vec<&[(usize, usize, usize)]> = order.chunks(unit.max(1)).collect();
+    let ids = |u: &[(usize, usize, usize)]| -> Vec<usize> { u.iter().map(|g| g.0).collect() };
+    // MXFP4: each unit's weights are dequantized to BF16 [U, 2F, L] and [U, L, F] scratch; BF16
     // experts are multiplied in place (their slices of the stacked weights).
     let scratch = match w.format {
-        ExpertFormat::Mxfp4 => Some(Scratch::new(dev, w, overlap, groups.first().map(|g| g.0))?),
+        ExpertFormat::Mxfp4 => Some(Scratch::new(dev, w, overlap, unit.max(1), units.first().map(|u| ids(u)).as_deref())?),
         _ => None,
     };
     let (k32, l32, f32_) = (k as i32, l as i32, f as i32);
-    let st = |ptr: u64, ld: usize| blas::Strided { ptr, ld, stride: 0 };
+    let st = |ptr: u64, ld: usize, stride: usize| blas::Strided { ptr, ld, stride };
     // Heuristic algorithm: the row count changes with every routing, and tuning each new shape
     // would time several candidates per expert per call.
     let heur = blas::GemmOptions { algo: blas::Algo::Heuristic, ..Default::default() };
-    for (i, &(ex, start, n)) in groups.iter().enumerate() {
-        let pp = pairs_d.ptr() + 4 * start as u64;
-        let n32 = n as i32;
+    for (i, u) in units.iter().enumerate() {
+        let (nu, rows) = (u.len(), u.iter().map(|g| g.2).max().unwrap_or(0)); // rows: the unit's padded count
         let wts = match &scratch {
-            Some(s) => Some(s.weights(i, ex, groups.get(i + 1).map(|g| g.0))?),
+            Some(s) => Some(s.weights(i, &ids(u), units.get(i + 1).map(|x| ids(x)).as_deref())?),
             None => None,
         };
-        let zg = CudaTensor::uninit(dev, DType::BF16, vec![n, l])?;
-        let (zp, zgp) = (z.ptr(), zg.ptr());
-        dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
-        let h = CudaTensor::uninit(dev, DType::F32, vec![n, 2 * f])?;
-        // h [n, 2F] = zg [n, L] · W13ᵀ (W13 [2F, L]), f32 out for the activation.
+        // zg [U, rows, L]: each expert's rows at its block, padding rows zeroed.
+        let zg = CudaTensor::uninit(dev, DType::BF16, vec![nu * rows, l])?;
+        if u.iter().any(|g| g.2 < rows) {
+            zg.fill_bytes(0)?;
+        }
+        for (j, &(_, start, n)) in u.iter().enumerate() {
+            let (zp, pp, n32, zgp) = (z.ptr(), pairs_d.ptr() + 4 * start as u64, n as i32, zg.ptr() + (j * rows * l * 2) as u64);
+            dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
+        }
+        let h = CudaTensor::uninit(dev, DType::F32, vec![nu * rows, 2 * f])?;
+        // h [rows, 2F] = zg [rows, L] · W13ᵀ (W13 [2F, L]) per expert of the unit, f32 out.
         match wts {
-            Some((w13e, _)) => blas::gemm(&zg, w13e, &h, blas::Layout::BT, heur)?,
+            Some((w13e, _)) if unit == 1 => blas::gemm(&zg, &w13e.reshape(vec![2 * f, l])?, &h, blas::Layout::BT, heur)?,
+            Some((w13e, _)) => blas::gemm_strided_batched(
+                dev,
+                rows,
+                2 * f,
+                l,
+                nu,
+                st(zg.ptr(), l, rows * l),
+                st(w13e.ptr(), l, 2 * f * l),
+                blas::Layout::BT,
+                st(h.ptr(), 2 * f, rows * 2 * f),
+                DType::BF16,
+                DType::F32,
+            )?,
             None => {
-                let w13p = w.w13.ptr() + (ex * 2 * f * l * 2) as u64;
-                blas::gemm_strided_batched(dev, n, 2 * f, l, 1, st(zgp, l), st(w13p, l), blas::Layout::BT, st(h.ptr(), 2 * f), DType::BF16, DType::F32)?
+                let w13p = w.w13.ptr() + (u[0].0 * 2 * f * l * 2) as u64;
+                blas::gemm_strided_batched(dev, rows, 2 * f, l, 1, st(zg.ptr(), l, 0), st(w13p, l, 0), blas::Layout::BT, st(h.ptr(), 2 * f, 0), DType::BF16, DType::F32)?
             }
         }
-        let act = CudaTensor::uninit(dev, DType::BF16, vec![n, f])?;
-        let (hp, ap) = (h.ptr(), act.ptr());
+        let act = CudaTensor::uninit(dev, DType::BF16, vec![nu * rows, f])?;
+        let (hp, ap, r32) = (h.ptr(), act.ptr(), (nu * rows) as i32);
         // Rows on the y grid, a row's columns (4 per thread) on x.
-        let grid = ((if f % 4 == 0 { f / 4 } else { f }).div_ceil(256) as u32, n.min(65_535) as u32, 1);
-        dev.launch(MOE, "moe_situ_split", grid, (256, 1, 1), 0, &mut kargs![hp, n32, f32_, beta, lbeta, ap])?;
-        let yg = CudaTensor::uninit(dev, DType::F32, vec![n, l])?;
-        // yg [n, L] = act [n, F] · W2ᵀ (W2 [L, F]).
+        let grid = ((if f % 4 == 0 { f / 4 } else { f }).div_ceil(256) as u32, (nu * rows).min(65_535) as u32, 1);
+        dev.launch(MOE, "moe_situ_split", grid, (256, 1, 1), 0, &mut kargs![hp, r32, f32_, beta, lbeta, ap])?;
+        let yg = CudaTensor::uninit(dev, DType::F32, vec![nu * rows, l])?;
+        // yg [rows, L] = act [rows, F] · W2ᵀ (W2 [L, F]) per expert of the unit.
         match wts {
-            Some((_, w2e)) => blas::gemm(&act, w2e, &yg, blas::Layout::BT, heur)?,
+            Some((_, w2e)) if unit == 1 => blas::gemm(&act, &w2e.reshape(vec![l, f])?, &yg, blas::Layout::BT, heur)?,
+            Some((_, w2e)) => blas::gemm_strided_batched(
+                dev,
+                rows,
+                l,
+                f,
+                nu,
+                st(ap, f, rows * f),
+                st(w2e.ptr(), f, l * f),
+                blas::Layout::BT,
+                st(yg.ptr(), l, rows * l),
+                DType::BF16,
+                DType::F32,
+            )?,
             None => {
-                let w2p = w.w2.ptr() + (ex * l * f * 2) as u64;
-                blas::gemm_strided_batched(dev, n, l, f, 1, st(ap, f), st(w2p, f), blas::Layout::BT, st(yg.ptr(), l), DType::BF16, DType::F32)?
+                let w2p = w.w2.ptr() + (u[0].0 * l * f * 2) as u64;
+                blas::gemm_strided_batched(dev, rows, l, f, 1, st(ap, f, 0), st(w2p, f, 0), blas::Layout::BT, st(yg.ptr(), l, 0), DType::BF16, DType::F32)?
             }
         }
         if let Some(s) = &scratch {
             s.release(i)?; // the W2 GEMM was the slot's last reader
         }
-        let (ygp, yp) = (yg.ptr(), y.ptr());
-        dev.launch(MOE, "moe_scatter", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![ygp, pp, n32, l32, yp])?;
+        for (j, &(_, start, n)) in u.iter().enumerate() {
+            let (ygp, pp, n32, yp) = (yg.ptr() + (j * rows * l * 4) as u64, pairs_d.ptr() + 4 * start as u64, n as i32, y.ptr());
+            dev.launch(MOE, "moe_scatter", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![ygp, pp, n32, l32, yp])?;
+        }
     }
     if let Some(s) = scratch {
         s.finish()?;
