@@ -347,7 +347,10 @@ fn overlap_matches_serial(dev: &CudaDevice, r: &mut impl Rng, format: ExpertForm
         if format == ExpertFormat::Mxfp4 {
             let plain = run(PrefillMode::Batched, 0, 0);
             for &(side_ns, main_ns) in &stalls[1..] {
-                assert!(run(PrefillMode::Batched, side_ns, main_ns) == plain, "{format:?} T={t}: batched, side stall {side_ns} ns, compute stall {main_ns} ns: other bits");
+                assert!(
+                    run(PrefillMode::Batched, side_ns, main_ns) == plain,
+                    "{format:?} T={t}: batched, side stall {side_ns} ns, compute stall {main_ns} ns: other bits"
+                );
             }
             say(&format!("prefill batched {format:?} T={t}: stalled = unstalled, bit for bit"));
         }

@@ -26,7 +26,9 @@
 //! default, MXFP4 dequantization overlapped on a side stream; `loop-serial` without), or grouped
 //! into one cuBLAS call per chunk of experts (`grouped`).
 
-pub use super::moe_prefill::{prefill_group, prefill_mode, set_prefill_group, set_prefill_mode, set_prefill_scratch, set_prefill_stall, PrefillMode, SCRATCH_BYTES};
+pub use super::moe_prefill::{
+    prefill_group, prefill_mode, set_prefill_group, set_prefill_mode, set_prefill_scratch, set_prefill_stall, PrefillMode, SCRATCH_BYTES,
+};
 use super::{derr, kargs, CudaTensor};
 use crate::kernels::cuda::{MOE, MOE_MMA};
 use crate::{CoreError, DType, Result};

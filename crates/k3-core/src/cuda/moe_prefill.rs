@@ -492,7 +492,19 @@ fn per_expert(
             )?,
             None => {
                 let w13p = w.w13.ptr() + (u[0].0 * 2 * f * l * 2) as u64;
-                blas::gemm_strided_batched(dev, rows, 2 * f, l, 1, st(zg.ptr(), l, 0), st(w13p, l, 0), blas::Layout::BT, st(h.ptr(), 2 * f, 0), DType::BF16, DType::F32)?
+                blas::gemm_strided_batched(
+                    dev,
+                    rows,
+                    2 * f,
+                    l,
+                    1,
+                    st(zg.ptr(), l, 0),
+                    st(w13p, l, 0),
+                    blas::Layout::BT,
+                    st(h.ptr(), 2 * f, 0),
+                    DType::BF16,
+                    DType::F32,
+                )?
             }
         }
         let act = CudaTensor::uninit(dev, DType::BF16, vec![nu * rows, f])?;
