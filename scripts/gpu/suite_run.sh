@@ -21,7 +21,7 @@ export K3_REQUIRE_CUDA=1 K3_GOLDEN_DIR=$G
 FAILS=0
 for t in $(ls $D | grep '^cuda_' | sort); do
   start=$(date +%s%N)
-  timeout ${SUITE_TIMEOUT:-240} $D/$t --test-threads=1 > $L/$t.log 2>&1
+  timeout ${SUITE_TIMEOUT:-480} $D/$t --test-threads=1 > $L/$t.log 2>&1
   rc=$?
   ms=$((($(date +%s%N) - start) / 1000000))
   printf "%-22s rc %3d  %7d ms  %s\n" $t $rc $ms "$(grep -E '^test result' $L/$t.log | tail -1 | cut -c1-90)"

@@ -23,3 +23,15 @@ pub fn random(dir: &std::path::Path, base: &str, seed: u64, set: &[(&str, serde_
     init(builtin_config(base).unwrap(), &ov, &d, &o).unwrap();
     Checkpoint::open(&d).unwrap()
 }
+
+/// A random checkpoint at K3's real widths (builtin `k3`: hidden 7168, KDA head dim 128, MLA)
+/// cut to `layers` layers (the last one MLA, as K3's last), every layer MoE with 4 BF16 experts,
+/// every token routed to all 4 (no top-k flip between runs), a vocabulary of 32768; ~4–5 GB.
+pub fn real_width(dir: &std::path::Path, seed: u64, layers: usize) -> Checkpoint {
+    let set = [("num_experts_per_token", json!(4)), ("first_k_dense_replace", json!(0)), ("vocab_size", json!(32768))];
+    let ov = Overrides { num_hidden_layers: Some(layers), num_experts: Some(4), set: set.iter().map(|(k, v)| (k.to_string(), v.clone())).collect() };
+    let d = dir.join(format!("k3-real-{layers}"));
+    let o = InitOptions { seed, dtype: FloatDType::BF16, experts: ExpertFormat::Float(FloatDType::BF16), shard_size: None };
+    init(builtin_config("k3").unwrap(), &ov, &d, &o).unwrap();
+    Checkpoint::open(&d).unwrap()
+}
