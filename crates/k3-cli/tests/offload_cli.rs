@@ -96,12 +96,18 @@ fn serve_with_experts_from_disk_answers_as_mapped_and_counts_reads() {
     assert!(reads > 0.0 && requests > 0.0, "reads {reads}, requests {requests}");
 }
 
+/// A fresh `k3 init --config tiny --experts mxfp4` checkpoint in a temporary directory.
+fn tiny_mxfp4() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let o = k3(&["init", "--config", "tiny", "--out", dir.path().to_str().unwrap(), "--experts", "mxfp4"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    dir
+}
+
 #[test]
 fn bench_experts_reports_both_tiers_beside_their_floors() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tiny_mxfp4();
     let d = dir.path().to_str().unwrap();
-    let o = k3(&["init", "--config", "tiny", "--out", d, "--experts", "mxfp4"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let o = k3(&["bench", "--op", "experts", "1", "3", "--model", d, "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -118,10 +124,8 @@ fn bench_experts_reports_both_tiers_beside_their_floors() {
 
 #[test]
 fn bench_experts_times_only_the_tiers_asked_for() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tiny_mxfp4();
     let d = dir.path().to_str().unwrap();
-    let o = k3(&["init", "--config", "tiny", "--out", d, "--experts", "mxfp4"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let o = k3(&["bench", "--op", "experts", "2", "--tiers", "host", "--model", d, "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
