@@ -31,24 +31,31 @@ use crate::{CoreError, Result};
 
 /// Software prefetch distance in bytes of packed weights (rows are contiguous, so it runs into
 /// the next row): one core streamed MXFP4 from DRAM ~1.9× faster with a prefetch here (a Xeon
-/// 8592-class VM: 6.5 → 12 GB/s on one thread, `vpdpbusd` kernel). 4096 into L2 (see [`Hint`])
-/// since the 16-core H100 hosts' sweep of 2026-12-06 (README, "One GPU host").
-/// `K3_Q8_PREFETCH=BYTES` overrides it (read once; for tuning on another machine — with every
-/// core streaming, memory latency grows).
+/// 8592-class VM: 6.5 → 12 GB/s on one thread, `vpdpbusd` kernel). The AVX-512 kernel
+/// prefetches 4096 B ahead into L2 (see [`Hint`]) since the 16-core H100 hosts' sweep of
+/// 2026-12-06 (README, "One GPU host"); the AVX2 kernel, not measured there, keeps 2048 B into
+/// L1. `K3_Q8_PREFETCH=BYTES` overrides it (read once; for tuning on another machine — with
+/// every core streaming, memory latency grows).
 #[cfg(target_arch = "x86_64")]
-const PF: usize = 4096;
+const PF: usize = 2048;
+#[cfg(target_arch = "x86_64")]
+const PF_AVX512: usize = 4096;
 
-/// The prefetch distance in force: [`PF`] or `K3_Q8_PREFETCH`.
+/// The prefetch distance in force: [`PF_AVX512`] / [`PF`] by kernel, or `K3_Q8_PREFETCH`.
 #[cfg(target_arch = "x86_64")]
 fn pf() -> usize {
     static D: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *D.get_or_init(|| std::env::var("K3_Q8_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(PF))
+    *D.get_or_init(|| {
+        let default = if has_avx512_vnni() { PF_AVX512 } else { PF };
+        std::env::var("K3_Q8_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    })
 }
 
-/// Which cache level the software prefetch fills (`K3_Q8_PREFETCH_HINT`, read once): `t1` (L2,
-/// the default: no L1 fill buffer held while the line comes, so more lines can be in flight per
-/// core), `t0` (L1, the default before 2026-12-06), `t2`, `nta`, or `t1+t0` (L2 at the prefetch
-/// distance and L1 at an eighth of it). For tuning on a machine whose every core streams experts.
+/// Which cache level the software prefetch fills (`K3_Q8_PREFETCH_HINT`, read once): `t1` (L2:
+/// no L1 fill buffer held while the line comes, so more lines can be in flight per core; the
+/// AVX-512 kernel's default), `t0` (L1; the AVX2 kernel's default, and the AVX-512 one's before
+/// 2026-12-06), `t2`, `nta`, or `t1+t0` (L2 at the prefetch distance and L1 at an eighth of
+/// it). For tuning on a machine whose every core streams experts.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Hint {
@@ -67,10 +74,12 @@ fn hint() -> Hint {
         Ok("t2") => Hint::T2,
         Ok("nta") => Hint::Nta,
         Ok("t1+t0") => Hint::T1T0,
-        Ok("t1") | Err(_) => Hint::T1,
+        Ok("t1") => Hint::T1,
+        Err(_) if has_avx512_vnni() => Hint::T1,
+        Err(_) => Hint::T0,
         Ok(other) => {
-            eprintln!("k3: K3_Q8_PREFETCH_HINT={other:?} is none of t0, t1, t2, nta, t1+t0; using t1");
-            Hint::T1
+            eprintln!("k3: K3_Q8_PREFETCH_HINT={other:?} is none of t0, t1, t2, nta, t1+t0; using t0");
+            Hint::T0
         }
     })
 }
