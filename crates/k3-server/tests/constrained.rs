@@ -8,14 +8,9 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 use common::*;
-use k3_engine::{Engine, EngineConfig};
-use k3_model::{Checkpoint, Model};
-use k3_server::{spawn_background, BackgroundServer, ServerConfig};
-use k3_tokenizer::Tokenizer;
+use k3_engine::EngineConfig;
+use k3_server::BackgroundServer;
 use serde_json::{json, Value};
 
 #[path = "../../../tests/support/json_schema.rs"]
@@ -23,12 +18,7 @@ mod json_schema;
 use json_schema::validate;
 
 fn start() -> BackgroundServer {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-nano");
-    let model = Arc::new(Model::load(&Checkpoint::open(&dir).unwrap()).unwrap());
-    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-    let engine = Engine::new(model, Some(tok.clone()), EngineConfig { max_batch: 8, ..Default::default() });
-    let cfg = ServerConfig { served_model_name: "k3-nano".into(), max_batch: 8, max_queue: 32, ..Default::default() };
-    spawn_background(Box::new(engine), tok, cfg).expect("server starts")
+    nano_server(EngineConfig::default().prefix, 8, 32)
 }
 
 fn weather() -> Value {
