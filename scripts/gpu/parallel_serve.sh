@@ -29,6 +29,13 @@
 #          where admissions evict cells (forgotten on rank 1 too), against the cold answers.
 #          Needs no `k3 init` (`bash scripts/gpu/parallel_serve.sh prefix`).
 set -o pipefail
+case "${1:-all}" in
+run | serve | fault | load | prefix | all) ;;
+*)
+  echo "unknown mode '$1' (run, serve, fault, load, prefix, all)" >&2
+  exit 2
+  ;;
+esac
 D=${K3_DIR:-.dev/par} # the staged binary (K3_DIR to use another folder)
 L=${PAR_LOGS:-/tmp/k3serve}; mkdir -p $L
 # Never NVLink multicast (kept off as the machines' own environment does); one GPU anyway.

@@ -10,6 +10,8 @@
 #   k31_small_dsa_f32) in .dev/gold.tar.xz. Carry both; link the checkout at the path the
 #   executables were built in (they find models/ and tests/golden/ there).
 # Logs in $SUITE_LOGS (default /tmp/k3suite), one per executable; a summary line each here.
+# SUITE_TIMEOUT (default 480 s) bounds each executable; the whole run took ~250 s on an H100
+# (2026-12-06) before cuda_prefix's real-width case (~3 min more): mind the device call's limit.
 set -o pipefail
 D=.dev/suite
 L=${SUITE_LOGS:-/tmp/k3suite}

@@ -11,13 +11,14 @@
 # then `bash scripts/gpu/tower_ab.sh before after` on the device with .dev/tower.tar.xz carried
 # (the tests find their fixtures through the path they were built in: link the checkout there).
 set -o pipefail
+[ $# -ge 1 ] || { echo "usage: tower_ab.sh BUILD... (folders under .dev/tower)" >&2; exit 2; }
 D=.dev/tower
 [ -d $D ] || { mkdir -p $D && tar -C $D -xJf .dev/tower.tar.xz; }
 export K3_REQUIRE_CUDA=1
 FAILS=0
 for v in "$@"; do
   for t in cuda_vision_core cuda_vision_vis cuda_ops; do
-    [ -x $D/$v/$t ] || continue
+    [ -x $D/$v/$t ] || { echo "($v has no $t)"; continue; }
     echo "=== $v $t ==="
     $D/$v/$t --test-threads=1 2>&1 | grep -v "^test .* ok$" | tail -30 || FAILS=$((FAILS + 1))
   done

@@ -47,8 +47,9 @@ fn gpu_prompt_logprobs_equal_the_cpu() {
     let mut c = Engine::new(Arc::new(Model::load(&ck).unwrap()), None, EngineConfig::default());
     let (clp, _) = score(&mut c, &prompt, Some(2));
     assert_eq!(clp.len(), prompt.len() - 1);
-    // (precision, bound on the largest |Δ logprob|, on the mean |Δ|, share of equal top-1 in %)
-    for (f32, max_bound, mean_bound, top_pct) in [(true, 2e-3f32, 2e-4f32, 100usize), (false, 0.25, 0.02, 95)] {
+    // (precision, bound on the largest |Δ logprob|, on the mean |Δ|, share of equal top-1 in %;
+    // f32 measured 299 of 299 on an H100, 99% leaves room for a near-tie)
+    for (f32, max_bound, mean_bound, top_pct) in [(true, 2e-3f32, 2e-4f32, 99usize), (false, 0.25, 0.02, 95)] {
         let name = if f32 { "f32" } else { "bf16" };
         let gpu = || -> Box<dyn Runner> { Box::new(load_gpu(&ck, 0, 4, 4096, KvDtype::Bf16, true, f32, &Default::default()).expect("load on the GPU")) };
         let mut g = Engine::with_runner(gpu(), None, EngineConfig::default());

@@ -54,10 +54,20 @@ pub fn bench_experts(a: &Args) -> Result<()> {
     let budget = smallest_budget(&ck, &[layer], 0..e_all)?;
     let mut rows = Vec::new();
     for &b in &batches {
-        let cache =
-            std::sync::Arc::new(ExpertCache::open(&ck, &[layer], 0..e_all, &CacheOptions { budget_bytes: budget, readers, direct_io: DirectIo::Auto })?);
-        let disk = Model::load_with(&ck, &ExpertSource { cache: Some(cache.clone()), kernel: Kernel::Q8 })?;
-        let d = routed(&disk, layer)?;
+        // The disk tier's cache and model, only when it is timed.
+        let disk_tier = match disk_on {
+            true => {
+                let opts = CacheOptions { budget_bytes: budget, readers, direct_io: DirectIo::Auto };
+                let cache = std::sync::Arc::new(ExpertCache::open(&ck, &[layer], 0..e_all, &opts)?);
+                let model = Model::load_with(&ck, &ExpertSource { cache: Some(cache.clone()), kernel: Kernel::Q8 })?;
+                Some((cache, model))
+            }
+            false => None,
+        };
+        let disk = match &disk_tier {
+            Some((cache, model)) => Some((cache, routed(model, layer)?)),
+            None => None,
+        };
         let (mut th, mut td, mut distinct, mut read) = (Vec::new(), Vec::new(), 0usize, 0u64);
         for _ in 0..REPEATS {
             let routes: Vec<Route> = (0..b).map(|_| pick(&mut rng, e_all, k)).collect();
@@ -71,7 +81,7 @@ pub fn bench_experts(a: &Args) -> Result<()> {
                 std::hint::black_box(h.forward(&z, b, &routes)?);
                 th.push(t0.elapsed().as_secs_f64());
             }
-            if disk_on {
+            if let Some((cache, d)) = &disk {
                 let before = cache.stats().bytes_read;
                 let t0 = Instant::now();
                 d.prefetch(&routes)?;
@@ -85,7 +95,7 @@ pub fn bench_experts(a: &Args) -> Result<()> {
         let med = |v: &mut Vec<f64>| if v.is_empty() { f64::NAN } else { median_of(v) };
         let (mh, md) = (med(&mut th), med(&mut td));
         let (fh, fd) = (bytes / read_bw / 1e9, read as f64 / REPEATS as f64 / disk_bw / 1e9);
-        let s = cache.stats();
+        let s = disk.as_ref().map(|(cache, _)| cache.stats()).unwrap_or_default();
         rows.push(serde_json::json!({
             "batch": b, "distinct_experts": distinct as f64 / REPEATS as f64, "expert_bytes_per_step": bytes,
             "host_ms": mh * 1e3, "host_floor_ms": fh * 1e3, "host_over_floor": mh / fh,
@@ -118,7 +128,7 @@ pub fn bench_experts(a: &Args) -> Result<()> {
         let f = |key: &str| x[key].as_f64().unwrap_or(f64::NAN);
         let tier = |t: &str| match x[format!("{t}_ms")].as_f64() {
             Some(ms) => format!("{ms:7.2} ({:6.2}, {:4.2}×)", f(&format!("{t}_floor_ms")), f(&format!("{t}_over_floor"))),
-            None => format!("{:>22}", "(not timed)"),
+            None => format!("{:>23}", "(not timed)"),
         };
         let hit = if disk_on { format!("{:.0}%", 100.0 * f("disk_hit_rate")) } else { "—".into() };
         println!("  {:5}  {:7.1}  {}  {}  {hit}", x["batch"], f("distinct_experts"), tier("host"), tier("disk"));

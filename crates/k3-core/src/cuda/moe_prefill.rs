@@ -440,6 +440,9 @@ fn per_expert(
         return Ok(Pairs { y, pos: None });
     }
     let pairs_d = CudaTensor::from_pod(dev, DType::I32, vec![pairs.len()], pairs)?;
+    // No more experts per unit than have rows, nor than the grouped path's scratch cap allows
+    // in the two slots (at least one).
+    let unit = unit.min(groups.len()).min(SCRATCH.load(Relaxed) / (2 * 3 * l * f * 2).max(1)).max(1);
     // Units: one expert each, or (batched) up to `unit` experts of similar row counts.
     let mut order: Vec<(usize, usize, usize)> = groups.to_vec();
     if unit > 1 {

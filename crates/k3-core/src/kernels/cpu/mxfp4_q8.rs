@@ -75,13 +75,23 @@ fn hint() -> Hint {
         Ok("nta") => Hint::Nta,
         Ok("t1+t0") => Hint::T1T0,
         Ok("t1") => Hint::T1,
-        Err(_) if has_avx512_vnni() => Hint::T1,
-        Err(_) => Hint::T0,
+        Err(_) | Ok("") => default_hint(),
         Ok(other) => {
-            eprintln!("k3: K3_Q8_PREFETCH_HINT={other:?} is none of t0, t1, t2, nta, t1+t0; using t0");
-            Hint::T0
+            let d = default_hint();
+            eprintln!("k3: K3_Q8_PREFETCH_HINT={other:?} is none of t0, t1, t2, nta, t1+t0; using the default ({d:?})");
+            d
         }
     })
+}
+
+/// The kernel's default [`Hint`]: L2 for AVX-512 VNNI, L1 otherwise.
+#[cfg(target_arch = "x86_64")]
+fn default_hint() -> Hint {
+    if has_avx512_vnni() {
+        Hint::T1
+    } else {
+        Hint::T0
+    }
 }
 
 /// The software prefetch of the weight line `pf` bytes past `at` (and, for `t1+t0`, of the
