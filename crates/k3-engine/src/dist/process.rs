@@ -159,7 +159,7 @@ pub struct ProcessRunner {
     pub(super) in_flight: usize,
     /// The keys of the prefix-cache parts the workers keep (`dist::kept`).
     pub(super) ledger: Arc<Mutex<Ledger>>,
-    /// Why the prefix cache stays off on this layout, if it does (GPU ranks: opt-in).
+    /// Why the prefix cache stays off on this layout, if it does (GPU ranks with K3_DIST_PREFIX=0).
     prefix_off: Option<String>,
 }
 
