@@ -448,12 +448,12 @@ fn per_expert(
     if unit > 1 {
         order.sort_by_key(|g| std::cmp::Reverse(g.2)); // stable: equal counts keep expert order
     }
-    let units: Vec<&[(usize, usize, usize)]> = order.chunks(unit.max(1)).collect();
-    let ids = |u: &[(usize, usize, usize)]| -> Vec<usize> { u.iter().map(|g| g.0).collect() };
+    let units: Vec<&[(usize, usize, usize)]> = order.chunks(unit).collect();
+    let ids: Vec<Vec<usize>> = units.iter().map(|u| u.iter().map(|g| g.0).collect()).collect();
     // MXFP4: each unit's weights are dequantized to BF16 [U, 2F, L] and [U, L, F] scratch; BF16
     // experts are multiplied in place (their slices of the stacked weights).
     let scratch = match w.format {
-        ExpertFormat::Mxfp4 => Some(Scratch::new(dev, w, overlap, unit.max(1), units.first().map(|u| ids(u)).as_deref())?),
+        ExpertFormat::Mxfp4 => Some(Scratch::new(dev, w, overlap, unit, ids.first().map(Vec::as_slice))?),
         _ => None,
     };
     let (k32, l32, f32_) = (k as i32, l as i32, f as i32);
@@ -464,8 +464,22 @@ fn per_expert(
     for (i, u) in units.iter().enumerate() {
         let (nu, rows) = (u.len(), u.iter().map(|g| g.2).max().unwrap_or(0)); // rows: the unit's padded count
         let wts = match &scratch {
-            Some(s) => Some(s.weights(i, &ids(u), units.get(i + 1).map(|x| ids(x)).as_deref())?),
+            Some(s) => Some(s.weights(i, &ids[i], ids.get(i + 1).map(Vec::as_slice))?),
             None => None,
+        };
+        // out [rows, n] = a [rows, kd] · B_eᵀ for each expert e of the unit, f32 out; B_e [n, kd]
+        // from the scratch slot `slot` (MXFP4) or, for a one-expert unit of BF16 experts, the
+        // stacked weights `stacked` in place. A slot of one expert takes the cuBLASLt heuristic
+        // GEMM, the loop's own.
+        let unit_gemm = |a: &CudaTensor, slot: Option<&CudaTensor>, stacked: &CudaTensor, n: usize, kd: usize, out: &CudaTensor| -> Result<()> {
+            match slot {
+                Some(b) if unit == 1 => blas::gemm(a, &b.reshape(vec![n, kd])?, out, blas::Layout::BT, heur),
+                _ => {
+                    let b = slot.map_or(stacked.ptr() + (u[0].0 * n * kd * 2) as u64, |b| b.ptr());
+                    let (sa, sb, so) = (st(a.ptr(), kd, rows * kd), st(b, kd, n * kd), st(out.ptr(), n, rows * n));
+                    blas::gemm_strided_batched(dev, rows, n, kd, nu, sa, sb, blas::Layout::BT, so, DType::BF16, DType::F32)
+                }
+            }
         };
         // zg [U, rows, L]: each expert's rows at its block, padding rows zeroed.
         let zg = CudaTensor::uninit(dev, DType::BF16, vec![nu * rows, l])?;
@@ -477,39 +491,8 @@ fn per_expert(
             dev.launch(MOE, "moe_gather", (n as u32, 1, 1), (256, 1, 1), 0, &mut kargs![zp, pp, n32, k32, l32, zgp])?;
         }
         let h = CudaTensor::uninit(dev, DType::F32, vec![nu * rows, 2 * f])?;
-        // h [rows, 2F] = zg [rows, L] · W13ᵀ (W13 [2F, L]) per expert of the unit, f32 out.
-        match wts {
-            Some((w13e, _)) if unit == 1 => blas::gemm(&zg, &w13e.reshape(vec![2 * f, l])?, &h, blas::Layout::BT, heur)?,
-            Some((w13e, _)) => blas::gemm_strided_batched(
-                dev,
-                rows,
-                2 * f,
-                l,
-                nu,
-                st(zg.ptr(), l, rows * l),
-                st(w13e.ptr(), l, 2 * f * l),
-                blas::Layout::BT,
-                st(h.ptr(), 2 * f, rows * 2 * f),
-                DType::BF16,
-                DType::F32,
-            )?,
-            None => {
-                let w13p = w.w13.ptr() + (u[0].0 * 2 * f * l * 2) as u64;
-                blas::gemm_strided_batched(
-                    dev,
-                    rows,
-                    2 * f,
-                    l,
-                    1,
-                    st(zg.ptr(), l, 0),
-                    st(w13p, l, 0),
-                    blas::Layout::BT,
-                    st(h.ptr(), 2 * f, 0),
-                    DType::BF16,
-                    DType::F32,
-                )?
-            }
-        }
+        // h [rows, 2F] = zg [rows, L] · W13ᵀ (W13 [2F, L]) per expert of the unit.
+        unit_gemm(&zg, wts.map(|x| &x.0), &w.w13, 2 * f, l, &h)?;
         let act = CudaTensor::uninit(dev, DType::BF16, vec![nu * rows, f])?;
         let (hp, ap, r32) = (h.ptr(), act.ptr(), (nu * rows) as i32);
         // Rows on the y grid, a row's columns (4 per thread) on x.
@@ -517,26 +500,7 @@ fn per_expert(
         dev.launch(MOE, "moe_situ_split", grid, (256, 1, 1), 0, &mut kargs![hp, r32, f32_, beta, lbeta, ap])?;
         let yg = CudaTensor::uninit(dev, DType::F32, vec![nu * rows, l])?;
         // yg [rows, L] = act [rows, F] · W2ᵀ (W2 [L, F]) per expert of the unit.
-        match wts {
-            Some((_, w2e)) if unit == 1 => blas::gemm(&act, &w2e.reshape(vec![l, f])?, &yg, blas::Layout::BT, heur)?,
-            Some((_, w2e)) => blas::gemm_strided_batched(
-                dev,
-                rows,
-                l,
-                f,
-                nu,
-                st(ap, f, rows * f),
-                st(w2e.ptr(), f, l * f),
-                blas::Layout::BT,
-                st(yg.ptr(), l, rows * l),
-                DType::BF16,
-                DType::F32,
-            )?,
-            None => {
-                let w2p = w.w2.ptr() + (u[0].0 * l * f * 2) as u64;
-                blas::gemm_strided_batched(dev, rows, l, f, 1, st(ap, f, 0), st(w2p, f, 0), blas::Layout::BT, st(yg.ptr(), l, 0), DType::BF16, DType::F32)?
-            }
-        }
+        unit_gemm(&act, wts.map(|x| &x.1), &w.w2, l, f, &yg)?;
         if let Some(s) = &scratch {
             s.release(i)?; // the W2 GEMM was the slot's last reader
         }
