@@ -18,10 +18,14 @@ pub fn random(dir: &std::path::Path, base: &str, seed: u64, set: &[(&str, serde_
     let mut all = vec![("linear_attn_config.head_dim", json!(32)), ("num_experts", json!(4)), ("num_experts_per_token", json!(4))];
     all.extend(set.iter().cloned());
     let ov = Overrides { set: all.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(), ..Default::default() };
-    let d = dir.join(format!("{base}-{}", N.fetch_add(1, Ordering::Relaxed)));
+    write(&dir.join(format!("{base}-{}", N.fetch_add(1, Ordering::Relaxed))), base, seed, &ov)
+}
+
+/// `k3 init` of builtin config `base` with `ov` into `d` (BF16 weights and experts), opened.
+fn write(d: &std::path::Path, base: &str, seed: u64, ov: &Overrides) -> Checkpoint {
     let o = InitOptions { seed, dtype: FloatDType::BF16, experts: ExpertFormat::Float(FloatDType::BF16), shard_size: None };
-    init(builtin_config(base).unwrap(), &ov, &d, &o).unwrap();
-    Checkpoint::open(&d).unwrap()
+    init(builtin_config(base).unwrap(), ov, d, &o).unwrap();
+    Checkpoint::open(d).unwrap()
 }
 
 /// A random checkpoint at K3's real widths (builtin `k3`: hidden 7168, KDA head dim 128, MLA)
@@ -30,8 +34,5 @@ pub fn random(dir: &std::path::Path, base: &str, seed: u64, set: &[(&str, serde_
 pub fn real_width(dir: &std::path::Path, seed: u64, layers: usize) -> Checkpoint {
     let set = [("num_experts_per_token", json!(4)), ("first_k_dense_replace", json!(0)), ("vocab_size", json!(32768))];
     let ov = Overrides { num_hidden_layers: Some(layers), num_experts: Some(4), set: set.iter().map(|(k, v)| (k.to_string(), v.clone())).collect() };
-    let d = dir.join(format!("k3-real-{layers}"));
-    let o = InitOptions { seed, dtype: FloatDType::BF16, experts: ExpertFormat::Float(FloatDType::BF16), shard_size: None };
-    init(builtin_config("k3").unwrap(), &ov, &d, &o).unwrap();
-    Checkpoint::open(&d).unwrap()
+    write(&dir.join(format!("k3-real-{layers}")), "k3", seed, &ov)
 }
